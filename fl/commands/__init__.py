@@ -1,0 +1,1 @@
+"""Subcommands of the ``secagg`` command line, one module each."""

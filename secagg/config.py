@@ -1,0 +1,118 @@
+"""``secagg.Config``: the parameters every party of a round agrees on.
+
+Validation happens at construction and every message says what to change. The canonical
+encoding (``Config.encode``) goes into the session id, so parties with different
+configurations cannot complete a round together.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from .graph import check_pair, minimum_threshold
+
+SECURITY_MODES = ("semi-honest", "malicious")
+MAX_CLIENTS = 1 << 20
+MAX_DIM = 1 << 31
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Parameters of one secure aggregation round (DESIGN.md section 4).
+
+    ``neighbors=None`` is the complete graph of Bonawitz et al. 2017; ``neighbors=k`` is
+    SecAgg+ (Bell et al. 2020) where every client's secrets are shared among its closed
+    neighbourhood of ``k`` clients (itself included), and ``threshold`` counts among those k.
+    ``threshold=None`` picks the smallest safe value. ``dropout_rate`` and ``corrupt_rate``,
+    when given with ``neighbors``, make ``Config`` check (k, t) against the Bell et al.
+    bounds; see ``secagg.secagg_plus_parameters`` for a safe pair.
+    """
+
+    num_clients: int
+    threshold: int | None = None
+    dim: int = 1
+    bits: int = 32
+    neighbors: int | None = None
+    security: str = "semi-honest"
+    dropout_rate: float | None = None
+    corrupt_rate: float | None = None
+    _holders: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        n = self.num_clients
+        if not _is_int(n) or n < 2:
+            raise ValueError(f"num_clients={n!r}: need an integer of at least 2")
+        if n > MAX_CLIENTS:
+            raise ValueError(f"num_clients={n}: at most {MAX_CLIENTS} clients are supported")
+        if not _is_int(self.dim) or not 1 <= self.dim <= MAX_DIM:
+            raise ValueError(f"dim={self.dim!r}: need an integer in 1..{MAX_DIM}")
+        if not _is_int(self.bits) or not 8 <= self.bits <= 64:
+            raise ValueError(f"bits={self.bits!r}: the modulus is 2**bits with 8 <= bits <= 64")
+        if self.security not in SECURITY_MODES:
+            raise ValueError(
+                f"security={self.security!r}: use 'semi-honest' or 'malicious'")
+        k = self.neighbors
+        if k is not None:
+            if not _is_int(k) or k < 3:
+                raise ValueError(
+                    f"neighbors={k!r}: a SecAgg+ neighbourhood (the client and its graph "
+                    "neighbours) needs at least 3 members; use neighbors=None for the "
+                    "complete graph")
+            if k >= n:
+                k = None  # a neighbourhood of everyone is the complete graph
+                object.__setattr__(self, "neighbors", None)
+        holders = n if k is None else k
+        object.__setattr__(self, "_holders", holders)
+        low = minimum_threshold(holders, self.security)
+        t = self.threshold
+        if t is None:
+            t = low
+            object.__setattr__(self, "threshold", t)
+        if not _is_int(t):
+            raise ValueError(f"threshold={t!r}: need an integer")
+        rule = "more than 2/3" if self.security == "malicious" else "more than half"
+        where = (f"of the {holders} clients" if k is None
+                 else f"of each client's neighbourhood of {holders}")
+        if t < low:
+            raise ValueError(
+                f"threshold={t} is unsafe: with security={self.security!r} it must be {rule} "
+                f"{where}, i.e. at least {low}")
+        if t > holders:
+            raise ValueError(
+                f"threshold={t} exceeds the {holders} share holders {where}: lower the "
+                f"threshold to at most {holders}")
+        for name in ("dropout_rate", "corrupt_rate"):
+            rate = getattr(self, name)
+            if rate is not None and not (isinstance(rate, (int, float)) and 0 <= rate < 1):
+                raise ValueError(f"{name}={rate!r}: need a fraction in [0, 1)")
+        if k is not None and (self.dropout_rate is not None or self.corrupt_rate is not None):
+            check_pair(range(n), k, t, self.dropout_rate or 0.0, self.corrupt_rate or 0.0,
+                       self.security)
+
+    @property
+    def holders(self) -> int:
+        """How many clients hold shares of each client's secrets (n, or k in SecAgg+)."""
+        return self._holders
+
+    @property
+    def malicious(self) -> bool:
+        return self.security == "malicious"
+
+    @property
+    def modulus(self) -> int:
+        return 1 << self.bits
+
+    def encode(self) -> bytes:
+        """Canonical bytes of everything that must match across parties."""
+        return struct.pack(">IIQBIB", self.num_clients, self.threshold or 0, self.dim,
+                           self.bits, self.neighbors or 0, int(self.malicious))
+
+    @property
+    def shape_tag(self) -> bytes:
+        """Binds masks to the vector shape and modulus (as Google's fcp does)."""
+        return struct.pack(">QB", self.dim, self.bits)

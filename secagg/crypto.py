@@ -1,0 +1,240 @@
+"""Every primitive the protocol uses, from ``cryptography``; nothing is re-implemented.
+
+* X25519 key agreement, with public keys checked against the small-order points.
+* HKDF-SHA256 key derivation; every label binds the session id, the stage and the ids.
+* AES-256-GCM for the share ciphertexts, with associated data binding session, stage,
+  sender and recipient.
+* AES-256-CTR keystream as the mask PRG (``Masker``), written into preallocated buffers.
+* Ed25519 signatures over transcripts the code builds itself (domain tag, fixed header,
+  SHA-256 of the payload), never over a re-encoding of a received message.
+
+Labels and layouts are normative: docs/protocol.md section 5.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+import numpy as np
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from .stage import Stage
+
+PROTOCOL = b"secagg/v1"
+KEY_BYTES = 32
+SIGNATURE_BYTES = 64
+_FIELD_P = (1 << 255) - 19
+# u-coordinates (mod p, bit 255 cleared) of the points of order 1, 2, 4 and 8 on
+# Curve25519 and its twist; an exchange with any of them yields a predictable secret.
+_SMALL_ORDER_U = frozenset({
+    0,
+    1,
+    _FIELD_P - 1,
+    0x00B8495F16056286FDB1329CEB8D09DA6AC49FF1FAE35616AEB8413B7C7AEBE0,
+    0x57119FD0DD4E22D8868E1C58C45C44045BEF839C55B1D0B1248C50A3BC959C5F,
+})
+
+
+class CryptoError(ValueError):
+    """A key, ciphertext or signature failed validation."""
+
+
+def sha256(*parts: bytes) -> bytes:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def u32(value: int) -> bytes:
+    return struct.pack(">I", value)
+
+
+def constant_time_equal(a: bytes, b: bytes) -> bool:
+    return hmac.compare_digest(a, b)
+
+
+# --- X25519 ------------------------------------------------------------------------------
+
+
+def is_small_order(public_key: bytes) -> bool:
+    """True when ``public_key`` is a small-order (or non-canonical small-order) point."""
+    u = int.from_bytes(public_key, "little") & ((1 << 255) - 1)
+    return u % _FIELD_P in _SMALL_ORDER_U
+
+
+def check_public_key(public_key: bytes) -> None:
+    if not isinstance(public_key, bytes) or len(public_key) != KEY_BYTES:
+        raise CryptoError(f"an X25519 public key is {KEY_BYTES} bytes")
+    if is_small_order(public_key):
+        raise CryptoError("X25519 public key is a small-order point")
+
+
+class KeyPair:
+    """An ephemeral X25519 key pair (fresh for every round)."""
+
+    __slots__ = ("_private", "public")
+
+    def __init__(self, private: X25519PrivateKey | None = None) -> None:
+        self._private = private if private is not None else X25519PrivateKey.generate()
+        self.public: bytes = self._private.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+    @classmethod
+    def from_private_bytes(cls, data: bytes) -> KeyPair:
+        return cls(X25519PrivateKey.from_private_bytes(data))
+
+    def private_bytes(self) -> bytes:
+        return self._private.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+            serialization.NoEncryption())
+
+    def exchange(self, peer_public: bytes) -> bytes:
+        check_public_key(peer_public)
+        try:
+            return self._private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        except ValueError as exc:  # all-zero shared secret
+            raise CryptoError(f"X25519 exchange failed: {exc}") from exc
+
+
+def hkdf(secret: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(secret)
+
+
+def pair_label(tag: bytes, session_id: bytes, stage: Stage, first: int, second: int,
+               *extra: bytes) -> bytes:
+    """The HKDF info / AEAD associated data: protocol, purpose, session, stage, both ids."""
+    return b"|".join([PROTOCOL, tag, session_id, bytes([stage.value]), u32(first),
+                      u32(second), *extra])
+
+
+# --- share encryption (stage share_keys) --------------------------------------------------
+
+
+def share_key(shared_secret: bytes, session_id: bytes, sender: int, recipient: int,
+              sender_pk: bytes, recipient_pk: bytes) -> bytes:
+    """A one-time AES-256-GCM key for the sender -> recipient share ciphertext."""
+    info = pair_label(b"share-key", session_id, Stage.SHARE_KEYS, sender, recipient,
+                      sender_pk, recipient_pk)
+    return hkdf(shared_secret, session_id, info)
+
+
+_ZERO_NONCE = b"\x00" * 12  # each key encrypts exactly one message
+
+
+def seal(key: bytes, plaintext: bytes, associated: bytes) -> bytes:
+    return AESGCM(key).encrypt(_ZERO_NONCE, plaintext, associated)
+
+
+def open_sealed(key: bytes, ciphertext: bytes, associated: bytes) -> bytes:
+    try:
+        return AESGCM(key).decrypt(_ZERO_NONCE, ciphertext, associated)
+    except InvalidTag:
+        raise CryptoError("AEAD tag check failed") from None
+
+
+# --- masks (stage masked_input) -------------------------------------------------------------
+
+
+def pairwise_mask_key(shared_secret: bytes, session_id: bytes, u: int, v: int,
+                      pk_u: bytes, pk_v: bytes, shape_tag: bytes) -> bytes:
+    """The AES-CTR key of the pairwise mask of u and v (symmetric in u, v)."""
+    if u > v:
+        u, v, pk_u, pk_v = v, u, pk_v, pk_u
+    info = pair_label(b"pairwise-mask", session_id, Stage.MASKED_INPUT, u, v, pk_u, pk_v,
+                      shape_tag)
+    return hkdf(shared_secret, session_id, info)
+
+
+def self_mask_key(seed: bytes, session_id: bytes, u: int, shape_tag: bytes) -> bytes:
+    info = pair_label(b"self-mask", session_id, Stage.MASKED_INPUT, u, u, shape_tag)
+    return hkdf(seed, session_id, info)
+
+
+def self_mask_commitment(seed: bytes, session_id: bytes, u: int) -> bytes:
+    """A hiding, binding commitment to the self-mask seed, so the server can verify the
+    seed it reconstructs (Bonawitz et al. verify nothing here)."""
+    return sha256(pair_label(b"self-mask-commit", session_id, Stage.ADVERTISE_KEYS, u, u),
+                  seed)
+
+
+def dtype_for_bits(bits: int) -> np.dtype[np.unsignedinteger]:
+    """The smallest unsigned dtype holding ``bits`` bits; arithmetic in it wraps mod 2^w,
+    and 2^bits divides 2^w, so reducing at the end gives the sum mod 2^bits."""
+    for width in (8, 16, 32, 64):
+        if bits <= width:
+            return np.dtype(f"<u{width // 8}")
+    raise ValueError(f"bits={bits} must be at most 64")
+
+
+class Masker:
+    """Expands mask keys with AES-256-CTR into one preallocated buffer and adds or subtracts
+    the keystream in place, so a mask costs one keystream pass plus one vector add."""
+
+    def __init__(self, dim: int, bits: int) -> None:
+        self.dim = dim
+        self.dtype = dtype_for_bits(bits)
+        nbytes = dim * self.dtype.itemsize
+        self._zeros = bytes(nbytes)
+        self._buffer = bytearray(nbytes + 15)
+        self._view = np.frombuffer(self._buffer, dtype=self.dtype, count=dim)
+
+    def keystream(self, key: bytes) -> np.ndarray:
+        """The mask for ``key``; a view valid until the next call."""
+        encryptor = Cipher(algorithms.AES(key), modes.CTR(b"\x00" * 16)).encryptor()
+        encryptor.update_into(self._zeros, self._buffer)
+        return self._view
+
+    def add(self, accumulator: np.ndarray, key: bytes) -> None:
+        np.add(accumulator, self.keystream(key), out=accumulator)
+
+    def subtract(self, accumulator: np.ndarray, key: bytes) -> None:
+        np.subtract(accumulator, self.keystream(key), out=accumulator)
+
+
+# --- signatures -----------------------------------------------------------------------------
+
+
+def transcript(tag: bytes, session_id: bytes, stage: Stage, signer: int, payload: bytes) -> bytes:
+    """What is signed: domain tag, fixed header, SHA-256 of the payload."""
+    return b"|".join([PROTOCOL, b"sig", tag, session_id, bytes([stage.value]), u32(signer),
+                      sha256(payload)])
+
+
+class SigningKey:
+    """A client's long-term Ed25519 identity key (malicious mode)."""
+
+    __slots__ = ("_key", "public")
+
+    def __init__(self, key: Ed25519PrivateKey | None = None) -> None:
+        self._key = key if key is not None else Ed25519PrivateKey.generate()
+        self.public: bytes = self._key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+    @classmethod
+    def generate(cls) -> SigningKey:
+        return cls()
+
+    def sign(self, message: bytes) -> bytes:
+        return self._key.sign(message)
+
+
+def verify_signature(verify_key: bytes, signature: bytes, message: bytes) -> bool:
+    if len(verify_key) != KEY_BYTES or len(signature) != SIGNATURE_BYTES:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(verify_key).verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True

@@ -1,0 +1,38 @@
+"""The typed errors of the protocol. Errors are part of the interface.
+
+``ProtocolError``  a message was rejected: malformed, from the wrong stage or session,
+                   from an unknown sender, or otherwise invalid. The object that raised it
+                   did not change state because of that message (a server may have
+                   excluded the sender, which it reports).
+``ProtocolAbort``  the round cannot continue safely or cannot finish (too few survivors,
+                   an inconsistent or forged message from the server, an unmasking request
+                   that would reveal both shares of one peer). The state machine that raised
+                   it is now aborted and reveals nothing more.
+
+``ProtocolAbort`` subclasses ``ProtocolError`` so that ``except ProtocolError`` catches every
+protocol failure.
+"""
+
+from __future__ import annotations
+
+
+class SecAggError(Exception):
+    """Base class of every error raised by the ``secagg`` package."""
+
+
+class ProtocolError(SecAggError):
+    """A message was rejected. ``stage`` names the stage it was handled in, if known."""
+
+    def __init__(self, message: str, *, stage: object | None = None,
+                 client_id: int | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.client_id = client_id
+
+
+class DecodeError(ProtocolError):
+    """Bytes that are not a well-formed message of this protocol version."""
+
+
+class ProtocolAbort(ProtocolError):
+    """The round was aborted; the state machine that raised it will do nothing more."""

@@ -1,0 +1,460 @@
+"""The server state machine (Bonawitz et al. 2017, Figure 4, server side; SecAgg+ of
+Bell et al. 2020 for sparse graphs).
+
+Sans-IO: ``receive(client_id, message)`` takes one client message (object or wire bytes)
+for the current stage; ``advance()`` closes the stage (the caller decides when: every
+expected message arrived, or its deadline passed) and returns the messages to send, by
+recipient. After the unmasking stage ``advance()`` returns nothing and ``result`` holds the
+aggregate.
+
+A rejected message raises ``ProtocolError`` and changes nothing. The exact same message
+twice is accepted once (QoS 1 redelivery); a different second message from one client in
+one stage is rejected. ``ProtocolAbort`` means the round cannot finish.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .client import advertisement_transcript, survivors_transcript
+from .config import Config
+from .crypto import (
+    CryptoError,
+    KeyPair,
+    Masker,
+    check_public_key,
+    constant_time_equal,
+    dtype_for_bits,
+    pairwise_mask_key,
+    self_mask_commitment,
+    self_mask_key,
+    sha256,
+    verify_signature,
+)
+from .errors import ProtocolAbort, ProtocolError
+from .messages import (
+    AdvertiseKeys,
+    Ciphertexts,
+    ClientMessage,
+    ConsistencySignature,
+    KeyEntry,
+    KeyList,
+    MaskedInput,
+    ServerMessage,
+    ShareKeys,
+    SurvivorList,
+    UnmaskingShares,
+    UnmaskRequest,
+    decode,
+    encode,
+)
+from .shamir import PRIME, evaluate_at, reconstruct_value
+from .session import derive_session_id, normalize_roster, session_graph
+from .stage import Stage
+
+
+@dataclass(frozen=True)
+class AggregateResult:
+    """The output of a round.
+
+    ``total``: the sum of the included inputs mod 2**bits (uint64).
+    ``included``: ids whose masked input is in the sum.
+    ``dropped``: id -> the first stage in which the client sent nothing.
+    ``corrupt_shares``: holder id -> ids of clients whose secret it sent a wrong share of.
+    """
+
+    total: np.ndarray
+    included: frozenset[int]
+    dropped: Mapping[int, Stage] = field(default_factory=dict)
+    corrupt_shares: Mapping[int, frozenset[int]] = field(default_factory=dict)
+
+
+class Server:
+    """The aggregator's side of one round. See the module docstring for the interface."""
+
+    def __init__(self, config: Config, *, roster: Iterable[int] | None = None,
+                 context: bytes = b"", verify_keys: Mapping[int, bytes] | None = None) -> None:
+        self.config = config
+        self.roster = normalize_roster(config, roster)
+        self.session_id = derive_session_id(config, self.roster, context)
+        self.graph = session_graph(config, self.roster, self.session_id)
+        if config.malicious and verify_keys is None:
+            raise ValueError("security='malicious' needs verify_keys (client id -> Ed25519 "
+                             "public key)")
+        self._verify_keys = dict(verify_keys or {})
+        self._threshold: int = config.threshold or 0
+        self._stage = Stage.ADVERTISE_KEYS
+        self._expected: set[int] = set(self.roster)
+        self._inbox: dict[int, ClientMessage] = {}
+        self._digests: dict[int, bytes] = {}
+        self._previous_digests: dict[int, bytes] = {}
+        self.dropped: dict[int, Stage] = {}
+        self.rejected: list[tuple[int, str]] = []
+        self._adverts: dict[int, AdvertiseKeys] = {}
+        self._key_lists: dict[int, frozenset[int]] = {}
+        self._share_keys: dict[int, ShareKeys] = {}
+        self._forwarded: dict[int, frozenset[int]] = {}
+        self._sum = np.zeros(config.dim, dtype=dtype_for_bits(config.bits))
+        self._survivors: frozenset[int] = frozenset()
+        self._requests: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
+        self._signatures: dict[int, bytes] = {}
+        self._seed_shares: dict[int, dict[int, int]] = {}
+        self._key_shares: dict[int, dict[int, int]] = {}
+        self.result: AggregateResult | None = None
+
+    # --- state ----------------------------------------------------------------------------
+
+    @property
+    def stage(self) -> Stage:
+        """The stage whose client messages the server is collecting."""
+        return self._stage
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+    @property
+    def pending(self) -> frozenset[int]:
+        """Clients whose message for the current stage has not arrived yet."""
+        return frozenset(self._expected - set(self._inbox))
+
+    @property
+    def received(self) -> frozenset[int]:
+        return frozenset(self._inbox)
+
+    def max_message_bytes(self) -> int:
+        """An upper bound on a valid client message this round (for transports)."""
+        width = dtype_for_bits(self.config.bits).itemsize
+        return 1024 + self.config.dim * width + len(self.roster) * 128
+
+    # --- receiving ------------------------------------------------------------------------
+
+    def _reject(self, client_id: int, reason: str) -> ProtocolError:
+        self.rejected.append((client_id, reason))
+        return ProtocolError(f"message from client {client_id} rejected in "
+                             f"{self._stage.label}: {reason}", stage=self._stage,
+                             client_id=client_id)
+
+    def receive(self, client_id: int,
+                message: ClientMessage | bytes | bytearray | memoryview) -> None:
+        """Accept one message from ``client_id`` (the transport-authenticated sender)."""
+        if self.result is not None:
+            raise self._reject(client_id, "the round has finished")
+        if isinstance(message, (bytes, bytearray, memoryview)):
+            raw = bytes(message)
+            try:
+                msg = decode(raw, max_bytes=self.max_message_bytes())
+            except ProtocolError as exc:
+                raise self._reject(client_id, str(exc)) from None
+            if isinstance(msg, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest)):
+                raise self._reject(client_id, "a server message was sent to the server")
+        else:
+            if not isinstance(message, (AdvertiseKeys, ShareKeys, MaskedInput,
+                                        ConsistencySignature, UnmaskingShares)):
+                raise self._reject(client_id, f"{type(message).__name__} is not a client "
+                                   "message")
+            msg = message
+            raw = encode(msg)
+        if client_id not in self.roster:
+            raise self._reject(client_id, "the sender is not in the roster")
+        if msg.client_id != client_id:
+            raise self._reject(client_id, f"the message claims to come from client "
+                                          f"{msg.client_id}")
+        if msg.session_id != self.session_id:
+            raise self._reject(client_id, "the message belongs to another session")
+        digest = sha256(raw)
+        if self._digests.get(client_id) == digest and client_id in self._inbox:
+            return  # redelivery of an accepted message
+        if self._previous_digests.get(client_id) == digest:
+            return  # late redelivery of last stage's message
+        if msg.stage != self._stage:
+            raise self._reject(client_id, f"a {msg.stage.label} message is out of stage")
+        if client_id not in self._expected:
+            raise self._reject(client_id, "the client is not part of this stage (it dropped "
+                                          "or was not sent the previous message)")
+        if client_id in self._inbox:
+            raise self._reject(client_id, "a second, different message in one stage")
+        self._validate(client_id, msg)
+        self._inbox[client_id] = msg
+        self._digests[client_id] = digest
+        if isinstance(msg, MaskedInput):
+            np.add(self._sum, msg.vector(), out=self._sum)
+
+    def _validate(self, cid: int, msg: ClientMessage) -> None:
+        cfg = self.config
+        if isinstance(msg, AdvertiseKeys):
+            try:
+                check_public_key(msg.encryption_key)
+                check_public_key(msg.masking_key)
+            except CryptoError as exc:
+                raise self._reject(cid, str(exc)) from None
+            if msg.encryption_key == msg.masking_key:
+                raise self._reject(cid, "the encryption and masking keys are the same")
+            mine = {msg.encryption_key, msg.masking_key}
+            for other, advert in self._inbox.items():
+                assert isinstance(advert, AdvertiseKeys)
+                if mine & {advert.encryption_key, advert.masking_key}:
+                    raise self._reject(cid, f"duplicates a public key of client {other}")
+            if cfg.malicious and not verify_signature(
+                    self._verify_keys.get(cid, b""), msg.signature,
+                    advertisement_transcript(self.session_id, cid, _entry(msg))):
+                raise self._reject(cid, "the advertisement signature is invalid")
+        elif isinstance(msg, ShareKeys):
+            if set(msg.ciphertexts) != self._key_lists[cid] - {cid}:
+                raise self._reject(cid, "ciphertexts must address exactly the other clients "
+                                        "of its key list")
+        elif isinstance(msg, MaskedInput):
+            if msg.bits != cfg.bits or msg.dim != cfg.dim:
+                raise self._reject(cid, f"masked input has bits={msg.bits}, dim={msg.dim}; "
+                                        f"the round uses bits={cfg.bits}, dim={cfg.dim}")
+            if len(msg.masked) != cfg.dim * self._sum.dtype.itemsize:
+                raise self._reject(cid, "masked input has the wrong length")
+            width = 8 * self._sum.dtype.itemsize
+            if cfg.bits < width and int(msg.vector().max()) >> cfg.bits:
+                raise self._reject(cid, f"masked input has values >= 2**{cfg.bits}")
+        elif isinstance(msg, ConsistencySignature):
+            if not verify_signature(self._verify_keys.get(cid, b""), msg.signature,
+                                    survivors_transcript(self.session_id, cid,
+                                                         self._survivors)):
+                raise self._reject(cid, "the survivor-list signature is invalid")
+        else:
+            assert isinstance(msg, UnmaskingShares)
+            survivors, dropped = self._requests[cid]
+            if set(msg.self_mask_shares) != survivors or set(msg.masking_key_shares) != dropped:
+                raise self._reject(cid, "shares must answer exactly the unmasking request")
+            for share in (*msg.self_mask_shares.values(), *msg.masking_key_shares.values()):
+                if int.from_bytes(share, "big") >= PRIME:
+                    raise self._reject(cid, "a share is not a field element")
+
+    # --- advancing ------------------------------------------------------------------------
+
+    def _abort(self, reason: str) -> ProtocolAbort:
+        return ProtocolAbort(f"server aborted the round in {self._stage.label}: {reason}",
+                             stage=self._stage)
+
+    def _close(self) -> set[int]:
+        responders = set(self._inbox)
+        for cid in self._expected - responders:
+            self.dropped.setdefault(cid, self._stage)
+        return responders
+
+    def _open(self, stage: Stage, recipients: Iterable[int]) -> None:
+        self._previous_digests = dict(self._digests)
+        self._digests = {}
+        self._inbox = {}
+        self._stage = stage
+        self._expected = set(recipients)
+
+    def advance(self) -> dict[int, ServerMessage]:
+        """Close the current stage; return the next messages by recipient."""
+        if self.result is not None:
+            raise ProtocolError("the round has finished")
+        t = self._threshold
+        responders = self._close()
+        if len(responders) < t:
+            raise self._abort(f"only {len(responders)} clients responded; the threshold "
+                              f"is {t}")
+        handlers: dict[Stage, Callable[[set[int]], dict[int, ServerMessage]]] = {
+            Stage.ADVERTISE_KEYS: self._after_advertise,
+            Stage.SHARE_KEYS: self._after_share_keys,
+            Stage.MASKED_INPUT: self._after_masked_input,
+            Stage.CONSISTENCY_CHECK: self._after_consistency,
+            Stage.UNMASKING: self._after_unmasking,
+        }
+        out = handlers[self._stage](responders)
+        if self.result is None and len(out) < t:
+            raise self._abort(f"only {len(out)} clients can continue; the threshold is {t}")
+        return out
+
+    def _skip(self, cid: int, stage: Stage) -> None:
+        self.dropped.setdefault(cid, stage)
+
+    def _after_advertise(self, u1: set[int]) -> dict[int, ServerMessage]:
+        t = self._threshold
+        self._adverts = {cid: msg for cid, msg in self._inbox.items()
+                         if isinstance(msg, AdvertiseKeys)}
+        out: dict[int, ServerMessage] = {}
+        for cid in sorted(u1):
+            holders = self.graph.closed_neighborhood(cid) & u1
+            if len(holders) < t:
+                self._skip(cid, Stage.SHARE_KEYS)  # it would abort: too few holders
+                continue
+            self._key_lists[cid] = frozenset(holders)
+            out[cid] = KeyList(self.session_id, cid,
+                               {h: _entry(self._adverts[h]) for h in holders})
+        self._open(Stage.SHARE_KEYS, out)
+        return out
+
+    def _after_share_keys(self, u2: set[int]) -> dict[int, ServerMessage]:
+        t = self._threshold
+        self._share_keys = {cid: msg for cid, msg in self._inbox.items()
+                            if isinstance(msg, ShareKeys)}
+        inbound: dict[int, dict[int, bytes]] = {cid: {} for cid in u2}
+        for sender, msg in self._share_keys.items():
+            for recipient, ciphertext in msg.ciphertexts.items():
+                if recipient in inbound:
+                    inbound[recipient][sender] = ciphertext
+        out: dict[int, ServerMessage] = {}
+        for cid in sorted(u2):
+            if len(inbound[cid]) + 1 < t:
+                self._skip(cid, Stage.MASKED_INPUT)
+                continue
+            self._forwarded[cid] = frozenset(inbound[cid])
+            out[cid] = Ciphertexts(self.session_id, cid, inbound[cid])
+        self._open(Stage.MASKED_INPUT, out)
+        return out
+
+    def _unmask_sets(self, cid: int) -> tuple[frozenset[int], frozenset[int]]:
+        peers = self._forwarded[cid] | {cid}
+        return frozenset(peers & self._survivors), frozenset(peers - self._survivors)
+
+    def _after_masked_input(self, u3: set[int]) -> dict[int, ServerMessage]:
+        self._survivors = frozenset(u3)
+        out: dict[int, ServerMessage] = {}
+        if self.config.malicious:
+            ordered = tuple(sorted(u3))
+            out = {cid: SurvivorList(self.session_id, cid, ordered) for cid in ordered}
+            self._open(Stage.CONSISTENCY_CHECK, out)
+            return out
+        for cid in sorted(u3):
+            survivors, dropped = self._unmask_sets(cid)
+            if len(survivors) < self._threshold:
+                self._skip(cid, Stage.UNMASKING)
+                continue
+            self._requests[cid] = (survivors, dropped)
+            out[cid] = UnmaskRequest(self.session_id, cid, tuple(sorted(survivors)),
+                                     tuple(sorted(dropped)))
+        self._open(Stage.UNMASKING, out)
+        return out
+
+    def _after_consistency(self, u4: set[int]) -> dict[int, ServerMessage]:
+        t = self._threshold
+        signatures = {cid: msg.signature for cid, msg in self._inbox.items()
+                      if isinstance(msg, ConsistencySignature)}
+        out: dict[int, ServerMessage] = {}
+        for cid in sorted(u4):
+            survivors, dropped = self._unmask_sets(cid)
+            mine = {s: signatures[s] for s in survivors if s in signatures}
+            if len(survivors) < t or len(mine) < t:
+                self._skip(cid, Stage.UNMASKING)
+                continue
+            self._requests[cid] = (survivors, dropped)
+            out[cid] = UnmaskRequest(self.session_id, cid, tuple(sorted(survivors)),
+                                     tuple(sorted(dropped)), mine)
+        self._open(Stage.UNMASKING, out)
+        return out
+
+    # --- unmasking ------------------------------------------------------------------------
+
+    def _after_unmasking(self, u5: set[int]) -> dict[int, ServerMessage]:
+        t = self._threshold
+        for cid, msg in self._inbox.items():
+            assert isinstance(msg, UnmaskingShares)
+            for owner, share in msg.self_mask_shares.items():
+                self._seed_shares.setdefault(owner, {})[cid] = int.from_bytes(share, "big")
+            for owner, share in msg.masking_key_shares.items():
+                self._key_shares.setdefault(owner, {})[cid] = int.from_bytes(share, "big")
+        survivors = self._survivors
+        dropouts = sorted(set().union(*(self._forwarded[v] for v in survivors)) - survivors)
+        corrupt: dict[int, set[int]] = {}
+        seeds: dict[int, bytes] = {}
+        for owner in sorted(survivors):
+            shares = self._seed_shares.get(owner, {})
+            if len(shares) < t:
+                raise self._abort(f"only {len(shares)} self-mask shares of client {owner} "
+                                  f"arrived; {t} are needed")
+            commitment = self._adverts[owner].self_mask_commitment
+
+            def seed_ok(seed: bytes, owner: int = owner, commitment: bytes = commitment
+                        ) -> bool:
+                return constant_time_equal(
+                    self_mask_commitment(seed, self.session_id, owner), commitment)
+
+            seeds[owner] = self._reconstruct(owner, shares, seed_ok, corrupt)
+        private_keys: dict[int, KeyPair] = {}
+        for owner in dropouts:
+            shares = self._key_shares.get(owner, {})
+            if len(shares) < t:
+                raise self._abort(f"only {len(shares)} masking-key shares of dropped client "
+                                  f"{owner} arrived; {t} are needed")
+            advertised = self._adverts[owner].masking_key
+
+            def key_ok(secret: bytes, advertised: bytes = advertised) -> bool:
+                return constant_time_equal(KeyPair.from_private_bytes(secret).public,
+                                           advertised)
+
+            private_keys[owner] = KeyPair.from_private_bytes(
+                self._reconstruct(owner, shares, key_ok, corrupt))
+        total = self._unmask(seeds, private_keys)
+        self.result = AggregateResult(
+            total=total, included=frozenset(survivors), dropped=dict(self.dropped),
+            corrupt_shares={h: frozenset(o) for h, o in corrupt.items()})
+        self._open(Stage.UNMASKING, ())
+        return {}
+
+    def _reconstruct(self, owner: int, shares: dict[int, int],
+                     check: Callable[[bytes], bool], corrupt: dict[int, set[int]]) -> bytes:
+        """Reconstruct and verify one secret; with corrupted shares, search subsets of the
+        shares for one that verifies and name the holders whose shares disagree."""
+        t = self._threshold
+        holders = sorted(shares)
+        candidates = [tuple(holders[:t])]
+        if len(holders) > t:
+            rng = random.Random(owner)  # which subsets to try is not secret
+            candidates.append(tuple(holders[-t:]))
+            candidates += [tuple(sorted(rng.sample(holders, t))) for _ in range(64)]
+        for subset in candidates:
+            value = reconstruct_value({x: shares[x] for x in subset}, t)
+            if value >> 256:
+                continue
+            secret = value.to_bytes(32, "big")
+            try:
+                valid = check(secret)
+            except (ValueError, CryptoError):
+                valid = False
+            if valid:
+                if subset != candidates[0]:
+                    self._blame(owner, shares, subset, corrupt)
+                return secret
+        raise self._abort(f"the shares of client {owner}'s secret are inconsistent and no "
+                          f"{t} of them reconstruct the committed value")
+
+    def _blame(self, owner: int, shares: dict[int, int], subset: tuple[int, ...],
+               corrupt: dict[int, set[int]]) -> None:
+        """Name every holder whose share is off the verified polynomial."""
+        for holder, share in shares.items():
+            if holder not in subset and evaluate_at(shares, subset, holder) != share:
+                corrupt.setdefault(holder, set()).add(owner)
+
+    def _unmask(self, seeds: dict[int, bytes], private_keys: dict[int, KeyPair]) -> np.ndarray:
+        """sum y - sum PRG(b_u) for survivors - the survivors' pairwise masks with dropouts."""
+        cfg = self.config
+        total = self._sum.copy()
+        masker = Masker(cfg.dim, cfg.bits)
+        for owner, seed in seeds.items():
+            masker.subtract(total, self_mask_key(seed, self.session_id, owner, cfg.shape_tag))
+        for dropped, pair in private_keys.items():
+            dropped_pk = self._adverts[dropped].masking_key
+            for survivor in sorted(self._survivors):
+                if dropped not in self._forwarded[survivor]:
+                    continue
+                survivor_pk = self._adverts[survivor].masking_key
+                key = pairwise_mask_key(pair.exchange(survivor_pk), self.session_id, survivor,
+                                        dropped, survivor_pk, dropped_pk, cfg.shape_tag)
+                # the survivor added +mask if survivor < dropped, else -mask
+                if survivor < dropped:
+                    masker.subtract(total, key)
+                else:
+                    masker.add(total, key)
+        if cfg.bits < 8 * total.dtype.itemsize:
+            np.bitwise_and(total, total.dtype.type((1 << cfg.bits) - 1), out=total)
+        return total.astype(np.uint64)
+
+
+def _entry(msg: AdvertiseKeys) -> KeyEntry:
+    return KeyEntry(msg.encryption_key, msg.masking_key, msg.self_mask_commitment,
+                    msg.signature)

@@ -1,0 +1,206 @@
+"""Shamir secret sharing of 32-byte secrets over the prime field GF(2^256 + 297).
+
+The field is the smallest prime field that holds every 32-byte string, so a secret is
+shared as one field element (no chunking, no GF(2^128) arithmetic as in Flower). Shares
+are evaluated at the holders' client ids (nonzero, distinct). Speed comes from caching:
+the powers x^j mod p for a holder set and the Lagrange weights for a reconstruction set
+are computed once and reused for every secret of the round, so a split is one C-level
+dot product per holder and a reconstruction is one dot product per secret.
+
+Coefficients are drawn from ``os.urandom`` with rejection sampling (exactly uniform).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from operator import mul
+
+import numpy as np
+
+PRIME = (1 << 256) + 297
+SHARE_BYTES = 33
+SECRET_BYTES = 32
+
+
+class ShamirError(ValueError):
+    """Invalid sharing parameters or shares."""
+
+
+def _random_field_elements(count: int) -> list[int]:
+    out: list[int] = []
+    while len(out) < count:
+        raw = os.urandom(33 * (count - len(out)))
+        for i in range(0, len(raw), 33):
+            # 264 random bits, keep values below the largest multiple of p: exactly uniform
+            value = int.from_bytes(raw[i:i + 33], "big")
+            if value < PRIME * ((1 << 264) // PRIME):
+                out.append(value % PRIME)
+    return out[:count]
+
+
+@lru_cache(maxsize=256)
+def _power_table(xs: tuple[int, ...], degree: int) -> tuple[tuple[int, ...], ...]:
+    table = []
+    for x in xs:
+        row = [1]
+        acc = 1
+        for _ in range(degree):
+            acc = acc * x % PRIME
+            row.append(acc)
+        table.append(tuple(row))
+    return tuple(table)
+
+
+def _check_holders(holders: Sequence[int], threshold: int) -> tuple[int, ...]:
+    xs = tuple(holders)
+    if len(set(xs)) != len(xs):
+        raise ShamirError("share holders must be distinct")
+    if any(x <= 0 or x >= PRIME for x in xs):
+        raise ShamirError("share holder ids must be positive field elements")
+    if not 1 <= threshold <= len(xs):
+        raise ShamirError(f"threshold {threshold} must be in 1..{len(xs)} (the holder count)")
+    return xs
+
+
+_LIMBS = 17  # 16-bit limbs of a field element (p < 2^257)
+_OUT_LIMBS = 40  # limbs of an unreduced dot product (< t * p^2 < 2^(514 + log2 t))
+_TABLE_LIMIT = 4_000_000  # holder * threshold entries above which Horner is used instead
+
+
+@lru_cache(maxsize=64)
+def _limb_power_table(xs: tuple[int, ...], degree: int) -> np.ndarray:
+    """x^j mod p for every holder x and j <= degree, as float64 16-bit limbs shaped
+    (holders * 17, degree + 1): the left operand of one exact BLAS product."""
+    rows = _power_table(xs, degree)
+    raw = b"".join(v.to_bytes(2 * _LIMBS, "little") for row in rows for v in row)
+    limbs = np.frombuffer(raw, dtype="<u2").reshape(len(xs), degree + 1, _LIMBS)
+    return np.ascontiguousarray(limbs.transpose(0, 2, 1), dtype=np.float64).reshape(
+        len(xs) * _LIMBS, degree + 1)
+
+
+def _evaluate_all(coefficients: list[list[int]], xs: tuple[int, ...]) -> list[list[int]]:
+    """f_s(x) mod p for every polynomial s and holder x.
+
+    Field elements are split into 16-bit limbs, so every limb product is < 2^32 and a sum
+    of t of them is < 2^53 (exact in float64) for t < 2^21: the whole evaluation is one
+    BLAS matrix product plus a carry pass, instead of t * len(xs) Python big-int products.
+    """
+    degree = len(coefficients[0]) - 1
+    count = len(coefficients)
+    if len(xs) * (degree + 1) > _TABLE_LIMIT:
+        out = []
+        for coeffs in coefficients:
+            row = []
+            for x in xs:
+                acc = 0
+                for i, c in enumerate(reversed(coeffs)):
+                    acc = acc * x + c
+                    if i % 16 == 15:  # keep the accumulator near field size
+                        acc %= PRIME
+                row.append(acc % PRIME)
+            out.append(row)
+        return out
+    table = _limb_power_table(xs, degree)
+    raw = b"".join(c.to_bytes(2 * _LIMBS, "little") for coeffs in coefficients for c in coeffs)
+    coeff_limbs = np.frombuffer(raw, dtype="<u2").reshape(count, degree + 1, _LIMBS)
+    right = coeff_limbs.transpose(1, 0, 2).reshape(degree + 1, count * _LIMBS)
+    product = (table @ right.astype(np.float64)).astype(np.int64)
+    product = product.reshape(len(xs), _LIMBS, count, _LIMBS)
+    acc = np.zeros((len(xs), count, _OUT_LIMBS), dtype=np.int64)
+    for j in range(_LIMBS):
+        acc[:, :, j:j + _LIMBS] += product[:, j, :, :]
+    for m in range(_OUT_LIMBS - 1):
+        acc[:, :, m + 1] += acc[:, :, m] >> 16
+        acc[:, :, m] &= 0xFFFF
+    packed = acc.astype("<u2")
+    return [[int.from_bytes(packed[i, s].tobytes(), "little") % PRIME
+             for i in range(len(xs))] for s in range(count)]
+
+
+def split_many(secrets: Sequence[bytes], holders: Sequence[int],
+               threshold: int) -> list[dict[int, bytes]]:
+    """Share each 32-byte secret t-of-len(holders); returns, per secret, holder -> share."""
+    xs = _check_holders(holders, threshold)
+    coefficients = []
+    for secret in secrets:
+        if len(secret) != SECRET_BYTES:
+            raise ShamirError(f"secrets are {SECRET_BYTES} bytes, got {len(secret)}")
+        coefficients.append(
+            [int.from_bytes(secret, "big"), *_random_field_elements(threshold - 1)])
+    if not coefficients:
+        return []
+    values = _evaluate_all(coefficients, xs)
+    return [{x: v.to_bytes(SHARE_BYTES, "big") for x, v in zip(xs, row)} for row in values]
+
+
+def split(secret: bytes, holders: Sequence[int], threshold: int) -> dict[int, bytes]:
+    """Share one 32-byte secret t-of-len(holders)."""
+    return split_many([secret], holders, threshold)[0]
+
+
+@lru_cache(maxsize=1024)
+def lagrange_weights(xs: tuple[int, ...]) -> tuple[int, ...]:
+    """Weights w_i with f(0) = sum w_i f(x_i) for any polynomial of degree < len(xs)."""
+    numerator = 1
+    for x in xs:
+        numerator = numerator * x % PRIME
+    denominators = []
+    for i, xi in enumerate(xs):
+        d = xi
+        for j, xj in enumerate(xs):
+            if j != i:
+                d *= xj - xi
+        denominators.append(d % PRIME)
+    # one modular inversion for all denominators (Montgomery's trick)
+    prefix = [1]
+    for d in denominators:
+        prefix.append(prefix[-1] * d % PRIME)
+    inv = pow(prefix[-1], -1, PRIME)
+    inverses = [0] * len(xs)
+    for i in range(len(xs) - 1, -1, -1):
+        inverses[i] = inv * prefix[i] % PRIME
+        inv = inv * denominators[i] % PRIME
+    return tuple(numerator * v % PRIME for v in inverses)
+
+
+def decode_share(share: bytes) -> int:
+    if len(share) != SHARE_BYTES:
+        raise ShamirError(f"a share is {SHARE_BYTES} bytes, got {len(share)}")
+    value = int.from_bytes(share, "big")
+    if value >= PRIME:
+        raise ShamirError("share value is not a field element")
+    return value
+
+
+def reconstruct_value(shares: Mapping[int, int], threshold: int) -> int:
+    """f(0) from the first ``threshold`` shares (by holder id) as a field element."""
+    if len(shares) < threshold:
+        raise ShamirError(f"need {threshold} shares, have {len(shares)}")
+    xs = tuple(sorted(shares)[:threshold])
+    weights = lagrange_weights(xs)
+    return sum(map(mul, weights, (shares[x] for x in xs))) % PRIME
+
+
+def reconstruct(shares: Mapping[int, bytes], threshold: int) -> bytes:
+    """The 32-byte secret from at least ``threshold`` shares (holder id -> share)."""
+    value = reconstruct_value({x: decode_share(s) for x, s in shares.items()}, threshold)
+    if value >= 1 << 256:
+        raise ShamirError("shares are inconsistent: the reconstructed value is not 32 bytes")
+    return value.to_bytes(SECRET_BYTES, "big")
+
+
+def evaluate_at(shares: Mapping[int, int], xs: tuple[int, ...], at: int) -> int:
+    """The polynomial through the points (x, shares[x]) for x in ``xs``, evaluated at ``at``.
+
+    Used to find which extra shares disagree with a verified reconstruction."""
+    total = 0
+    for i, xi in enumerate(xs):
+        num, den = 1, 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                num = num * (at - xj) % PRIME
+                den = den * (xi - xj) % PRIME
+        total += shares[xi] * num * pow(den, -1, PRIME)
+    return total % PRIME

@@ -1,0 +1,137 @@
+"""``secagg.simulate``: one round with the real client and server state machines in one
+process, every message passing through the wire codec. The reference driver, not a
+shortcut: transports must produce exactly what it produces.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .client import Client, check_input
+from .config import Config
+from .crypto import SigningKey
+from .errors import ProtocolAbort, ProtocolError
+from .messages import encode
+from .server import Server
+from .stage import Stage
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """``total`` (uint64, the sum of included inputs mod 2**bits) and ``included`` as in
+    DESIGN.md section 4, plus what a report needs."""
+
+    total: np.ndarray
+    included: frozenset[int]
+    dropped: Mapping[int, Stage]
+    seconds: Mapping[str, float]
+    bytes_sent: Mapping[int, Mapping[str, int]]
+    bytes_received: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
+    client_aborts: Mapping[int, str] = field(default_factory=dict)
+    corrupt_shares: Mapping[int, frozenset[int]] = field(default_factory=dict)
+
+
+def _stages(config: Config) -> list[Stage]:
+    stages = [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT]
+    if config.malicious:
+        stages.append(Stage.CONSISTENCY_CHECK)
+    stages.append(Stage.UNMASKING)
+    return stages
+
+
+def _parse_drop(drop: Mapping[int, Stage | str] | None, ids: set[int]) -> dict[int, Stage]:
+    out: dict[int, Stage] = {}
+    for cid, stage in (drop or {}).items():
+        if cid not in ids:
+            raise ValueError(f"drop names client {cid!r}, which has no input")
+        if isinstance(stage, str):
+            stage = Stage.parse(stage)
+        if not isinstance(stage, Stage):
+            raise ValueError(f"drop[{cid}]={stage!r}: use a secagg.Stage")
+        out[cid] = stage
+    return out
+
+
+def simulate(config: Config, inputs: Mapping[int, object],
+             drop: Mapping[int, Stage | str] | None = None, seed: int | None = None, *,
+             context: bytes | None = None) -> SimulationResult:
+    """Run one round. ``drop={id: stage}``: that client sends nothing from ``stage`` on.
+
+    Raises ``ProtocolAbort`` when too few clients survive, ``ValueError`` for bad inputs.
+    ``seed`` makes the session context reproducible; keys and masks always come from the
+    operating system's CSPRNG.
+    """
+    if not isinstance(config, Config):
+        raise TypeError("config must be a secagg.Config")
+    if not isinstance(inputs, Mapping):
+        raise TypeError("inputs must be a mapping of client id -> uint64 vector")
+    if len(inputs) != config.num_clients:
+        raise ValueError(f"inputs has {len(inputs)} clients but num_clients="
+                         f"{config.num_clients}; give one vector per client")
+    checked = {cid: check_input(vec, config, f"inputs[{cid}]") for cid, vec in inputs.items()}
+    drops = _parse_drop(drop, set(checked))
+    if context is None:
+        context = (b"secagg.simulate|seed=%d" % seed) if seed is not None else os.urandom(32)
+    roster = sorted(checked)
+    signing: dict[int, SigningKey] = {}
+    verify: dict[int, bytes] | None = None
+    if config.malicious:
+        signing = {cid: SigningKey.generate() for cid in roster}
+        verify = {cid: key.public for cid, key in signing.items()}
+    server = Server(config, roster=roster, context=context, verify_keys=verify)
+    clients = {cid: Client(config, cid, checked[cid], roster=roster, context=context,
+                           signing_key=signing.get(cid), verify_keys=verify)
+               for cid in roster}
+    seconds: dict[str, float] = {}
+    sent: dict[int, dict[str, int]] = {cid: {} for cid in roster}
+    received: dict[int, dict[str, int]] = {cid: {} for cid in roster}
+    aborts: dict[int, str] = {}
+    outgoing: dict[int, bytes] = {}
+
+    def stops(cid: int, stage: Stage) -> bool:
+        at = drops.get(cid)
+        if at is None:
+            return False
+        # a drop at consistency_check in a semi-honest round means "from unmasking on"
+        return stage >= at
+
+    for stage in _stages(config):
+        started = time.perf_counter()
+        if stage is Stage.ADVERTISE_KEYS:
+            replies = {cid: encode(clients[cid].advertise()) for cid in roster
+                       if not stops(cid, stage)}
+        else:
+            replies = {}
+            for cid, data in outgoing.items():
+                received[cid][stage.label] = len(data)
+                if stops(cid, stage):
+                    continue
+                try:
+                    replies[cid] = encode(clients[cid].handle(data))
+                except ProtocolAbort as exc:
+                    aborts[cid] = str(exc)
+        for cid, data in replies.items():
+            sent[cid][stage.label] = len(data)
+            try:
+                server.receive(cid, data)
+            except ProtocolAbort:
+                raise
+            except ProtocolError as exc:
+                aborts.setdefault(cid, str(exc))
+        messages = server.advance()
+        outgoing = {cid: encode(msg) for cid, msg in messages.items()}
+        seconds[stage.label] = time.perf_counter() - started
+    seconds["total"] = sum(seconds.values())
+    result = server.result
+    assert result is not None
+    dropped = dict(result.dropped)
+    for cid, stage in drops.items():
+        dropped.setdefault(cid, stage)
+    return SimulationResult(total=result.total, included=result.included, dropped=dropped,
+                            seconds=seconds, bytes_sent=sent, bytes_received=received,
+                            client_aborts=aborts, corrupt_shares=result.corrupt_shares)

@@ -1,0 +1,34 @@
+"""The five stages of a round (Bonawitz et al. 2017, rounds 0 to 4).
+
+The order is the protocol order; ``Stage.CONSISTENCY_CHECK`` only happens in
+``security="malicious"`` mode.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Stage(enum.IntEnum):
+    """A stage of one secure aggregation round. See docs/protocol.md section 3."""
+
+    ADVERTISE_KEYS = 0
+    SHARE_KEYS = 1
+    MASKED_INPUT = 2
+    CONSISTENCY_CHECK = 3
+    UNMASKING = 4
+
+    @property
+    def label(self) -> str:
+        """The wire name of the stage, e.g. ``"share_keys"``."""
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, text: str) -> Stage:
+        """``"share_keys"``, ``"SHARE_KEYS"`` or ``"share-keys"`` -> ``Stage.SHARE_KEYS``."""
+        key = text.strip().upper().replace("-", "_")
+        try:
+            return cls[key]
+        except KeyError:
+            names = ", ".join(s.label for s in cls)
+            raise ValueError(f"unknown stage {text!r}: use one of {names}") from None
