@@ -45,7 +45,6 @@ from .crypto import (
 )
 from .errors import ProtocolAbort, ProtocolError
 from .messages import (
-    SERVER_KINDS,
     SHARE_PLAINTEXT_BYTES,
     AdvertiseKeys,
     Ciphertexts,
@@ -62,8 +61,8 @@ from .messages import (
     decode,
     encode,
 )
-from .shamir import SHARE_BYTES, ShamirError, decode_share, split_many
 from .session import derive_session_id, normalize_roster, session_graph
+from .shamir import SHARE_BYTES, ShamirError, decode_share, split_many
 from .stage import Stage
 
 
@@ -142,6 +141,7 @@ class Client:
         self._advertisement: AdvertiseKeys | None = None
         self._last: tuple[bytes, ClientMessage] | None = None
         self._keys: dict[int, KeyEntry] = {}
+        self._shared_secrets: dict[int, bytes] = {}
         self._own_shares: _Received | None = None
         self._received: dict[int, _Received] = {}
         self._survivor_list: tuple[int, ...] | None = None
@@ -176,6 +176,7 @@ class Client:
         self._seed = b""
         self._input = None
         self._received = {}
+        self._shared_secrets = {}
         self._own_shares = None
         return error
 
@@ -295,11 +296,12 @@ class Client:
         masking_shares, seed_shares = split_many(
             [self._masking.private_bytes(), self._seed], holders, t)
         ciphertexts = {}
+        secrets: dict[int, bytes] = {}
         for peer in holders:
             if peer == self.client_id:
                 continue
             peer_key = keys[peer].encryption_key
-            secret = self._encryption.exchange(peer_key)
+            secret = secrets[peer] = self._encryption.exchange(peer_key)
             key = share_key(secret, self.session_id, self.client_id, peer,
                             self._encryption.public, peer_key)
             plaintext = (u32(self.client_id) + u32(peer) + masking_shares[peer]
@@ -308,6 +310,7 @@ class Client:
                                      share_associated_data(self.session_id, self.client_id,
                                                            peer))
         self._keys = keys
+        self._shared_secrets = secrets  # X25519 is symmetric: reused to open the replies
         self._own_shares = _Received(masking_shares[self.client_id],
                                      seed_shares[self.client_id])
         self._stage = Stage.SHARE_KEYS
@@ -330,9 +333,8 @@ class Client:
         received: dict[int, _Received] = {}
         for sender in sorted(senders):
             peer_key = self._keys[sender].encryption_key
-            secret = self._encryption.exchange(peer_key)
-            key = share_key(secret, self.session_id, sender, self.client_id, peer_key,
-                            self._encryption.public)
+            key = share_key(self._shared_secrets[sender], self.session_id, sender,
+                            self.client_id, peer_key, self._encryption.public)
             try:
                 plaintext = open_sealed(key, msg.ciphertexts[sender],
                                         share_associated_data(self.session_id, sender,

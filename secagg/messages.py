@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Union
+from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
 from .crypto import KEY_BYTES, SIGNATURE_BYTES
@@ -169,10 +169,10 @@ class UnmaskRequest:
         object.__setattr__(self, "signatures", _frozen(self.signatures))
 
 
-ClientMessage = Union[AdvertiseKeys, ShareKeys, MaskedInput, ConsistencySignature,
-                      UnmaskingShares]
-ServerMessage = Union[KeyList, Ciphertexts, SurvivorList, UnmaskRequest]
-Message = Union[ClientMessage, ServerMessage]
+ClientMessage = (AdvertiseKeys | ShareKeys | MaskedInput | ConsistencySignature
+                 | UnmaskingShares)
+ServerMessage = KeyList | Ciphertexts | SurvivorList | UnmaskRequest
+Message = ClientMessage | ServerMessage
 
 _KINDS: dict[type, int] = {
     AdvertiseKeys: 1, ShareKeys: 2, MaskedInput: 3, ConsistencySignature: 4,
@@ -214,7 +214,8 @@ def encode(message: Message) -> bytes:
     else:
         body = [message.recipient, list(message.survivors), list(message.dropped),
                 _id_map(message.signatures)]
-    return msgpack.packb(head + body, use_bin_type=True)
+    packed: bytes = msgpack.packb(head + body, use_bin_type=True)
+    return packed
 
 
 # --- decoding ------------------------------------------------------------------------------

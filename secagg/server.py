@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,8 +53,8 @@ from .messages import (
     decode,
     encode,
 )
-from .shamir import PRIME, evaluate_at, reconstruct_value
 from .session import derive_session_id, normalize_roster, session_graph
+from .shamir import PRIME, evaluate_at, reconstruct_value
 from .stage import Stage
 
 
@@ -77,8 +78,11 @@ class Server:
     """The aggregator's side of one round. See the module docstring for the interface."""
 
     def __init__(self, config: Config, *, roster: Iterable[int] | None = None,
-                 context: bytes = b"", verify_keys: Mapping[int, bytes] | None = None) -> None:
+                 context: bytes = b"", verify_keys: Mapping[int, bytes] | None = None,
+                 executor: Executor | None = None, workers: int = 2) -> None:
         self.config = config
+        self._executor = executor
+        self._workers = max(1, workers)
         self.roster = normalize_roster(config, roster)
         self.session_id = derive_session_id(config, self.roster, context)
         self.graph = session_graph(config, self.roster, self.session_id)
@@ -431,28 +435,73 @@ class Server:
                 corrupt.setdefault(holder, set()).add(owner)
 
     def _unmask(self, seeds: dict[int, bytes], private_keys: dict[int, KeyPair]) -> np.ndarray:
-        """sum y - sum PRG(b_u) for survivors - the survivors' pairwise masks with dropouts."""
+        """sum y - sum PRG(b_u) for survivors - the survivors' pairwise masks with dropouts.
+
+        The mask work is cut into independent jobs; with an ``executor`` (e.g. a process
+        pool, which the caller owns) they run in parallel, otherwise inline."""
         cfg = self.config
-        total = self._sum.copy()
-        masker = Masker(cfg.dim, cfg.bits)
-        for owner, seed in seeds.items():
-            masker.subtract(total, self_mask_key(seed, self.session_id, owner, cfg.shape_tag))
+        jobs: list[_MaskJob] = [("self", owner, seed, ()) for owner, seed in seeds.items()]
         for dropped, pair in private_keys.items():
-            dropped_pk = self._adverts[dropped].masking_key
-            for survivor in sorted(self._survivors):
-                if dropped not in self._forwarded[survivor]:
-                    continue
-                survivor_pk = self._adverts[survivor].masking_key
-                key = pairwise_mask_key(pair.exchange(survivor_pk), self.session_id, survivor,
-                                        dropped, survivor_pk, dropped_pk, cfg.shape_tag)
-                # the survivor added +mask if survivor < dropped, else -mask
-                if survivor < dropped:
-                    masker.subtract(total, key)
-                else:
-                    masker.add(total, key)
+            peers = tuple((v, self._adverts[v].masking_key) for v in sorted(self._survivors)
+                          if dropped in self._forwarded[v])
+            if peers:
+                jobs.append(("pair", dropped, pair.private_bytes(), peers))
+        header = (self.session_id, cfg.shape_tag, cfg.dim, cfg.bits,
+                  {d: self._adverts[d].masking_key for d in private_keys})
+        total = self._sum.copy()
+        workers = self._workers if self._executor is not None else 1
+        batches = _balance(jobs, workers)
+        if self._executor is not None and len(batches) > 1:
+            futures = [self._executor.submit(mask_correction, header, batch)
+                       for batch in batches]
+            for future in futures:
+                np.subtract(total, future.result(), out=total)
+        else:
+            for batch in batches:
+                np.subtract(total, mask_correction(header, batch), out=total)
         if cfg.bits < 8 * total.dtype.itemsize:
             np.bitwise_and(total, total.dtype.type((1 << cfg.bits) - 1), out=total)
         return total.astype(np.uint64)
+
+
+_MaskJob = tuple[str, int, bytes, tuple[tuple[int, bytes], ...]]
+
+
+def _balance(jobs: list[_MaskJob], parts: int) -> list[list[_MaskJob]]:
+    """Split jobs into ``parts`` batches of about equal keystream count."""
+    batches: list[list[_MaskJob]] = [[] for _ in range(max(1, parts))]
+    loads = [0] * len(batches)
+    for job in sorted(jobs, key=lambda j: -max(1, len(j[3]))):
+        i = loads.index(min(loads))
+        batches[i].append(job)
+        loads[i] += max(1, len(job[3]))
+    return [b for b in batches if b]
+
+
+def mask_correction(header: tuple[bytes, bytes, int, int, dict[int, bytes]],
+                    jobs: list[_MaskJob]) -> np.ndarray:
+    """The masks that the survivors' masked inputs still carry, for a batch of jobs:
+    ``("self", u, b_u, ())`` adds PRG(b_u); ``("pair", u, sk_u, ((v, pk_v), ...))`` adds
+    what each survivor v added for its pair with dropped u. Top-level so a process pool
+    can run it."""
+    session_id, shape_tag, dim, bits, dropped_keys = header
+    masker = Masker(dim, bits)
+    correction = np.zeros(dim, dtype=masker.dtype)
+    for kind, owner, secret, peers in jobs:
+        if kind == "self":
+            masker.add(correction, self_mask_key(secret, session_id, owner, shape_tag))
+            continue
+        pair = KeyPair.from_private_bytes(secret)
+        owner_pk = dropped_keys[owner]
+        for survivor, survivor_pk in peers:
+            key = pairwise_mask_key(pair.exchange(survivor_pk), session_id, survivor, owner,
+                                    survivor_pk, owner_pk, shape_tag)
+            # the survivor added +mask if survivor < dropped, else -mask
+            if survivor < owner:
+                masker.add(correction, key)
+            else:
+                masker.subtract(correction, key)
+    return correction
 
 
 def _entry(msg: AdvertiseKeys) -> KeyEntry:

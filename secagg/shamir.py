@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from operator import mul
+from typing import Any
 
 import numpy as np
 
@@ -94,21 +95,21 @@ def _evaluate_all(coefficients: list[list[int]], xs: tuple[int, ...]) -> list[li
         for coeffs in coefficients:
             row = []
             for x in xs:
-                acc = 0
+                value = 0
                 for i, c in enumerate(reversed(coeffs)):
-                    acc = acc * x + c
+                    value = value * x + c
                     if i % 16 == 15:  # keep the accumulator near field size
-                        acc %= PRIME
-                row.append(acc % PRIME)
+                        value %= PRIME
+                row.append(value % PRIME)
             out.append(row)
         return out
     table = _limb_power_table(xs, degree)
     raw = b"".join(c.to_bytes(2 * _LIMBS, "little") for coeffs in coefficients for c in coeffs)
     coeff_limbs = np.frombuffer(raw, dtype="<u2").reshape(count, degree + 1, _LIMBS)
     right = coeff_limbs.transpose(1, 0, 2).reshape(degree + 1, count * _LIMBS)
-    product = (table @ right.astype(np.float64)).astype(np.int64)
-    product = product.reshape(len(xs), _LIMBS, count, _LIMBS)
-    acc = np.zeros((len(xs), count, _OUT_LIMBS), dtype=np.int64)
+    flat = (table @ right.astype(np.float64)).astype(np.int64)
+    product = flat.reshape(len(xs), _LIMBS, count, _LIMBS)
+    acc: Any = np.zeros((len(xs), count, _OUT_LIMBS), dtype=np.int64)
     for j in range(_LIMBS):
         acc[:, :, j:j + _LIMBS] += product[:, j, :, :]
     for m in range(_OUT_LIMBS - 1):
@@ -132,7 +133,8 @@ def split_many(secrets: Sequence[bytes], holders: Sequence[int],
     if not coefficients:
         return []
     values = _evaluate_all(coefficients, xs)
-    return [{x: v.to_bytes(SHARE_BYTES, "big") for x, v in zip(xs, row)} for row in values]
+    return [{x: v.to_bytes(SHARE_BYTES, "big") for x, v in zip(xs, row, strict=True)}
+            for row in values]
 
 
 def split(secret: bytes, holders: Sequence[int], threshold: int) -> dict[int, bytes]:
@@ -180,7 +182,8 @@ def reconstruct_value(shares: Mapping[int, int], threshold: int) -> int:
         raise ShamirError(f"need {threshold} shares, have {len(shares)}")
     xs = tuple(sorted(shares)[:threshold])
     weights = lagrange_weights(xs)
-    return sum(map(mul, weights, (shares[x] for x in xs))) % PRIME
+    total: int = sum(map(mul, weights, (shares[x] for x in xs)))
+    return total % PRIME
 
 
 def reconstruct(shares: Mapping[int, bytes], threshold: int) -> bytes:

@@ -1,0 +1,54 @@
+"""The physical floor every benchmark is compared with, measured in the same run:
+AES-256-CTR keystream into a preallocated buffer (one cipher per key, as masks need),
+the modular vector additions, and X25519 exchanges (DESIGN.md section 7)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+
+def best_of(fn, repeat: int = 3) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def keystream_seconds(count: int, dim: int, itemsize: int = 4) -> float:
+    """``count`` keystreams of ``dim`` elements plus ``count`` in-place uint adds."""
+    nbytes = dim * itemsize
+    zeros = bytes(nbytes)
+    buffer = bytearray(nbytes + 15)
+    view = np.frombuffer(buffer, dtype=f"<u{itemsize}", count=dim)
+    acc = np.zeros(dim, dtype=f"<u{itemsize}")
+    keys = [os.urandom(32) for _ in range(min(count, 64))]
+
+    def run() -> None:
+        for i in range(count):
+            enc = Cipher(algorithms.AES(keys[i % len(keys)]), modes.CTR(bytes(16))).encryptor()
+            enc.update_into(zeros, buffer)
+            np.add(acc, view, out=acc)
+
+    return best_of(run)
+
+
+def x25519_seconds(count: int) -> float:
+    me = X25519PrivateKey.generate()
+    peers = [X25519PrivateKey.generate().public_key() for _ in range(min(count, 64))]
+
+    def run() -> None:
+        for i in range(count):
+            me.exchange(peers[i % len(peers)])
+
+    return best_of(run)
+
+
+def floor_seconds(keystreams: int, dim: int, exchanges: int, itemsize: int = 4) -> float:
+    return keystream_seconds(keystreams, dim, itemsize) + x25519_seconds(exchanges)

@@ -1,0 +1,238 @@
+"""Protocol-core benchmarks against the targets of DESIGN.md section 7.
+
+Every figure is printed with its ratio to the floor measured in the same run
+(benchmarks/_floor.py). Run by hand:
+
+    python benchmarks/bench_secagg.py            # everything (about 3 minutes on 2 cores)
+    python benchmarks/bench_secagg.py --quick    # skips the n = 500 round
+    python benchmarks/bench_secagg.py --json     # one JSON object on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _floor import floor_seconds  # noqa: E402
+
+from secagg import Client, Config, Server, Stage, encode, secagg_plus_parameters  # noqa: E402
+from secagg import shamir  # noqa: E402
+from secagg.messages import Ciphertexts  # noqa: E402
+
+RESULTS: dict[str, Any] = {}
+
+
+def report(name: str, seconds: float, floor: float | None, target: str, **extra: Any) -> None:
+    ratio = seconds / floor if floor else None
+    RESULTS[name] = {"seconds": seconds, "floor_seconds": floor, "ratio": ratio,
+                     "target": target, **extra}
+    ratio_txt = f"{ratio:6.2f}x floor" if ratio is not None else " " * 13
+    print(f"{name:<44} {seconds * 1e3:10.1f} ms  {ratio_txt}   target: {target}",
+          file=sys.stderr)
+
+
+class Round:
+    """Drives real clients and a real server, timing each side separately."""
+
+    def __init__(self, config: Config, drop: dict[int, Stage], executor: Any = None,
+                 seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.config = config
+        self.context = os.urandom(16)
+        self.inputs = {i: rng.integers(0, 2 ** config.bits, config.dim, dtype=np.uint64)
+                       for i in range(1, config.num_clients + 1)}
+        self.drop = drop
+        self.server = Server(config, context=self.context, executor=executor)
+        self.clients = {i: Client(config, i, v, context=self.context)
+                        for i, v in self.inputs.items()}
+        self.server_seconds: dict[str, float] = {}
+        self.client_seconds: dict[int, float] = {i: 0.0 for i in self.clients}
+
+    def _client(self, cid: int, fn: Any) -> Any:
+        start = time.perf_counter()
+        out = fn()
+        self.client_seconds[cid] += time.perf_counter() - start
+        return out
+
+    def run(self) -> None:
+        stages = [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING]
+        outgoing: dict[int, bytes] = {}
+        for stage in stages:
+            replies = {}
+            for cid, client in self.clients.items():
+                if self.drop.get(cid, Stage.UNMASKING + 1) <= stage:
+                    continue
+                if stage is Stage.ADVERTISE_KEYS:
+                    replies[cid] = self._client(cid, lambda c=client: encode(c.advertise()))
+                elif cid in outgoing:
+                    data = outgoing[cid]
+                    replies[cid] = self._client(
+                        cid, lambda c=client, d=data: encode(c.handle(d)))
+            start = time.perf_counter()
+            for cid, data in replies.items():
+                self.server.receive(cid, data)
+            messages = self.server.advance()
+            outgoing = {cid: encode(m) for cid, m in messages.items()}
+            self.server_seconds[stage.label] = time.perf_counter() - start
+        result = self.server.result
+        assert result is not None
+        expected = np.zeros(self.config.dim, dtype=np.uint64)
+        for cid in result.included:
+            expected += self.inputs[cid]
+        expected &= np.uint64(self.config.modulus - 1)
+        assert np.array_equal(result.total, expected), "wrong aggregate"
+
+
+def bench_shamir() -> None:
+    holders = list(range(1, 201))
+    secret = os.urandom(32)
+    shamir._power_table.cache_clear()
+    shamir._limb_power_table.cache_clear()
+    start = time.perf_counter()
+    shamir.split(secret, holders, 101)
+    cold = time.perf_counter() - start
+    runs = 200
+    start = time.perf_counter()
+    for _ in range(runs):
+        shamir.split(os.urandom(32), holders, 101)
+    warm = (time.perf_counter() - start) / runs
+    report("shamir split, 200 holders, t=101 (warm)", warm, None, "< 3 ms",
+           cold_seconds=cold)
+    print(f"{'  (first split, tables cold)':<44} {cold * 1e3:10.1f} ms", file=sys.stderr)
+
+
+def bench_client_masking(dim: int = 1_000_000, neighbours: int = 50) -> None:
+    """One client with 50 neighbours masks a 10^6 vector (SecAgg+ closed neighbourhood 51)."""
+    n = neighbours + 1
+    config = Config(num_clients=n, dim=dim, bits=32, threshold=n // 2 + 1)
+    ctx = os.urandom(16)
+    rng = np.random.default_rng(1)
+    server = Server(config, context=ctx)
+    clients = {i: Client(config, i, rng.integers(0, 2 ** 32, dim, dtype=np.uint64),
+                         context=ctx) for i in range(1, n + 1)}
+    for cid, c in clients.items():
+        server.receive(cid, encode(c.advertise()))
+    for cid, msg in server.advance().items():
+        server.receive(cid, encode(clients[cid].handle(encode(msg))))
+    forwarded = server.advance()
+    times = []
+    for cid in (1, 2, 3):  # three clients, each masking once: report the best
+        message = forwarded[cid]
+        assert isinstance(message, Ciphertexts)
+        start = time.perf_counter()
+        clients[cid].handle(message)
+        times.append(time.perf_counter() - start)
+    floor = floor_seconds(keystreams=neighbours + 1, dim=dim, exchanges=neighbours)
+    report(f"client masking, d=10^6, k={neighbours}", min(times), floor, "<= 1.5x floor",
+           all_seconds=times)
+
+
+def bench_server_unmasking(n: int = 50, dim: int = 100_000, drop_rate: float = 0.2) -> None:
+    config = Config(num_clients=n, dim=dim, bits=32)
+    dropped = int(n * drop_rate)
+    drop = {i: Stage.MASKED_INPUT for i in range(1, dropped + 1)}
+    survivors = n - dropped
+    floor = floor_seconds(keystreams=survivors + dropped * survivors, dim=dim,
+                          exchanges=dropped * survivors)
+    times = []
+    for seed in range(3):
+        rnd = Round(config, drop, seed=seed)
+        rnd.run()
+        times.append(rnd.server_seconds["unmasking"])
+    report(f"server unmasking, n={n}, d=10^5, {int(drop_rate * 100)}% dropped",
+           min(times), floor, "<= 2x floor", all_seconds=times)
+    with ProcessPoolExecutor(2) as pool:
+        pool.submit(int).result()  # start the workers before timing
+        times = []
+        for seed in range(3):
+            rnd = Round(config, drop, executor=pool, seed=seed)
+            rnd.run()
+            times.append(rnd.server_seconds["unmasking"])
+        report("  same, 2 worker processes", min(times), floor, "<= 2x floor",
+               all_seconds=times)
+
+
+def bench_n500(dim: int = 100_000, drop_rate: float = 0.3) -> None:
+    n = 500
+    config = Config(num_clients=n, dim=dim, bits=32)
+    dropped = int(n * drop_rate)
+    drop = {i: Stage.MASKED_INPUT for i in range(1, dropped + 1)}
+    with ProcessPoolExecutor(2) as pool:
+        pool.submit(int).result()
+        rnd = Round(config, drop, executor=pool)
+        rnd.run()
+    server_total = sum(rnd.server_seconds.values())
+    survivors = n - dropped
+    floor = floor_seconds(keystreams=survivors + dropped * survivors, dim=dim,
+                          exchanges=dropped * survivors)
+    report("server, n=500, d=10^5, 30% dropped (total)", server_total, floor, "< 5 s",
+           stages=rnd.server_seconds)
+    per_client = sorted(rnd.client_seconds[i] for i in range(dropped + 1, n + 1))
+    first = rnd.client_seconds[dropped + 1]
+    client_floor = floor_seconds(keystreams=n, dim=dim, exchanges=2 * (n - 1))
+    report("client, n=500, d=10^5 (median survivor)", per_client[len(per_client) // 2],
+           client_floor, "< 150 ms", first_client_seconds=first)
+    print(f"{'  (first client: Shamir tables cold)':<44} {first * 1e3:10.1f} ms",
+          file=sys.stderr)
+
+
+def bench_secagg_plus_scaling(sizes: list[int], dim: int = 1000) -> None:
+    rows = []
+    for n in sizes:
+        params = secagg_plus_parameters(n, dropout_rate=0.1, corrupt_rate=0.1)
+        config = Config(num_clients=n, dim=dim, bits=32, neighbors=params.neighbors,
+                        threshold=params.threshold)
+        drop = {i: Stage.MASKED_INPUT for i in range(1, n // 10 + 1)}
+        rnd = Round(config, drop)
+        rnd.run()
+        seconds = sum(rnd.server_seconds.values())
+        rows.append((n, params.neighbors, params.threshold, seconds))
+        print(f"  SecAgg+ n={n:>6} k={params.neighbors} t={params.threshold}: server "
+              f"{seconds:8.3f} s, per n log n {seconds / (n * math.log(n)) * 1e6:7.2f} us",
+              file=sys.stderr)
+    ns = np.log([r[0] for r in rows])
+    ts = np.log([r[3] for r in rows])
+    slope = float(np.polyfit(ns, ts, 1)[0])
+    RESULTS["secagg_plus_scaling"] = {
+        "rows": [{"n": n, "neighbors": k, "threshold": t, "server_seconds": s}
+                 for n, k, t, s in rows],
+        "log_log_slope": slope, "target": "grows as n log n (slope ~1.1), not n^2 (slope 2)"}
+    print(f"{'SecAgg+ server cost log-log slope':<44} {slope:10.2f}      target: ~1 "
+          "(n log n), not 2", file=sys.stderr)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="skip the n=500 round")
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--max-n", type=int, default=1600,
+                        help="largest n of the SecAgg+ scaling run (default 1600)")
+    args = parser.parse_args()
+    load = os.getloadavg()[0]
+    RESULTS["load_average"] = load
+    print(f"load average {load:.2f} on {os.cpu_count()} cores (ratios are measured in this "
+          "run, so they survive some load; absolute times do not)", file=sys.stderr)
+    bench_shamir()
+    bench_client_masking()
+    bench_server_unmasking()
+    if not args.quick:
+        bench_n500()
+    sizes = [n for n in (100, 200, 400, 800, 1600, 3200, 6400, 10_000) if n <= args.max_n]
+    bench_secagg_plus_scaling(sizes)
+    if args.json:
+        print(json.dumps(RESULTS, indent=2, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
