@@ -1,0 +1,260 @@
+"""Privacy accounting: Opacus for the sampled Gaussian, the papers for the integer mechanisms.
+
+* Sampled Gaussian (site mode, and the central reference): Opacus' ``RDPAccountant``
+  (Mironov, Talwar, Zhang 2019) and ``PRVAccountant`` (Gopi, Lee, Wutschitz 2021).
+* Distributed discrete Gaussian: Kairouz, Liu, Steinke 2021, Prop. 14 / Eq. (17): for ``n``
+  sites each adding N_Z(0, sigma**2) the sum satisfies RDP of order ``a`` with
+  ``min(a/2 r2**2 + tau d, a/2 (r2**2 + 2 r1 tau + tau**2 d), a/2 (r2 + sqrt(d) tau)**2)``,
+  ``r_p = Delta_p / (sqrt(n) sigma)``, ``tau = 10 sum_{k<n} exp(-2 pi**2 sigma**2 k/(k+1))``.
+* Skellam: Agarwal, Kairouz, Liu 2021, Thm. 3.5, for total variance ``V``:
+  ``a Delta_2**2/(2V) + min(((2a-1) Delta_2**2 + 6 Delta_1)/(4 V**2), 3 Delta_1/(2V))``.
+* Poisson subsampling of a general RDP mechanism: Zhu, Wang, ICML 2019, Thm. 6 (upper bound).
+* RDP -> (epsilon, delta): Canonne, Kamath, Steinke 2020, Prop. 12 (= Balle et al. 2020,
+  Thm. 21), the conversion Opacus uses.
+
+Only this module imports opacus, and only inside the functions that need it, so
+``import dp`` works on a core install (torch is an optional extra).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from dp.errors import PrivacyConfigError, require_opacus
+
+F64 = npt.NDArray[np.float64]
+Accountant = Literal["rdp", "prv"]
+
+#: The RDP orders used throughout (Opacus' defaults plus large orders for tiny epsilons).
+ORDERS: tuple[float, ...] = (
+    *(1 + x / 10.0 for x in range(1, 100)),
+    *range(11, 64),
+    64, 80, 96, 128, 192, 256,
+)
+
+
+def _check(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> None:
+    if not noise_multiplier > 0:
+        raise PrivacyConfigError(f"noise multiplier must be > 0, got {noise_multiplier}")
+    if not 0 < sample_rate <= 1:
+        raise PrivacyConfigError(f"sample rate must be in (0, 1], got {sample_rate}")
+    if steps < 0:
+        raise PrivacyConfigError(f"steps must be >= 0, got {steps}")
+    if not 0 < delta < 1:
+        raise PrivacyConfigError(f"delta must be in (0, 1), got {delta}")
+
+
+def check_accountant(accountant: str) -> Accountant:
+    if accountant not in ("rdp", "prv"):
+        raise PrivacyConfigError(f"accountant must be 'rdp' or 'prv', got {accountant!r}")
+    return accountant  # type: ignore[return-value]
+
+
+# --- sampled Gaussian, through Opacus ----------------------------------------------------
+def gaussian_rdp(
+    noise_multiplier: float, sample_rate: float, steps: int, orders: Sequence[float] = ORDERS
+) -> F64:
+    """RDP of ``steps`` sampled Gaussian steps at ``orders`` (Opacus' analysis)."""
+    require_opacus()
+    from opacus.accountants.analysis import rdp as opacus_rdp
+
+    return np.asarray(
+        opacus_rdp.compute_rdp(
+            q=sample_rate, noise_multiplier=noise_multiplier, steps=steps, orders=list(orders)
+        ),
+        dtype=np.float64,
+    )
+
+
+def gaussian_epsilon(
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    accountant: str = "rdp",
+) -> float:
+    """Epsilon of ``steps`` steps of the sampled Gaussian mechanism (Opacus' accountants)."""
+    _check(noise_multiplier, sample_rate, steps, delta)
+    return epsilon_of_history([(noise_multiplier, sample_rate, steps)], delta, accountant)
+
+
+def epsilon_of_history(
+    history: Sequence[tuple[float, float, int]], delta: float, accountant: str = "rdp"
+) -> float:
+    """Epsilon of an Opacus-style history ``[(noise_multiplier, sample_rate, steps), ...]``."""
+    accountant = check_accountant(accountant)
+    history = [h for h in history if h[2] > 0]
+    if not history:
+        return 0.0
+    require_opacus()
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    acc = RDPAccountant() if accountant == "rdp" else PRVAccountant()
+    acc.history = list(history)
+    if accountant == "rdp":
+        return float(acc.get_epsilon(delta=delta, alphas=list(ORDERS)))
+    return float(acc.get_epsilon(delta=delta))
+
+
+def noise_multiplier_for(
+    epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "rdp"
+) -> float:
+    """The smallest noise multiplier (to 0.1% of epsilon) whose ``steps`` fit in ``epsilon``."""
+    _check(1.0, sample_rate, steps, delta)
+    if steps < 1:
+        raise PrivacyConfigError(f"rounds must be >= 1, got {steps}")
+    if not epsilon > 0:
+        raise PrivacyConfigError(f"epsilon must be > 0, got {epsilon}")
+    accountant = check_accountant(accountant)
+    require_opacus()
+    from opacus.accountants.utils import get_noise_multiplier
+
+    try:
+        return float(
+            get_noise_multiplier(
+                target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
+                steps=steps, accountant=accountant, epsilon_tolerance=epsilon * 1e-3,
+                **({"alphas": list(ORDERS)} if accountant == "rdp" else {}),
+            )
+        )
+    except ValueError as exc:
+        raise PrivacyConfigError(
+            f"no noise multiplier up to 1e6 reaches epsilon={epsilon}: raise epsilon or "
+            "delta, or lower the sample rate or the rounds"
+        ) from exc
+
+
+def rounds_for(
+    epsilon: float,
+    delta: float,
+    sample_rate: float,
+    noise_multiplier: float,
+    accountant: str = "rdp",
+    max_rounds: int = 10**7,
+) -> int:
+    """The largest number of steps whose epsilon is at most ``epsilon`` (0 if none fits)."""
+    _check(noise_multiplier, sample_rate, 0, delta)
+    if not epsilon > 0:
+        raise PrivacyConfigError(f"epsilon must be > 0, got {epsilon}")
+
+    if check_accountant(accountant) == "rdp":
+        per_step = gaussian_rdp(noise_multiplier, sample_rate, 1)  # RDP composes linearly
+
+        def fits(r: int) -> bool:
+            return rdp_to_epsilon(per_step * r, delta) <= epsilon
+    else:
+
+        def fits(r: int) -> bool:
+            return gaussian_epsilon(noise_multiplier, sample_rate, r, delta, accountant) <= epsilon
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= max_rounds and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > max_rounds:
+        return max_rounds if fits(max_rounds) else _bisect(fits, lo, max_rounds)
+    return _bisect(fits, lo, hi)
+
+
+def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Largest r in [lo, hi) with fits(r), given fits(lo) and not fits(hi)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# --- RDP -> (epsilon, delta) -------------------------------------------------------------
+def rdp_to_epsilon(rdp: F64, delta: float, orders: Sequence[float] = ORDERS) -> float:
+    """CKS 2020 Prop. 12: ``eps = rdp + log1p(-1/a) - (log delta + log a) / (a - 1)``."""
+    a = np.asarray(orders, dtype=np.float64)
+    r = np.asarray(rdp, dtype=np.float64)
+    eps = r + np.log1p(-1.0 / a) - (math.log(delta) + np.log(a)) / (a - 1.0)
+    eps = eps[np.isfinite(eps)]
+    return float(max(0.0, eps.min())) if eps.size else math.inf
+
+
+# --- integer mechanisms, from the papers ---------------------------------------------
+def ddg_tau(sigma: float, num_clients: int) -> float:
+    """KLS 2021 Thm. 1: ``tau = 10 sum_{k=1}^{n-1} exp(-2 pi^2 sigma^2 k / (k+1))``."""
+    return 10.0 * sum(
+        math.exp(-2.0 * math.pi**2 * sigma**2 * k / (k + 1)) for k in range(1, num_clients)
+    )
+
+
+def ddg_rdp_fn(
+    l2_sensitivity: float, l1_sensitivity: float, sigma: float, num_clients: int, dim: int
+) -> Callable[[int], float]:
+    """Per-step RDP (as a function of the integer order) of the distributed discrete Gaussian.
+
+    ``sigma`` is each client's integer-domain standard deviation; sensitivities are in the
+    integer domain. ``num_clients`` should be the calibration threshold (fewest summands).
+    """
+    tau = ddg_tau(sigma, num_clients)
+    r2 = l2_sensitivity / (math.sqrt(num_clients) * sigma)
+    r1 = l1_sensitivity / (math.sqrt(num_clients) * sigma)
+
+    def eps(a: int) -> float:
+        return min(
+            a / 2 * r2**2 + tau * dim,
+            a / 2 * (r2**2 + 2 * r1 * tau + tau**2 * dim),
+            a / 2 * (r2 + math.sqrt(dim) * tau) ** 2,
+        )
+
+    return eps
+
+
+def skellam_rdp_fn(
+    l2_sensitivity: float, l1_sensitivity: float, variance: float
+) -> Callable[[int], float]:
+    """Per-step RDP of the (multi-dimensional) Skellam mechanism with total ``variance``."""
+    d2, d1, v = l2_sensitivity, l1_sensitivity, variance
+
+    def eps(a: int) -> float:
+        return a * d2**2 / (2 * v) + min(((2 * a - 1) * d2**2 + 6 * d1) / (4 * v**2),
+                                         3 * d1 / (2 * v))
+
+    return eps
+
+
+def _log_comb(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def subsampled_rdp(eps: Callable[[int], float], q: float, alpha: int) -> float:
+    """Zhu & Wang 2019, Thm. 6: RDP of order ``alpha`` after Poisson subsampling at rate ``q``.
+
+    ``log((1-q)^(a-1) (a q - q + 1) + C(a,2) q^2 (1-q)^(a-2) e^eps(2)
+    + 3 sum_{l=3}^a C(a,l) (1-q)^(a-l) q^l e^((l-1) eps(l))) / (a - 1)``, capped by ``eps(a)``.
+    """
+    if q >= 1:
+        return eps(alpha)
+    terms = [math.log((1 - q) ** (alpha - 1) * (alpha * q - q + 1))]
+    terms.append(_log_comb(alpha, 2) + 2 * math.log(q) + (alpha - 2) * math.log1p(-q) + eps(2))
+    for k in range(3, alpha + 1):
+        terms.append(math.log(3) + _log_comb(alpha, k) + (alpha - k) * math.log1p(-q)
+                     + k * math.log(q) + (k - 1) * eps(k))
+    m = max(terms)
+    value = (m + math.log(sum(math.exp(t - m) for t in terms))) / (alpha - 1)
+    return min(value, eps(alpha))
+
+
+def integer_rdp(
+    eps: Callable[[int], float], sample_rate: float, steps: int, orders: Sequence[float] = ORDERS
+) -> F64:
+    """RDP of ``steps`` subsampled steps at ``orders``; a fractional order uses the next
+    integer (RDP is non-decreasing in the order, so that is an upper bound)."""
+    cache: dict[int, float] = {}
+    out = []
+    for a in orders:
+        k = max(2, math.ceil(a))
+        if k not in cache:
+            cache[k] = subsampled_rdp(eps, sample_rate, k)
+        out.append(cache[k] * steps)
+    return np.asarray(out, dtype=np.float64)

@@ -1,0 +1,158 @@
+"""A privacy budget fixed before training and never exceeded (DESIGN.md section 6).
+
+A round is described by an event; the budget answers whether it still fits
+(:meth:`PrivacyBudget.can_run`), records it (:meth:`PrivacyBudget.spend`, which refuses a
+round that would overshoot by raising :class:`dp.errors.BudgetExceeded`, leaving the budget
+unchanged) and reports the spent ``(epsilon, delta)`` after every round.
+
+Events: :class:`GaussianRound` (site mode, or a central sampled Gaussian), and
+:class:`RdpRound` (any mechanism given by its RDP curve, e.g. the distributed discrete
+Gaussian or Skellam from :func:`dp.distributed.round_rdp`, or the adaptive-clipping count).
+With ``accountant="prv"`` only Gaussian rounds compose (Opacus' PRV accountant); with
+``"rdp"`` everything composes by adding RDP curves (Mironov 2017, Prop. 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dp.accounting import (
+    F64,
+    ORDERS,
+    check_accountant,
+    epsilon_of_history,
+    gaussian_rdp,
+    rdp_to_epsilon,
+)
+from dp.errors import BudgetExceeded, PrivacyConfigError
+
+
+@functools.lru_cache(maxsize=256)
+def _gaussian_step_rdp(noise_multiplier: float, sample_rate: float) -> F64:
+    """One step's RDP curve (RDP composes additively, so steps multiply it)."""
+    curve = gaussian_rdp(noise_multiplier, sample_rate, 1)
+    curve.setflags(write=False)
+    return curve
+
+
+@dataclass(frozen=True)
+class GaussianRound:
+    """``steps`` steps of the sampled Gaussian mechanism (noise multiplier, sample rate)."""
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.noise_multiplier > 0:
+            raise PrivacyConfigError(f"noise_multiplier must be > 0, got {self.noise_multiplier}")
+        if not 0 < self.sample_rate <= 1:
+            raise PrivacyConfigError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
+        if self.steps < 1:
+            raise PrivacyConfigError(f"steps must be >= 1, got {self.steps}")
+
+    def rdp(self) -> F64:
+        return _gaussian_step_rdp(self.noise_multiplier, self.sample_rate) * self.steps
+
+
+@dataclass(frozen=True)
+class RdpRound:
+    """A round given by its RDP at :data:`dp.accounting.ORDERS` (already composed over steps)."""
+
+    rdp_curve: tuple[float, ...]
+    label: str = "rdp"
+
+    def __post_init__(self) -> None:
+        if len(self.rdp_curve) != len(ORDERS):
+            raise PrivacyConfigError(f"rdp_curve must have {len(ORDERS)} entries (ORDERS)")
+
+    @classmethod
+    def from_array(cls, rdp: F64, label: str = "rdp") -> RdpRound:
+        return cls(tuple(float(x) for x in rdp), label)
+
+    def rdp(self) -> F64:
+        return np.asarray(self.rdp_curve, dtype=np.float64)
+
+
+Event = GaussianRound | RdpRound
+
+
+@dataclass
+class PrivacyBudget:
+    """``(epsilon, delta)`` per unit (patient by default), fixed at construction."""
+
+    epsilon: float
+    delta: float
+    accountant: str = "rdp"
+    _events: list[Event] = field(default_factory=list, init=False, repr=False)
+    _rdp: F64 = field(default_factory=lambda: np.zeros(len(ORDERS)), init=False, repr=False)
+    _spent: float = field(default=0.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
+            raise PrivacyConfigError(f"epsilon must be a positive number, got {self.epsilon}")
+        if not 0 < self.delta < 1:
+            raise PrivacyConfigError(
+                f"delta must be in (0, 1), e.g. below 1/number of patients; got {self.delta}"
+            )
+        self.accountant = check_accountant(self.accountant)
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def spent(self) -> tuple[float, float]:
+        """``(epsilon, delta)`` spent so far (delta is the fixed target once anything ran)."""
+        return (self._spent, self.delta if self._events else 0.0)
+
+    @property
+    def remaining(self) -> float:
+        return max(0.0, self.epsilon - self._spent)
+
+    @property
+    def rounds(self) -> int:
+        return len(self._events)
+
+    def epsilon_after(self, event: Event) -> float:
+        """The epsilon that would be spent if ``event`` ran next."""
+        return self._epsilon_of([*self._events, event], self._rdp + event.rdp()
+                                if self.accountant == "rdp" else None)
+
+    def can_run(self, event: Event) -> bool:
+        return self.epsilon_after(event) <= self.epsilon
+
+    # -- spending ------------------------------------------------------------------------
+    def spend(self, event: Event) -> tuple[float, float]:
+        """Record ``event`` and return the new spent ``(epsilon, delta)``.
+
+        Raises :class:`BudgetExceeded` (and records nothing) if it would overshoot.
+        """
+        rdp = self._rdp + event.rdp() if self.accountant == "rdp" else None
+        after = self._epsilon_of([*self._events, event], rdp)
+        if not after <= self.epsilon:
+            raise BudgetExceeded(
+                f"this round would bring epsilon to {after:.4g} > budget {self.epsilon:.4g} "
+                f"(spent {self._spent:.4g} over {self.rounds} rounds); stop training, or "
+                "raise the noise multiplier / lower the sample rate for the remaining rounds",
+                epsilon_limit=self.epsilon, epsilon_after=after,
+            )
+        self._events.append(event)
+        if rdp is not None:
+            self._rdp = rdp
+        self._spent = after
+        return self.spent
+
+    def _epsilon_of(self, events: list[Event], rdp: F64 | None) -> float:
+        if rdp is not None:
+            return rdp_to_epsilon(rdp, self.delta)
+        history = []
+        for e in events:
+            if not isinstance(e, GaussianRound):
+                raise PrivacyConfigError(
+                    "the PRV accountant only composes Gaussian rounds; use accountant='rdp' "
+                    "for distributed (discrete Gaussian / Skellam) rounds"
+                )
+            history.append((e.noise_multiplier, e.sample_rate, e.steps))
+        return epsilon_of_history(history, self.delta, "prv")

@@ -1,0 +1,193 @@
+"""Distributed-mode planning: per-site noise from the threshold, bit width, round cost.
+
+Dropouts (Bonawitz et al. 2017) mean the server sums any surviving set of at least
+``threshold`` sites. Each site therefore adds ``1 / threshold`` of the target variance, so the
+fewest possible summands still carry the full noise; more survivors only add noise, which is
+post-processing for privacy and a utility cost reported as :attr:`NoiseCalibration.cost`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dp.accounting import F64, ORDERS, ddg_rdp_fn, integer_rdp, rdp_to_epsilon, skellam_rdp_fn
+from dp.encoding import EncodingParams, Mechanism, rounded_l2_bound
+from dp.errors import PrivacyConfigError
+from dp.rotation import padded_dim
+
+
+@dataclass(frozen=True)
+class NoiseCalibration:
+    """Per-site noise so that any ``threshold`` survivors give ``central_stddev``."""
+
+    central_stddev: float
+    per_site_stddev: float
+    threshold: int
+    num_sites: int
+
+    @property
+    def stddev_if_all_survive(self) -> float:
+        return self.per_site_stddev * math.sqrt(self.num_sites)
+
+    @property
+    def cost(self) -> float:
+        """Noise stddev with every site present over the target: ``sqrt(n / t)``."""
+        return math.sqrt(self.num_sites / self.threshold)
+
+
+def calibrate(
+    noise_multiplier: float, clip_norm: float, num_sites: int, threshold: int
+) -> NoiseCalibration:
+    """Target central stddev ``noise_multiplier * clip_norm``, shared by ``threshold`` sites."""
+    if not 1 <= threshold <= num_sites:
+        raise PrivacyConfigError(
+            f"threshold must be in [1, num_sites={num_sites}], got {threshold}"
+        )
+    if not noise_multiplier >= 0 or not clip_norm > 0:
+        raise PrivacyConfigError("noise_multiplier must be >= 0 and clip_norm > 0")
+    central = noise_multiplier * clip_norm
+    return NoiseCalibration(central, central / math.sqrt(threshold), threshold, num_sites)
+
+
+@dataclass(frozen=True)
+class BitsChoice:
+    """The chosen bit width and the tail bound that justifies it."""
+
+    bits: int
+    wrap_probability: float
+    max_abs_bound: float
+    signal_bound: float
+    rounding_bound: float
+    noise_bound: float
+
+
+def choose_bits(
+    *,
+    dim: int,
+    clip_norm: float,
+    scale: float,
+    noise_stddev: float,
+    num_sites: int,
+    units_per_site: int = 1,
+    mechanism: Mechanism = "dgauss",
+    wrap_probability: float = 2.0**-40,
+) -> BitsChoice:
+    """Smallest bits such that the modular sum wraps with probability <= ``wrap_probability``.
+
+    Per coordinate of the rotated integer sum, with ``m = num_sites * units_per_site`` units,
+    ``D`` the padded dim and ``p' = wrap_probability / (3 D)`` (union bound):
+    the rotated signal (norm <= ``m * scale * clip``) is sub-Gaussian with proxy
+    ``||x||^2 / D`` (Hoeffding over the random signs; KLS 2021 Lemma 29), the rounding errors
+    are ``m`` independent terms of range < 2 (Hoeffding), and the noise of ``num_sites``
+    shares is sub-Gaussian (discrete Gaussian, CKS 2020 Cor. 9) or sub-gamma (Skellam,
+    Bernstein). The centred range ``[-2**(b-1), 2**(b-1))`` must hold the sum of the three.
+    """
+    if num_sites < 1 or units_per_site < 1:
+        raise PrivacyConfigError("num_sites and units_per_site must be >= 1")
+    if not 0 < wrap_probability < 1:
+        raise PrivacyConfigError(f"wrap_probability must be in (0, 1), got {wrap_probability}")
+    d = padded_dim(dim)
+    log_term = math.log(2 * 3 * d / wrap_probability)
+    m = num_sites * units_per_site
+    signal_norm = m * scale * clip_norm
+    a_signal = signal_norm * math.sqrt(2 * log_term / d)
+    a_round = math.sqrt(2 * m * log_term)
+    var = num_sites * (scale * noise_stddev) ** 2
+    if mechanism == "dgauss":
+        a_noise = math.sqrt(2 * var * log_term)
+    else:  # Bernstein: a^2 / (2 (V + a/3)) >= log_term
+        a_noise = log_term / 3 + math.sqrt((log_term / 3) ** 2 + 2 * var * log_term)
+    total = a_signal + a_round + a_noise
+    bits = max(2, math.ceil(math.log2(total + 1)) + 1)
+    if bits > 64:
+        raise PrivacyConfigError(
+            f"the sum needs {bits} bits (> 64): lower scale (now {scale}), clip_norm or units"
+        )
+    return BitsChoice(bits, wrap_probability, total, a_signal, a_round, a_noise)
+
+
+def choose_scale(
+    *, bits: int, dim: int, clip_norm: float, noise_multiplier: float, num_sites: int,
+    threshold: int, units_per_site: int = 1, mechanism: Mechanism = "dgauss",
+    wrap_probability: float = 2.0**-40,
+) -> float:
+    """The largest scale (finest granularity) whose sum still fits in ``bits`` (bisection)."""
+    per_site = calibrate(noise_multiplier, clip_norm, num_sites, threshold).per_site_stddev
+
+    def fits(s: float) -> bool:
+        try:
+            return choose_bits(dim=dim, clip_norm=clip_norm, scale=s, noise_stddev=per_site,
+                               num_sites=num_sites, units_per_site=units_per_site,
+                               mechanism=mechanism,
+                               wrap_probability=wrap_probability).bits <= bits
+        except PrivacyConfigError:
+            return False
+
+    lo, hi = 1e-12, 1e12
+    if not fits(lo):
+        raise PrivacyConfigError(f"{bits} bits cannot hold this sum at any scale; add bits")
+    for _ in range(200):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        if hi / lo < 1.0001:
+            break
+    return lo
+
+
+def round_rdp(
+    params: EncodingParams, sample_rate: float, steps: int = 1, orders: Sequence[float] = ORDERS
+) -> F64:
+    """RDP of ``steps`` rounds of the integer mechanism ``params`` describes.
+
+    Sensitivity is one unit's rounded vector (:attr:`EncodingParams.rounded_l2_bound`), the
+    noise is the sum over the ``threshold`` fewest survivors.
+    """
+    sigma = params.scale * params.noise_stddev
+    if sigma <= 0:
+        return np.full(len(orders), math.inf)
+    l2, l1 = params.rounded_l2_bound, params.rounded_l1_bound
+    if params.mechanism == "dgauss":
+        fn = ddg_rdp_fn(l2, l1, sigma, params.threshold, params.encoded_dim)
+    else:
+        fn = skellam_rdp_fn(l2, l1, params.threshold * sigma**2)
+    return integer_rdp(fn, sample_rate, steps, orders)
+
+
+def round_epsilon(params: EncodingParams, sample_rate: float, steps: int, delta: float) -> float:
+    """Epsilon after ``steps`` rounds (see :func:`round_rdp`)."""
+    return rdp_to_epsilon(round_rdp(params, sample_rate, steps), delta)
+
+
+def effective_noise_multiplier(params: EncodingParams) -> float:
+    """Central stddev over the rounded sensitivity: the Gaussian-equivalent multiplier."""
+    return math.sqrt(params.threshold) * params.scale * params.noise_stddev / rounded_l2_bound(
+        params.scale * params.clip_norm, params.encoded_dim, params.beta
+    )
+
+
+def noise_for_budget(
+    template: EncodingParams, epsilon: float, delta: float, sample_rate: float, rounds: int
+) -> EncodingParams:
+    """``template`` with the smallest per-site ``noise_stddev`` whose ``rounds`` rounds fit in
+    ``epsilon`` under the distributed accounting (bisection to 0.5 %)."""
+    from dataclasses import replace
+
+    def eps(sd: float) -> float:
+        return round_epsilon(replace(template, noise_stddev=sd), sample_rate, rounds, delta)
+
+    hi = template.clip_norm
+    while eps(hi) > epsilon:
+        hi *= 2
+        if hi > 1e6 * template.clip_norm:
+            raise PrivacyConfigError("no noise level reaches this epsilon; raise epsilon/delta")
+    lo = hi / 2
+    while eps(lo) <= epsilon and lo > 1e-9:
+        lo /= 2
+    while hi / lo > 1.005:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if eps(mid) <= epsilon else (mid, hi)
+    return replace(template, noise_stddev=hi)

@@ -1,0 +1,94 @@
+"""``secagg budget``: the privacy officer's planner (DESIGN.md section 4).
+
+Given a noise multiplier, print how many rounds (steps of the sampled Gaussian mechanism)
+the budget affords -- the largest R whose epsilon is at most E. Given rounds, print the
+smallest noise multiplier that fits. ``--json`` prints exactly one JSON object with
+``epsilon``, ``delta``, ``sample_rate``, ``noise_multiplier``, ``rounds``, ``accountant``.
+Bad input: a message saying what to change on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "budget",
+        help="plan a privacy budget: rounds for a noise multiplier, or the reverse",
+        description=(
+            "Given --noise-multiplier, print how many rounds the (epsilon, delta) budget "
+            "affords; given --rounds, print the smallest noise multiplier that fits."
+        ),
+    )
+    p.add_argument("--epsilon", type=float, required=True, help="total epsilon per patient")
+    p.add_argument("--delta", type=float, required=True, help="delta, below 1/#patients")
+    p.add_argument("--sample-rate", type=float, required=True,
+                   help="probability a patient is sampled in a round (0 < Q <= 1)")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--noise-multiplier", type=float, help="noise stddev / clip norm")
+    group.add_argument("--rounds", type=int, help="number of rounds to fit in the budget")
+    p.add_argument("--accountant", choices=("rdp", "prv"), default="rdp")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(command="budget")
+    return p
+
+
+def _validate(args: argparse.Namespace) -> str | None:
+    if not (math.isfinite(args.epsilon) and args.epsilon > 0):
+        return f"--epsilon must be a positive number (got {args.epsilon})"
+    if not 0 < args.delta < 1:
+        return f"--delta must be in (0, 1), e.g. 1e-5 (got {args.delta})"
+    if not 0 < args.sample_rate <= 1:
+        return f"--sample-rate must be in (0, 1] (got {args.sample_rate})"
+    if args.noise_multiplier is not None and not (
+        math.isfinite(args.noise_multiplier) and args.noise_multiplier > 0
+    ):
+        return f"--noise-multiplier must be a positive number (got {args.noise_multiplier})"
+    if args.rounds is not None and args.rounds < 1:
+        return f"--rounds must be at least 1 (got {args.rounds})"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _validate(args)
+    if problem:
+        print(f"secagg budget: {problem}", file=sys.stderr)
+        return 2
+    from dp.accounting import gaussian_epsilon, noise_multiplier_for, rounds_for
+    from dp.errors import PrivacyError
+
+    try:
+        if args.noise_multiplier is not None:
+            z = float(args.noise_multiplier)
+            rounds = rounds_for(args.epsilon, args.delta, args.sample_rate, z, args.accountant)
+        else:
+            rounds = int(args.rounds)
+            z = noise_multiplier_for(args.epsilon, args.delta, args.sample_rate, rounds,
+                                     args.accountant)
+        spent = gaussian_epsilon(z, args.sample_rate, rounds, args.delta, args.accountant)
+    except PrivacyError as exc:
+        print(f"secagg budget: {exc}", file=sys.stderr)
+        return 2
+    result = {
+        "epsilon": args.epsilon, "delta": args.delta, "sample_rate": args.sample_rate,
+        "noise_multiplier": z, "rounds": rounds, "accountant": args.accountant,
+    }
+    if args.json:
+        print(json.dumps(result))
+    elif args.noise_multiplier is not None:
+        print(f"noise multiplier {z:g} at sample rate {args.sample_rate:g}: the budget "
+              f"(epsilon={args.epsilon:g}, delta={args.delta:g}) affords {rounds} rounds "
+              f"(epsilon spent {spent:.4g}, {args.accountant} accountant)")
+    else:
+        print(f"{rounds} rounds at sample rate {args.sample_rate:g} within "
+              f"(epsilon={args.epsilon:g}, delta={args.delta:g}) need noise multiplier "
+              f">= {z:.4f} (epsilon spent {spent:.4g}, {args.accountant} accountant)")
+    if rounds == 0:
+        print("secagg budget: not even one round fits; raise --noise-multiplier or --epsilon, "
+              "or lower --sample-rate", file=sys.stderr)
+    return 0
