@@ -132,20 +132,21 @@ class Client:
         self._signing_key = signing_key
         self._verify_keys = dict(verify_keys or {})
         self._input: np.ndarray | None = check_input(input_vector, config)
-        self._encryption = KeyPair()
-        self._masking = KeyPair()
+        self._encryption: KeyPair | None = KeyPair()
+        self._masking: KeyPair | None = KeyPair()
         self._seed = os.urandom(32)
         self._stage = Stage.ADVERTISE_KEYS
         self._done = False
         self._aborted: ProtocolAbort | None = None
         self._advertisement: AdvertiseKeys | None = None
-        self._last: tuple[bytes, ClientMessage] | None = None
+        self._answered: dict[bytes, ClientMessage] = {}  # digest of server message -> reply
         self._keys: dict[int, KeyEntry] = {}
         self._shared_secrets: dict[int, bytes] = {}
         self._own_shares: _Received | None = None
         self._received: dict[int, _Received] = {}
         self._survivor_list: tuple[int, ...] | None = None
         self.revealed: dict[int, str] = {}  # peer -> "self_mask" | "masking_key"
+        self.advertise()
 
     # --- state ----------------------------------------------------------------------------
 
@@ -172,13 +173,26 @@ class Client:
         error = ProtocolAbort(f"client {self.client_id} aborted in {self._stage.label}: "
                               f"{reason}", stage=self._stage, client_id=self.client_id)
         self._aborted = error
-        # Erase what an attacker could still ask for.
+        self._answered = {}
+        self._erase()
+        return error
+
+    def _keys_of(self, pair: KeyPair | None) -> KeyPair:
+        if pair is None:
+            raise ProtocolError(f"client {self.client_id} has erased its keys",
+                                stage=self._stage, client_id=self.client_id)
+        return pair
+
+    def _erase(self) -> None:
+        """Forget every secret an attacker could still ask for (after an abort, or once
+        the round is done: what was revealed stays in the cached replies only)."""
         self._seed = b""
         self._input = None
         self._received = {}
         self._shared_secrets = {}
         self._own_shares = None
-        return error
+        self._encryption = None
+        self._masking = None
 
     # --- stage advertise_keys -------------------------------------------------------------
 
@@ -186,7 +200,8 @@ class Client:
         """Round 0: the client's public keys (the same message every time it is asked)."""
         if self._advertisement is None:
             commitment = self_mask_commitment(self._seed, self.session_id, self.client_id)
-            entry = KeyEntry(self._encryption.public, self._masking.public, commitment)
+            entry = KeyEntry(self._keys_of(self._encryption).public,
+                             self._keys_of(self._masking).public, commitment)
             signature = b""
             if self._signing_key is not None and self.config.malicious:
                 signature = self._signing_key.sign(
@@ -218,19 +233,21 @@ class Client:
             raise ProtocolError(
                 f"message for client {msg.recipient} delivered to client {self.client_id}",
                 stage=self._stage, client_id=self.client_id)
-        digest = sha256(raw)
-        if self._last is not None and self._last[0] == digest:
-            return self._last[1]  # a redelivered message gets the same answer
         if self._aborted is not None:
             raise ProtocolError(f"client {self.client_id} has aborted: {self._aborted}",
                                 stage=self._stage, client_id=self.client_id)
+        digest = sha256(raw)
+        if digest in self._answered:
+            return self._answered[digest]  # a redelivered message gets the same answer
         if self._done:
             raise ProtocolError(f"client {self.client_id} has finished the round",
                                 stage=self._stage, client_id=self.client_id)
         if msg.session_id != self.session_id:
             raise self._abort("the message belongs to another session")
         reply = self._dispatch(msg)
-        self._last = (digest, reply)
+        self._answered[digest] = reply
+        if self._done:
+            self._erase()
         return reply
 
     def _max_message_bytes(self) -> int:
@@ -294,16 +311,16 @@ class Client:
                 raise self._abort(f"client {cid}'s key advertisement signature is invalid")
         holders = sorted(keys)
         masking_shares, seed_shares = split_many(
-            [self._masking.private_bytes(), self._seed], holders, t)
+            [self._keys_of(self._masking).private_bytes(), self._seed], holders, t)
         ciphertexts = {}
         secrets: dict[int, bytes] = {}
         for peer in holders:
             if peer == self.client_id:
                 continue
             peer_key = keys[peer].encryption_key
-            secret = secrets[peer] = self._encryption.exchange(peer_key)
+            secret = secrets[peer] = self._keys_of(self._encryption).exchange(peer_key)
             key = share_key(secret, self.session_id, self.client_id, peer,
-                            self._encryption.public, peer_key)
+                            self._keys_of(self._encryption).public, peer_key)
             plaintext = (u32(self.client_id) + u32(peer) + masking_shares[peer]
                          + seed_shares[peer])
             ciphertexts[peer] = seal(key, plaintext,
@@ -334,7 +351,7 @@ class Client:
         for sender in sorted(senders):
             peer_key = self._keys[sender].encryption_key
             key = share_key(self._shared_secrets[sender], self.session_id, sender,
-                            self.client_id, peer_key, self._encryption.public)
+                            self.client_id, peer_key, self._keys_of(self._encryption).public)
             try:
                 plaintext = open_sealed(key, msg.ciphertexts[sender],
                                         share_associated_data(self.session_id, sender,
@@ -364,11 +381,12 @@ class Client:
         y = self._input.copy()
         masker.add(y, self_mask_key(self._seed, self.session_id, self.client_id,
                                     cfg.shape_tag))
-        own = self._masking.public
+        own = self._keys_of(self._masking).public
         for peer in peers:
             peer_key = self._keys[peer].masking_key
-            key = pairwise_mask_key(self._masking.exchange(peer_key), self.session_id,
-                                    self.client_id, peer, own, peer_key, cfg.shape_tag)
+            secret = self._keys_of(self._masking).exchange(peer_key)
+            key = pairwise_mask_key(secret, self.session_id, self.client_id, peer, own,
+                                    peer_key, cfg.shape_tag)
             if self.client_id < peer:
                 masker.add(y, key)
             else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from .graph import check_pair, minimum_threshold
+from .graph import check_complete, check_pair, minimum_threshold
 
 SECURITY_MODES = ("semi-honest", "malicious")
 MAX_CLIENTS = 1 << 20
@@ -29,8 +29,9 @@ class Config:
     SecAgg+ (Bell et al. 2020) where every client's secrets are shared among its closed
     neighbourhood of ``k`` clients (itself included), and ``threshold`` counts among those k.
     ``threshold=None`` picks the smallest safe value. ``dropout_rate`` and ``corrupt_rate``,
-    when given with ``neighbors``, make ``Config`` check (k, t) against the Bell et al.
-    bounds; see ``secagg.secagg_plus_parameters`` for a safe pair.
+    when given, make ``Config`` check (k, t) against the Bell et al. bounds (SecAgg+) or
+    the threshold against the corrupt and surviving clients (complete graph); see
+    ``secagg.secagg_plus_parameters`` for a safe pair.
     """
 
     num_clients: int
@@ -90,9 +91,12 @@ class Config:
             rate = getattr(self, name)
             if rate is not None and not (isinstance(rate, (int, float)) and 0 <= rate < 1):
                 raise ValueError(f"{name}={rate!r}: need a fraction in [0, 1)")
-        if k is not None and (self.dropout_rate is not None or self.corrupt_rate is not None):
-            check_pair(range(n), k, t, self.dropout_rate or 0.0, self.corrupt_rate or 0.0,
-                       self.security)
+        if self.dropout_rate is not None or self.corrupt_rate is not None:
+            rates = (self.dropout_rate or 0.0, self.corrupt_rate or 0.0)
+            if k is not None:
+                check_pair(range(n), k, t, *rates, self.security)
+            else:
+                check_complete(n, t, *rates, self.security)
 
     @property
     def holders(self) -> int:

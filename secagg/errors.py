@@ -1,13 +1,13 @@
 """The typed errors of the protocol. Errors are part of the interface.
 
-``ProtocolError``  a message was rejected: malformed, from the wrong stage or session,
-                   from an unknown sender, or otherwise invalid. The object that raised it
-                   did not change state because of that message (a server may have
-                   excluded the sender, which it reports).
-``ProtocolAbort``  the round cannot continue safely or cannot finish (too few survivors,
-                   an inconsistent or forged message from the server, an unmasking request
-                   that would reveal both shares of one peer). The state machine that raised
-                   it is now aborted and reveals nothing more.
+``ProtocolError``  a message was rejected: undecodable, misaddressed, from an unknown
+                   sender, out of stage at the server, or otherwise invalid. The object that
+                   raised it did not change state because of that message.
+``ProtocolAbort``  the round cannot continue safely or cannot finish (too few survivors;
+                   a server message from another session or stage, inconsistent with an
+                   earlier one, or forged; an unmasking request that would reveal both
+                   shares of one peer). The state machine that raised it is now aborted
+                   and answers nothing more.
 
 ``ProtocolAbort`` subclasses ``ProtocolError`` so that ``except ProtocolError`` catches every
 protocol failure.

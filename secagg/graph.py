@@ -81,7 +81,7 @@ def _keystream_permutation(seed: bytes, n: int) -> list[int]:
     return perm
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: neighbourhood lookups stay O(1)
 class Graph:
     """The share/mask graph of one session.
 
@@ -159,7 +159,7 @@ def hypergeometric_pmf(population: int, successes: int, draws: int) -> list[floa
 def _log_prob_disconnected(n: int, degree: int, bad: int) -> float:
     """Union bound on the honest surviving subgraph of a random Harary graph being
     disconnected: two disjoint runs of degree/2 consecutive removed vertices are needed."""
-    run = degree  # two runs of degree/2 each
+    run = 2 * (degree // 2)  # two runs of floor(degree/2) each (conservative for odd degree)
     if run > bad:
         return -math.inf
     log_pairs = math.log(n) + math.log(max(n - degree - 1, 1)) - math.log(2)
@@ -215,18 +215,18 @@ def sparse_threshold_range(n: int, k: int, dropout_rate: float, corrupt_rate: fl
     sec_tail = 2.0 ** -(SECURITY_BITS + 1) / n
     cor_tail = 2.0 ** -CORRECTNESS_BITS / n
     pmf_corrupt = hypergeometric_pmf(n, bad_corrupt, degree)
-    # t1: smallest a with P[corrupt neighbours > a] <= sec_tail
+    # c_max: the most corrupt neighbours a client has, except with probability sec_tail
     tail = 0.0
-    t1 = degree
+    c_max = -1
     for a in range(degree, -1, -1):
         if tail + pmf_corrupt[a] > sec_tail:
-            t1 = a
+            c_max = a
             break
         tail += pmf_corrupt[a]
-    else:
-        t1 = -1
-    if security == "malicious":
-        t1 = math.ceil((t1 + degree - 1.25) / 2)
+    # semi-honest: the corrupt holders must not reach t; malicious: a server that tells
+    # two groups different stories gets at most 2t - k shares of each kind plus the
+    # corrupt ones, so 2t > k + c_max (k counts the client itself, which is honest)
+    t1 = c_max if security == "semi-honest" else (k + c_max) // 2
     surviving = math.ceil((1 - dropout_rate - _SMALL) * n)
     pmf_alive = hypergeometric_pmf(n, surviving, degree)
     # t2: largest b with P[surviving neighbours < b] <= cor_tail
@@ -241,6 +241,27 @@ def sparse_threshold_range(n: int, k: int, dropout_rate: float, corrupt_rate: fl
     if t2 < lo:
         return None
     return lo, t2
+
+
+def complete_graph_threshold(n: int, corrupt_rate: float, security: str) -> int:
+    """The smallest safe threshold on the complete graph: more than the corrupt clients
+    (semi-honest), more than (n + corrupt) / 2 (malicious), and the Bonawitz minimum."""
+    corrupt = math.ceil(corrupt_rate * n - _SMALL)
+    by_corruption = corrupt + 1 if security == "semi-honest" else (n + corrupt) // 2 + 1
+    return max(minimum_threshold(n, security), by_corruption, 2)
+
+
+def check_complete(n: int, threshold: int, dropout_rate: float, corrupt_rate: float,
+                   security: str) -> None:
+    """Raise ``ValueError`` unless ``threshold`` is safe and live on the complete graph."""
+    _check_rates(dropout_rate, corrupt_rate, security)
+    low = complete_graph_threshold(n, corrupt_rate, security)
+    high = math.floor((1 - dropout_rate + _SMALL) * n)
+    if not low <= threshold <= high:
+        raise ValueError(
+            f"threshold={threshold} is unsafe for num_clients={n} at dropout_rate="
+            f"{dropout_rate}, corrupt_rate={corrupt_rate}, security={security!r}: it must be "
+            f"in [{low}, {high}] (above the corrupt clients, at most the survivors)")
 
 
 def secagg_plus_parameters(num_clients: int, dropout_rate: float = 0.1,
@@ -258,8 +279,8 @@ def secagg_plus_parameters(num_clients: int, dropout_rate: float = 0.1,
         found = sparse_threshold_range(n, k, dropout_rate, corrupt_rate, security)
         if found is not None:
             return GraphParameters(n, k, found[0])
-    t = max(minimum_threshold(n, security), math.ceil(corrupt_rate * n) + 1)
-    survivors = math.floor((1 - dropout_rate) * n)
+    t = complete_graph_threshold(n, corrupt_rate, security)
+    survivors = math.floor((1 - dropout_rate + _SMALL) * n)
     if t > survivors:
         raise ValueError(
             f"no safe parameters for num_clients={n}, dropout_rate={dropout_rate}, "

@@ -277,10 +277,30 @@ def decode(data: bytes, *, max_bytes: int = 1 << 31, max_entries: int = 1 << 20)
         raise _fail("expected bytes")
     if len(data) > max_bytes:
         raise _fail(f"{len(data)} bytes is more than the {max_bytes} this round allows")
+    raw = bytes(data)
     try:
-        obj = msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=False)
+        obj = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False,
+                              object_pairs_hook=_unique_map)
+    except DecodeError:
+        raise
     except Exception as exc:  # msgpack raises many types on garbage; all mean "malformed"
         raise _fail(f"not msgpack ({type(exc).__name__})") from None
+    message = _build(obj, max_entries)
+    # One message, one encoding: duplicate detection by digest and signatures over what
+    # the code builds itself both rely on it.
+    if encode(message) != raw:
+        raise _fail("not in canonical form (maps sorted by id, minimal integers)")
+    return message
+
+
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _fail("a map repeats a key")
+    return out
+
+
+def _build(obj: Any, max_entries: int) -> Message:
     if type(obj) is not list or len(obj) < 4:
         raise _fail("expected an array [magic, kind, session, party, ...]")
     if obj[0] != MAGIC:

@@ -109,6 +109,7 @@ class Server:
         self._seed_shares: dict[int, dict[int, int]] = {}
         self._key_shares: dict[int, dict[int, int]] = {}
         self.result: AggregateResult | None = None
+        self.aborted: ProtocolAbort | None = None
 
     # --- state ----------------------------------------------------------------------------
 
@@ -148,6 +149,8 @@ class Server:
         """Accept one message from ``client_id`` (the transport-authenticated sender)."""
         if self.result is not None:
             raise self._reject(client_id, "the round has finished")
+        if self.aborted is not None:
+            raise self._reject(client_id, f"the round was aborted: {self.aborted}")
         if isinstance(message, (bytes, bytearray, memoryview)):
             raw = bytes(message)
             try:
@@ -237,8 +240,10 @@ class Server:
     # --- advancing ------------------------------------------------------------------------
 
     def _abort(self, reason: str) -> ProtocolAbort:
-        return ProtocolAbort(f"server aborted the round in {self._stage.label}: {reason}",
-                             stage=self._stage)
+        error = ProtocolAbort(f"server aborted the round in {self._stage.label}: {reason}",
+                              stage=self._stage)
+        self.aborted = error  # sticky: nothing is received or sent after an abort
+        return error
 
     def _close(self) -> set[int]:
         responders = set(self._inbox)
@@ -257,6 +262,8 @@ class Server:
         """Close the current stage; return the next messages by recipient."""
         if self.result is not None:
             raise ProtocolError("the round has finished")
+        if self.aborted is not None:
+            raise ProtocolAbort(f"the round was aborted: {self.aborted}", stage=self._stage)
         t = self._threshold
         responders = self._close()
         if len(responders) < t:

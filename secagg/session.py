@@ -1,9 +1,11 @@
 """What both sides derive before a round starts: the session id and the graph.
 
-The session id is never chosen by the server (Google's fcp trusts a server-sent one): every
-party derives it from the configuration, the roster of client ids and the caller's context
-(round number, model hash, federation name...). Freshness comes from the ephemeral keys
-that every later derivation also binds. docs/protocol.md section 2.
+The session id is not an opaque value sent by the server (Google's fcp trusts a server-sent
+one): every party derives it from the configuration, the roster of client ids and the
+caller's context (round number, model hash, federation name...), so a client checks what it
+is bound to. Whoever picks the roster and context fixes the id; put randomness the server
+cannot choose into the context if grinding the SecAgg+ relabelling matters (docs/protocol.md
+section 9). Freshness comes from the ephemeral keys that every later derivation also binds.
 """
 
 from __future__ import annotations

@@ -41,19 +41,6 @@ def _random_field_elements(count: int) -> list[int]:
     return out[:count]
 
 
-@lru_cache(maxsize=256)
-def _power_table(xs: tuple[int, ...], degree: int) -> tuple[tuple[int, ...], ...]:
-    table = []
-    for x in xs:
-        row = [1]
-        acc = 1
-        for _ in range(degree):
-            acc = acc * x % PRIME
-            row.append(acc)
-        table.append(tuple(row))
-    return tuple(table)
-
-
 def _check_holders(holders: Sequence[int], threshold: int) -> tuple[int, ...]:
     xs = tuple(holders)
     if len(set(xs)) != len(xs):
@@ -67,55 +54,75 @@ def _check_holders(holders: Sequence[int], threshold: int) -> tuple[int, ...]:
 
 _LIMBS = 17  # 16-bit limbs of a field element (p < 2^257)
 _OUT_LIMBS = 40  # limbs of an unreduced dot product (< t * p^2 < 2^(514 + log2 t))
-_TABLE_LIMIT = 4_000_000  # holder * threshold entries above which Horner is used instead
+
+
+_P_LIMBS = [(PRIME >> (16 * i)) & 0xFFFF for i in range(_LIMBS)]
+
+
+def _normalize(limbs: Any, upto: int) -> None:
+    """Carry-propagate limb rows 0..upto (signed carries: ``>>`` floors)."""
+    for m in range(upto):
+        carry = limbs[m] >> 16
+        limbs[m] &= 0xFFFF
+        limbs[m + 1] += carry
 
 
 @lru_cache(maxsize=64)
 def _limb_power_table(xs: tuple[int, ...], degree: int) -> np.ndarray:
-    """x^j mod p for every holder x and j <= degree, as float64 16-bit limbs shaped
-    (holders * 17, degree + 1): the left operand of one exact BLAS product."""
-    rows = _power_table(xs, degree)
-    raw = b"".join(v.to_bytes(2 * _LIMBS, "little") for row in rows for v in row)
-    limbs = np.frombuffer(raw, dtype="<u2").reshape(len(xs), degree + 1, _LIMBS)
-    return np.ascontiguousarray(limbs.transpose(0, 2, 1), dtype=np.float64).reshape(
-        len(xs) * _LIMBS, degree + 1)
+    """x^j mod p (up to a multiple of p, value < 2^258) for every holder x and j <= degree,
+    as float64 16-bit limbs shaped (holders, degree + 1, 17).
+
+    Built column by column in numpy, all holders at once: a column is the previous block
+    times y = x^m (m chosen so y < 2^32, hence limb * y < 2^48 fits int64), then folded
+    with 2^256 = -297 (mod p). No Python big-int arithmetic per entry.
+    """
+    h = len(xs)
+    bits = max(x.bit_length() for x in xs)
+    m = max(1, min(32 // bits, degree + 1))
+    table = np.empty((h, degree + 1, _LIMBS), dtype=np.float64)
+    block = np.zeros((_LIMBS + 4, m * h), dtype=np.int64)
+    first = b"".join((x ** i % PRIME).to_bytes(2 * _LIMBS, "little")
+                     for i in range(m) for x in xs)
+    block[:_LIMBS] = np.frombuffer(first, dtype="<u2").reshape(m * h, _LIMBS).T
+    multiplier = np.tile(np.array([x ** m for x in xs], dtype=np.int64), m)
+    j = 0
+    while True:
+        for i in range(m):
+            if j + i <= degree:
+                table[:, j + i, :] = block[:_LIMBS, i * h:(i + 1) * h].T
+        j += m
+        if j > degree:
+            return table
+        block *= multiplier  # limbs < 2^17, y < 2^32: products < 2^49
+        _normalize(block, _LIMBS + 3)
+        high = block[16] + (block[17] << 16) + (block[18] << 32) + (block[19] << 48)
+        block[16:] = 0
+        # value = low + high * 2^256 = low - 297 * high + p  (mod p), kept positive
+        block[0] += 297 - 297 * high
+        block[16] = 1
+        _normalize(block, _LIMBS - 1)
 
 
 def _evaluate_all(coefficients: list[list[int]], xs: tuple[int, ...]) -> list[list[int]]:
     """f_s(x) mod p for every polynomial s and holder x.
 
-    Field elements are split into 16-bit limbs, so every limb product is < 2^32 and a sum
-    of t of them is < 2^53 (exact in float64) for t < 2^21: the whole evaluation is one
-    BLAS matrix product plus a carry pass, instead of t * len(xs) Python big-int products.
+    Field elements are split into 16-bit limbs, so every limb product is < 2^34 and a sum
+    of t of them is < 2^53 (exact in float64) for t < 2^19: the evaluation is one batched
+    BLAS product plus a carry pass, instead of t * len(xs) Python big-int products.
     """
     degree = len(coefficients[0]) - 1
     count = len(coefficients)
-    if len(xs) * (degree + 1) > _TABLE_LIMIT:
-        out = []
-        for coeffs in coefficients:
-            row = []
-            for x in xs:
-                value = 0
-                for i, c in enumerate(reversed(coeffs)):
-                    value = value * x + c
-                    if i % 16 == 15:  # keep the accumulator near field size
-                        value %= PRIME
-                row.append(value % PRIME)
-            out.append(row)
-        return out
-    table = _limb_power_table(xs, degree)
+    table = _limb_power_table(xs, degree)  # (h, t, 17)
     raw = b"".join(c.to_bytes(2 * _LIMBS, "little") for coeffs in coefficients for c in coeffs)
     coeff_limbs = np.frombuffer(raw, dtype="<u2").reshape(count, degree + 1, _LIMBS)
-    right = coeff_limbs.transpose(1, 0, 2).reshape(degree + 1, count * _LIMBS)
-    flat = (table @ right.astype(np.float64)).astype(np.int64)
-    product = flat.reshape(len(xs), _LIMBS, count, _LIMBS)
-    acc: Any = np.zeros((len(xs), count, _OUT_LIMBS), dtype=np.int64)
-    for j in range(_LIMBS):
-        acc[:, :, j:j + _LIMBS] += product[:, j, :, :]
-    for m in range(_OUT_LIMBS - 1):
-        acc[:, :, m + 1] += acc[:, :, m] >> 16
-        acc[:, :, m] &= 0xFFFF
-    packed = acc.astype("<u2")
+    left = coeff_limbs.transpose(0, 2, 1).reshape(count * _LIMBS, degree + 1)
+    product: Any = np.matmul(left.astype(np.float64), table).astype(np.int64)
+    product = product.reshape(len(xs), count, _LIMBS, _LIMBS)  # (h, s, coeff limb, power limb)
+    acc: Any = np.zeros((_OUT_LIMBS, len(xs), count), dtype=np.int64)
+    for a in range(_LIMBS):
+        acc[a:a + _LIMBS] += product[:, :, a, :].transpose(2, 0, 1)
+    _normalize(acc, _OUT_LIMBS - 1)
+    packed = np.ascontiguousarray(acc.transpose(1, 2, 0)).astype("<u2")
     return [[int.from_bytes(packed[i, s].tobytes(), "little") % PRIME
              for i in range(len(xs))] for s in range(count)]
 
