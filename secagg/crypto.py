@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from functools import lru_cache
 
 import numpy as np
 from cryptography.exceptions import InvalidSignature, InvalidTag
@@ -57,8 +58,11 @@ def sha256(*parts: bytes) -> bytes:
     return h.digest()
 
 
+_U32 = struct.Struct(">I")
+
+
 def u32(value: int) -> bytes:
-    return struct.pack(">I", value)
+    return _U32.pack(value)
 
 
 def constant_time_equal(a: bytes, b: bytes) -> bool:
@@ -112,11 +116,17 @@ def hkdf(secret: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(secret)
 
 
+@lru_cache(maxsize=256)
+def _label_prefix(tag: bytes, session_id: bytes, stage: int) -> bytes:
+    return b"|".join([PROTOCOL, tag, session_id, bytes([stage]), b""])
+
+
 def pair_label(tag: bytes, session_id: bytes, stage: Stage, first: int, second: int,
                *extra: bytes) -> bytes:
-    """The HKDF info / AEAD associated data: protocol, purpose, session, stage, both ids."""
-    return b"|".join([PROTOCOL, tag, session_id, bytes([stage.value]), u32(first),
-                      u32(second), *extra])
+    """The HKDF info / AEAD associated data: protocol, purpose, session, stage, both ids,
+    joined with b"|" (docs/protocol.md section 5)."""
+    head = _label_prefix(tag, session_id, int(stage)) + _U32.pack(first) + b"|"
+    return b"|".join([head + _U32.pack(second), *extra])
 
 
 # --- share encryption (stage share_keys) --------------------------------------------------
@@ -178,6 +188,9 @@ def dtype_for_bits(bits: int) -> np.dtype[np.unsignedinteger]:
     raise ValueError(f"bits={bits} must be at most 64")
 
 
+_ZERO_COUNTER = modes.CTR(b"\x00" * 16)  # each mask key is used for exactly one stream
+
+
 class Masker:
     """Expands mask keys with AES-256-CTR into one preallocated buffer and adds or subtracts
     the keystream in place, so a mask costs one keystream pass plus one vector add."""
@@ -192,7 +205,7 @@ class Masker:
 
     def keystream(self, key: bytes) -> np.ndarray:
         """The mask for ``key``; a view valid until the next call."""
-        encryptor = Cipher(algorithms.AES(key), modes.CTR(b"\x00" * 16)).encryptor()
+        encryptor = Cipher(algorithms.AES(key), _ZERO_COUNTER).encryptor()
         encryptor.update_into(self._zeros, self._buffer)
         return self._view
 

@@ -99,6 +99,7 @@ class Server:
         self.dropped: dict[int, Stage] = {}
         self.rejected: list[tuple[int, str]] = []
         self._adverts: dict[int, AdvertiseKeys] = {}
+        self._key_owner: dict[bytes, int] = {}
         self._key_lists: dict[int, frozenset[int]] = {}
         self._share_keys: dict[int, ShareKeys] = {}
         self._forwarded: dict[int, frozenset[int]] = {}
@@ -188,6 +189,9 @@ class Server:
         self._validate(client_id, msg)
         self._inbox[client_id] = msg
         self._digests[client_id] = digest
+        if isinstance(msg, AdvertiseKeys):
+            self._key_owner[msg.encryption_key] = client_id
+            self._key_owner[msg.masking_key] = client_id
         if isinstance(msg, MaskedInput):
             np.add(self._sum, msg.vector(), out=self._sum)
 
@@ -201,11 +205,10 @@ class Server:
                 raise self._reject(cid, str(exc)) from None
             if msg.encryption_key == msg.masking_key:
                 raise self._reject(cid, "the encryption and masking keys are the same")
-            mine = {msg.encryption_key, msg.masking_key}
-            for other, advert in self._inbox.items():
-                assert isinstance(advert, AdvertiseKeys)
-                if mine & {advert.encryption_key, advert.masking_key}:
-                    raise self._reject(cid, f"duplicates a public key of client {other}")
+            for key in (msg.encryption_key, msg.masking_key):
+                if key in self._key_owner:
+                    raise self._reject(cid, "duplicates a public key of client "
+                                            f"{self._key_owner[key]}")
             if cfg.malicious and not verify_signature(
                     self._verify_keys.get(cid, b""), msg.signature,
                     advertisement_transcript(self.session_id, cid, _entry(msg))):
@@ -448,9 +451,13 @@ class Server:
         pool, which the caller owns) they run in parallel, otherwise inline."""
         cfg = self.config
         jobs: list[_MaskJob] = [("self", owner, seed, ()) for owner, seed in seeds.items()]
+        masked_with: dict[int, list[int]] = {}  # dropped u -> survivors that masked with u
+        for survivor in sorted(self._survivors):
+            for peer in self._forwarded[survivor]:
+                masked_with.setdefault(peer, []).append(survivor)
         for dropped, pair in private_keys.items():
-            peers = tuple((v, self._adverts[v].masking_key) for v in sorted(self._survivors)
-                          if dropped in self._forwarded[v])
+            peers = tuple((v, self._adverts[v].masking_key)
+                          for v in masked_with.get(dropped, ()))
             if peers:
                 jobs.append(("pair", dropped, pair.private_bytes(), peers))
         header = (self.session_id, cfg.shape_tag, cfg.dim, cfg.bits,
