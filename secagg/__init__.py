@@ -10,7 +10,7 @@ The state machines ``Client`` and ``Server`` are for embedding the protocol in a
 """
 
 from .client import Client
-from .config import Config
+from .config import Config, required_bits
 from .crypto import SigningKey
 from .errors import DecodeError, ProtocolAbort, ProtocolError, SecAggError
 from .graph import GraphParameters, secagg_plus_parameters
@@ -34,6 +34,7 @@ __all__ = [
     "Stage",
     "decode",
     "encode",
+    "required_bits",
     "secagg_plus_parameters",
     "simulate",
 ]

@@ -17,6 +17,20 @@ MAX_CLIENTS = 1 << 20
 MAX_DIM = 1 << 31
 
 
+def required_bits(num_clients: int, max_value: int) -> int:
+    """The smallest ``bits`` whose modulus holds the sum of ``num_clients`` inputs that are
+    each at most ``max_value``: with it the modular sum is the exact integer sum (the
+    aggregate never wraps silently, as Flower's does past ~1000 clients). Raises
+    ``ValueError`` when even 64 bits are not enough."""
+    if num_clients < 1 or max_value < 0:
+        raise ValueError("num_clients must be positive and max_value non-negative")
+    bits = max(8, (num_clients * max_value).bit_length())
+    if bits > 64:
+        raise ValueError(f"{num_clients} inputs of up to {max_value} need {bits} bits; the "
+                         "modulus is at most 2**64: scale the inputs down")
+    return bits
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
