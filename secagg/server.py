@@ -54,7 +54,7 @@ from .messages import (
     encode,
 )
 from .session import derive_session_id, normalize_roster, session_graph
-from .shamir import PRIME, evaluate_at, reconstruct_value
+from .shamir import PRIME, decode_with_errors, evaluate_at, reconstruct_value
 from .stage import Stage
 
 
@@ -412,27 +412,39 @@ class Server:
 
     def _reconstruct(self, owner: int, shares: dict[int, int],
                      check: Callable[[bytes], bool], corrupt: dict[int, set[int]]) -> bytes:
-        """Reconstruct and verify one secret; with corrupted shares, search subsets of the
-        shares for one that verifies and name the holders whose shares disagree."""
+        """Reconstruct and verify one secret (docs/protocol.md section 8).
+
+        The first ``t`` shares usually verify. If not, the shares are decoded as a
+        Reed-Solomon codeword (Gao), which corrects up to (m - t) / 2 wrong shares and
+        names their holders; beyond that, random t-subsets are tried against the check."""
         t = self._threshold
         holders = sorted(shares)
-        candidates = [tuple(holders[:t])]
-        if len(holders) > t:
-            rng = random.Random(owner)  # which subsets to try is not secret
-            candidates.append(tuple(holders[-t:]))
-            candidates += [tuple(sorted(rng.sample(holders, t))) for _ in range(64)]
-        for subset in candidates:
-            value = reconstruct_value({x: shares[x] for x in subset}, t)
+
+        def verified(value: int) -> bytes | None:
             if value >> 256:
-                continue
+                return None
             secret = value.to_bytes(32, "big")
             try:
-                valid = check(secret)
+                return secret if check(secret) else None
             except (ValueError, CryptoError):
-                valid = False
-            if valid:
-                if subset != candidates[0]:
-                    self._blame(owner, shares, subset, corrupt)
+                return None
+
+        first = verified(reconstruct_value({x: shares[x] for x in holders[:t]}, t))
+        if first is not None:
+            return first
+        decoded = decode_with_errors(shares, t)
+        if decoded is not None:
+            secret = verified(decoded[0])
+            if secret is not None:
+                for holder in decoded[1]:
+                    corrupt.setdefault(holder, set()).add(owner)
+                return secret
+        rng = random.Random(owner)  # which subsets to try is not secret
+        for _ in range(64 if len(holders) > t else 0):
+            subset = tuple(sorted(rng.sample(holders, t)))
+            secret = verified(reconstruct_value({x: shares[x] for x in subset}, t))
+            if secret is not None:
+                self._blame(owner, shares, subset, corrupt)
                 return secret
         raise self._abort(f"the shares of client {owner}'s secret are inconsistent and no "
                           f"{t} of them reconstruct the committed value")

@@ -214,3 +214,88 @@ def evaluate_at(shares: Mapping[int, int], xs: tuple[int, ...], at: int) -> int:
                 den = den * (xi - xj) % PRIME
         total += shares[xi] * num * pow(den, -1, PRIME)
     return total % PRIME
+
+
+# --- error correction (Gao 2003, a Reed-Solomon decoder) ------------------------------------
+# Shamir shares are a Reed-Solomon codeword: with m shares of a degree t-1 polynomial, up to
+# (m - t) / 2 corrupted shares can be corrected and their holders named, without guessing.
+
+
+def _trim(poly: list[int]) -> list[int]:
+    while poly and poly[-1] == 0:
+        poly.pop()
+    return poly
+
+
+def _poly_sub(a: list[int], b: list[int]) -> list[int]:
+    out = [0] * max(len(a), len(b))
+    for i, c in enumerate(a):
+        out[i] = c
+    for i, c in enumerate(b):
+        out[i] = (out[i] - c) % PRIME
+    return _trim(out)
+
+
+def _poly_mul(a: list[int], b: list[int]) -> list[int]:
+    if not a or not b:
+        return []
+    out = [0] * (len(a) + len(b) - 1)
+    for i, ca in enumerate(a):
+        if ca:
+            for j, cb in enumerate(b):
+                out[i + j] += ca * cb
+    return _trim([c % PRIME for c in out])
+
+
+def _poly_divmod(a: list[int], b: list[int]) -> tuple[list[int], list[int]]:
+    rem = list(a)
+    inv_lead = pow(b[-1], -1, PRIME)
+    quotient = [0] * max(len(a) - len(b) + 1, 0)
+    for shift in range(len(a) - len(b), -1, -1):
+        coeff = rem[shift + len(b) - 1] * inv_lead % PRIME
+        quotient[shift] = coeff
+        if coeff:
+            for j, cb in enumerate(b):
+                rem[shift + j] = (rem[shift + j] - coeff * cb) % PRIME
+    return _trim(quotient), _trim(rem[:len(b) - 1])
+
+
+def _poly_eval(poly: list[int], x: int) -> int:
+    acc = 0
+    for c in reversed(poly):
+        acc = (acc * x + c) % PRIME
+    return acc
+
+
+def decode_with_errors(shares: Mapping[int, int], threshold: int
+                       ) -> tuple[int, frozenset[int]] | None:
+    """Gao's decoder: the secret f(0) and the holders whose shares are off f, when at most
+    (len(shares) - threshold) // 2 shares are wrong; ``None`` when no such f exists."""
+    xs = sorted(shares)
+    m = len(xs)
+    if m < threshold:
+        return None
+    g0 = [1]
+    for x in xs:
+        g0 = _poly_mul(g0, [(-x) % PRIME, 1])
+    g1: list[int] = []
+    for xi in xs:  # Lagrange interpolation through all m points
+        basis, _ = _poly_divmod(g0, [(-xi) % PRIME, 1])
+        denom = _poly_eval(basis, xi)
+        scale = shares[xi] * pow(denom, -1, PRIME) % PRIME
+        g1 = _trim([(a + scale * b) % PRIME for a, b in
+                    zip(g1 + [0] * (len(basis) - len(g1)), basis, strict=True)])
+    r0, r1, v0, v1 = g0, g1, [], [1]
+    while r1 and 2 * (len(r1) - 1) >= m + threshold:
+        q, r = _poly_divmod(r0, r1)
+        r0, r1 = r1, r
+        v0, v1 = v1, _poly_sub(v0, _poly_mul(q, v1))
+    if not v1:
+        return None
+    f, rem = _poly_divmod(r1, v1)
+    if rem or len(f) > threshold:
+        return None
+    bad = frozenset(x for x in xs if _poly_eval(f, x) != shares[x])
+    if len(bad) > (m - threshold) // 2:
+        return None
+    return (f[0] if f else 0), bad
