@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from .crypto import (
 from .errors import ProtocolAbort, ProtocolError
 from .messages import (
     SHARE_PLAINTEXT_BYTES,
+    SIGNED_TAGS,
     AdvertiseKeys,
     Ciphertexts,
     ClientMessage,
@@ -60,6 +62,8 @@ from .messages import (
     UnmaskRequest,
     decode,
     encode,
+    peers_digest,
+    signed_payload,
 )
 from .session import derive_session_id, normalize_roster, session_graph
 from .shamir import SHARE_BYTES, ShamirError, decode_share, split_many
@@ -74,6 +78,14 @@ def advertisement_transcript(session_id: bytes, client_id: int, entry: KeyEntry)
 def survivors_transcript(session_id: bytes, signer: int, survivors: Iterable[int]) -> bytes:
     payload = b"".join(u32(c) for c in sorted(survivors))
     return transcript(b"survivors", session_id, Stage.CONSISTENCY_CHECK, signer, payload)
+
+
+_Signable = TypeVar("_Signable", ShareKeys, MaskedInput, UnmaskingShares)
+
+
+def client_message_transcript(message: ShareKeys | MaskedInput | UnmaskingShares) -> bytes:
+    return transcript(SIGNED_TAGS[type(message)], message.session_id, message.stage,
+                      message.client_id, signed_payload(message))
 
 
 def share_associated_data(session_id: bytes, sender: int, recipient: int) -> bytes:
@@ -93,6 +105,15 @@ def check_input(vector: object, config: Config, who: str = "input") -> np.ndarra
         raise ValueError(f"{who} has values outside [0, 2**{config.bits}); reduce them "
                          f"mod 2**bits or raise bits")
     return arr.astype(dtype_for_bits(config.bits), copy=True)
+
+
+def _reencode(message: object, stage: Stage, client_id: int | None = None) -> bytes:
+    """Wire bytes of a message object, so objects get exactly the validation bytes get."""
+    try:
+        return encode(message)  # type: ignore[arg-type]
+    except Exception as exc:  # a hand-built object with wrong field types
+        raise ProtocolError(f"malformed {type(message).__name__} object: {exc}",
+                            stage=stage, client_id=client_id) from None
 
 
 @dataclass
@@ -194,6 +215,14 @@ class Client:
         self._encryption = None
         self._masking = None
 
+    def _signed(self, message: _Signable) -> _Signable:
+        """In malicious mode every client message is signed, so neither the broker nor the
+        server can alter it unnoticed (DESIGN.md section 5)."""
+        if not self.config.malicious or self._signing_key is None:
+            return message
+        signature = self._signing_key.sign(client_message_transcript(message))
+        return replace(message, signature=signature)
+
     # --- stage advertise_keys -------------------------------------------------------------
 
     def advertise(self) -> AdvertiseKeys:
@@ -217,7 +246,7 @@ class Client:
         """Consume one server message and return this client's reply."""
         if isinstance(message, (bytes, bytearray, memoryview)):
             raw = bytes(message)
-            decoded = decode(raw, max_bytes=self._max_message_bytes())
+            decoded = decode(raw, max_bytes=self.max_message_bytes())
             if isinstance(decoded, (AdvertiseKeys, ShareKeys, MaskedInput,
                                     ConsistencySignature, UnmaskingShares)):
                 raise ProtocolError("a client message was delivered to a client",
@@ -227,8 +256,10 @@ class Client:
             if not isinstance(message, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest)):
                 raise ProtocolError(f"{type(message).__name__} is not a server message",
                                     stage=self._stage, client_id=self.client_id)
-            msg = message
-            raw = encode(msg)
+            raw = _reencode(message, self._stage, self.client_id)
+            checked = decode(raw, max_bytes=self.max_message_bytes())
+            assert isinstance(checked, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest))
+            msg = checked
         if msg.recipient != self.client_id:
             raise ProtocolError(
                 f"message for client {msg.recipient} delivered to client {self.client_id}",
@@ -250,7 +281,8 @@ class Client:
             self._erase()
         return reply
 
-    def _max_message_bytes(self) -> int:
+    def max_message_bytes(self) -> int:
+        """An upper bound on a valid server message to this client (for transports)."""
         n = len(self.roster)
         return 4096 + n * (4 * 32 + 64 + 160) + 64 * n
 
@@ -331,7 +363,7 @@ class Client:
         self._own_shares = _Received(masking_shares[self.client_id],
                                      seed_shares[self.client_id])
         self._stage = Stage.SHARE_KEYS
-        return ShareKeys(self.session_id, self.client_id, ciphertexts)
+        return self._signed(ShareKeys(self.session_id, self.client_id, ciphertexts))
 
     # --- stage masked_input ---------------------------------------------------------------
 
@@ -370,8 +402,8 @@ class Client:
         masked = self._mask_input(sorted(senders))
         self._received = received
         self._stage = Stage.MASKED_INPUT
-        return MaskedInput(self.session_id, self.client_id, self.config.bits,
-                           self.config.dim, masked)
+        return self._signed(MaskedInput(self.session_id, self.client_id, self.config.bits,
+                                        self.config.dim, masked, peers_digest(senders)))
 
     def _mask_input(self, peers: list[int]) -> bytes:
         """y = x + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)."""
@@ -460,7 +492,8 @@ class Client:
         self.revealed.update({p: "masking_key" for p in dropped})
         self._stage = Stage.UNMASKING
         self._done = True
-        return UnmaskingShares(self.session_id, self.client_id, seed_shares, key_shares)
+        return self._signed(UnmaskingShares(self.session_id, self.client_id, seed_shares,
+                                            key_shares))
 
     def _check_consistency(self, msg: UnmaskRequest, survivors: set[int], peers: set[int],
                            t: int) -> None:

@@ -79,8 +79,15 @@ def is_small_order(public_key: bytes) -> bool:
 
 
 def check_public_key(public_key: bytes) -> None:
+    """Accept only canonical encodings of points that are not of small order.
+
+    X25519 ignores bit 255 and reduces u mod p, so the same point has several encodings;
+    accepting only the canonical one makes "duplicated key" checks on bytes sound."""
     if not isinstance(public_key, bytes) or len(public_key) != KEY_BYTES:
         raise CryptoError(f"an X25519 public key is {KEY_BYTES} bytes")
+    if public_key[31] & 0x80 or int.from_bytes(public_key, "little") >= _FIELD_P:
+        raise CryptoError("X25519 public key is not canonically encoded (bit 255 set or "
+                          "u >= 2^255 - 19)")
     if is_small_order(public_key):
         raise CryptoError("X25519 public key is a small-order point")
 
@@ -238,6 +245,17 @@ class SigningKey:
     @classmethod
     def generate(cls) -> SigningKey:
         return cls()
+
+    @classmethod
+    def from_private_bytes(cls, data: bytes) -> SigningKey:
+        """The key from its 32-byte raw Ed25519 seed (e.g. loaded from a site's key file)."""
+        return cls(Ed25519PrivateKey.from_private_bytes(data))
+
+    def private_bytes(self) -> bytes:
+        """The 32-byte raw seed; handle it like a password."""
+        return self._key.private_bytes(serialization.Encoding.Raw,
+                                       serialization.PrivateFormat.Raw,
+                                       serialization.NoEncryption())
 
     def sign(self, message: bytes) -> bytes:
         return self._key.sign(message)

@@ -9,7 +9,9 @@ object. Layouts are normative: docs/protocol.md section 6.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -57,6 +59,7 @@ class ShareKeys:
     session_id: bytes
     client_id: int
     ciphertexts: Mapping[int, bytes]
+    signature: bytes = b""
     stage = Stage.SHARE_KEYS
 
     def __post_init__(self) -> None:
@@ -66,13 +69,17 @@ class ShareKeys:
 @dataclass(frozen=True)
 class MaskedInput:
     """Stage masked_input: y = x + PRG(b_u) + sum of signed pairwise masks, mod 2^bits,
-    as little-endian unsigned integers of the smallest width holding ``bits``."""
+    as little-endian unsigned integers of the smallest width holding ``bits``.
+    ``peers_digest`` names the peers the client masked with, so the server notices when
+    the set it forwarded was altered on the way (docs/protocol.md section 5)."""
 
     session_id: bytes
     client_id: int
     bits: int
     dim: int
     masked: bytes
+    peers_digest: bytes = bytes(32)
+    signature: bytes = b""
     stage = Stage.MASKED_INPUT
 
     def vector(self) -> np.ndarray:
@@ -99,6 +106,7 @@ class UnmaskingShares:
     client_id: int
     self_mask_shares: Mapping[int, bytes]
     masking_key_shares: Mapping[int, bytes]
+    signature: bytes = b""
     stage = Stage.UNMASKING
 
     def __post_init__(self) -> None:
@@ -195,14 +203,15 @@ def encode(message: Message) -> bytes:
         body = [message.client_id, message.encryption_key, message.masking_key,
                 message.self_mask_commitment, message.signature]
     elif isinstance(message, ShareKeys):
-        body = [message.client_id, _id_map(message.ciphertexts)]
+        body = [message.client_id, _id_map(message.ciphertexts), message.signature]
     elif isinstance(message, MaskedInput):
-        body = [message.client_id, message.bits, message.dim, message.masked]
+        body = [message.client_id, message.bits, message.dim, message.masked,
+                message.peers_digest, message.signature]
     elif isinstance(message, ConsistencySignature):
         body = [message.client_id, message.signature]
     elif isinstance(message, UnmaskingShares):
         body = [message.client_id, _id_map(message.self_mask_shares),
-                _id_map(message.masking_key_shares)]
+                _id_map(message.masking_key_shares), message.signature]
     elif isinstance(message, KeyList):
         body = [message.recipient, {
             cid: [e.encryption_key, e.masking_key, e.self_mask_commitment, e.signature]
@@ -268,7 +277,7 @@ def _id_list(value: object, what: str, limit: int) -> tuple[int, ...]:
     return ids
 
 
-_ARITY = {1: 8, 2: 5, 3: 7, 4: 5, 5: 6, 11: 5, 12: 5, 13: 5, 14: 7}
+_ARITY = {1: 8, 2: 6, 3: 9, 4: 5, 5: 7, 11: 5, 12: 5, 13: 5, 14: 7}
 
 
 def decode(data: bytes, *, max_bytes: int = 1 << 31, max_entries: int = 1 << 20) -> Message:
@@ -320,9 +329,10 @@ def _build(obj: Any, max_entries: int) -> Message:
                              _signature(f[3], "signature"))
     if kind == 2:
         return ShareKeys(session, party,
-                         _blob_map(f[0], CIPHERTEXT_BYTES, "ciphertexts", max_entries))
+                         _blob_map(f[0], CIPHERTEXT_BYTES, "ciphertexts", max_entries),
+                         _signature(f[1], "signature"))
     if kind == 3:
-        bits, dim, masked = f
+        bits, dim, masked, digest, signature = f
         if type(bits) is not int or not 8 <= bits <= 64:
             raise _fail("bits must be in 8..64")
         if type(dim) is not int or dim < 1:
@@ -330,13 +340,15 @@ def _build(obj: Any, max_entries: int) -> Message:
         from .crypto import dtype_for_bits
 
         blob = _blob(masked, dim * dtype_for_bits(bits).itemsize, "masked vector")
-        return MaskedInput(session, party, bits, dim, blob)
+        return MaskedInput(session, party, bits, dim, blob, _blob(digest, 32, "peers digest"),
+                           _signature(signature, "signature"))
     if kind == 4:
         return ConsistencySignature(session, party, _blob(f[0], SIGNATURE_BYTES, "signature"))
     if kind == 5:
         return UnmaskingShares(
             session, party, _blob_map(f[0], SHARE_BYTES, "self-mask shares", max_entries),
-            _blob_map(f[1], SHARE_BYTES, "masking-key shares", max_entries))
+            _blob_map(f[1], SHARE_BYTES, "masking-key shares", max_entries),
+            _signature(f[2], "signature"))
     if kind == 11:
         if type(f[0]) is not dict or len(f[0]) > max_entries:
             raise _fail("key list must be a map of client id to key entry")
@@ -358,6 +370,29 @@ def _build(obj: Any, max_entries: int) -> Message:
     return UnmaskRequest(session, party, _id_list(f[0], "survivors", max_entries),
                          _id_list(f[1], "dropped", max_entries),
                          _blob_map(f[2], SIGNATURE_BYTES, "signatures", max_entries))
+
+
+def peers_digest(peers: Iterable[int]) -> bytes:
+    """SHA-256 naming the set of peers a client masked with (ids ascending)."""
+    return hashlib.sha256(b"secagg/v1|peers|" + b"".join(
+        struct.pack(">I", p) for p in sorted(peers))).digest()
+
+
+def signed_payload(message: ShareKeys | MaskedInput | UnmaskingShares) -> bytes:
+    """The bytes a client signs (malicious mode) for its share_keys, masked_input and
+    unmasking messages: built from the fields, never a re-encoding (section 5.7)."""
+    if isinstance(message, ShareKeys):
+        return b"".join(struct.pack(">I", r) + ct for r, ct in message.ciphertexts.items())
+    if isinstance(message, MaskedInput):
+        return (struct.pack(">BQ", message.bits, message.dim) + message.peers_digest
+                + message.masked)
+    seeds = b"".join(struct.pack(">I", o) + s for o, s in message.self_mask_shares.items())
+    keys = b"".join(struct.pack(">I", o) + s for o, s in message.masking_key_shares.items())
+    return b"s" + struct.pack(">I", len(message.self_mask_shares)) + seeds + b"k" + keys
+
+
+SIGNED_TAGS = {ShareKeys: b"share-keys", MaskedInput: b"masked-input",
+               UnmaskingShares: b"unmasking"}
 
 
 def sender_of(message: ClientMessage) -> int:

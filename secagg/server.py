@@ -14,14 +14,20 @@ one stage is rejected. ``ProtocolAbort`` means the round cannot finish.
 
 from __future__ import annotations
 
+import os
 import random
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .client import advertisement_transcript, survivors_transcript
+from .client import (
+    advertisement_transcript,
+    client_message_transcript,
+    survivors_transcript,
+)
 from .config import Config
 from .crypto import (
     CryptoError,
@@ -52,9 +58,17 @@ from .messages import (
     UnmaskRequest,
     decode,
     encode,
+    peers_digest,
 )
 from .session import derive_session_id, normalize_roster, session_graph
-from .shamir import PRIME, decode_with_errors, evaluate_at, reconstruct_value
+from .shamir import (
+    PRIME,
+    consistent,
+    decode_with_errors,
+    evaluate_at,
+    extrapolate,
+    reconstruct_value,
+)
 from .stage import Stage
 
 
@@ -97,7 +111,8 @@ class Server:
         self._digests: dict[int, bytes] = {}
         self._previous_digests: dict[int, bytes] = {}
         self.dropped: dict[int, Stage] = {}
-        self.rejected: list[tuple[int, str]] = []
+        # the most recent rejections, bounded so a flood cannot grow memory
+        self.rejected: deque[tuple[int, str]] = deque(maxlen=1024)
         self._adverts: dict[int, AdvertiseKeys] = {}
         self._key_owner: dict[bytes, int] = {}
         self._key_lists: dict[int, frozenset[int]] = {}
@@ -110,6 +125,7 @@ class Server:
         self._seed_shares: dict[int, dict[int, int]] = {}
         self._key_shares: dict[int, dict[int, int]] = {}
         self.result: AggregateResult | None = None
+        self._suspects: set[int] = set()
         self.aborted: ProtocolAbort | None = None
 
     # --- state ----------------------------------------------------------------------------
@@ -146,8 +162,15 @@ class Server:
                              client_id=client_id)
 
     def receive(self, client_id: int,
-                message: ClientMessage | bytes | bytearray | memoryview) -> None:
-        """Accept one message from ``client_id`` (the transport-authenticated sender)."""
+                message: ClientMessage | bytes | bytearray | memoryview) -> bool:
+        """Accept one message from ``client_id`` (the transport-authenticated sender).
+
+        Returns ``True`` for a new message, ``False`` for a redelivery of one already
+        accepted (this stage's or the previous stage's); raises ``ProtocolError`` when the
+        message is rejected."""
+        if (self.result is not None and isinstance(message, (bytes, bytearray, memoryview))
+                and self._previous_digests.get(client_id) == sha256(bytes(message))):
+            return False  # a late redelivery of an unmasking message
         if self.result is not None:
             raise self._reject(client_id, "the round has finished")
         if self.aborted is not None:
@@ -165,8 +188,16 @@ class Server:
                                         ConsistencySignature, UnmaskingShares)):
                 raise self._reject(client_id, f"{type(message).__name__} is not a client "
                                    "message")
-            msg = message
-            raw = encode(msg)
+            try:  # objects get exactly the validation wire bytes get
+                raw = encode(message)
+                decoded = decode(raw, max_bytes=self.max_message_bytes())
+            except ProtocolError as exc:
+                raise self._reject(client_id, str(exc)) from None
+            except Exception as exc:  # a hand-built object with wrong field types
+                raise self._reject(client_id, f"malformed {type(message).__name__} object: "
+                                              f"{exc}") from None
+            assert not isinstance(decoded, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest))
+            msg = decoded
         if client_id not in self.roster:
             raise self._reject(client_id, "the sender is not in the roster")
         if msg.client_id != client_id:
@@ -176,9 +207,9 @@ class Server:
             raise self._reject(client_id, "the message belongs to another session")
         digest = sha256(raw)
         if self._digests.get(client_id) == digest and client_id in self._inbox:
-            return  # redelivery of an accepted message
+            return False  # redelivery of an accepted message
         if self._previous_digests.get(client_id) == digest:
-            return  # late redelivery of last stage's message
+            return False  # late redelivery of last stage's message
         if msg.stage != self._stage:
             raise self._reject(client_id, f"a {msg.stage.label} message is out of stage")
         if client_id not in self._expected:
@@ -194,6 +225,7 @@ class Server:
             self._key_owner[msg.masking_key] = client_id
         if isinstance(msg, MaskedInput):
             np.add(self._sum, msg.vector(), out=self._sum)
+        return True
 
     def _validate(self, cid: int, msg: ClientMessage) -> None:
         cfg = self.config
@@ -217,6 +249,7 @@ class Server:
             if set(msg.ciphertexts) != self._key_lists[cid] - {cid}:
                 raise self._reject(cid, "ciphertexts must address exactly the other clients "
                                         "of its key list")
+            self._check_signature(cid, msg)
         elif isinstance(msg, MaskedInput):
             if msg.bits != cfg.bits or msg.dim != cfg.dim:
                 raise self._reject(cid, f"masked input has bits={msg.bits}, dim={msg.dim}; "
@@ -226,6 +259,10 @@ class Server:
             width = 8 * self._sum.dtype.itemsize
             if cfg.bits < width and int(msg.vector().max()) >> cfg.bits:
                 raise self._reject(cid, f"masked input has values >= 2**{cfg.bits}")
+            if not constant_time_equal(msg.peers_digest, peers_digest(self._forwarded[cid])):
+                raise self._reject(cid, "the client masked with other peers than the server "
+                                        "forwarded (the ciphertext list was altered)")
+            self._check_signature(cid, msg)
         elif isinstance(msg, ConsistencySignature):
             if not verify_signature(self._verify_keys.get(cid, b""), msg.signature,
                                     survivors_transcript(self.session_id, cid,
@@ -239,6 +276,16 @@ class Server:
             for share in (*msg.self_mask_shares.values(), *msg.masking_key_shares.values()):
                 if int.from_bytes(share, "big") >= PRIME:
                     raise self._reject(cid, "a share is not a field element")
+            self._check_signature(cid, msg)
+
+    def _check_signature(self, cid: int, msg: ShareKeys | MaskedInput | UnmaskingShares
+                         ) -> None:
+        if self.config.malicious:
+            if not verify_signature(self._verify_keys.get(cid, b""), msg.signature,
+                                    client_message_transcript(msg)):
+                raise self._reject(cid, f"the {msg.stage.label} signature is invalid")
+        elif msg.signature:
+            raise self._reject(cid, "a signature in a semi-honest round")
 
     # --- advancing ------------------------------------------------------------------------
 
@@ -375,6 +422,9 @@ class Server:
         survivors = self._survivors
         dropouts = sorted(set().union(*(self._forwarded[v] for v in survivors)) - survivors)
         corrupt: dict[int, set[int]] = {}
+        self._suspects = self._screen(
+            [self._seed_shares.get(o, {}) for o in survivors]
+            + [self._key_shares.get(o, {}) for o in dropouts])
         seeds: dict[int, bytes] = {}
         for owner in sorted(survivors):
             shares = self._seed_shares.get(owner, {})
@@ -419,6 +469,7 @@ class Server:
         names their holders; beyond that, random t-subsets are tried against the check."""
         t = self._threshold
         holders = sorted(shares)
+        clean = [h for h in holders if h not in self._suspects]
 
         def verified(value: int) -> bytes | None:
             if value >> 256:
@@ -429,9 +480,15 @@ class Server:
             except (ValueError, CryptoError):
                 return None
 
-        first = verified(reconstruct_value({x: shares[x] for x in holders[:t]}, t))
-        if first is not None:
-            return first
+        if len(clean) >= t:
+            base = tuple(clean[:t])
+            first = verified(reconstruct_value({x: shares[x] for x in base}, t))
+            if first is not None:
+                named = [h for h in holders if h in self._suspects]
+                for holder, value in zip(named, extrapolate(shares, base, named), strict=True):
+                    if value != shares[holder]:
+                        corrupt.setdefault(holder, set()).add(owner)
+                return first
         decoded = decode_with_errors(shares, t)
         if decoded is not None:
             secret = verified(decoded[0])
@@ -448,6 +505,30 @@ class Server:
                 return secret
         raise self._abort(f"the shares of client {owner}'s secret are inconsistent and no "
                           f"{t} of them reconstruct the committed value")
+
+    def _screen(self, sharesets: list[dict[int, int]]) -> set[int]:
+        """Holders that sent a share off its polynomial, for all secrets at once.
+
+        Secrets shared among the same holders are combined with random 128-bit
+        coefficients; a combination of codewords is a codeword, and a corrupted share
+        survives the combination except with probability about 2^-128. One consistency
+        check per holder set, and Gao's decoder on the combination when it fails."""
+        t = self._threshold
+        groups: dict[tuple[int, ...], list[dict[int, int]]] = {}
+        for shares in sharesets:
+            if len(shares) > t:
+                groups.setdefault(tuple(sorted(shares)), []).append(shares)
+        suspects: set[int] = set()
+        for holders, members in groups.items():
+            coefficients = [int.from_bytes(os.urandom(16), "big") for _ in members]
+            combined = {h: sum(c * m[h] for c, m in zip(coefficients, members, strict=True))
+                        % PRIME for h in holders}
+            if consistent(combined, t):
+                continue
+            decoded = decode_with_errors(combined, t)
+            if decoded is not None:
+                suspects |= decoded[1]
+        return suspects
 
     def _blame(self, owner: int, shares: dict[int, int], subset: tuple[int, ...],
                corrupt: dict[int, set[int]]) -> None:

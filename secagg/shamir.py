@@ -299,3 +299,56 @@ def decode_with_errors(shares: Mapping[int, int], threshold: int
     if len(bad) > (m - threshold) // 2:
         return None
     return (f[0] if f else 0), bad
+
+
+@lru_cache(maxsize=256)
+def _barycentric_weights(xs: tuple[int, ...]) -> tuple[int, ...]:
+    """w_i = 1 / prod_{j != i} (x_i - x_j) mod p, with one modular inversion."""
+    denominators = []
+    for i, xi in enumerate(xs):
+        d = 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                d *= xi - xj
+        denominators.append(d % PRIME)
+    return tuple(_batch_inverse(denominators))
+
+
+def _batch_inverse(values: Sequence[int]) -> list[int]:
+    prefix = [1]
+    for v in values:
+        prefix.append(prefix[-1] * v % PRIME)
+    inv = pow(prefix[-1], -1, PRIME)
+    out = [0] * len(values)
+    for i in range(len(values) - 1, -1, -1):
+        out[i] = inv * prefix[i] % PRIME
+        inv = inv * values[i] % PRIME
+    return out
+
+
+def extrapolate(points: Mapping[int, int], xs: tuple[int, ...], targets: Sequence[int]
+                ) -> list[int]:
+    """The polynomial through (x, points[x]) for x in ``xs`` (degree < len(xs)), evaluated
+    at each target (barycentric form: O(len(xs)) per target)."""
+    weights = _barycentric_weights(xs)
+    out = []
+    for target in targets:
+        diffs = [(target - x) % PRIME for x in xs]
+        inverses = _batch_inverse(diffs)
+        ell = 1
+        for d in diffs:
+            ell = ell * d % PRIME
+        acc = sum(w * points[x] % PRIME * inv for w, x, inv in zip(weights, xs, inverses,
+                                                                  strict=True))
+        out.append(ell * acc % PRIME)
+    return out
+
+
+def consistent(shares: Mapping[int, int], threshold: int) -> bool:
+    """True when all shares lie on one polynomial of degree < threshold."""
+    holders = sorted(shares)
+    if len(holders) <= threshold:
+        return True
+    base = tuple(holders[:threshold])
+    rest = holders[threshold:]
+    return extrapolate(shares, base, rest) == [shares[x] for x in rest]

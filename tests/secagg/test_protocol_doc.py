@@ -22,12 +22,21 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from secagg import Client, Config, Server, Stage, crypto, messages, shamir
 from secagg.client import (
     advertisement_transcript,
+    client_message_transcript,
     share_associated_data,
     survivors_transcript,
 )
 from secagg.crypto import KeyPair, Masker, SigningKey
 from secagg.graph import Graph, _keystream_permutation, harary_neighbors
-from secagg.messages import KeyEntry, SurvivorList, encode
+from secagg.messages import (
+    KeyEntry,
+    MaskedInput,
+    ShareKeys,
+    SurvivorList,
+    UnmaskingShares,
+    encode,
+    peers_digest,
+)
 from secagg.session import derive_session_id, normalize_roster, session_graph
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
@@ -221,7 +230,22 @@ def test_label_table_matches_derivations() -> None:
 
 def test_transcript_table() -> None:
     rows = _table("transcripts")
-    assert {(r[0], int(r[1])) for r in rows} == {("advertise", 0), ("survivors", 3)}
+    assert {(r[0], int(r[1])) for r in rows} == {
+        ("advertise", 0), ("survivors", 3), ("share-keys", 1), ("masked-input", 2),
+        ("unmasking", 4)}
+    shares = ShareKeys(SID, 7, {9: b"\x05" * 90, 2: b"\x06" * 90})
+    assert client_message_transcript(shares) == _transcript(
+        b"share-keys", SID, 1, 7, _u32(2) + b"\x06" * 90 + _u32(9) + b"\x05" * 90)
+    masked = MaskedInput(SID, 7, 16, 3, b"\x01" * 6, b"\x02" * 32)
+    assert client_message_transcript(masked) == _transcript(
+        b"masked-input", SID, 2, 7, bytes([16]) + (3).to_bytes(8, "big") + b"\x02" * 32
+        + b"\x01" * 6)
+    unmask = UnmaskingShares(SID, 7, {3: b"\x07" * 33}, {4: b"\x08" * 33, 1: b"\x09" * 33})
+    assert client_message_transcript(unmask) == _transcript(
+        b"unmasking", SID, 4, 7, b"s" + _u32(1) + _u32(3) + b"\x07" * 33 + b"k" + _u32(1)
+        + b"\x09" * 33 + _u32(4) + b"\x08" * 33)
+    assert peers_digest([9, 2]) == hashlib.sha256(
+        b"secagg/v1|peers|" + _u32(2) + _u32(9)).digest()
     entry = KeyEntry(b"\x01" * 32, b"\x02" * 32, b"\x03" * 32)
     assert advertisement_transcript(SID, 7, entry) == _transcript(
         b"advertise", SID, 0, 7, b"\x01" * 32 + b"\x02" * 32 + b"\x03" * 32)
@@ -353,7 +377,7 @@ def test_size_limits_stated() -> None:
     client = Client(cfg, 1, np.zeros(10, dtype=np.uint64))
     server = Server(cfg)
     assert "`4096 + 416·n`" in TEXT
-    assert client._max_message_bytes() == 4096 + 416 * 7
+    assert client.max_message_bytes() == 4096 + 416 * 7
     assert "`1024 + dim·w/8 + 128·n`" in TEXT
     assert server.max_message_bytes() == 1024 + 10 * 4 + 128 * 7
 

@@ -1,0 +1,126 @@
+"""What a site's secure-aggregation input is, per privacy mode, and how the sum is decoded.
+
+Every site hands secure aggregation one ``uint64`` vector mod ``2**bits``: its update
+*and* its sample count, so the count is summed securely too and never sent in clear.
+
+* ``none``: :class:`FixedPointCodec` over ``[n_k * delta_k, n_k]`` (weighted FedAvg: the
+  server learns only ``sum n_k delta_k`` and ``sum n_k``).
+* ``site``: the same codec over ``[delta_k, 1]``. The update is already DP (Opacus, at the
+  site), but a count is not: releasing ``sum n_k`` exactly would leak whether a patient is
+  in the federation. So site mode averages uniformly over the included sites and the count
+  coordinate carries only the number of sites.
+* ``distributed``: :class:`DistributedCodec`. Each sampled patient contributes one row
+  ``[g_p clipped to sqrt(C^2 - gamma^2), gamma]`` of L2 norm at most ``C``; the rows go
+  through :class:`dp.encoding.IntegerEncoder` (rotate, scale, round, the site's noise share).
+  The last coordinate of the decoded sum is ``gamma * (#patients) + noise``: the count is
+  protected by the same noise and the same epsilon as the update, at no extra privacy cost.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from dp.encoding import EncodingParams, IntegerEncoder
+from dp.randomness import RandomSource
+
+F64 = npt.NDArray[np.float64]
+U64 = npt.NDArray[np.uint64]
+
+
+class EncodingOverflow(ValueError):
+    """A value is too large for the modulus; the sum would wrap silently."""
+
+
+class FixedPointCodec:
+    """Floats as signed fixed point (``frac_bits`` fractional bits) mod ``2**bits``.
+
+    ``max_summands`` sites may be added before the centred range could overflow; encoding
+    refuses a value that could make the sum wrap, rather than corrupting it quietly.
+    """
+
+    def __init__(self, dim: int, *, bits: int = 64, frac_bits: int = 24,
+                 max_summands: int = 1) -> None:
+        if not 8 <= bits <= 64:
+            raise ValueError(f"bits must be in [8, 64], got {bits}")
+        if not 0 <= frac_bits < bits - 2:
+            raise ValueError(f"frac_bits must be in [0, bits - 2), got {frac_bits}")
+        self.dim = dim
+        self.bits = bits
+        self.scale = float(2**frac_bits)
+        self.limit = 2 ** (bits - 1) // max(1, max_summands)
+
+    @property
+    def encoded_dim(self) -> int:
+        return self.dim
+
+    def encode(self, values: F64) -> U64:
+        v = np.asarray(values, dtype=np.float64)
+        if v.shape != (self.dim,):
+            raise ValueError(f"expected a vector of length {self.dim}, got shape {v.shape}")
+        if not np.all(np.isfinite(v)):
+            raise EncodingOverflow("the update contains NaN or inf; lower the learning rate")
+        ints = np.rint(v * self.scale)
+        worst = float(np.max(np.abs(ints))) if ints.size else 0.0
+        if worst >= self.limit:
+            raise EncodingOverflow(f"a coordinate of {worst / self.scale:.4g} does not fit "
+                                   f"{self.bits}-bit fixed point for this many sites; lower "
+                                   "the learning rate or frac_bits")
+        as_int = ints.astype(np.int64)
+        if self.bits == 64:
+            return as_int.view(np.uint64)
+        return np.mod(as_int, np.int64(1) << np.int64(self.bits)).astype(np.uint64)
+
+    def decode(self, total: U64) -> F64:
+        t = np.asarray(total, dtype=np.uint64)
+        if self.bits == 64:
+            signed = t.view(np.int64)
+        else:
+            s = t.astype(np.int64)
+            half = np.int64(1) << np.int64(self.bits - 1)
+            signed = np.where(s >= half, s - (half << np.int64(1)), s)
+        return signed.astype(np.float64) / self.scale
+
+
+class DistributedCodec:
+    """Patient rows with a count column, through the distributed-DP integer encoder.
+
+    ``params.dim`` is the model dimension plus one (the count column).
+    """
+
+    def __init__(self, params: EncodingParams, count_weight: float | None = None,
+                 source: RandomSource | None = None) -> None:
+        gamma = params.clip_norm / 2 if count_weight is None else count_weight
+        if not 0 < gamma < params.clip_norm:
+            raise ValueError(f"count_weight must be in (0, clip_norm={params.clip_norm})")
+        self.params = params
+        self.gamma = gamma
+        # Leave a hair of room so float error in the row norm never triggers the encoder's
+        # own clip, which would shrink the count coordinate.
+        self.update_clip = math.sqrt(params.clip_norm**2 - gamma**2) * (1 - 1e-9)
+        self.encoder = IntegerEncoder(params, source)
+
+    @property
+    def encoded_dim(self) -> int:
+        return self.params.encoded_dim
+
+    def rows(self, unit_updates: F64) -> F64:
+        """``[g_p clipped, gamma]`` per unit; every row has L2 norm at most ``clip_norm``."""
+        g = np.asarray(unit_updates, dtype=np.float64).reshape(-1, self.params.dim - 1)
+        norms = np.linalg.norm(g, axis=1, keepdims=True)
+        g = g * np.minimum(1.0, self.update_clip / np.maximum(norms, 1e-300))
+        return np.hstack([g, np.full((len(g), 1), self.gamma)])
+
+    def encode(self, unit_updates: F64, *, noise: bool = True) -> U64:
+        """A site's input: the sum of its units' rows plus its noise share, mod 2**bits."""
+        rows = self.rows(unit_updates)
+        if len(rows) == 0:  # nobody sampled: the site still sends its noise share
+            return self.encoder.wrap(self.encoder.noise(noise))
+        return self.encoder.encode_units(rows, noise=noise)
+
+    def decode(self, total: U64, num_included: int) -> tuple[F64, float]:
+        """The noisy sum of the unit updates and the noisy number of units."""
+        s = self.encoder.decode(total, num_included)
+        return s[:-1], float(s[-1] / self.gamma)

@@ -1,0 +1,337 @@
+"""``secagg simulate``: one secure aggregation round across real processes and a real broker.
+
+The server runs in this process, the sites in ``--processes`` worker processes, and every
+message crosses an MQTT broker (the embedded one by default). ``--drop-rate`` sites stop at
+``--drop-stage`` (signing off as their last will would); with ``--kill`` they die by SIGKILL
+and the broker publishes their wills. Afterwards this process computes the plaintext sum of
+the included inputs itself and compares it with the aggregate: ``correct`` is measured.
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import secrets
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from secagg import Config, Stage
+
+DEFAULT_CLIENTS = 10
+DEFAULT_DIM = 1000
+
+
+class OptionError(ValueError):
+    """A bad option value; the message says what to change."""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "simulate", help="run one secure aggregation round across processes and a broker",
+        description="Run one secure aggregation round: the server here, the clients in worker "
+                    "processes, every message through an MQTT broker, with real dropouts.")
+    parser.add_argument("--clients", type=int, metavar="N",
+                        help=f"number of clients (default {DEFAULT_CLIENTS}, or the number "
+                             "of files in --inputs)")
+    parser.add_argument("--threshold", type=int, metavar="T",
+                        help="Shamir threshold (default: the smallest safe one)")
+    parser.add_argument("--dim", type=int, metavar="D",
+                        help=f"vector length (default {DEFAULT_DIM}, or that of --inputs)")
+    parser.add_argument("--bits", type=int, default=32, metavar="B",
+                        help="the sum is mod 2**B (default 32)")
+    parser.add_argument("--neighbors", type=int, metavar="K",
+                        help="SecAgg+ neighbourhood size (default: complete graph)")
+    parser.add_argument("--security", choices=("semi-honest", "malicious"),
+                        default="semi-honest")
+    parser.add_argument("--drop-rate", type=float, default=0.0, metavar="P",
+                        help="fraction of clients that drop out (default 0)")
+    parser.add_argument("--drop-stage", default="random", metavar="STAGE|random",
+                        help="stage at which they stop sending: "
+                             + ", ".join(s.label for s in Stage) + " or random (default)")
+    parser.add_argument("--kill", action="store_true",
+                        help="dropping clients die by SIGKILL instead of signing off")
+    parser.add_argument("--processes", type=int, metavar="P",
+                        help="worker processes for the clients (default min(2, clients))")
+    parser.add_argument("--broker", default="embedded",
+                        metavar="embedded|mosquitto|mqtt(s)://host:port",
+                        help="the embedded broker (default), a local Mosquitto with a "
+                             "generated config, or an existing broker's URL")
+    parser.add_argument("--inputs", metavar="DIR",
+                        help="directory of <id>.npy uint64 vectors (ids are the file stems)")
+    parser.add_argument("--output", metavar="SUM.npy", help="write the aggregate here")
+    parser.add_argument("--report", metavar="REPORT.json", help="write a JSON report here")
+    parser.add_argument("--seed", type=int, metavar="S",
+                        help="seed for random inputs and the drop schedule")
+    parser.set_defaults(command="simulate")
+    return parser  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------- options
+
+
+def _round_stages(config: Config) -> list[Stage]:
+    stages = [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT]
+    if config.malicious:
+        stages.append(Stage.CONSISTENCY_CHECK)
+    return [*stages, Stage.UNMASKING]
+
+
+def _client_ids(args: argparse.Namespace) -> list[int]:
+    from transport.runner import input_ids
+
+    if args.inputs is None:
+        n = DEFAULT_CLIENTS if args.clients is None else args.clients
+        if n < 2:
+            raise OptionError(f"--clients {n}: need at least 2 clients")
+        return list(range(1, n + 1))
+    if not Path(args.inputs).is_dir():
+        raise OptionError(f"--inputs {args.inputs}: not a directory of <id>.npy files")
+    try:
+        ids = input_ids(args.inputs)
+    except ValueError as exc:
+        raise OptionError(f"--inputs: {exc}") from None
+    if args.clients is not None and args.clients != len(ids):
+        raise OptionError(f"--clients {args.clients} but --inputs holds {len(ids)} vectors; "
+                          "drop --clients or make them agree")
+    if len(ids) < 2:
+        raise OptionError(f"--inputs {args.inputs} holds {len(ids)} vector; need at least 2")
+    return ids
+
+
+def _dim(args: argparse.Namespace, ids: list[int]) -> int:
+    if args.inputs is None:
+        return DEFAULT_DIM if args.dim is None else int(args.dim)
+    first = Path(args.inputs) / f"{ids[0]}.npy"
+    try:
+        shape = np.load(first, mmap_mode="r", allow_pickle=False).shape
+    except (OSError, ValueError) as exc:
+        raise OptionError(f"--inputs: cannot read {first}: {exc}") from None
+    if len(shape) != 1:
+        raise OptionError(f"--inputs: {first} has shape {shape}; store 1-d vectors")
+    if args.dim is not None and args.dim != shape[0]:
+        raise OptionError(f"--dim {args.dim} but the vectors in --inputs have length "
+                          f"{shape[0]}; drop --dim or make them agree")
+    return int(shape[0])
+
+
+def build_config(args: argparse.Namespace, n: int, dim: int) -> Config:
+    if not 0.0 <= args.drop_rate < 1.0:
+        raise OptionError(f"--drop-rate {args.drop_rate}: need a fraction in [0, 1)")
+    try:
+        return Config(num_clients=n, threshold=args.threshold, dim=dim, bits=args.bits,
+                      neighbors=args.neighbors, security=args.security,
+                      dropout_rate=args.drop_rate if args.neighbors is not None else None)
+    except ValueError as exc:
+        raise OptionError(str(exc).replace("threshold=", "--threshold ")
+                          .replace("num_clients=", "--clients ").replace("dim=", "--dim ")
+                          .replace("bits=", "--bits ").replace("neighbors=", "--neighbors ")
+                          ) from None
+
+
+def drop_schedule(config: Config, ids: list[int], rate: float, stage: str,
+                  seed: int) -> dict[int, Stage]:
+    """Which clients drop and where: ``round(rate * n)`` clients chosen with ``seed``."""
+    stages = _round_stages(config)
+    fixed: Stage | None = None
+    if stage != "random":
+        try:
+            fixed = Stage.parse(stage)
+        except ValueError as exc:
+            raise OptionError(f"--drop-stage: {exc} or random") from None
+        if fixed not in stages:
+            raise OptionError(f"--drop-stage {stage}: that stage only exists with "
+                              "--security malicious")
+    rng = random.Random(seed)  # which clients drop is a simulation choice, not a secret
+    chosen = rng.sample(ids, round(rate * len(ids)))
+    return {cid: fixed if fixed is not None else rng.choice(stages) for cid in sorted(chosen)}
+
+
+# --------------------------------------------------------------------------- running
+
+
+class _Progress:
+    """Stage-by-stage progress on stderr, only on a terminal."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.enabled = stream.isatty()
+
+    def status(self, text: str) -> None:
+        if self.enabled:
+            print(f"[secagg] {text}", file=self.stream, flush=True)
+
+    def stage(self, progress: Any) -> None:
+        if self.enabled:
+            late = " (deadline)" if progress.deadline_hit else ""
+            print(f"[secagg] {progress.stage.label:<18} {progress.responded:>5}/"
+                  f"{progress.expected:<5} answered  {progress.seconds:7.2f} s{late}",
+                  file=self.stream, flush=True)
+
+
+def _timeouts(config: Config) -> Any:
+    from transport.drivers import Timeouts
+
+    # Deadlines only matter for sites that vanish without a will; scale with the work.
+    work = config.num_clients * config.dim / 5e6
+    return Timeouts(stage=60.0 + work, start=120.0, retry=10.0 + work, answer=60.0 + work,
+                    give_up=300.0 + 5 * work)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except OptionError as exc:
+        print(f"secagg simulate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from transport.runner import InputSource, SimulationSpec, run_simulation
+
+    ids = _client_ids(args)
+    dim = _dim(args, ids)
+    config = build_config(args, len(ids), dim)
+    processes = min(2, len(ids)) if args.processes is None else args.processes
+    if not 1 <= processes <= len(ids):
+        raise OptionError(f"--processes {processes}: need 1 to {len(ids)} (the clients)")
+    broker = args.broker
+    if broker not in ("embedded", "mosquitto") and not broker.startswith(
+            ("mqtt://", "mqtts://")):
+        raise OptionError(f"--broker {broker}: use embedded, mosquitto, mqtt://host:port or "
+                          "mqtts://host:port")
+    if broker == "mosquitto":
+        from transport.mosquitto import mosquitto_available
+
+        if not mosquitto_available():
+            raise OptionError("--broker mosquitto: no mosquitto binary found; install it "
+                              "(apt-get install mosquitto) or use --broker embedded")
+    elif broker != "embedded":
+        from transport.mqtt import parse_broker_url
+
+        try:
+            parse_broker_url(broker)
+        except ValueError as exc:
+            raise OptionError(str(exc)) from None
+    seed = secrets.randbelow(1 << 31) if args.seed is None else args.seed
+    drops = drop_schedule(config, ids, args.drop_rate, args.drop_stage, seed)
+    source = InputSource(directory=args.inputs, seed=seed)
+    try:
+        inputs = {cid: source.load(cid, config) for cid in ids}
+    except ValueError as exc:
+        raise OptionError(f"--inputs: {exc}") from None
+    for path in (args.output, args.report):
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise OptionError(f"{path}: its directory does not exist")
+
+    progress = _Progress(sys.stderr)
+    spec = SimulationSpec(config=config, client_ids=tuple(ids), inputs=source, drops=drops,
+                          kill=args.kill, processes=processes, broker=broker,
+                          timeouts=_timeouts(config))
+    progress.status(f"{len(ids)} clients, dim {dim}, {config.bits} bits, threshold "
+                    f"{config.threshold}, {config.security}; {len(drops)} scheduled to drop"
+                    + (" (killed)" if args.kill else ""))
+    try:
+        outcome = asyncio.run(run_simulation(spec, on_stage=progress.stage,
+                                             on_status=progress.status))
+    except Exception as exc:  # the broker or the workers could not even start
+        logging.getLogger(__name__).debug("simulation failed", exc_info=True)
+        print(f"secagg simulate: error: {exc}", file=sys.stderr)
+        return 1
+    report = build_report(args, config, seed, drops, processes, inputs, outcome)
+    if args.report is not None:
+        Path(args.report).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if outcome.result is not None and args.output is not None:
+        np.save(args.output, outcome.result.total.astype(np.uint64))
+    print(summary(report))
+    if outcome.error is not None:
+        print(f"secagg simulate: round aborted: {outcome.error}", file=sys.stderr)
+        return 1
+    if not report["correct"]:
+        print("secagg simulate: error: the aggregate does not equal the plaintext sum of "
+              "the included inputs", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_report(args: argparse.Namespace, config: Config, seed: int,
+                 drops: Mapping[int, Stage], processes: int,
+                 inputs: Mapping[int, np.ndarray], outcome: Any) -> dict[str, Any]:
+    result = outcome.result
+    included = sorted(result.included) if result is not None else []
+    correct = False
+    if result is not None:
+        expected = np.zeros(config.dim, dtype=np.uint64)
+        for cid in included:
+            np.add(expected, inputs[cid], out=expected)  # wraps mod 2**64
+        if config.bits < 64:
+            np.bitwise_and(expected, np.uint64((1 << config.bits) - 1), out=expected)
+        correct = bool(np.array_equal(expected, np.asarray(result.total, dtype=np.uint64)))
+    ids = sorted(inputs)
+    bytes_sent = {str(cid): dict(outcome.outcomes.get(cid, {}).get("bytes_sent", {}))
+                  for cid in ids}
+    return {
+        "config": {"clients": config.num_clients, "threshold": config.threshold,
+                   "dim": config.dim, "bits": config.bits, "neighbors": config.neighbors,
+                   "security": config.security},
+        "broker": args.broker,
+        "broker_url": outcome.broker_url,
+        "processes": processes,
+        "seed": seed,
+        "kill": bool(args.kill),
+        "drop_schedule": {str(c): s.label for c, s in sorted(drops.items())},
+        "included": included,
+        "dropped": ({str(c): s.label for c, s in sorted(result.dropped.items())}
+                    if result is not None else {}),
+        "killed": sorted(outcome.killed),
+        "correct": correct,
+        "error": outcome.error,
+        "seconds": {k: round(v, 6) for k, v in outcome.seconds.items()},
+        "bytes": bytes_sent,
+        "wire_bytes": {str(cid): outcome.outcomes.get(cid, {}).get("wire_bytes", 0)
+                       for cid in ids},
+        "client_status": {str(cid): outcome.outcomes.get(cid, {}).get("status", "unknown")
+                          for cid in ids},
+        "transport": {"invalid_payloads": outcome.invalid_payloads,
+                      "rejected": outcome.rejected, "resends": outcome.resends,
+                      "republished": sum(o.get("republished", 0)
+                                         for o in outcome.outcomes.values()),
+                      "worker_errors": outcome.worker_errors},
+    }
+
+
+def summary(report: Mapping[str, Any]) -> str:
+    cfg = report["config"]
+    lines = [f"secagg simulate: {cfg['clients']} clients, dim {cfg['dim']}, {cfg['bits']} "
+             f"bits, threshold {cfg['threshold']}, {cfg['security']}, broker "
+             f"{report['broker']}"]
+    if report["error"] is not None:
+        lines.append(f"aborted: {report['error']}")
+        return "\n".join(lines)
+    by_stage: dict[str, int] = {}
+    for stage in report["dropped"].values():
+        by_stage[stage] = by_stage.get(stage, 0) + 1
+    dropped = ", ".join(f"{s} {k}" for s, k in by_stage.items()) or "none"
+    lines.append(f"included {len(report['included'])}/{cfg['clients']}; dropped: {dropped}")
+    lines.append(f"correct: {'yes' if report['correct'] else 'NO'} (aggregate vs the "
+                 "plaintext sum of the included inputs)")
+    seconds = report["seconds"]
+    stages = ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()
+                       if k not in ("setup", "wall", "total"))
+    lines.append(f"seconds: {stages}; round {seconds.get('total', 0.0):.2f}, wall "
+                 f"{seconds.get('wall', 0.0):.2f}")
+    per_stage: dict[str, list[int]] = {}
+    for counts in report["bytes"].values():
+        for stage, n in counts.items():
+            per_stage.setdefault(stage, []).append(n)
+    sizes = ", ".join(f"{s} {int(np.median(v))}" for s, v in per_stage.items())
+    lines.append(f"bytes sent per client (median): {sizes}")
+    return "\n".join(lines)

@@ -1,0 +1,267 @@
+"""The coordinator: a cohort per round, one secure aggregation, decode, update, evaluate.
+
+Per round (McMahan et al. 2017, FedAvg, with the privacy modes of docs/privacy.md):
+
+1. draw the cohort (seeded: public) and ask the budget whether the round fits; the round
+   that would exceed it is not run and training stops (DESIGN.md section 6);
+2. every cohort site computes its update and encodes it with its sample count
+   (:mod:`fl.codec`); only that vector goes to secure aggregation (:mod:`fl.aggregation`);
+3. if the protocol aborts (fewer than ``threshold`` sites survived) the round is retried with
+   fresh inputs: nothing was released, so nothing is spent;
+4. decode the sum, average, update the global model, spend the round's privacy event,
+   evaluate on the held-out set, write a checkpoint.
+
+In simulation the coordinator can also see every site's encoded input (they live in this
+process), and with ``verify`` it checks each aggregate against the plaintext modular sum of
+the included inputs. A real coordinator cannot: that is the point of secure aggregation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from dp.budget import PrivacyBudget
+from fl import checkpoint as ckpt
+from fl.aggregation import Aggregator
+from fl.codec import FixedPointCodec
+from fl.privacy import DistributedPlan, Plan, SiteDpPlan, event_to_json, restore_budget
+from fl.settings import TrainSettings
+from fl.site import Site
+from fl.vector import ParameterLayout
+from secagg import Config, ProtocolAbort, Stage
+
+U64 = npt.NDArray[np.uint64]
+DROP_STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
+
+
+class AggregateMismatch(RuntimeError):
+    """The secure aggregate differs from the plaintext sum of the included inputs."""
+
+
+class RoundFailed(RuntimeError):
+    """A round aborted ``max_attempts`` times in a row (too many dropouts)."""
+
+
+@dataclass
+class RoundCapture:
+    """What a round put into secure aggregation (for tests and verification)."""
+
+    round: int
+    config: Config
+    inputs: dict[int, U64]
+    total: U64
+    included: frozenset[int]
+    counts: dict[int, int] = field(default_factory=dict)
+
+
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy on a held-out set."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+        loss = float(torch.nn.functional.cross_entropy(logits, y))
+        acc = float((logits.argmax(dim=1) == y).float().mean())
+    return acc, loss
+
+
+def drop_schedule(cohort: list[int], rate: float, seed: int, round_number: int,
+                  attempt: int) -> dict[int, Stage]:
+    """Each cohort site drops with probability ``rate`` at a uniformly random stage.
+
+    Simulation only (seeded, public): which hospital's server crashes when.
+    """
+    rng = np.random.default_rng([seed, 0xD209, round_number, attempt])
+    drops = {}
+    for cid in cohort:
+        if rng.random() < rate:
+            drops[cid] = DROP_STAGES[int(rng.integers(len(DROP_STAGES)))]
+    return drops
+
+
+class Coordinator:
+    """Runs the rounds of one training; see the module docstring."""
+
+    def __init__(self, settings: TrainSettings, model: torch.nn.Module, sites: Mapping[int, Site],
+                 test: tuple[torch.Tensor, torch.Tensor], plan: Plan, aggregator: Aggregator,
+                 *, scaler: dict[str, list[float]] | None = None,
+                 log: Callable[[str], None] | None = None,
+                 on_capture: Callable[[RoundCapture], None] | None = None) -> None:
+        self.settings = settings
+        self.model = model
+        self.layout = ParameterLayout.of(model)
+        self.sites = dict(sites)
+        self.test = test
+        self.plan = plan
+        self.aggregator = aggregator
+        self.scaler = scaler
+        self.log = log or (lambda text: None)
+        self.on_capture = on_capture
+        self.history: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.round = 0
+        self.stopped: str | None = None
+        self.budget: PrivacyBudget | None = None
+        if plan.mode != "none" and settings.epsilon is not None:
+            self.budget = PrivacyBudget(settings.epsilon, settings.delta)
+        cohort = settings.cohort_size
+        self.secagg = Config(num_clients=cohort, dim=1, bits=64)
+        self.threshold = int(self.secagg.threshold or cohort)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def restore(self, saved: ckpt.Checkpoint) -> None:
+        ckpt.check_fingerprint(saved.fingerprint, self.settings.fingerprint())
+        self.layout.load(self.model, saved.model)
+        self.round = saved.round
+        self.history = list(saved.history)
+        self.events = list(saved.events)
+        self.stopped = saved.stopped
+        if self.budget is not None:
+            self.budget = restore_budget(self.budget.epsilon, self.budget.delta, self.events)
+
+    def save(self) -> None:
+        if self.settings.checkpoint is None:
+            return
+        ckpt.save(self.settings.checkpoint, ckpt.Checkpoint(
+            round=self.round, model=self.layout.to_vector(self.model),
+            fingerprint=self.settings.fingerprint(), history=self.history,
+            events=self.events, scaler=self.scaler, stopped=self.stopped))
+
+    # -- training ------------------------------------------------------------------------
+    def run(self) -> list[dict[str, Any]]:
+        """Rounds ``round + 1 .. settings.rounds``; stops early when the budget is spent."""
+        while self.round < self.settings.rounds and self.stopped is None:
+            if not self.run_round(self.round + 1):
+                break
+        return self.history
+
+    def _cohort(self, round_number: int) -> list[int]:
+        ids = sorted(self.sites)
+        if self.settings.cohort_size == len(ids):
+            return ids
+        rng = np.random.default_rng([self.settings.seed, 0xC0, round_number])
+        return sorted(int(c) for c in rng.choice(ids, self.settings.cohort_size, replace=False))
+
+    def run_round(self, r: int) -> bool:
+        """Run round ``r``; False if the budget does not afford it (it is then not run)."""
+        s = self.settings
+        event = self.plan.event()
+        if self.budget is not None and event is not None and not self.budget.can_run(event):
+            after = self.budget.epsilon_after(event)
+            self.stopped = (f"round {r} not run: it would bring epsilon to {after:.4g} > "
+                            f"budget {self.budget.epsilon:g} (spent "
+                            f"{self.budget.spent[0]:.4g} after {r - 1} rounds)")
+            self.log(f"budget spent: {self.stopped}")
+            self.save()
+            return False
+        started = time.perf_counter()
+        cohort = self._cohort(r)
+        for attempt in range(s.max_attempts):
+            drops = drop_schedule(cohort, s.drop_rate, s.seed, r, attempt)
+            inputs, decode, counts = self._inputs(r, cohort)
+            config = Config(num_clients=len(cohort), dim=len(next(iter(inputs.values()))),
+                            bits=self._bits())
+            try:
+                outcome = self.aggregator.aggregate(config, inputs, drops)
+            except ProtocolAbort as exc:
+                self.log(f"round {r}: aggregation aborted ({exc}); {len(drops)} of "
+                         f"{len(cohort)} sites dropped; retrying")
+                continue
+            break
+        else:
+            raise RoundFailed(f"round {r} aborted {s.max_attempts} times: too many sites drop "
+                              "out; lower --drop-rate or raise --max-attempts")
+        correct = None
+        if s.verify:
+            expected = np.zeros(config.dim, dtype=np.uint64)
+            for cid in outcome.included:
+                np.add(expected, inputs[cid], out=expected)  # wraps mod 2**64
+            if config.bits < 64:
+                expected &= np.uint64((1 << config.bits) - 1)
+            correct = bool(np.array_equal(expected, outcome.total))
+            if not correct:
+                raise AggregateMismatch(f"round {r}: the secure aggregate differs from the "
+                                        "plaintext sum of the included sites' inputs")
+        if self.on_capture is not None:
+            self.on_capture(RoundCapture(r, config, inputs, outcome.total, outcome.included,
+                                         counts))
+        update, count = decode(outcome.total, len(outcome.included))
+        vector = self.layout.to_vector(self.model) + s.server_lr * update
+        self.layout.load(self.model, vector)
+        if self.budget is not None and event is not None:
+            self.budget.spend(event)
+            self.events.append(event_to_json(event))
+        epsilon, delta = self.budget.spent if self.budget is not None else (None, None)
+        acc, loss = evaluate(self.model, *self.test)
+        row = {"round": r, "accuracy": acc, "loss": loss, "epsilon": epsilon, "delta": delta,
+               "included": sorted(outcome.included),
+               "dropped": {str(c): st for c, st in sorted(outcome.dropped.items())},
+               "attempts": attempt + 1, "aggregate_correct": correct,
+               "count": count, "seconds": time.perf_counter() - started,
+               "bytes_per_site": (int(np.median(list(outcome.bytes_sent.values())))
+                                  if outcome.bytes_sent else 0)}
+        self.history.append(row)
+        self.round = r
+        self.save()
+        eps = f"  epsilon {epsilon:.3f}" if epsilon is not None else ""
+        dropped = ", ".join(f"{c}@{st}" for c, st in row["dropped"].items()) or "none"
+        self.log(f"round {r:3d}/{s.rounds}  accuracy {acc:.4f}  loss {loss:.4f}{eps}  "
+                 f"included {len(outcome.included)}/{len(cohort)} (dropped: {dropped})"
+                 + ("  aggregate verified" if correct else ""))
+        return True
+
+    def _bits(self) -> int:
+        if isinstance(self.plan, DistributedPlan):
+            return self.plan.params.bits
+        return 64
+
+    def _inputs(self, r: int, cohort: list[int]) -> tuple[dict[int, U64], Callable[..., Any],
+                                                          dict[int, int]]:
+        """Each cohort site's encoded vector, and how to decode the sum into an update."""
+        s = self.settings
+        d = self.layout.size
+        inputs: dict[int, U64] = {}
+        counts: dict[int, int] = {}
+        if isinstance(self.plan, DistributedPlan):
+            codec = self.plan.codec(s.seed, r)
+            for cid in cohort:
+                rows = self.sites[cid].unit_gradients(self.model, sample_rate=s.sample_rate,
+                                                      unit=s.unit)
+                counts[cid] = len(rows)
+                inputs[cid] = codec.encode(rows)
+
+            def decode_distributed(total: U64, included: int) -> tuple[Any, float]:
+                grad_sum, count = codec.decode(total, included)
+                # The noisy count is post-processing of the same release; floor it at 1.
+                return -grad_sum / max(count, 1.0), count
+
+            return inputs, decode_distributed, counts
+        fixed = FixedPointCodec(d + 1, bits=64, max_summands=len(cohort))
+        for cid in cohort:
+            site = self.sites[cid]
+            seed = (s.seed * 1_000_003 + r * 1009 + cid) % (1 << 62)
+            if isinstance(self.plan, SiteDpPlan):
+                delta = site.site_dp_update(
+                    self.model, self.layout, noise_multiplier=self.plan.noise_multiplier,
+                    clip_norm=self.plan.clip_norm, sample_rate=self.plan.sample_rate,
+                    steps=self.plan.steps, lr=s.lr, unit=s.unit)
+                weight = 1  # uniform: a site's count is not protected in site mode
+            else:
+                delta = site.fedavg_update(self.model, self.layout, epochs=s.local_epochs,
+                                           lr=s.lr, batch_size=s.batch_size, mu=s.fedprox_mu,
+                                           seed=seed)
+                weight = site.num_records
+            counts[cid] = weight
+            inputs[cid] = fixed.encode(np.append(weight * delta, weight))
+
+        def decode_fixed(total: U64, included: int) -> tuple[Any, float]:
+            values = fixed.decode(total)
+            return values[:-1] / values[-1], float(values[-1])
+
+        return inputs, decode_fixed, counts

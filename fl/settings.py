@@ -1,0 +1,105 @@
+"""Training settings: everything ``secagg train`` is told, in one typed object (no torch)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DP_MODES = ("none", "site", "distributed")
+MODELS = ("logreg", "mlp")
+SCALING = ("auto", "secure", "none")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Options of one federated training run; defaults are those of ``secagg train``."""
+
+    sites: int = 5
+    rounds: int = 20
+    dataset: str = "breast-cancer"
+    csv: str | None = None
+    patient_column: str | None = None
+    label_column: str | None = None
+    dp: str = "none"
+    epsilon: float | None = None
+    delta: float = 1e-5
+    unit: str = "patient"
+    drop_rate: float = 0.0
+    broker: str = "embedded"
+    seed: int = 0
+    local_epochs: int = 1
+    fedprox_mu: float = 0.0
+    lr: float = 0.1
+    server_lr: float = 1.0
+    batch_size: int = 32
+    model: str = "logreg"
+    alpha: float = 0.5
+    test_fraction: float = 0.2
+    clip_norm: float = 1.0
+    sample_rate: float = 0.1
+    noise_multiplier: float | None = None
+    site_steps: int | None = None
+    cohort: int | None = None
+    ehr_patients: int = 1000
+    scaling: str = "auto"
+    max_attempts: int = 5
+    checkpoint: str | None = None
+    resume: bool = False
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.sites < 2:
+            problems.append(f"--sites {self.sites}: need at least 2 sites")
+        if self.rounds < 1:
+            problems.append(f"--rounds {self.rounds}: need at least 1")
+        if self.dp not in DP_MODES:
+            problems.append(f"--dp {self.dp}: use one of {', '.join(DP_MODES)}")
+        if self.dp != "none" and self.epsilon is None and self.noise_multiplier is None:
+            problems.append(f"--dp {self.dp} needs --epsilon (the total budget per patient)")
+        if self.epsilon is not None and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
+            problems.append(f"--epsilon {self.epsilon}: need a positive number")
+        if not 0 < self.delta < 1:
+            problems.append(f"--delta {self.delta}: need a value in (0, 1), e.g. 1e-5")
+        if self.unit not in ("patient", "record"):
+            problems.append(f"--unit {self.unit}: use patient or record")
+        if not 0 <= self.drop_rate < 1:
+            problems.append(f"--drop-rate {self.drop_rate}: need a fraction in [0, 1)")
+        if self.local_epochs < 1:
+            problems.append(f"--local-epochs {self.local_epochs}: need at least 1")
+        if self.fedprox_mu < 0:
+            problems.append(f"--fedprox-mu {self.fedprox_mu}: need mu >= 0")
+        if self.model not in MODELS:
+            problems.append(f"--model {self.model}: use one of {', '.join(MODELS)}")
+        if self.scaling not in SCALING:
+            problems.append(f"--scaling {self.scaling}: use one of {', '.join(SCALING)}")
+        if not 0 < self.sample_rate <= 1:
+            problems.append(f"--sample-rate {self.sample_rate}: need a value in (0, 1]")
+        if not self.clip_norm > 0:
+            problems.append(f"--clip-norm {self.clip_norm}: need a positive number")
+        if self.cohort is not None and not 2 <= self.cohort <= self.sites:
+            problems.append(f"--cohort {self.cohort}: need 2 to --sites ({self.sites})")
+        if self.csv is not None and (self.patient_column is None or self.label_column is None):
+            problems.append("--csv needs --patient-column and --label-column")
+        if self.resume and self.checkpoint is None:
+            problems.append("--resume needs --checkpoint DIR")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def cohort_size(self) -> int:
+        return self.cohort or self.sites
+
+    @property
+    def steps_per_round(self) -> int:
+        """Site-mode DP-SGD steps per round: ``local_epochs`` passes in expectation."""
+        return self.site_steps or max(1, math.ceil(self.local_epochs / self.sample_rate))
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Settings a checkpoint must agree with (not where it runs or how long)."""
+        skip = {"broker", "checkpoint", "resume", "verify", "max_attempts", "rounds"}
+        data = {k: v for k, v in asdict(self).items() if k not in skip}
+        if self.dp != "none" and self.noise_multiplier is None:
+            data["rounds"] = self.rounds  # the noise was calibrated for this many rounds
+        return data

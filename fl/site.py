@@ -1,0 +1,138 @@
+"""A site (hospital): its records stay here; only its secure-aggregation input leaves.
+
+The site trains on a private copy of the global model and returns a *float* update to the
+federation code in the same process, which encodes it (:mod:`fl.codec`) and hands only the
+encoded, masked vector to the transport. Three ways to compute the update, one per mode:
+
+* :meth:`Site.fedavg_update`: FedAvg local epochs of minibatch SGD (McMahan et al. 2017),
+  optionally with the FedProx proximal term ``mu/2 ||w - w_global||^2`` (Li et al. 2020).
+* :meth:`Site.site_dp_update`: DP-SGD steps with Opacus at the patient level
+  (:class:`dp.opacus_glue.SitePrivacyEngine`); the update is private before it leaves.
+* :meth:`Site.unit_gradients`: one gradient per Poisson-sampled patient at the global model,
+  for distributed DP (the site clips and noises them in :class:`fl.codec.DistributedCodec`).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from fl.data import Table
+from fl.vector import ParameterLayout
+
+F64 = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Scaler:
+    """Per-feature standardization, computed once for the whole federation."""
+
+    mean: npt.NDArray[np.float64]
+    std: npt.NDArray[np.float64]
+
+    def apply(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        return ((x - self.mean) / self.std).astype(np.float32)
+
+
+class Site:
+    """One hospital's data and local training."""
+
+    def __init__(self, site_id: int, table: Table, scaler: Scaler | None = None) -> None:
+        if len(table) == 0:
+            raise ValueError(f"site {site_id} has no records")
+        self.site_id = site_id
+        self.table = table
+        x = table.x if scaler is None else scaler.apply(table.x)
+        self.x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        self.y = torch.from_numpy(np.ascontiguousarray(table.y, dtype=np.int64))
+        self.patient_ids = table.patient_ids
+
+    @property
+    def num_records(self) -> int:
+        return len(self.table)
+
+    @property
+    def num_patients(self) -> int:
+        return self.table.num_patients
+
+    def feature_sums(self) -> F64:
+        """``[sum x, sum x^2, n]`` for the federation's secure scaler (raw features)."""
+        x = self.table.x.astype(np.float64)
+        return np.concatenate([x.sum(axis=0), (x * x).sum(axis=0), [float(len(x))]])
+
+    def fedavg_update(self, model: torch.nn.Module, layout: ParameterLayout, *, epochs: int,
+                      lr: float, batch_size: int, mu: float = 0.0, seed: int = 0) -> F64:
+        """``w_local - w_global`` after ``epochs`` of SGD (FedProx if ``mu > 0``)."""
+        local = copy.deepcopy(model)
+        local.train()
+        anchor = [p.detach().clone() for p in local.parameters() if p.requires_grad]
+        trainable = [p for p in local.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(trainable, lr=lr)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        generator = torch.Generator().manual_seed(seed)
+        n = self.num_records
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=generator)
+            for start in range(0, n, batch_size):
+                rows = order[start:start + batch_size]
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(local(self.x[rows]), self.y[rows])
+                if mu > 0:
+                    # FedProx keeps heterogeneous sites from drifting far from the global model.
+                    prox = sum(((p - a) ** 2).sum() for p, a in zip(trainable, anchor,
+                                                                      strict=True))
+                    loss = loss + mu / 2 * prox
+                loss.backward()
+                optimizer.step()
+        return layout.to_vector(local) - layout.to_vector(model)
+
+    def site_dp_update(self, model: torch.nn.Module, layout: ParameterLayout, *,
+                       noise_multiplier: float, clip_norm: float, sample_rate: float,
+                       steps: int, lr: float, unit: str = "patient") -> F64:
+        """``w_local - w_global`` after ``steps`` DP-SGD steps (Poisson-sampled patients)."""
+        from torch.utils.data import TensorDataset
+
+        from dp.opacus_glue import SitePrivacyEngine
+
+        local = copy.deepcopy(model)
+        local.train()
+        optimizer = torch.optim.SGD([p for p in local.parameters() if p.requires_grad], lr=lr)
+        engine = SitePrivacyEngine(
+            local, optimizer, TensorDataset(self.x, self.y),
+            loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"),
+            noise_multiplier=noise_multiplier, max_grad_norm=clip_norm,
+            sample_rate=sample_rate, patient_ids=self.patient_ids.tolist(), unit=unit)
+        with warnings.catch_warnings():  # inputs need no grad; Opacus' hook warns about it
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(steps):
+                engine.step()
+        update = layout.to_vector(engine.model) - layout.to_vector(model)
+        engine.module._close()
+        return update
+
+    def unit_gradients(self, model: torch.nn.Module, *, sample_rate: float,
+                       unit: str = "patient") -> F64:
+        """Per-unit gradients (``(units, d)``) of the loss at the global model for a Poisson
+        sample of units (coins from ``os.urandom``: the sample must stay secret)."""
+        from dp.units import UnitIndex, site_unit_gradients
+
+        ids = self.patient_ids.tolist() if unit == "patient" else None
+        index = UnitIndex(ids, self.num_records, unit)
+        units = index.sample(sample_rate)
+        records, _ = index.batch(units)
+        if len(records) == 0:
+            return np.zeros((0, sum(e.numel for e in ParameterLayout.of(model).entries)))
+        rec = torch.as_tensor(records, dtype=torch.long)
+        local = copy.deepcopy(model)
+        local.train()  # Opacus captures activations only in training mode
+        with warnings.catch_warnings():  # inputs need no grad; Opacus' hook warns about it
+            warnings.simplefilter("ignore", UserWarning)
+            _, rows = site_unit_gradients(
+                local, torch.nn.CrossEntropyLoss(reduction="sum"), self.x[rec], self.y[rec],
+                self.patient_ids[records].tolist() if unit == "patient" else None, unit)
+        return rows

@@ -1,0 +1,204 @@
+"""``secagg simulate`` end to end: real worker processes, a real broker, real dropouts; the
+aggregate is checked here against the plaintext sum of the inputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fl.commands.simulate  # noqa: F401  (compiled before any test starts a thread)
+import transport.runner  # noqa: F401
+from transport.broker import EmbeddedBroker
+from transport.mosquitto import mosquitto_available
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parent.parent
+STAGES = {"advertise_keys", "share_keys", "masked_input", "consistency_check", "unmasking"}
+HAS_TRAIN = importlib.util.find_spec("fl.commands.train") is not None
+
+
+@pytest.fixture(autouse=True)
+def _cli_without_train(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fl.cli imports every subcommand; stand in for ``train`` until it exists."""
+    if not HAS_TRAIN:
+        stub = types.ModuleType("fl.commands.train")
+        stub.add_parser = lambda sub: sub.add_parser("train")  # type: ignore[attr-defined]
+        stub.run = lambda args: 0  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "fl.commands.train", stub)
+
+
+def cli(*argv: str) -> int:
+    from fl.cli import main
+
+    return main(["simulate", *argv])
+
+
+def write_inputs(directory: Path, ids: list[int], dim: int, bits: int = 32,
+                 seed: int = 0) -> dict[int, np.ndarray]:
+    directory.mkdir()
+    rng = np.random.default_rng(seed)
+    inputs = {}
+    for cid in ids:
+        vec = rng.integers(0, 1 << bits, dim, dtype=np.uint64)
+        np.save(directory / f"{cid}.npy", vec)
+        inputs[cid] = vec
+    return inputs
+
+
+def plaintext_sum(inputs: dict[int, np.ndarray], included: list[int], bits: int) -> np.ndarray:
+    total = 0
+    for cid in included:
+        total = total + inputs[cid].astype(object)  # exact integers, no wrap-around
+    return (np.asarray(total, dtype=object) % (1 << bits)).astype(np.uint64)
+
+
+def check_report(report: dict, ids: list[int]) -> None:
+    assert set(report) >= {"included", "dropped", "correct", "seconds", "bytes"}
+    assert set(report["included"]) <= set(ids)
+    assert set(report["dropped"].values()) <= STAGES
+    assert report["seconds"]["total"] > 0
+    assert set(report["seconds"]) >= {"advertise_keys", "share_keys", "masked_input",
+                                      "unmasking", "total"}
+    assert set(report["bytes"]) == {str(c) for c in ids}
+    for cid in report["included"]:
+        sent = report["bytes"][str(cid)]
+        assert sent["masked_input"] > 0 and sent["advertise_keys"] > 0
+
+
+def test_inputs_output_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ids = [3, 5, 8, 13, 21, 34, 55, 89]
+    inputs = write_inputs(tmp_path / "in", ids, dim=50)
+    out, rep = tmp_path / "sum.npy", tmp_path / "report.json"
+    rc = cli("--inputs", str(tmp_path / "in"), "--output", str(out), "--report", str(rep),
+             "--drop-rate", "0.25", "--drop-stage", "share-keys", "--seed", "3")
+    assert rc == 0
+    report = json.loads(rep.read_text())
+    check_report(report, ids)
+    assert report["correct"] is True
+    assert len(report["dropped"]) == 2
+    assert set(report["dropped"].values()) == {"share_keys"}
+    assert set(report["included"]) == set(ids) - {int(c) for c in report["dropped"]}
+    total = np.load(out)
+    assert total.dtype == np.uint64
+    assert np.array_equal(total, plaintext_sum(inputs, report["included"], 32))
+    stdout = capsys.readouterr().out
+    assert "correct: yes" in stdout and "included 6/8" in stdout
+
+
+def test_random_inputs_malicious_with_sigkill(tmp_path: Path) -> None:
+    rep, out = tmp_path / "r.json", tmp_path / "s.npy"
+    rc = cli("--clients", "9", "--dim", "40", "--bits", "20", "--security", "malicious",
+             "--drop-rate", "0.2", "--kill", "--processes", "2", "--seed", "11",
+             "--report", str(rep), "--output", str(out))
+    assert rc == 0
+    report = json.loads(rep.read_text())
+    check_report(report, list(range(1, 10)))
+    assert report["correct"] is True
+    assert len(report["killed"]) == 2
+    assert all(report["client_status"][str(c)] == "killed" for c in report["killed"])
+    # the documented input generator: uint64 below 2**bits from (seed, id)
+    inputs = {c: np.random.default_rng([11, c]).integers(0, 1 << 20, 40, dtype=np.uint64)
+              for c in range(1, 10)}
+    assert np.array_equal(np.load(out), plaintext_sum(inputs, report["included"], 20))
+
+
+@pytest.mark.parametrize(("argv", "hint"), [
+    (["--clients", "10", "--threshold", "2"], "--threshold 2 is unsafe"),
+    (["--clients", "1"], "at least 2"),
+    (["--drop-rate", "1.5"], "--drop-rate"),
+    (["--drop-stage", "lunch"], "unknown stage"),
+    (["--drop-stage", "consistency_check"], "--security malicious"),
+    (["--processes", "0"], "--processes"),
+    (["--broker", "carrier-pigeon"], "--broker"),
+    (["--broker", "mqtt://"], "no host"),
+    (["--inputs", "/nonexistent/dir"], "--inputs"),
+    (["--bits", "4"], "bits"),
+    (["--dim", "0"], "dim"),
+])
+def test_bad_options_exit_2_with_a_hint(argv: list[str], hint: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(*argv) == 2
+    assert hint in capsys.readouterr().err
+
+
+def test_inputs_that_disagree_with_options(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    write_inputs(tmp_path / "in", [1, 2, 3], dim=5)
+    assert cli("--inputs", str(tmp_path / "in"), "--clients", "4") == 2
+    assert "--clients 4" in capsys.readouterr().err
+    assert cli("--inputs", str(tmp_path / "in"), "--dim", "6") == 2
+    assert "--dim 6" in capsys.readouterr().err
+    np.save(tmp_path / "in" / "4.npy", np.array([1, 2, 3, 4, 1 << 40], dtype=np.uint64))
+    assert cli("--inputs", str(tmp_path / "in")) == 2
+    assert "2**32" in capsys.readouterr().err
+
+
+def test_too_many_dropouts_abort_with_exit_1(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    rep = tmp_path / "r.json"
+    rc = cli("--clients", "5", "--dim", "10", "--drop-rate", "0.6", "--drop-stage",
+             "masked_input", "--seed", "1", "--report", str(rep))
+    assert rc == 1
+    assert "round aborted" in capsys.readouterr().err
+    report = json.loads(rep.read_text())
+    assert report["correct"] is False and "threshold" in report["error"]
+
+
+def test_existing_broker_url(tmp_path: Path) -> None:
+    broker = EmbeddedBroker(users={"fed": "s3cret"}).run_in_thread()
+    try:
+        rep = tmp_path / "r.json"
+        rc = cli("--clients", "4", "--dim", "8", "--broker",
+                 f"mqtt://fed:s3cret@127.0.0.1:{broker.port}", "--report", str(rep))
+        assert rc == 0
+        report = json.loads(rep.read_text())
+        assert report["correct"] is True and report["included"] == [1, 2, 3, 4]
+        assert broker.stats.messages_in > 0
+    finally:
+        broker.stop()
+
+
+@pytest.mark.mosquitto
+@pytest.mark.skipif(not mosquitto_available(), reason="mosquitto is not installed")
+def test_mosquitto_broker(tmp_path: Path) -> None:
+    rep = tmp_path / "r.json"
+    rc = cli("--clients", "8", "--dim", "30", "--drop-rate", "0.25", "--broker", "mosquitto",
+             "--seed", "5", "--report", str(rep))
+    assert rc == 0
+    report = json.loads(rep.read_text())
+    assert report["correct"] is True and len(report["included"]) <= 8
+
+
+STUB_TRAIN = (
+    "import sys, types; m = types.ModuleType('fl.commands.train'); "
+    "m.add_parser = lambda sub: sub.add_parser('train'); m.run = lambda a: 0; "
+    "sys.modules['fl.commands.train'] = m; from fl.cli import main; sys.exit(main())")
+
+
+def test_subprocess_entry_point(tmp_path: Path) -> None:
+    ids = [1, 2, 3, 4, 5, 6]
+    inputs = write_inputs(tmp_path / "in", ids, dim=20, seed=9)
+    out, rep = tmp_path / "sum.npy", tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    entry = ["-m", "fl.cli"] if HAS_TRAIN else ["-c", STUB_TRAIN]
+    proc = subprocess.run(
+        [sys.executable, *entry, "simulate", "--inputs", str(tmp_path / "in"),
+         "--drop-rate", "0.2", "--seed", "2", "--output", str(out), "--report", str(rep)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "correct: yes" in proc.stdout
+    assert "[secagg]" not in proc.stderr  # progress only on a terminal
+    report = json.loads(rep.read_text())
+    check_report(report, ids)
+    assert report["correct"] is True
+    assert np.array_equal(np.load(out), plaintext_sum(inputs, report["included"], 32))

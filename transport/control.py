@@ -1,0 +1,155 @@
+"""Transport-level control messages: round start/end/abort, receipts, offline notices.
+
+These are not protocol messages (``secagg.messages`` are); they carry no secrets and are
+msgpack maps validated field by field. Anything malformed raises ``ControlError``, which the
+drivers log and drop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from secagg import Config
+
+MAX_CONTROL_BYTES = 16 << 20
+
+
+class ControlError(ValueError):
+    """A control payload that does not decode to a valid control message."""
+
+
+@dataclass(frozen=True)
+class RoundStart:
+    """Published (retained) on the control topic when a round opens. Constant size: the
+    session id binds the roster and context, which the sites already hold."""
+
+    session_id: bytes
+    config: Mapping[str, Any]
+    clients: int
+    deadlines: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    session_id: bytes
+    included: tuple[int, ...]
+    dropped: Mapping[int, str]
+
+
+@dataclass(frozen=True)
+class RoundAbort:
+    session_id: bytes
+    reason: str
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """The server's confirmation (or rejection) of one client message, by its sha256."""
+
+    digest: bytes
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Offline:
+    """A site's last will (``final=False``: the broker may publish it merely because it is
+    shutting down) or its own notice that it leaves the round (``final=True``)."""
+
+    reason: str = ""
+    final: bool = True
+
+
+@dataclass(frozen=True)
+class ClientAbort:
+    """A site's notice that its state machine aborted (so the server stops waiting)."""
+
+    reason: str
+
+
+Control = RoundStart | RoundEnd | RoundAbort | Receipt | Offline | ClientAbort
+
+
+def config_fields(config: Config) -> dict[str, Any]:
+    return {"num_clients": config.num_clients, "threshold": config.threshold,
+            "dim": config.dim, "bits": config.bits, "neighbors": config.neighbors,
+            "security": config.security}
+
+
+def encode_control(message: Control) -> bytes:
+    body: dict[str, Any]
+    if isinstance(message, RoundStart):
+        body = {"t": "start", "session": message.session_id, "config": dict(message.config),
+                "clients": message.clients, "deadlines": dict(message.deadlines)}
+    elif isinstance(message, RoundEnd):
+        body = {"t": "end", "session": message.session_id, "included": list(message.included),
+                "dropped": {int(k): str(v) for k, v in message.dropped.items()}}
+    elif isinstance(message, RoundAbort):
+        body = {"t": "abort", "session": message.session_id, "reason": message.reason}
+    elif isinstance(message, Receipt):
+        body = {"t": "receipt", "digest": message.digest, "ok": message.ok,
+                "reason": message.reason}
+    elif isinstance(message, Offline):
+        body = {"t": "offline", "reason": message.reason, "final": message.final}
+    else:
+        body = {"t": "client-abort", "reason": message.reason}
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _get(body: Mapping[Any, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise ControlError(f"control field {key!r} is missing or not {kind}")
+    return value
+
+
+def _ids(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 32 for v in value):
+        raise ControlError(f"control field {what!r} must be a list of client ids")
+    return tuple(value)
+
+
+def decode_control(data: bytes) -> Control:
+    if len(data) > MAX_CONTROL_BYTES:
+        raise ControlError("control message too large")
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=len(data),
+                               max_str_len=1 << 16, max_array_len=1 << 21,
+                               max_map_len=1 << 21)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ControlError(f"control payload is not msgpack: {exc}") from None
+    if not isinstance(body, dict):
+        raise ControlError("control payload is not a map")
+    kind = body.get("t")
+    if kind == "start":
+        config = _get(body, "config", dict)
+        deadlines = body.get("deadlines", {})
+        if not isinstance(deadlines, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) for k, v in deadlines.items()):
+            raise ControlError("control field 'deadlines' must map stage -> seconds")
+        return RoundStart(_get(body, "session", bytes), config, _get(body, "clients", int),
+                          deadlines)
+    if kind == "end":
+        dropped = body.get("dropped", {})
+        if not isinstance(dropped, dict) or not all(
+                isinstance(k, int) and isinstance(v, str) for k, v in dropped.items()):
+            raise ControlError("control field 'dropped' must map client id -> stage")
+        return RoundEnd(_get(body, "session", bytes), _ids(body.get("included"), "included"),
+                        dropped)
+    if kind == "abort":
+        return RoundAbort(_get(body, "session", bytes), _get(body, "reason", str))
+    if kind == "receipt":
+        digest = _get(body, "digest", bytes)
+        if len(digest) != 32:
+            raise ControlError("receipt digest must be 32 bytes")
+        return Receipt(digest, bool(_get(body, "ok", bool)), str(body.get("reason", "")))
+    if kind == "offline":
+        return Offline(str(body.get("reason", "")), body.get("final") is not False)
+    if kind == "client-abort":
+        return ClientAbort(_get(body, "reason", str))
+    raise ControlError(f"unknown control message type {kind!r}")

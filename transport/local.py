@@ -1,0 +1,194 @@
+"""A whole round on one event loop, over any ``transport.link.Network``.
+
+``run_round`` is the transport counterpart of ``secagg.simulate``: the same arguments, the
+same result, but every message crosses a real bus (``MemoryNetwork`` or an MQTT broker via
+``MqttNetwork``) with framing, receipts, deadlines and last wills. ``serve_client`` and
+``serve_server`` are the building blocks a deployment uses for one party each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from secagg import Config, SigningKey, Stage
+from secagg.client import Client, check_input
+from secagg.server import AggregateResult, Server
+
+from .drivers import (
+    ClientDriver,
+    ClientOutcome,
+    DropHook,
+    ServerDriver,
+    StageProgress,
+    Timeouts,
+    TransportError,
+    client_will,
+    server_will,
+)
+from .framing import DEFAULT_MAX_PAYLOAD
+from .link import LinkLost, Network
+from .topics import SERVER_USER, Topics, site_name
+
+logger = logging.getLogger(__name__)
+
+
+def new_round_name() -> str:
+    """A fresh, unguessable round name (one topic level)."""
+    return "r" + secrets.token_hex(8)
+
+
+@dataclass
+class RoundReport:
+    """What ``run_round`` returns: the server's result and what every party saw."""
+
+    result: AggregateResult
+    seconds: dict[str, float]
+    outcomes: dict[int, ClientOutcome]
+    bytes_received: dict[int, dict[str, int]] = field(default_factory=dict)
+    gone: dict[int, str] = field(default_factory=dict)
+    client_aborts: dict[int, str] = field(default_factory=dict)
+    invalid_payloads: int = 0
+    rejected: int = 0
+    resends: int = 0
+
+    @property
+    def total(self) -> object:
+        return self.result.total
+
+    @property
+    def included(self) -> frozenset[int]:
+        return self.result.included
+
+
+async def serve_client(network: Network, client: Client, topics: Topics, *,
+                       timeouts: Timeouts | None = None,
+                       max_payload: int = DEFAULT_MAX_PAYLOAD, drop_at: Stage | None = None,
+                       drop_mode: str = "leave", on_drop: DropHook | None = None,
+                       on_ready: Callable[[ClientDriver], None] | None = None
+                       ) -> ClientOutcome:
+    """Connect one site (as ``site-<id>``, with its last will), subscribe to its own topics
+    and run its part of the round. ``on_ready(driver)`` is called once it listens."""
+    cid = client.client_id
+    async with network.connect(site_name(cid), will=client_will(topics, cid)) as link:
+        await link.subscribe(topics.client_filter(cid))
+        await link.subscribe(topics.control)
+        driver = ClientDriver(client, link, topics, timeouts=timeouts,
+                              max_payload=max_payload, drop_at=drop_at, drop_mode=drop_mode,
+                              on_drop=on_drop)
+        if on_ready is not None:
+            on_ready(driver)
+        return await driver.run()
+
+
+async def serve_server(network: Network, server: Server, topics: Topics, *,
+                       timeouts: Timeouts | None = None,
+                       max_payload: int = DEFAULT_MAX_PAYLOAD,
+                       on_stage: Callable[[StageProgress], None] | None = None,
+                       ready: asyncio.Event | None = None,
+                       start: asyncio.Event | None = None) -> ServerDriver:
+    """Connect the aggregator (as ``server``), then run the round once ``start`` is set.
+
+    Returns the driver (its ``server.result`` holds the aggregate). Raises ``ProtocolAbort``
+    or ``TransportError``.
+    """
+    async with network.connect(SERVER_USER, will=server_will(server, topics)) as link:
+        await link.subscribe(topics.server_filter)
+        if ready is not None:
+            ready.set()
+        if start is not None:
+            await start.wait()
+        driver = ServerDriver(server, link, topics, timeouts=timeouts,
+                              max_payload=max_payload, on_stage=on_stage)
+        await driver.run()
+        return driver
+
+
+async def run_round(network: Network, config: Config, inputs: Mapping[int, object],
+                    drop: Mapping[int, Stage | str] | None = None, *,
+                    context: bytes | None = None, round_name: str | None = None,
+                    timeouts: Timeouts | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                    drop_mode: str = "leave",
+                    on_stage: Callable[[StageProgress], None] | None = None,
+                    connect_timeout: float = 60.0) -> RoundReport:
+    """Run one round with every party on this loop; ``drop={id: stage}`` as in
+    ``secagg.simulate``. Raises ``ProtocolAbort`` when the round cannot finish and
+    ``TransportError`` when the bus fails."""
+    if len(inputs) != config.num_clients:
+        raise ValueError(f"inputs has {len(inputs)} clients but num_clients="
+                         f"{config.num_clients}; give one vector per client")
+    checked = {cid: check_input(vec, config, f"inputs[{cid}]") for cid, vec in inputs.items()}
+    drops = {cid: Stage.parse(s) if isinstance(s, str) else Stage(s)
+             for cid, s in (drop or {}).items()}
+    unknown = sorted(set(drops) - set(checked))
+    if unknown:
+        raise ValueError(f"drop names clients {unknown[:10]} that have no input")
+    topics = Topics(round_name or new_round_name())
+    context = context if context is not None else os.urandom(32)
+    roster = sorted(checked)
+    signing: dict[int, SigningKey] = {}
+    verify: dict[int, bytes] | None = None
+    if config.malicious:
+        signing = {cid: SigningKey.generate() for cid in roster}
+        verify = {cid: key.public for cid, key in signing.items()}
+    server = Server(config, roster=roster, context=context, verify_keys=verify)
+    clients = [Client(config, cid, checked[cid], roster=roster, context=context,
+                      signing_key=signing.get(cid), verify_keys=verify) for cid in roster]
+    server_ready, start = asyncio.Event(), asyncio.Event()
+    server_task = asyncio.create_task(serve_server(
+        network, server, topics, timeouts=timeouts, max_payload=max_payload,
+        on_stage=on_stage, ready=server_ready, start=start))
+    ready: set[int] = set()
+    all_ready = asyncio.Event()
+
+    def on_ready(driver: ClientDriver) -> None:
+        ready.add(driver.client_id)
+        if len(ready) == len(clients):
+            all_ready.set()
+
+    client_tasks = [asyncio.create_task(serve_client(
+        network, c, topics, timeouts=timeouts, max_payload=max_payload,
+        drop_at=drops.get(c.client_id), drop_mode=drop_mode, on_ready=on_ready))
+        for c in clients]
+    try:
+        waiters = [asyncio.ensure_future(all_ready.wait()),
+                   asyncio.ensure_future(server_ready.wait())]
+        done, _ = await asyncio.wait([asyncio.gather(*waiters), server_task, *client_tasks],
+                                     timeout=connect_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if not (all_ready.is_set() and server_ready.is_set()):
+            for task in done:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    exc = task.exception()
+                    raise TransportError(f"a party could not join the round: {exc}") from exc
+            raise TransportError(f"only {len(ready)} of {len(clients)} clients connected "
+                                 f"within {connect_timeout} s")
+        start.set()
+        try:
+            driver = await server_task
+        except LinkLost as exc:
+            raise TransportError(f"the server lost the broker: {exc}") from exc
+        outcomes = await asyncio.gather(*client_tasks, return_exceptions=True)
+    finally:
+        for task in [server_task, *client_tasks]:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(server_task, *client_tasks, return_exceptions=True)
+    result = server.result
+    assert result is not None
+    by_id: dict[int, ClientOutcome] = {}
+    for client, outcome in zip(clients, outcomes, strict=True):
+        if isinstance(outcome, ClientOutcome):
+            by_id[client.client_id] = outcome
+        else:
+            by_id[client.client_id] = ClientOutcome(client.client_id, "lost",
+                                                    reason=repr(outcome))
+    return RoundReport(result=result, seconds=dict(driver.seconds), outcomes=by_id,
+                       bytes_received=driver.bytes_received, gone=dict(driver.gone),
+                       client_aborts=dict(driver.client_aborts),
+                       invalid_payloads=driver.invalid_payloads, rejected=driver.rejected,
+                       resends=driver.resends)

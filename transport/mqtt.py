@@ -1,0 +1,301 @@
+"""The aiomqtt (2.x) binding of ``transport.link``: one MQTT connection per party.
+
+Everything about reaching the broker is configuration (``BrokerSettings``): host, port, TLS
+with an optional client certificate, and a username/password per party. A link publishes at
+QoS 1, reconnects with backoff after a lost connection (re-subscribing, then reporting
+``Reconnected`` so the driver re-sends), and gives up with ``LinkLost`` after
+``reconnect_timeout`` seconds. aiomqtt does not surface a broker's refusal of a publish (an
+ACL denial is acknowledged like a success), so the drivers confirm delivery with receipts at
+the protocol level; ``publish`` returning True only means the broker took the packet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import urllib.parse
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+
+import aiomqtt
+
+from .link import Delivery, Event, LinkLost, Reconnected, Will
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """TLS for ``mqtts://``: the CA that signed the broker's certificate (None: the system
+    store) and, for client-certificate authentication, this party's certificate and key."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    verify_hostname: bool = True
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.check_hostname = self.verify_hostname
+        if self.cert_file:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        elif self.key_file:
+            raise ValueError("TLS key_file given without cert_file")
+        return context
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """Where the broker is and how each party authenticates to it."""
+
+    host: str = "127.0.0.1"
+    port: int = 1883
+    tls: TlsSettings | None = None
+    username: str | None = None
+    """Used for every party that has no entry in ``passwords`` (an existing broker)."""
+    password: str | None = None
+    passwords: Mapping[str, str] = field(default_factory=dict, repr=False)
+    """username -> password, one per party (what ``secagg simulate`` generates)."""
+    per_party_tls: Mapping[str, TlsSettings] = field(default_factory=dict)
+    """username -> TLS settings with that party's client certificate."""
+    keepalive: int = 20
+    connect_timeout: float = 30.0
+    reconnect_timeout: float = 30.0
+    publish_timeout: float = 30.0
+
+    @property
+    def url(self) -> str:
+        scheme = "mqtts" if self.tls is not None else "mqtt"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
+
+    def credentials(self, username: str) -> tuple[str | None, str | None]:
+        if username in self.passwords:
+            return username, self.passwords[username]
+        return self.username, self.password
+
+    def tls_for(self, username: str) -> TlsSettings | None:
+        return self.per_party_tls.get(username, self.tls)
+
+
+def parse_broker_url(url: str, **overrides: object) -> BrokerSettings:
+    """``mqtt://[user:password@]host[:port]`` or ``mqtts://...?ca=CA&cert=CERT&key=KEY``.
+
+    With credentials in the URL every party connects as that user (fine for a development
+    broker; a federation gives each site its own credentials, docs/deployment.md).
+    """
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("mqtt", "mqtts"):
+        raise ValueError(f"broker URL {url!r}: use mqtt://host:port or mqtts://host:port")
+    if not parsed.hostname:
+        raise ValueError(f"broker URL {url!r} has no host name")
+    try:
+        port = parsed.port
+    except ValueError:
+        raise ValueError(f"broker URL {url!r} has an invalid port") from None
+    query = urllib.parse.parse_qs(parsed.query)
+    known = {"ca", "cert", "key", "insecure"}
+    unknown = sorted(set(query) - known)
+    if unknown:
+        raise ValueError(f"broker URL {url!r}: unknown parameters {unknown}; use "
+                         f"{sorted(known)}")
+    tls = None
+    if parsed.scheme == "mqtts":
+        tls = TlsSettings(ca_file=query.get("ca", [None])[0],
+                          cert_file=query.get("cert", [None])[0],
+                          key_file=query.get("key", [None])[0],
+                          verify_hostname=query.get("insecure", ["0"])[0] in ("0", "false"))
+    elif set(query) & known:
+        raise ValueError(f"broker URL {url!r}: TLS parameters need mqtts://")
+    settings = BrokerSettings(
+        host=parsed.hostname, port=port or (8883 if tls else 1883), tls=tls,
+        username=urllib.parse.unquote(parsed.username) if parsed.username else None,
+        password=urllib.parse.unquote(parsed.password) if parsed.password else None)
+    return replace(settings, **overrides)  # type: ignore[arg-type]
+
+
+class MqttLink:
+    """One party's connection; see ``transport.link.Link``."""
+
+    def __init__(self, settings: BrokerSettings, username: str, will: Will | None,
+                 client_factory: Callable[..., aiomqtt.Client] = aiomqtt.Client) -> None:
+        self._settings = settings
+        self._name = username
+        self._will = will
+        self._factory = client_factory
+        self._client: aiomqtt.Client | None = None
+        self._filters: list[str] = []
+        self._queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
+        self._up = asyncio.Event()
+        self._down = asyncio.Event()
+        self._pump: asyncio.Task[None] | None = None
+        self._closing = False
+        self._attempts = 0
+        self._ssl: ssl.SSLContext | None = None
+        tls = settings.tls_for(username)
+        if tls is not None:
+            self._ssl = tls.context()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def _new_client(self) -> aiomqtt.Client:
+        username, password = self._settings.credentials(self._name)
+        will = (aiomqtt.Will(self._will.topic, self._will.payload, qos=1)
+                if self._will is not None else None)
+        client = self._factory(
+            self._settings.host, self._settings.port, username=username, password=password,
+            identifier=self._name, will=will, clean_session=True,
+            keepalive=self._settings.keepalive, tls_context=self._ssl,
+            timeout=self._settings.publish_timeout, max_inflight_messages=100,
+            # Small receipts right after large frames would otherwise wait for delayed ACKs.
+            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        # The server publishes to every site at once; many pending QoS 1 publishes are normal.
+        client.pending_calls_threshold = 1 << 30
+        return client
+
+    async def _connect(self, deadline: float) -> aiomqtt.Client:
+        loop = asyncio.get_running_loop()
+        delay = 0.05
+        last: Exception | None = None
+        while True:
+            client = self._new_client()
+            try:
+                await client.__aenter__()
+            except aiomqtt.MqttError as exc:
+                last = exc
+                logger.debug("%s: connection attempt failed: %r", self._name, exc)
+                if isinstance(exc, aiomqtt.MqttCodeError) and exc.rc in (4, 5, 134, 135):
+                    raise LinkLost(f"{self._name}: the broker at {self._settings.url} refused "
+                                   f"the credentials ({exc})") from None
+            else:
+                for topic_filter in self._filters:
+                    await client.subscribe(topic_filter, qos=1)
+                return client
+            if loop.time() + delay > deadline:
+                raise LinkLost(f"{self._name}: cannot reach the MQTT broker at "
+                               f"{self._settings.url}: {last}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def open(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._client = await self._connect(loop.time() + self._settings.connect_timeout)
+        self._up.set()
+        self._pump = asyncio.create_task(self._run_pump(), name=f"mqtt-pump-{self._name}")
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._pump
+        client, self._client = self._client, None
+        if client is not None:
+            # A graceful DISCONNECT (no will); bounded, so closing never hangs a caller.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.__aexit__(None, None, None), 2.0)
+
+    async def _run_pump(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            client = self._client
+            assert client is not None
+            try:
+                async for message in client.messages:
+                    payload = message.payload
+                    if not isinstance(payload, (bytes, bytearray)):
+                        continue
+                    self._queue.put_nowait(Delivery(str(message.topic), bytes(payload)))
+            except aiomqtt.MqttError as exc:
+                if self._closing:
+                    return
+                logger.warning("%s: connection to %s lost (%s); reconnecting", self._name,
+                               self._settings.url, exc)
+            self._up.clear()
+            self._down.set()
+            with contextlib.suppress(Exception):
+                await client.__aexit__(None, None, None)
+            try:
+                self._client = await self._connect(loop.time()
+                                                   + self._settings.reconnect_timeout)
+            except LinkLost as exc:
+                self._queue.put_nowait(exc)
+                return
+            self._attempts += 1
+            logger.info("%s: reconnected to %s", self._name, self._settings.url)
+            self._down.clear()
+            self._up.set()
+            self._queue.put_nowait(Reconnected(self._attempts))
+
+    async def subscribe(self, topic_filter: str) -> None:
+        if topic_filter not in self._filters:
+            self._filters.append(topic_filter)
+        if self._client is not None and self._up.is_set():
+            granted = await self._client.subscribe(topic_filter, qos=1)
+            codes = [getattr(c, "value", c) for c in granted]
+            if any(isinstance(c, int) and c >= 0x80 for c in codes):
+                raise LinkLost(f"{self._name}: the broker refused the subscription to "
+                               f"{topic_filter} (check its ACL)")
+
+    async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> bool:
+        try:
+            await asyncio.wait_for(self._up.wait(), self._settings.reconnect_timeout)
+        except asyncio.TimeoutError:
+            return False
+        client = self._client
+        if client is None:
+            return False
+        # aiomqtt keeps waiting for the PUBACK of a publish whose connection died; do not.
+        publish = asyncio.ensure_future(client.publish(topic, payload, qos=1, retain=retain))
+        down = asyncio.ensure_future(self._down.wait())
+        try:
+            await asyncio.wait((publish, down), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            publish.cancel()
+            raise
+        finally:
+            down.cancel()
+        if not publish.done():
+            publish.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):
+                await publish
+            return False
+        try:
+            publish.result()
+        except aiomqtt.MqttError as exc:
+            logger.info("%s: publish to %s failed: %s", self._name, topic, exc)
+            return False
+        return True
+
+    async def receive(self, timeout: float | None = None) -> Event | None:
+        try:
+            item = await asyncio.wait_for(self._queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class MqttNetwork:
+    """Opens ``MqttLink``s to one broker; see ``transport.link.Network``."""
+
+    def __init__(self, settings: BrokerSettings) -> None:
+        self.settings = settings
+
+    @asynccontextmanager
+    async def connect(self, username: str, *,
+                      will: Will | None = None) -> AsyncIterator[MqttLink]:
+        link = MqttLink(self.settings, username, will)
+        await link.open()
+        try:
+            yield link
+        finally:
+            await link.close()
