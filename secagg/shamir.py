@@ -149,29 +149,43 @@ def split(secret: bytes, holders: Sequence[int], threshold: int) -> dict[int, by
     return split_many([secret], holders, threshold)[0]
 
 
+def _batch_inverse(values: Sequence[int]) -> list[int]:
+    """Inverses mod p of all values with one modular inversion (Montgomery's trick)."""
+    prefix = [1]
+    for v in values:
+        prefix.append(prefix[-1] * v % PRIME)
+    inv = pow(prefix[-1], -1, PRIME)
+    out = [0] * len(values)
+    for i in range(len(values) - 1, -1, -1):
+        out[i] = inv * prefix[i] % PRIME
+        inv = inv * values[i] % PRIME
+    return out
+
+
 @lru_cache(maxsize=1024)
-def lagrange_weights(xs: tuple[int, ...]) -> tuple[int, ...]:
-    """Weights w_i with f(0) = sum w_i f(x_i) for any polynomial of degree < len(xs)."""
-    numerator = 1
-    for x in xs:
-        numerator = numerator * x % PRIME
+def _barycentric_weights(xs: tuple[int, ...]) -> tuple[int, ...]:
+    """w_i = 1 / prod_{j != i} (x_i - x_j) mod p."""
     denominators = []
     for i, xi in enumerate(xs):
-        d = xi
+        d = 1
         for j, xj in enumerate(xs):
             if j != i:
-                d *= xj - xi
+                d *= xi - xj  # exact small integers; one reduction at the end
         denominators.append(d % PRIME)
-    # one modular inversion for all denominators (Montgomery's trick)
-    prefix = [1]
-    for d in denominators:
-        prefix.append(prefix[-1] * d % PRIME)
-    inv = pow(prefix[-1], -1, PRIME)
-    inverses = [0] * len(xs)
-    for i in range(len(xs) - 1, -1, -1):
-        inverses[i] = inv * prefix[i] % PRIME
-        inv = inv * denominators[i] % PRIME
-    return tuple(numerator * v % PRIME for v in inverses)
+    return tuple(_batch_inverse(denominators))
+
+
+@lru_cache(maxsize=1024)
+def lagrange_weights(xs: tuple[int, ...]) -> tuple[int, ...]:
+    """Weights l_i with f(0) = sum l_i f(x_i) for any polynomial of degree < len(xs):
+    l_i = w_i * prod_{j != i} (0 - x_j), w_i the barycentric weight."""
+    weights = _barycentric_weights(xs)
+    full = 1
+    for x in xs:
+        full = full * (-x) % PRIME
+    inverses = _batch_inverse([(-x) % PRIME for x in xs])
+    return tuple(w * full % PRIME * inv % PRIME
+                 for w, inv in zip(weights, inverses, strict=True))
 
 
 def decode_share(share: bytes) -> int:
@@ -299,31 +313,6 @@ def decode_with_errors(shares: Mapping[int, int], threshold: int
     if len(bad) > (m - threshold) // 2:
         return None
     return (f[0] if f else 0), bad
-
-
-@lru_cache(maxsize=256)
-def _barycentric_weights(xs: tuple[int, ...]) -> tuple[int, ...]:
-    """w_i = 1 / prod_{j != i} (x_i - x_j) mod p, with one modular inversion."""
-    denominators = []
-    for i, xi in enumerate(xs):
-        d = 1
-        for j, xj in enumerate(xs):
-            if j != i:
-                d *= xi - xj
-        denominators.append(d % PRIME)
-    return tuple(_batch_inverse(denominators))
-
-
-def _batch_inverse(values: Sequence[int]) -> list[int]:
-    prefix = [1]
-    for v in values:
-        prefix.append(prefix[-1] * v % PRIME)
-    inv = pow(prefix[-1], -1, PRIME)
-    out = [0] * len(values)
-    for i in range(len(values) - 1, -1, -1):
-        out[i] = inv * prefix[i] % PRIME
-        inv = inv * values[i] % PRIME
-    return out
 
 
 def extrapolate(points: Mapping[int, int], xs: tuple[int, ...], targets: Sequence[int]
