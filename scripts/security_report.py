@@ -137,45 +137,59 @@ t = 5), dim 512, bits 16, unless a row says otherwise.
 Holds (each row in section 4 is a test):
 
 * **One share per peer.** A client reveals, per peer, either the self-mask-seed share or
-  the masking-key share, never both, and answers one unmasking request only; a request
-  naming a peer as survived and dropped aborts it (the Flower SecAgg+ attack).
+  the masking-key share, never both, and answers one unmasking request only (a
+  byte-identical redelivery of any earlier server message gets the byte-identical earlier
+  reply, nothing new); a request naming a peer as survived and dropped aborts it (the
+  Flower SecAgg+ attack). After finishing or aborting, a client erases its seed, input,
+  shares and X25519 private keys.
 * **Session binding.** The session id is derived by every party from config, roster and
   context (the model hash belongs in the context); messages, labels, AEAD associated data
   and signatures bind it with the stage and both ids, so nothing replays across sessions,
   stages or pairs, and clients given different models cannot complete a round together.
-* **Keys.** Small-order and duplicated keys abort; in malicious mode substituted keys fail
-  the Ed25519 signature check.
-* **Thresholds.** `Config` refuses t <= n/2 (semi-honest) or t <= 2n/3 (malicious) and
-  unsafe SecAgg+ pairs; a client enforces its own t at every stage whatever the server
-  sends.
+* **Keys.** Small-order, non-canonical (e.g. bit 255 set, the alias of another client's
+  key) and duplicated keys are refused; in malicious mode substituted keys fail the
+  Ed25519 signature check.
+* **Thresholds.** `Config` refuses t <= n/2 (semi-honest) or t <= 2n/3 (malicious),
+  unsafe SecAgg+ pairs, and, when rates are given, complete-graph thresholds below the
+  corrupt clients (semi-honest) or (n + c)/2 (malicious); a client enforces its own t at
+  every stage whatever the server sends.
 * **Malicious mode against a malicious server.** Splitting survivor lists, isolating a
   victim, or mixing dropped/survived views fails: a client unmasks only with t signatures
   over the list it signed, and 2t > n + c.
-* **Corrupted shares** are corrected by Reed-Solomon decoding and their senders named, and
-  the round still completes when enough honest shares remain; beyond that it aborts
-  cleanly, never with a wrong sum.
+* **Integrity in malicious mode.** Every client message is signed over its own
+  transcript, so a broker or network attacker cannot alter a masked input or shares; a
+  masked input carries a digest of the peers it was masked with, so an altered ciphertext
+  list is rejected instead of leaving an uncancelled mask in the sum.
+* **Corrupted shares** are found by a batched consistency screen, corrected by
+  Reed-Solomon decoding (up to (m - t)/2 per holder set) and their senders named,
+  whatever their ids; the round still completes when enough honest shares remain; beyond
+  that it aborts cleanly, never with a wrong sum.
 * **Parsing.** Arbitrary and mutated bytes into `decode`, `Client.handle` and
-  `Server.receive` raise only the typed errors; a rejected message changes no state.
+  `Server.receive` raise only the typed errors; a rejected message changes no state;
+  decoding is canonical (one encoding per message, repeated map keys refused); objects
+  are encoded and decoded, so they get the same validation as bytes.
 * **Gradient leakage.** Exact inversion of a linear layer and DLG on a small MLP succeed
   on a plaintext update and fail on what the server receives (the masked vector).
 
 Does not hold (shown by strict-xfail tests, so a change in behaviour turns the suite red):
 
-* **Semi-honest mode against an active server.** With no signatures the server can swap
-  every peer key of a victim for its own (man in the middle), or forward the victim only
-  t-1 ciphertexts and tell the other holders that exactly those peers dropped while the
-  victim and the others are told it survived: it collects b_v and s_w for all of v's peers
-  without ever asking one holder for both shares of one client. Both recover the input
-  exactly with all clients honest. (docs/protocol.md 4.4 and 9.1 argue only about both
-  shares *of the victim*; this attack shows that argument does not cover an active
-  server.)
+* **Semi-honest mode against an active server.** Semi-honest mode is secure against an
+  honest-but-curious server only (docs/protocol.md 4.4, 9.1, 9.2). With no signatures the
+  server can swap every peer key of a victim for its own (man in the middle), or forward
+  the victim only t-1 ciphertexts and tell the other holders that exactly those peers
+  dropped while the victim and the others are told it survived: it collects b_v and s_w
+  for all of v's peers without ever asking one holder for both shares of one client. Both
+  recover the input exactly with all clients honest. Use malicious mode against an
+  active server.
 * **The output.** The sum is revealed: a sum over t sites of which t-1 collude is the
   victim's input, and two rounds whose cohorts differ by one site with unchanged inputs
   reveal that site by subtraction. Fresh distributed DP noise per round is the defence
   (tested: the difference is then further from the input than the input's own norm).
-* **Colluders beyond 2t - n with a malicious server** (e.g. 3 of 7 at t = 5).
-* **Untrusted broker**: learns the sum; in semi-honest mode it can also alter masked
-  inputs undetected.
+* **Colluders beyond 2t - n with a malicious server** (e.g. 3 of 7 at t = 5): against an
+  active server the bound is 2t > n + c, not t - 1 colluders.
+* **Untrusted broker**: a passive broker learns the sum (unmasking shares travel to the
+  server unencrypted); in semi-honest mode an active broker can also alter masked inputs
+  undetected.
 * **Context grinding** by whoever picks the context (SecAgg+ graph).
 * **Client authentication in semi-honest mode** is the transport's job.
 * **Side channels, denial of service, input validation**: not addressed
@@ -183,37 +197,47 @@ Does not hold (shown by strict-xfail tests, so a change in behaviour turns the s
 
 ## 3. Findings of this review
 
-Reported against `secagg/`; the tests are strict xfails naming them.
+Reported against `secagg/` (and its spec); status as of the last run. Findings that are
+documented non-guarantees are strict xfails in section 4.
 
-1. *Semi-honest mode, active server (spec text).* docs/protocol.md 4.4 ("a server that
-   asks inconsistent questions still cannot collect both") and 9.1 cite "one share per
-   peer" and t > h/2 as protection; `test_victims_peers_declared_dropped_to_everyone_else
-   [semi-honest]` recovers an honest client's input with n = 7, t = 4 and no corrupt
-   client. The code behaves as 9.2 says (no defence); the rationale in 4.4/9.1 should be
-   restricted to an honest-but-curious server.
-2. *Key aliasing.* `Server._validate` (V11) and `Client._on_key_list` (K4) compare key
-   bytes; X25519 ignores bit 255, so a client can re-advertise another client's key with
-   bit 255 set and it is accepted (`test_key_alias_with_bit_255_set_is_refused_as_duplicate`).
-   Impact found: none beyond what the copier could do anyway (it cannot compute the shared
-   secrets, its masking-key check fails at reconstruction), but it defeats the
-   "duplicated key" lesson of DESIGN.md section 8. Fix: compare `u mod p` of the clamped
-   key, or reject keys with bit 255 set.
-3. *Share blame is partial* (known, 9.4.7): a wrong share from a holder outside the t
-   smallest ids is not named (`test_corrupted_share_of_a_high_id_holder_is_blamed`).
-4. *Integrity against the broker*: when this review started, MaskedInput and
-   UnmaskingShares carried no signature in malicious mode (an untrusted broker could shift
-   the sum undetected). The `secagg/` working tree now signs every client message in
-   malicious mode and adds a peers digest to MaskedInput; the test passes in malicious
-   mode. Semi-honest mode trusts the transport for integrity (5.7, strict xfail).
-5. *The broker learns the sum*: unmasking shares are not encrypted to the server.
-6. *Spec drift (no test fails because of it)*: P4 / 9.4.8 say the client replays only its
-   last reply and aborts on an older duplicate; the code (`Client._answered`) answers a
-   byte-identical redelivery of any earlier message with its earlier reply
-   (`test_older_message_replayed_later_yields_nothing_new`), which is safe. 9.4.1 (finder
-   threshold one too small) no longer matches `graph.sparse_threshold_range`, which now uses
-   2t > k + c: `secagg_plus_parameters(50, 0, 0.1, "malicious")` gives (9, 8).
-7. *Unbounded rejection log*: `Server.rejected` grows by one entry per rejected message; a
-   flooding client grows server memory without bound (denial of service, out of scope).
+1. *Semi-honest mode, active server (spec text)* - **fixed in the spec.**
+   `test_victims_peers_declared_dropped_to_everyone_else[semi-honest]` recovers an honest
+   client's input with n = 7, t = 4 and no corrupt client, without asking any holder for
+   both shares of one client. docs/protocol.md 4.4 and 9.1 used to cite "one share per
+   peer" and t > h/2 as protection against inconsistent questions; they now restrict
+   semi-honest mode to an honest-but-curious server, and 9.2 describes this attack. The
+   test stays a strict xfail (documented non-guarantee).
+2. *Key aliasing* - **fixed.** X25519 ignores bit 255, so a key re-advertised with bit
+   255 set used to pass the byte-wise duplicate checks (V11, K4). Only canonical encodings
+   (bit 255 clear, u < 2^255 - 19) are accepted now (docs/protocol.md 5.6);
+   `test_key_alias_with_bit_255_set_is_refused_as_duplicate` passes.
+3. *Share blame* - **fixed for the reported case, one gap left.** A wrong share from a
+   holder above the t smallest ids is now named (batched screen + Gao decoding, section 8;
+   `test_corrupted_share_of_a_high_id_holder_is_blamed` passes; its threat text still
+   cites the old behaviour, see 8). Gap (docs/protocol.md 9.4.4): beyond the decoding
+   radius, e.g. one wrong share with m = t + 1 shares, the inconsistency is detected but
+   nobody is blamed (the sum is exact). Reproduction: n = 5, t = 3, client 5 sends no
+   UnmaskingShares, client 4 sends a wrong seed share of client 1: `corrupt_shares` is
+   empty.
+4. *Integrity against the broker* - **fixed in malicious mode.** Every client message
+   (ShareKeys, MaskedInput, UnmaskingShares) is signed in malicious mode, and MaskedInput
+   carries a digest of the peers it was masked with (an altered ciphertext list used to
+   leave an uncancelled mask, i.e. a wrong sum). Semi-honest mode trusts the transport
+   for integrity (docs/protocol.md 5.7, strict xfail).
+5. *The broker learns the sum* - **holds (design).** Unmasking shares are not encrypted
+   to the server; documented in docs/protocol.md 9.2 (strict xfail). Use TLS to the
+   broker or encrypt the shares to the server.
+6. *Spec drift* - **fixed.** docs/protocol.md now states that a client answers a
+   redelivery of any earlier server message with its earlier reply (P4), the canonical
+   decoder, the sticky server abort, the client's erasure, and the finder's malicious
+   bound 2t > k + c (`secagg_plus_parameters(50, 0, 0.1, "malicious")` gives (9, 8)).
+7. *Unbounded rejection log* - **fixed.** `Server.rejected` keeps the last 1024 entries.
+8. *Stale test metadata* - **fixed.** The threat texts now describe the current code.
+9. *Parameter finder not minimal* - **fixed.** The finder scans a window below the
+   bisection point and agrees with a linear scan on the test grid.
+10. *Late object redelivery* - **fixed.** Bytes and objects are treated alike.
+11. *Blame beyond the decoding radius* - **fixed.** Every wrong share is named
+    (`tests/secagg/test_blame.py`), the sum stays exact while t honest shares remain.
 
 """
 

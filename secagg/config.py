@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from .graph import check_complete, check_pair, minimum_threshold
+from .graph import check_complete, check_pair, minimum_threshold, threshold_floor
 
 SECURITY_MODES = ("semi-honest", "malicious")
 MAX_CLIENTS = 1 << 20
@@ -83,7 +83,10 @@ class Config:
                 object.__setattr__(self, "neighbors", None)
         holders = n if k is None else k
         object.__setattr__(self, "_holders", holders)
-        low = minimum_threshold(holders, self.security)
+        # an even k over an odd n gives one client k + 1 holders (Harary): the threshold
+        # must be safe for the largest neighbourhood and reachable in the smallest
+        low = threshold_floor(n, k, self.security)
+        largest = holders + 1 if low > minimum_threshold(holders, self.security) else holders
         t = self.threshold
         if t is None:
             t = low
@@ -92,14 +95,15 @@ class Config:
             raise ValueError(f"threshold={t!r}: need an integer")
         rule = "more than 2/3" if self.security == "malicious" else "more than half"
         where = (f"of the {holders} clients" if k is None
-                 else f"of each client's neighbourhood of {holders}")
+                 else f"of each client's neighbourhood of up to {largest}")
         if t < low:
             raise ValueError(
                 f"threshold={t} is unsafe: with security={self.security!r} it must be {rule} "
                 f"{where}, i.e. at least {low}")
         if t > holders:
             raise ValueError(
-                f"threshold={t} exceeds the {holders} share holders {where}: lower the "
+                f"threshold={t} exceeds the {holders} share holders of "
+                f"{'the round' if k is None else 'the smallest neighbourhood'}: lower the "
                 f"threshold to at most {holders}")
         for name in ("dropout_rate", "corrupt_rate"):
             rate = getattr(self, name)

@@ -98,6 +98,7 @@ class Server:
         self._executor = executor
         self._workers = max(1, workers)
         self.roster = normalize_roster(config, roster)
+        self._members = frozenset(self.roster)
         self.session_id = derive_session_id(config, self.roster, context)
         self.graph = session_graph(config, self.roster, self.session_id)
         if config.malicious and verify_keys is None:
@@ -168,9 +169,14 @@ class Server:
         Returns ``True`` for a new message, ``False`` for a redelivery of one already
         accepted (this stage's or the previous stage's); raises ``ProtocolError`` when the
         message is rejected."""
-        if (self.result is not None and isinstance(message, (bytes, bytearray, memoryview))
-                and self._previous_digests.get(client_id) == sha256(bytes(message))):
-            return False  # a late redelivery of an unmasking message
+        if self.result is not None and client_id in self._previous_digests:
+            try:
+                raw_late = (bytes(message) if isinstance(message, (bytes, bytearray, memoryview))
+                            else encode(message))
+            except Exception:  # a malformed object: rejected below like any other
+                raw_late = b""
+            if self._previous_digests[client_id] == sha256(raw_late):
+                return False  # a late redelivery of an unmasking message
         if self.result is not None:
             raise self._reject(client_id, "the round has finished")
         if self.aborted is not None:
@@ -198,7 +204,7 @@ class Server:
                                               f"{exc}") from None
             assert not isinstance(decoded, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest))
             msg = decoded
-        if client_id not in self.roster:
+        if client_id not in self._members:
             raise self._reject(client_id, "the sender is not in the roster")
         if msg.client_id != client_id:
             raise self._reject(client_id, f"the message claims to come from client "
@@ -480,11 +486,13 @@ class Server:
             except (ValueError, CryptoError):
                 return None
 
+        if len(clean) < t:  # too many suspects to skip: try the lowest ids, check the rest
+            clean = holders
         if len(clean) >= t:
             base = tuple(clean[:t])
             first = verified(reconstruct_value({x: shares[x] for x in base}, t))
             if first is not None:
-                named = [h for h in holders if h in self._suspects]
+                named = [h for h in holders if h in self._suspects and h not in base]
                 for holder, value in zip(named, extrapolate(shares, base, named), strict=True):
                     if value != shares[holder]:
                         corrupt.setdefault(holder, set()).add(owner)
@@ -528,6 +536,8 @@ class Server:
             decoded = decode_with_errors(combined, t)
             if decoded is not None:
                 suspects |= decoded[1]
+            else:  # beyond the decoding radius: check every share of this group one by one
+                suspects |= set(holders)
         return suspects
 
     def _blame(self, owner: int, shares: dict[int, int], subset: tuple[int, ...],

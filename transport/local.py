@@ -154,10 +154,11 @@ async def run_round(network: Network, config: Config, inputs: Mapping[int, objec
         network, c, topics, timeouts=timeouts, max_payload=max_payload,
         drop_at=drops.get(c.client_id), drop_mode=drop_mode, on_ready=on_ready))
         for c in clients]
+    waiters = [asyncio.ensure_future(all_ready.wait()),
+               asyncio.ensure_future(server_ready.wait())]
+    joined = asyncio.gather(*waiters)
     try:
-        waiters = [asyncio.ensure_future(all_ready.wait()),
-                   asyncio.ensure_future(server_ready.wait())]
-        done, _ = await asyncio.wait([asyncio.gather(*waiters), server_task, *client_tasks],
+        done, _ = await asyncio.wait([joined, server_task, *client_tasks],
                                      timeout=connect_timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
         if not (all_ready.is_set() and server_ready.is_set()):
@@ -174,10 +175,13 @@ async def run_round(network: Network, config: Config, inputs: Mapping[int, objec
             raise TransportError(f"the server lost the broker: {exc}") from exc
         outcomes = await asyncio.gather(*client_tasks, return_exceptions=True)
     finally:
-        for task in [server_task, *client_tasks]:
+        # every future this function made is cancelled and awaited: an orphaned gather
+        # logs "exception was never retrieved" at loop shutdown
+        for task in [server_task, *client_tasks, *waiters]:
             if not task.done():
                 task.cancel()
-        await asyncio.gather(server_task, *client_tasks, return_exceptions=True)
+        joined.cancel()
+        await asyncio.gather(server_task, *client_tasks, joined, return_exceptions=True)
     result = server.result
     assert result is not None
     by_id: dict[int, ClientOutcome] = {}

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from secagg import Config, ProtocolAbort, Stage, simulate
-from secagg.graph import minimum_threshold
+from secagg.graph import threshold_floor
 
 
 def python_sum(inputs: Mapping[int, np.ndarray], ids: frozenset[int], bits: int,
@@ -58,7 +58,7 @@ def rounds(draw: st.DrawFn) -> tuple[Config, dict[int, Stage], int]:
     sparse = draw(st.booleans()) and n >= 5
     neighbors = draw(st.integers(3, n - 1)) if sparse else None
     holders = n if neighbors is None else neighbors
-    low = minimum_threshold(holders, security)
+    low = threshold_floor(n, neighbors, security)
     assume(low <= holders)
     threshold = draw(st.one_of(st.just(low), st.integers(low, holders)))
     bits = draw(st.integers(8, 64))

@@ -68,8 +68,9 @@ def test_corrupted_shares_are_corrected_and_blamed(corrupt: set[int]) -> None:
 @threat(attack="Corrupted Shamir shares",
         adversary="malicious client",
         controls="a wrong share from a holder whose id is above the t smallest",
-        protocol="section 8 step 5: the t smallest shares verify first, extra shares are "
-                 "not checked (9.4.7)")
+        protocol="section 8: a random combination of all secrets' shares is checked for "
+                 "consistency; off-polynomial holders are found (Gao, or share by share) "
+                 "and blamed")
 def test_corrupted_share_of_a_high_id_holder_is_blamed() -> None:
     rnd = Round(Config(num_clients=10, dim=16, bits=32), context=b"corrupt-high")
     rnd.run_until(UnmaskingShares)

@@ -174,10 +174,10 @@ def test_everyone_but_the_victim_declared_dropped(security: str) -> None:
                  "survivor list, so the victim's peers cannot be both in and out; "
                  "semi-honest mode has no defence (9.2)")
 @pytest.mark.parametrize("security", modes_with_semi_honest_known(
-    "semi-honest mode against an active server (docs/protocol.md 9.2); NB 4.4/9.1 claim "
-    "'one share per peer' and t > h/2 stop inconsistent questions, but this attack never "
-    "asks for both shares of one client: it takes b_v from one group and s_w of each of "
-    "the victim's t-1 peers from another"))
+    "documented non-guarantee (docs/protocol.md 4.4, 9.2): semi-honest mode is secure "
+    "against an honest-but-curious server only; an active server never asks one holder for "
+    "both shares of one client but takes b_v from one group and s_w of each of the "
+    "victim's t-1 peers from another; malicious mode's signed survivor list stops it"))
 def test_victims_peers_declared_dropped_to_everyone_else(security: str) -> None:
     """The server forwards the victim only t-1 ciphertexts (peers P), so the victim masks
     with P only; the holders outside P are told P dropped (they reveal s_w for w in P)
