@@ -29,7 +29,7 @@ import torch
 
 from dp.budget import PrivacyBudget
 from fl import checkpoint as ckpt
-from fl.aggregation import Aggregator
+from fl.aggregation import AggregateOutcome, Aggregator
 from fl.codec import FixedPointCodec
 from fl.privacy import DistributedPlan, Plan, SiteDpPlan, event_to_json, restore_budget
 from fl.settings import TrainSettings
@@ -61,6 +61,22 @@ class RoundCapture:
     counts: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass
+class Aggregated:
+    """A round's secure aggregation: the outcome and how to decode it.
+
+    ``inputs`` are the sites' encoded vectors when the coordinator can know them
+    (simulation, or sites that opted into ``--insecure-verify``), else None.
+    """
+
+    outcome: AggregateOutcome
+    config: Config
+    inputs: dict[int, U64] | None
+    decode: Callable[[U64, int], tuple[Any, float]]
+    counts: dict[int, int]
+    attempts: int
+
+
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """Accuracy and mean cross-entropy on a held-out set."""
     model.eval()
@@ -89,7 +105,8 @@ class Coordinator:
     """Runs the rounds of one training; see the module docstring."""
 
     def __init__(self, settings: TrainSettings, model: torch.nn.Module, sites: Mapping[int, Site],
-                 test: tuple[torch.Tensor, torch.Tensor], plan: Plan, aggregator: Aggregator,
+                 test: tuple[torch.Tensor, torch.Tensor] | None, plan: Plan,
+                 aggregator: Aggregator,
                  *, scaler: dict[str, list[float]] | None = None,
                  log: Callable[[str], None] | None = None,
                  on_capture: Callable[[RoundCapture], None] | None = None) -> None:
@@ -97,6 +114,7 @@ class Coordinator:
         self.model = model
         self.layout = ParameterLayout.of(model)
         self.sites = dict(sites)
+        self.site_ids = sorted(self.sites)
         self.test = test
         self.plan = plan
         self.aggregator = aggregator
@@ -142,9 +160,9 @@ class Coordinator:
         return self.history
 
     def _cohort(self, round_number: int) -> list[int]:
-        ids = sorted(self.sites)
+        ids = self.site_ids
         if self.settings.cohort_size == len(ids):
-            return ids
+            return list(ids)
         rng = np.random.default_rng([self.settings.seed, 0xC0, round_number])
         return sorted(int(c) for c in rng.choice(ids, self.settings.cohort_size, replace=False))
 
@@ -162,6 +180,56 @@ class Coordinator:
             return False
         started = time.perf_counter()
         cohort = self._cohort(r)
+        done = self._aggregate(r, cohort)
+        outcome, config, inputs = done.outcome, done.config, done.inputs
+        correct = None
+        if s.verify and inputs is not None and outcome.included <= set(inputs):
+            expected = np.zeros(config.dim, dtype=np.uint64)
+            for cid in outcome.included:
+                np.add(expected, inputs[cid], out=expected)  # wraps mod 2**64
+            if config.bits < 64:
+                expected &= np.uint64((1 << config.bits) - 1)
+            correct = bool(np.array_equal(expected, outcome.total))
+            if not correct:
+                raise AggregateMismatch(f"round {r}: the secure aggregate differs from the "
+                                        "plaintext sum of the included sites' inputs")
+        if self.on_capture is not None and inputs is not None:
+            self.on_capture(RoundCapture(r, config, inputs, outcome.total, outcome.included,
+                                         done.counts))
+        update, count = done.decode(outcome.total, len(outcome.included))
+        vector = self.layout.to_vector(self.model) + s.server_lr * update
+        self.layout.load(self.model, vector)
+        if self.budget is not None and event is not None:
+            self.budget.spend(event)
+            self.events.append(event_to_json(event))
+        epsilon, delta = self.budget.spent if self.budget is not None else (None, None)
+        acc, loss = evaluate(self.model, *self.test) if self.test is not None else (None, None)
+        row = {"round": r, "accuracy": acc, "loss": loss, "epsilon": epsilon, "delta": delta,
+               "included": sorted(outcome.included),
+               "dropped": {str(c): st for c, st in sorted(outcome.dropped.items())},
+               "attempts": done.attempts, "aggregate_correct": correct,
+               "count": count, "seconds": time.perf_counter() - started,
+               "bytes_per_site": (int(np.median(list(outcome.bytes_sent.values())))
+                                  if outcome.bytes_sent else 0)}
+        self.history.append(row)
+        self.round = r
+        self.save()
+        eps = f"  epsilon {epsilon:.3f}" if epsilon is not None else ""
+        dropped = ", ".join(f"{c}@{st}" for c, st in row["dropped"].items()) or "none"
+        quality = (f"accuracy {acc:.4f}  loss {loss:.4f}" if acc is not None and loss is not None
+                   else "accuracy n/a (no evaluation data)")
+        self.log(f"round {r:3d}/{s.rounds}  {quality}{eps}  "
+                 f"included {len(outcome.included)}/{len(cohort)} (dropped: {dropped})"
+                 + ("  aggregate verified" if correct else ""))
+        return True
+
+    def _aggregate(self, r: int, cohort: list[int]) -> Aggregated:
+        """One secure aggregation of the cohort's inputs, retried while the protocol aborts.
+
+        In this process the coordinator computes every site's input itself (simulation);
+        :class:`fl.remote.RemoteCoordinator` overrides this to let site processes do it.
+        """
+        s = self.settings
         for attempt in range(s.max_attempts):
             drops = drop_schedule(cohort, s.drop_rate, s.seed, r, attempt)
             inputs, decode, counts = self._inputs(r, cohort)
@@ -173,48 +241,9 @@ class Coordinator:
                 self.log(f"round {r}: aggregation aborted ({exc}); {len(drops)} of "
                          f"{len(cohort)} sites dropped; retrying")
                 continue
-            break
-        else:
-            raise RoundFailed(f"round {r} aborted {s.max_attempts} times: too many sites drop "
-                              "out; lower --drop-rate or raise --max-attempts")
-        correct = None
-        if s.verify:
-            expected = np.zeros(config.dim, dtype=np.uint64)
-            for cid in outcome.included:
-                np.add(expected, inputs[cid], out=expected)  # wraps mod 2**64
-            if config.bits < 64:
-                expected &= np.uint64((1 << config.bits) - 1)
-            correct = bool(np.array_equal(expected, outcome.total))
-            if not correct:
-                raise AggregateMismatch(f"round {r}: the secure aggregate differs from the "
-                                        "plaintext sum of the included sites' inputs")
-        if self.on_capture is not None:
-            self.on_capture(RoundCapture(r, config, inputs, outcome.total, outcome.included,
-                                         counts))
-        update, count = decode(outcome.total, len(outcome.included))
-        vector = self.layout.to_vector(self.model) + s.server_lr * update
-        self.layout.load(self.model, vector)
-        if self.budget is not None and event is not None:
-            self.budget.spend(event)
-            self.events.append(event_to_json(event))
-        epsilon, delta = self.budget.spent if self.budget is not None else (None, None)
-        acc, loss = evaluate(self.model, *self.test)
-        row = {"round": r, "accuracy": acc, "loss": loss, "epsilon": epsilon, "delta": delta,
-               "included": sorted(outcome.included),
-               "dropped": {str(c): st for c, st in sorted(outcome.dropped.items())},
-               "attempts": attempt + 1, "aggregate_correct": correct,
-               "count": count, "seconds": time.perf_counter() - started,
-               "bytes_per_site": (int(np.median(list(outcome.bytes_sent.values())))
-                                  if outcome.bytes_sent else 0)}
-        self.history.append(row)
-        self.round = r
-        self.save()
-        eps = f"  epsilon {epsilon:.3f}" if epsilon is not None else ""
-        dropped = ", ".join(f"{c}@{st}" for c, st in row["dropped"].items()) or "none"
-        self.log(f"round {r:3d}/{s.rounds}  accuracy {acc:.4f}  loss {loss:.4f}{eps}  "
-                 f"included {len(outcome.included)}/{len(cohort)} (dropped: {dropped})"
-                 + ("  aggregate verified" if correct else ""))
-        return True
+            return Aggregated(outcome, config, inputs, decode, counts, attempt + 1)
+        raise RoundFailed(f"round {r} aborted {s.max_attempts} times: too many sites drop "
+                          "out; lower --drop-rate or raise --max-attempts")
 
     def _bits(self) -> int:
         if isinstance(self.plan, DistributedPlan):

@@ -75,12 +75,29 @@ class Table:
 
 
 def breast_cancer() -> Table:
-    """scikit-learn's bundled Wisconsin diagnostic breast cancer data (works offline)."""
-    from sklearn.datasets import load_breast_cancer
+    """scikit-learn's bundled Wisconsin diagnostic breast cancer data (works offline).
 
-    data = load_breast_cancer()
-    x = np.asarray(data.data, dtype=np.float32)
-    y = np.asarray(data.target, dtype=np.int64)
+    The CSV scikit-learn ships is read directly when it can be found without importing
+    scikit-learn: the import costs about two CPU-seconds, paid by every site process of a
+    federation on one machine (``secagg train --role site``). The values are the same as
+    ``sklearn.datasets.load_breast_cancer()``'s (tests/fl/test_data.py checks it).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    origin = spec.origin if spec is not None else None
+    path = (Path(origin).parent / "datasets" / "data" / "breast_cancer.csv"
+            if origin else None)
+    if path is not None and path.is_file():
+        raw = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64)
+        x = raw[:, :-1].astype(np.float32)
+        y = raw[:, -1].astype(np.int64)
+    else:
+        from sklearn.datasets import load_breast_cancer
+
+        data = load_breast_cancer()
+        x = np.asarray(data.data, dtype=np.float32)
+        y = np.asarray(data.target, dtype=np.int64)
     return Table(x, y, np.arange(len(y), dtype=np.int64), 2, "breast-cancer")
 
 
@@ -114,11 +131,15 @@ def synthetic_ehr(num_patients: int = 1000, *, min_records: int = 2, max_records
 
 
 def load_csv(path: str | Path, *, patient_column: str, label_column: str,
-             feature_columns: list[str] | None = None) -> Table:
+             feature_columns: list[str] | None = None,
+             labels: list[str] | tuple[str, ...] | None = None) -> Table:
     """A user's table: one row per record, numeric features, a patient id, a label.
 
-    Labels may be any strings; they are numbered in sorted order. Patient ids may be any
-    strings. Every other column (or ``feature_columns``) must be numeric and non-empty.
+    Labels may be any strings; they are numbered in sorted order, or in the order of
+    ``labels`` when given: a hospital that holds only part of the federation's classes must
+    number them as the federation does, so its table may then hold a single class. Patient
+    ids may be any strings. Every other column (or ``feature_columns``) must be numeric and
+    non-empty.
     """
     path = Path(path)
     try:
@@ -146,15 +167,42 @@ def load_csv(path: str | Path, *, patient_column: str, label_column: str,
                                 "not a number; clean or drop that column") from None
     if not np.all(np.isfinite(x)):
         raise DataError(f"{path}: features contain NaN or inf; impute them first")
-    labels = sorted({row[label_column] for row in rows})
-    if len(labels) < 2:
-        raise DataError(f"{path}: label column {label_column!r} has a single value")
+    if labels is None:
+        labels = sorted({row[label_column] for row in rows})
+        if len(labels) < 2:
+            raise DataError(f"{path}: label column {label_column!r} has a single value")
     label_index = {v: k for k, v in enumerate(labels)}
+    unknown = sorted({row[label_column] for row in rows} - set(label_index))
+    if unknown:
+        raise DataError(f"{path}: labels {unknown[:5]} are not among the federation's labels "
+                        f"{list(labels)[:10]}")
     y = np.array([label_index[row[label_column]] for row in rows], dtype=np.int64)
     patient_index: dict[str, int] = {}
     pids = np.array([patient_index.setdefault(row[patient_column], len(patient_index))
                      for row in rows], dtype=np.int64)
     return Table(x, y, pids, len(labels), path.stem)
+
+
+def csv_schema(path: str | Path, *, patient_column: str,
+               label_column: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The feature column names (in file order) and the sorted distinct labels of a CSV.
+
+    A site process announces this schema (never its records) so the coordinator can check
+    that every hospital's table has the same columns and number the labels federation-wide.
+    """
+    path = Path(path)
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            header = list(reader.fieldnames or [])
+            if patient_column not in header or label_column not in header:
+                raise DataError(f"{path}: needs columns {patient_column!r} and "
+                                f"{label_column!r}; columns are {header}")
+            labels = sorted({row[label_column] for row in reader})
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc}") from None
+    features = tuple(c for c in header if c not in (patient_column, label_column))
+    return features, tuple(labels)
 
 
 def split_patients(table: Table, test_fraction: float, seed: int) -> tuple[Table, Table]:

@@ -75,16 +75,24 @@ def secure_scaler(sites: dict[int, Site], aggregator: Aggregator) -> Scaler:
     return Scaler(mean, np.where(var > 1e-12, np.sqrt(var), 1.0))
 
 
-def make_plan(settings: TrainSettings, sites: dict[int, Site], model_dim: int,
-              threshold: int) -> Plan:
+def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim: int,
+              threshold: int, *, max_units: int | None = None) -> Plan:
+    """The privacy plan. Distributed DP sizes the modulus for the largest site: its unit
+    count comes from ``sites`` (simulation) or ``max_units`` (a public bound the federation
+    agrees on when the sites are other processes)."""
     if settings.dp == "site":
         return site_plan(epsilon=settings.epsilon, delta=settings.delta,
                          sample_rate=settings.sample_rate, steps=settings.steps_per_round,
                          rounds=settings.rounds, clip_norm=settings.clip_norm,
                          noise_multiplier=settings.noise_multiplier)
     if settings.dp == "distributed":
-        units = max((s.num_patients if settings.unit == "patient" else s.num_records)
-                    for s in sites.values())
+        if max_units is None:
+            if not sites:
+                raise ValueError("distributed DP needs a bound on the units per site "
+                                 "(--max-units)")
+            max_units = max((s.num_patients if settings.unit == "patient" else s.num_records)
+                            for s in sites.values())
+        units = max_units
         return distributed_plan(model_dim=model_dim, epsilon=settings.epsilon,
                                 delta=settings.delta, sample_rate=settings.sample_rate,
                                 rounds=settings.rounds, clip_norm=settings.clip_norm,
@@ -94,7 +102,8 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site], model_dim: int,
     return NoPrivacy()
 
 
-def _tensors(table: Table, scaler: Scaler | None) -> tuple[torch.Tensor, torch.Tensor]:
+def tensors(table: Table, scaler: Scaler | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A table as (features, labels) tensors, scaled like the sites scale theirs."""
     x = table.x if scaler is None else scaler.apply(table.x)
     return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(table.y.copy())
 
@@ -105,21 +114,38 @@ def _aggregator(settings: TrainSettings, tap: Tap | None) -> Iterator[Aggregator
         yield agg
 
 
+def load_checkpoint(settings: TrainSettings, say: Log) -> ckpt.Checkpoint | None:
+    """The checkpoint to resume from (None: start fresh); refuses to overwrite one."""
+    if settings.checkpoint is None:
+        return None
+    saved = ckpt.load(settings.checkpoint)
+    if saved is not None and not settings.resume:
+        raise ckpt.CheckpointError(f"{settings.checkpoint} already holds a checkpoint "
+                                   f"(round {saved.round}); pass --resume to continue it "
+                                   "or choose an empty directory")
+    if saved is None and settings.resume:
+        say(f"no checkpoint in {settings.checkpoint} yet; starting from round 1")
+    return saved
+
+
+def report(settings: TrainSettings, plan: Plan, threshold: int, dim: int,
+           coordinator: Coordinator, model: torch.nn.Module) -> dict[str, Any]:
+    """The JSON report of a training run (the same for every ``--role``)."""
+    final = coordinator.history[-1] if coordinator.history else {}
+    return {"settings": {k: v for k, v in vars(settings).items()},
+            "privacy": plan.describe(), "threshold": threshold, "model_parameters": dim,
+            "rounds": coordinator.history, "stopped": coordinator.stopped,
+            "final_accuracy": final.get("accuracy"), "final_epsilon": final.get("epsilon"),
+            "model": coordinator.layout.to_vector(model).tolist()}
+
+
 def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = None,
           on_capture: Callable[[RoundCapture], None] | None = None) -> dict[str, Any]:
     """Run (or resume) federated training; returns the report (``rounds`` per round)."""
     say = log or (lambda text: None)
     torch.manual_seed(settings.seed)
     split = load_split(settings)
-    saved = None
-    if settings.checkpoint is not None:
-        saved = ckpt.load(settings.checkpoint)
-        if saved is not None and not settings.resume:
-            raise ckpt.CheckpointError(f"{settings.checkpoint} already holds a checkpoint "
-                                       f"(round {saved.round}); pass --resume to continue it "
-                                       "or choose an empty directory")
-        if saved is None and settings.resume:
-            say(f"no checkpoint in {settings.checkpoint} yet; starting from round 1")
+    saved = load_checkpoint(settings, say)
     raw_sites = {i + 1: Site(i + 1, t) for i, t in enumerate(split.site_tables)}
     with _aggregator(settings, tap) as aggregator:
         scaler: Scaler | None = None
@@ -143,7 +169,7 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
         say(f"privacy: {plan.describe()}")
         scaler_json = (None if scaler is None else
                        {"mean": scaler.mean.tolist(), "std": scaler.std.tolist()})
-        coordinator = Coordinator(settings, model, sites, _tensors(split.test, scaler), plan,
+        coordinator = Coordinator(settings, model, sites, tensors(split.test, scaler), plan,
                                   aggregator, scaler=scaler_json, log=say,
                                   on_capture=on_capture)
         if saved is not None:
@@ -152,12 +178,7 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
         coordinator.run()
     if coordinator.stopped is None and coordinator.round >= settings.rounds:
         say(f"done: {coordinator.round} rounds")
-    final = coordinator.history[-1] if coordinator.history else {}
-    return {"settings": {k: v for k, v in vars(settings).items()},
-            "privacy": plan.describe(), "threshold": threshold, "model_parameters": dim,
-            "rounds": coordinator.history, "stopped": coordinator.stopped,
-            "final_accuracy": final.get("accuracy"), "final_epsilon": final.get("epsilon"),
-            "model": coordinator.layout.to_vector(model).tolist()}
+    return report(settings, plan, threshold, dim, coordinator, model)
 
 
 def train_central(settings: TrainSettings, epochs: int | None = None) -> dict[str, float]:
@@ -180,7 +201,7 @@ def train_central(settings: TrainSettings, epochs: int | None = None) -> dict[st
     update = site.fedavg_update(model, layout, epochs=passes, lr=settings.lr,
                                 batch_size=settings.batch_size, seed=settings.seed)
     layout.load(model, layout.to_vector(model) + update)
-    acc, loss = evaluate(model, *_tensors(split.test, scaler))
+    acc, loss = evaluate(model, *tensors(split.test, scaler))
     return {"accuracy": acc, "loss": loss, "epochs": float(passes),
             "records": float(len(split.train)), "chance": float(
                 np.bincount(split.test.y).max() / max(1, len(split.test)))

@@ -1,4 +1,9 @@
-"""``secagg train``: federated training across simulated hospitals (DESIGN.md section 4).
+"""``secagg train``: federated training across hospitals (DESIGN.md section 4).
+
+``--role all`` (the default) simulates every site in this process. ``--role coordinator``
+and ``--role site`` run the same training across machines: one coordinator process, and one
+process per hospital holding only its own data (:mod:`fl.remote`), all meeting at an MQTT
+broker (``--broker mqtt(s)://user@host:port``) with an identity each.
 
 Every round is one secure aggregation over the chosen broker (the embedded MQTT broker by
 default: nothing to install). Progress goes to stderr, the per-round JSON report to
@@ -20,6 +25,32 @@ from typing import Any
 from fl.settings import DP_MODES, MODELS, SCALING, TrainSettings
 
 DATASETS = ("breast-cancer", "ehr")  # fl.data.DATASETS, repeated to keep torch out
+ROLES = ("all", "coordinator", "site")
+
+
+def parse_sites(value: str | None, role: str) -> tuple[int, ...]:
+    """``--sites``: a count S (ids 1..S) or a comma-separated list of site ids."""
+    if value is None:
+        if role == "site":
+            return ()
+        raise ValueError(f"--role {role} needs --sites")
+    text = value.strip()
+    try:
+        if "," not in text:
+            count = int(text)
+            if count < 2:
+                raise ValueError(f"--sites {value}: need at least 2 sites")
+            return tuple(range(1, count + 1))
+        ids = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        if "--sites" in str(exc):
+            raise
+        raise ValueError(f"--sites {value}: give a number or ids like 1,2,3") from None
+    if len(ids) < 2 or len(set(ids)) != len(ids) or not all(1 <= i < 1 << 32 for i in ids):
+        raise ValueError(f"--sites {value}: need at least 2 distinct ids in 1..2**32-1")
+    if role == "all" and ids != tuple(range(1, len(ids) + 1)):
+        raise ValueError(f"--sites {value}: --role all numbers its sites 1..S; give S")
+    return tuple(sorted(ids))
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -29,8 +60,40 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "updates (and sample counts) are summed by secure aggregation over MQTT, "
                     "optionally with differential privacy.")
     d = TrainSettings()
-    p.add_argument("--sites", type=int, required=True, metavar="S", help="number of sites")
-    p.add_argument("--rounds", type=int, required=True, metavar="R", help="training rounds")
+    p.add_argument("--role", choices=ROLES, default="all",
+                   help="all: coordinator and simulated sites in this process (default); "
+                        "coordinator / site: one party of a federation across machines")
+    p.add_argument("--sites", metavar="S|ID,ID,..",
+                   help="number of sites (ids 1..S) or their ids; required for --role all "
+                        "and coordinator, and for a site of a bundled --dataset (its shard)")
+    p.add_argument("--rounds", type=int, metavar="R", help="training rounds (not for sites)")
+    p.add_argument("--site-id", type=int, metavar="N", help="--role site: this site's id "
+                   "(it connects as MQTT user site-N)")
+    p.add_argument("--federation", default="fl", metavar="NAME",
+                   help="coordinator/site: the federation's topic name (default fl); lets "
+                        "several federations share a broker")
+    p.add_argument("--eval-csv", metavar="PATH",
+                   help="coordinator with --csv sites: held-out table to evaluate on")
+    p.add_argument("--password-file", metavar="PATH",
+                   help="coordinator/site: MQTT password (else $SECAGG_BROKER_PASSWORD or "
+                        "the URL's)")
+    p.add_argument("--join-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="coordinator: how long to wait for every site before starting "
+                        "(default 600)")
+    p.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="coordinator: how long a round waits for the sites' local training "
+                        "(default 300)")
+    p.add_argument("--stage-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="coordinator/site: secure-aggregation stage deadline (default 60)")
+    p.add_argument("--idle-timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="site: exit after this long without word from the coordinator")
+    p.add_argument("--max-units", type=int, metavar="N",
+                   help="coordinator, --dp distributed with --csv: public bound on the "
+                        "patients (records) at the largest site")
+    p.add_argument("--insecure-verify", action="store_true",
+                   help="TESTING ONLY, defeats secure aggregation: sites also send their "
+                        "input in the clear so the coordinator can verify each aggregate "
+                        "(a site sends it only when it is started with this flag too)")
     p.add_argument("--dataset", choices=DATASETS, default=d.dataset,
                    help="breast-cancer (scikit-learn's bundled clinical set, one record per "
                         "patient) or ehr (synthetic longitudinal EHR, several visits per "
@@ -38,7 +101,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="PATH", help="train on your own table instead")
     p.add_argument("--patient-column", metavar="COL", help="patient id column of --csv")
     p.add_argument("--label-column", metavar="COL", help="label column of --csv")
-    p.add_argument("--dp", choices=DP_MODES, default=d.dp, help="privacy mode (default none)")
+    p.add_argument("--dp", choices=DP_MODES, default=None,
+                   help="privacy mode (default none); a site refuses rounds of another mode "
+                        "when given")
     p.add_argument("--epsilon", type=float, metavar="E", help="total privacy budget")
     p.add_argument("--delta", type=float, default=d.delta, metavar="D",
                    help=f"delta (default {d.delta:g})")
@@ -80,9 +145,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> TrainSettings:
+    ids = parse_sites(args.sites, args.role)
+    rounds = args.rounds
+    if rounds is None:
+        if args.role != "site":
+            raise ValueError(f"--role {args.role} needs --rounds")
+        rounds = 1  # a site follows the coordinator's rounds
     return TrainSettings(
-        sites=args.sites, rounds=args.rounds, dataset=args.dataset, csv=args.csv,
-        patient_column=args.patient_column, label_column=args.label_column, dp=args.dp,
+        sites=max(2, len(ids)), rounds=rounds, dataset=args.dataset, csv=args.csv,
+        patient_column=args.patient_column, label_column=args.label_column,
+        # A site's --dp only names the mode it accepts; the coordinator's plan rules.
+        dp=(args.dp or "none") if args.role != "site" else "none",
         epsilon=args.epsilon, delta=args.delta, unit=args.unit, drop_rate=args.drop_rate,
         broker=args.broker, seed=args.seed, local_epochs=args.local_epochs,
         fedprox_mu=args.fedprox_mu, lr=args.lr, server_lr=args.server_lr,
@@ -92,7 +165,36 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         checkpoint=args.checkpoint, resume=args.resume)
 
 
+def broker_settings(args: argparse.Namespace, user: str) -> Any:
+    """The ``--broker`` URL of a coordinator or site, with its password from a file or the
+    environment (a password in the URL shows in the process list)."""
+    import os
+
+    from transport.mqtt import parse_broker_url
+
+    if not args.broker.startswith(("mqtt://", "mqtts://")):
+        raise ValueError(f"--role {args.role} connects to a broker shared by every party: "
+                         "give --broker mqtt(s)://[user[:password]@]host:port")
+    settings = parse_broker_url(args.broker)
+    password = settings.password
+    if args.password_file is not None:
+        try:
+            password = Path(args.password_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"--password-file: {exc}") from None
+    elif password is None and os.environ.get("SECAGG_BROKER_PASSWORD"):
+        password = os.environ["SECAGG_BROKER_PASSWORD"]
+    username = settings.username
+    if username is None and password is not None:
+        username = user
+    from dataclasses import replace
+
+    return replace(settings, username=username, password=password)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.role != "all":
+        return run_remote(args)
     try:
         settings = settings_from_args(args)
         from fl.aggregation import check_broker
@@ -121,6 +223,101 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # a round that kept aborting, or a wrong aggregate
         print(f"secagg train: error: {exc}", file=sys.stderr)
         return 1
+    return _finish(args, settings, report)
+
+
+def run_remote(args: argparse.Namespace) -> int:
+    """``--role coordinator`` or ``--role site``: one party of a federation across machines."""
+    try:
+        settings = settings_from_args(args)
+        ids = parse_sites(args.sites, args.role)
+        if args.role == "site":
+            if args.site_id is None or not 1 <= args.site_id < 1 << 32:
+                raise ValueError("--role site needs --site-id N (it connects as site-N)")
+            if settings.csv is None and not ids:
+                raise ValueError("a site of a bundled --dataset needs --sites (the number of "
+                                 "shards) to pick its shard by --site-id and --seed")
+        elif args.site_id is not None:
+            raise ValueError("--site-id is for --role site")
+        if args.drop_rate:
+            raise ValueError("--drop-rate simulates dropouts in --role all; across machines "
+                             "stop or kill a site instead")
+        for path in (args.report, args.plot):
+            if path is not None and not Path(path).resolve().parent.is_dir():
+                raise ValueError(f"{path}: its directory does not exist")
+        if args.eval_csv is not None and settings.csv is None:
+            raise ValueError("--eval-csv goes with --csv (sites with their own tables)")
+        from fl.wire import FedTopics
+
+        FedTopics(args.federation)
+        from transport.topics import SERVER_USER, site_name
+
+        broker = broker_settings(args, site_name(args.site_id) if args.role == "site"
+                                 else SERVER_USER)
+    except ValueError as exc:
+        print(f"secagg train: error: {exc}", file=sys.stderr)
+        return 2
+
+    tag = f"site {args.site_id}" if args.role == "site" else "coordinator"
+
+    def log(text: str) -> None:
+        if not args.quiet:
+            print(f"[{tag}] {text}", file=sys.stderr, flush=True)
+
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"[{tag}] %(levelname)s %(name)s: %(message)s")
+    from fl.checkpoint import CheckpointError
+    from fl.data import DataError
+
+    if args.role == "site":
+        from fl.remote import SiteData, SiteOptions, SiteProcess, demo_site_data
+
+        try:
+            if settings.csv is not None:
+                data = SiteData(args.site_id, csv=settings.csv,
+                            patient_column=settings.patient_column,
+                            label_column=settings.label_column)
+            else:
+                data = demo_site_data(settings, args.site_id, ids)
+        except (DataError, ValueError) as exc:
+            print(f"secagg train: error: {exc}", file=sys.stderr)
+            return 2
+        options = SiteOptions(federation=args.federation, insecure_verify=args.insecure_verify,
+                              require_dp=args.dp, idle_timeout=args.idle_timeout,
+                              stage_timeout=args.stage_timeout)
+        import asyncio
+
+        from transport.link import LinkLost
+
+        try:
+            return asyncio.run(SiteProcess(data, broker, options, log).run())
+        except LinkLost as exc:
+            print(f"secagg train: error: {exc}", file=sys.stderr)
+            return 1
+
+    from fl.remote import RemoteOptions, train_coordinator
+    from transport.drivers import TransportError
+    from transport.link import LinkLost
+
+    options = RemoteOptions(site_ids=ids, broker=broker, federation=args.federation,
+                            eval_csv=args.eval_csv, join_timeout=args.join_timeout,
+                            ready_timeout=args.ready_timeout, stage_timeout=args.stage_timeout,
+                            max_units=args.max_units, insecure_verify=args.insecure_verify)
+    try:
+        report = train_coordinator(settings, options, log=log)
+    except (CheckpointError, DataError, ValueError) as exc:
+        print(f"secagg train: error: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TransportError, LinkLost) as exc:
+        print(f"secagg train: error: {exc}", file=sys.stderr)
+        return 1
+    return _finish(args, settings, report)
+
+
+def _finish(args: argparse.Namespace, settings: TrainSettings, report: dict[str, Any]) -> int:
+    """Write the report and plot, print the summary (the same for every role)."""
     report.pop("model", None)
     report["command"] = "train"
     if report["stopped"]:

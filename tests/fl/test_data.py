@@ -83,3 +83,12 @@ def test_csv_loader_with_patient_column(tmp_path: Path) -> None:
     path.write_text("mrn,age,outcome\nA,x,1\nB,3,0\n", encoding="utf-8")
     with pytest.raises(DataError, match="row 1, column 'age'"):
         load_csv(path, patient_column="mrn", label_column="outcome")
+
+
+def test_breast_cancer_matches_scikit_learn() -> None:
+    """The direct read of scikit-learn's CSV gives exactly ``load_breast_cancer()``."""
+    from sklearn.datasets import load_breast_cancer
+
+    table, reference = breast_cancer(), load_breast_cancer()
+    assert np.array_equal(table.x, np.asarray(reference.data, dtype=np.float32))
+    assert np.array_equal(table.y, reference.target)

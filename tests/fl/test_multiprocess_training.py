@@ -1,0 +1,160 @@
+"""``secagg train --role coordinator`` and ``--role site``: every party its own process.
+
+The embedded broker runs with a password and the topic ACL per party (``transport.topics``)
+exactly as a production Mosquitto would (docs/deployment.md): the coordinator connects as
+``server`` and each site as ``site-<id>``, so these tests also show the federation layer
+needs no topic the ACL does not grant. Every process is time-bounded and killed on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from transport.runner import broker_for
+from transport.topics import SERVER_USER, acl_table, site_name
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+SITES = (1, 2, 3)
+
+
+@contextmanager
+def federation_broker() -> Iterator[dict[str, str]]:
+    """The embedded broker in its own process; yields username -> broker URL."""
+    users = {SERVER_USER: secrets.token_urlsafe(12)}
+    users.update({site_name(c): secrets.token_urlsafe(12) for c in SITES})
+    with broker_for("embedded", users, acl_table(list(SITES))) as settings:
+        yield {user: f"mqtt://{user}:{password}@127.0.0.1:{settings.port}"
+               for user, password in users.items()}
+
+
+class Party:
+    """A ``python -m fl.cli train`` subprocess whose stderr is collected by a thread."""
+
+    def __init__(self, args: list[str]) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+                   MKL_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "fl.cli", "train", *args],
+                                     cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"{text!r} not seen:\n{self.log}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+COMMON = ["--dataset", "breast-cancer", "--seed", "0", "--stage-timeout", "15",
+          "--federation", "test-fed"]
+
+
+def start(urls: dict[str, str], report: Path, rounds: int,
+          extra: list[str] | None = None) -> tuple[Party, dict[int, Party]]:
+    coordinator = Party(["--role", "coordinator", "--sites", "1,2,3", "--rounds", str(rounds),
+                         "--dp", "none", "--broker", urls[SERVER_USER], "--report",
+                         str(report), "--join-timeout", "60", "--ready-timeout", "30",
+                         "--insecure-verify", *COMMON, *(extra or [])])
+    sites = {cid: Party(["--role", "site", "--site-id", str(cid), "--sites", "3",
+                         "--broker", urls[site_name(cid)], "--idle-timeout", "60",
+                         "--insecure-verify", *COMMON]) for cid in SITES}
+    return coordinator, sites
+
+
+def finish(coordinator: Party, sites: dict[int, Party], timeout: float = 60.0) -> None:
+    try:
+        code = coordinator.wait(timeout)
+        assert code == 0, coordinator.log
+    finally:
+        for party in sites.values():
+            try:
+                party.wait(15)
+            finally:
+                party.kill()
+        coordinator.kill()
+
+
+def test_coordinator_and_three_site_processes_train(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    with federation_broker() as urls:
+        coordinator, sites = start(urls, report_path, rounds=3)
+        try:
+            finish(coordinator, sites)
+            for party in sites.values():
+                assert party.proc.returncode == 0, party.log
+                assert "the coordinator finished after 3 rounds" in party.log
+                assert "round 3: done" in party.log, party.log
+        finally:
+            for party in (coordinator, *sites.values()):
+                party.kill()
+    report = json.loads(report_path.read_text())
+    assert report["role"] == "coordinator" and report["site_ids"] == [1, 2, 3]
+    rows = report["rounds"]
+    assert [row["round"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert {"round", "accuracy", "loss", "epsilon", "delta", "included"} <= set(row)
+        assert row["included"] == [1, 2, 3]
+        assert row["aggregate_correct"] is True
+        assert row["accuracy"] > 0.85  # chance is ~0.63 on this split
+    assert "aggregate verified" in coordinator.log
+    assert "feature scaling from a secure sum over sites [1, 2, 3]" in coordinator.log
+
+
+def test_training_completes_when_a_site_is_killed(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    with federation_broker() as urls:
+        coordinator, sites = start(urls, report_path, rounds=3)
+        try:
+            coordinator.wait_for("round   1/3", timeout=60)
+            os.kill(sites[3].proc.pid, signal.SIGKILL)
+            sites[3].wait(10)
+            finish(coordinator, {c: p for c, p in sites.items() if c != 3})
+        finally:
+            for party in (coordinator, *sites.values()):
+                party.kill()
+    report = json.loads(report_path.read_text())
+    rows = report["rounds"]
+    assert [row["round"] for row in rows] == [1, 2, 3]
+    assert rows[0]["included"] == [1, 2, 3]
+    assert rows[-1]["included"] == [1, 2] and rows[-1]["dropped"] == {"3": "absent"}
+    for row in rows:
+        assert row["accuracy"] > 0.85
+        assert row["aggregate_correct"] is True
+    assert "site 3 went offline" in coordinator.log
