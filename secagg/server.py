@@ -22,6 +22,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from .client import (
     advertisement_transcript,
@@ -36,6 +37,7 @@ from .crypto import (
     check_public_key,
     constant_time_equal,
     dtype_for_bits,
+    load_public_key,
     pairwise_mask_key,
     self_mask_commitment,
     self_mask_key,
@@ -344,6 +346,7 @@ class Server:
         t = self._threshold
         self._adverts = {cid: msg for cid, msg in self._inbox.items()
                          if isinstance(msg, AdvertiseKeys)}
+        entries = {cid: _entry(advert) for cid, advert in self._adverts.items()}
         out: dict[int, ServerMessage] = {}
         for cid in sorted(u1):
             holders = self.graph.closed_neighborhood(cid) & u1
@@ -351,8 +354,7 @@ class Server:
                 self._skip(cid, Stage.SHARE_KEYS)  # it would abort: too few holders
                 continue
             self._key_lists[cid] = frozenset(holders)
-            out[cid] = KeyList(self.session_id, cid,
-                               {h: _entry(self._adverts[h]) for h in holders})
+            out[cid] = KeyList(self.session_id, cid, {h: entries[h] for h in holders})
         self._open(Stage.SHARE_KEYS, out)
         return out
 
@@ -604,6 +606,7 @@ def mask_correction(header: tuple[bytes, bytes, int, int, dict[int, bytes]],
     session_id, shape_tag, dim, bits, dropped_keys = header
     masker = Masker(dim, bits)
     correction = np.zeros(dim, dtype=masker.dtype)
+    loaded: dict[bytes, X25519PublicKey] = {}  # one key object per survivor, not per pair
     for kind, owner, secret, peers in jobs:
         if kind == "self":
             masker.add(correction, self_mask_key(secret, session_id, owner, shape_tag))
@@ -611,7 +614,10 @@ def mask_correction(header: tuple[bytes, bytes, int, int, dict[int, bytes]],
         pair = KeyPair.from_private_bytes(secret)
         owner_pk = dropped_keys[owner]
         for survivor, survivor_pk in peers:
-            key = pairwise_mask_key(pair.exchange(survivor_pk), session_id, survivor, owner,
+            peer = loaded.get(survivor_pk)
+            if peer is None:
+                peer = loaded[survivor_pk] = load_public_key(survivor_pk)
+            key = pairwise_mask_key(pair.exchange(peer), session_id, survivor, owner,
                                     survivor_pk, owner_pk, shape_tag)
             # the survivor added +mask if survivor < dropped, else -mask
             if survivor < owner:

@@ -42,16 +42,17 @@ def _round_to_masked_input(config: Config, n: int, dim: int) -> tuple[
     return clients, masked, inputs
 
 
-def test_masks_are_aes_ctr_keystream_of_a_256_bit_key_not_mersenne_twister() -> None:
+def test_masks_are_aes_ctr_keystream_of_a_128_bit_key_not_mersenne_twister() -> None:
     """Flower expands masks with numpy's MT19937 from a 32-bit seed. Here the mask of a
-    client is exactly AES-256-CTR keystream under HKDF-derived 256-bit keys."""
+    client is exactly AES-128-CTR keystream under HKDF-derived 128-bit keys (the X25519
+    security level), from 256-bit secrets."""
     config = Config(num_clients=3, threshold=2, dim=64, bits=32)
     clients, masked, inputs = _round_to_masked_input(config, 3, 64)
     client = clients[1]
     session = client.session_id
 
     def keystream(key: bytes) -> np.ndarray:
-        assert len(key) == 32
+        assert len(key) == 16
         enc = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
         return np.frombuffer(enc.update(bytes(64 * 4)), dtype="<u4")
 

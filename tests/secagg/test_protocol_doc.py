@@ -83,8 +83,8 @@ def _u32(x: int) -> bytes:
     return struct.pack(">I", x)
 
 
-def _hkdf(ikm: bytes, salt: bytes, info: bytes) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=info).derive(ikm)
+def _hkdf(ikm: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(ikm)
 
 
 def _label(tag: bytes, sid: bytes, stage: int, a: int, b: int, *extra: bytes) -> bytes:
@@ -208,10 +208,10 @@ def test_label_table_matches_derivations() -> None:
         ("share-ciphertext", 1): (_label(b"share-ciphertext", SID, 1, 9, 4),
                                   share_associated_data(SID, 9, 4)),
         ("pairwise-mask", 2): (_hkdf(ss, SID, _label(b"pairwise-mask", SID, 2, 4, 9, b.public,
-                                                       a.public, SHAPE)),
+                                                       a.public, SHAPE), 16),
                                crypto.pairwise_mask_key(ss, SID, 9, 4, a.public, b.public,
                                                         SHAPE)),
-        ("self-mask", 2): (_hkdf(seed, SID, _label(b"self-mask", SID, 2, 9, 9, SHAPE)),
+        ("self-mask", 2): (_hkdf(seed, SID, _label(b"self-mask", SID, 2, 9, 9, SHAPE), 16),
                            crypto.self_mask_key(seed, SID, 9, SHAPE)),
         ("self-mask-commit", 0): (
             hashlib.sha256(_label(b"self-mask-commit", SID, 0, 9, 9) + seed).digest(),
@@ -365,7 +365,7 @@ def test_further_vectors() -> None:
     hoods = ", ".join("`{" + ", ".join(map(str, sorted(graph.closed_neighborhood(c)))) + "}`"
                       for c in (1, 2, 3))
     assert hoods in TEXT
-    words = Masker(4, 12).keystream(bytes(range(32)))
+    words = Masker(4, 12).keystream(bytes(range(16)))
     assert f"`{[int(x) for x in words]}`" in TEXT
     assert f"`{[int(x) % 4096 for x in words]}`" in TEXT
     wire = encode(SurvivorList(b"\x01" * 32, 3, (1, 2, 3))).hex()
