@@ -62,9 +62,16 @@ class Round:
         self.clients = {i: Client(config, i, v, context=self.context)
                         for i, v in self.inputs.items()}
         self.server_seconds: dict[str, float] = {}
+        self._cleared = False
         self.client_seconds: dict[int, float] = {i: 0.0 for i in self.clients}
 
+    cold_client: int | None = None  # its first message is handled with empty Shamir caches
+
     def _client(self, cid: int, fn: Any) -> Any:
+        if cid == self.cold_client and self.client_seconds[cid] > 0 and not self._cleared:
+            shamir._limb_power_table.cache_clear()
+            shamir.lagrange_weights.cache_clear()
+            self._cleared = True
         start = time.perf_counter()
         out = fn()
         self.client_seconds[cid] += time.perf_counter() - start
@@ -176,6 +183,7 @@ def bench_n500(dim: int = 100_000, drop_rate: float = 0.3) -> None:
     with ProcessPoolExecutor(2) as pool:
         pool.submit(int).result()
         rnd = Round(config, drop, executor=pool)
+        rnd.cold_client = n  # the last survivor: every table it needs is built afresh
         rnd.run()
     server_total = sum(rnd.server_seconds.values())
     survivors = n - dropped
@@ -183,12 +191,12 @@ def bench_n500(dim: int = 100_000, drop_rate: float = 0.3) -> None:
                           exchanges=dropped * survivors)
     report("server, n=500, d=10^5, 30% dropped (total)", server_total, floor, "< 5 s",
            stages=rnd.server_seconds)
-    per_client = sorted(rnd.client_seconds[i] for i in range(dropped + 1, n + 1))
-    first = rnd.client_seconds[dropped + 1]
+    per_client = sorted(rnd.client_seconds[i] for i in range(dropped + 1, n))
+    first = rnd.client_seconds[n]
     client_floor = floor_seconds(keystreams=n, dim=dim, exchanges=2 * (n - 1))
-    report("client, n=500, d=10^5 (median survivor)", per_client[len(per_client) // 2],
+    report("client, n=500, d=10^5 (median survivor, warm)", per_client[len(per_client) // 2],
            client_floor, "< 150 ms", first_client_seconds=first)
-    print(f"{'  (first client: Shamir tables cold)':<44} {first * 1e3:10.1f} ms",
+    print(f"{'  (a client whose Shamir tables are cold)':<44} {first * 1e3:10.1f} ms",
           file=sys.stderr)
 
 

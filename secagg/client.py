@@ -413,12 +413,12 @@ class Client:
         y = self._input.copy()
         masker.add(y, self_mask_key(self._seed, self.session_id, self.client_id,
                                     cfg.shape_tag))
-        own = self._keys_of(self._masking).public
+        masking = self._keys_of(self._masking)
+        own, session, shape = masking.public, self.session_id, cfg.shape_tag
         for peer in peers:
             peer_key = self._keys[peer].masking_key
-            secret = self._keys_of(self._masking).exchange(peer_key)
-            key = pairwise_mask_key(secret, self.session_id, self.client_id, peer, own,
-                                    peer_key, cfg.shape_tag)
+            key = pairwise_mask_key(masking.exchange(peer_key), session, self.client_id, peer,
+                                    own, peer_key, shape)
             if self.client_id < peer:
                 masker.add(y, key)
             else:

@@ -57,6 +57,7 @@ class Config:
     dropout_rate: float | None = None
     corrupt_rate: float | None = None
     _holders: int = field(init=False, repr=False, compare=False, default=0)
+    _shape_tag: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self) -> None:
         n = self.num_clients
@@ -83,6 +84,7 @@ class Config:
                 object.__setattr__(self, "neighbors", None)
         holders = n if k is None else k
         object.__setattr__(self, "_holders", holders)
+        object.__setattr__(self, "_shape_tag", struct.pack(">QB", self.dim, self.bits))
         # an even k over an odd n gives one client k + 1 holders (Harary): the threshold
         # must be safe for the largest neighbourhood and reachable in the smallest
         low = threshold_floor(n, k, self.security)
@@ -137,4 +139,4 @@ class Config:
     @property
     def shape_tag(self) -> bytes:
         """Binds masks to the vector shape and modulus (as Google's fcp does)."""
-        return struct.pack(">QB", self.dim, self.bits)
+        return self._shape_tag
