@@ -70,7 +70,8 @@ def _normalize(limbs: Any, upto: int) -> None:
 @lru_cache(maxsize=64)
 def _limb_power_table(xs: tuple[int, ...], degree: int) -> np.ndarray:
     """x^j mod p (up to a multiple of p, value < 2^258) for every holder x and j <= degree,
-    as float64 16-bit limbs shaped (holders, degree + 1, 17).
+    as float64 16-bit limbs shaped (degree + 1, holders * 17): the right operand of one
+    plain BLAS product.
 
     Built column by column in numpy, all holders at once: a column is the previous block
     times y = x^m (m chosen so y < 2^32, hence limb * y < 2^48 fits int64), then folded
@@ -79,7 +80,7 @@ def _limb_power_table(xs: tuple[int, ...], degree: int) -> np.ndarray:
     h = len(xs)
     bits = max(x.bit_length() for x in xs)
     m = max(1, min(32 // bits, degree + 1))
-    table = np.empty((h, degree + 1, _LIMBS), dtype=np.float64)
+    table = np.empty((degree + 1, h, _LIMBS), dtype=np.float64)
     block = np.zeros((_LIMBS + 4, m * h), dtype=np.int64)
     first = b"".join((x ** i % PRIME).to_bytes(2 * _LIMBS, "little")
                      for i in range(m) for x in xs)
@@ -89,10 +90,10 @@ def _limb_power_table(xs: tuple[int, ...], degree: int) -> np.ndarray:
     while True:
         for i in range(m):
             if j + i <= degree:
-                table[:, j + i, :] = block[:_LIMBS, i * h:(i + 1) * h].T
+                table[j + i] = block[:_LIMBS, i * h:(i + 1) * h].T
         j += m
         if j > degree:
-            return table
+            return table.reshape(degree + 1, h * _LIMBS)
         block *= multiplier  # limbs < 2^17, y < 2^32: products < 2^49
         _normalize(block, _LIMBS + 3)
         high = block[16] + (block[17] << 16) + (block[18] << 32) + (block[19] << 48)
@@ -107,23 +108,23 @@ def _evaluate_all(coefficients: list[list[int]], xs: tuple[int, ...]) -> list[li
     """f_s(x) mod p for every polynomial s and holder x.
 
     Field elements are split into 16-bit limbs, so every limb product is < 2^34 and a sum
-    of t of them is < 2^53 (exact in float64) for t < 2^19: the evaluation is one batched
-    BLAS product plus a carry pass, instead of t * len(xs) Python big-int products.
+    of t of them is < 2^53 (exact in float64) for t < 2^19: the evaluation is one BLAS
+    matrix product plus a carry pass, instead of t * len(xs) Python big-int products.
     """
     degree = len(coefficients[0]) - 1
     count = len(coefficients)
-    table = _limb_power_table(xs, degree)  # (h, t, 17)
+    table = _limb_power_table(xs, degree)  # (t, h * 17)
     raw = b"".join(c.to_bytes(2 * _LIMBS, "little") for coeffs in coefficients for c in coeffs)
     coeff_limbs = np.frombuffer(raw, dtype="<u2").reshape(count, degree + 1, _LIMBS)
     left = coeff_limbs.transpose(0, 2, 1).reshape(count * _LIMBS, degree + 1)
-    product: Any = np.matmul(left.astype(np.float64), table).astype(np.int64)
-    product = product.reshape(len(xs), count, _LIMBS, _LIMBS)  # (h, s, coeff limb, power limb)
-    acc: Any = np.zeros((_OUT_LIMBS, len(xs), count), dtype=np.int64)
+    product: Any = (left.astype(np.float64) @ table).astype(np.int64)
+    product = product.reshape(count, _LIMBS, len(xs), _LIMBS)  # (s, coeff limb, h, power limb)
+    acc: Any = np.zeros((_OUT_LIMBS, count, len(xs)), dtype=np.int64)
     for a in range(_LIMBS):
-        acc[a:a + _LIMBS] += product[:, :, a, :].transpose(2, 0, 1)
+        acc[a:a + _LIMBS] += product[:, a].transpose(2, 0, 1)
     _normalize(acc, _OUT_LIMBS - 1)
-    packed = np.ascontiguousarray(acc.transpose(1, 2, 0)).astype("<u2")
-    return [[int.from_bytes(packed[i, s].tobytes(), "little") % PRIME
+    packed = np.ascontiguousarray(acc.transpose(1, 2, 0)).astype("<u2")  # (s, h, limbs)
+    return [[int.from_bytes(packed[s, i].tobytes(), "little") % PRIME
              for i in range(len(xs))] for s in range(count)]
 
 
