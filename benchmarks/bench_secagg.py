@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _floor import floor_seconds
+from _floor import floor_seconds, keystream_seconds
 
 from secagg import (
     Client,
@@ -239,6 +239,7 @@ def main() -> int:
     RESULTS["load_average"] = load
     print(f"load average {load:.2f} on {os.cpu_count()} cores (ratios are measured in this "
           "run, so they survive some load; absolute times do not)", file=sys.stderr)
+    RESULTS["keystream_gb_per_s"] = 200 * 400_000 / keystream_seconds(200, 100_000) / 1e9
     bench_shamir()
     bench_client_masking()
     bench_server_unmasking()
@@ -275,10 +276,29 @@ def write_markdown(path: str, argv: str) -> None:
             f"| {name.strip()} | {row['seconds'] * 1e3:.1f} ms | "
             f"{'' if floor is None else f'{floor * 1e3:.1f} ms'} | "
             f"{'' if ratio is None else f'{ratio:.2f}x'} | {row['target']} |")
-        for extra in ("cold_seconds", "first_client_seconds"):
+        labels = {"cold_seconds": "the first split (tables cold)",
+                  "first_client_seconds": "a client whose Shamir tables are cold"}
+        for extra, label in labels.items():
             if extra in row:
-                lines.append(f"| {name.strip()}: {extra.replace('_', ' ')[:-8]} | "
-                             f"{row[extra] * 1e3:.1f} ms | | | |")
+                lines.append(f"| {label} | {row[extra] * 1e3:.1f} ms | | | |")
+    server = RESULTS.get("server, n=500, d=10^5, 30% dropped (total)")
+    if server:
+        stages = server.get("stages", {})
+        other = sum(v for k, v in stages.items() if k != "unmasking")
+        lines += [
+            "", "## Reading the n = 500 server figure", "",
+            f"The server removes one pairwise mask per (dropped, survivor) pair: 150 x 350 = "
+            f"52,500 X25519 exchanges and AES-CTR expansions of 400 KB, plus 350 self masks. "
+            f"Their floor, measured above on one core, is {server['floor_seconds']:.2f} s; "
+            f"the server spreads them over two worker processes "
+            f"(`Server(executor=ProcessPoolExecutor(2))`), so it runs below the one-core "
+            f"floor. Even a perfect two-core split costs floor / 2 = "
+            f"{server['floor_seconds'] / 2:.2f} s, and the other stages (key lists, share "
+            f"forwarding, summing the masked inputs) took {other:.2f} s here, so on this "
+            f"machine the 5 s target sits at the physical limit: AES-CTR keystream plus "
+            f"the add runs at {RESULTS.get('keystream_gb_per_s', 0):.1f} GB/s here (400 KB "
+            f"per key), below the 9 GB/s DESIGN.md quotes. Stage times: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items()) + "."]
     scaling = RESULTS.get("secagg_plus_scaling")
     if scaling:
         lines += ["", "## SecAgg+ server cost against n (d = 1000, 10% dropped after "
