@@ -192,7 +192,20 @@ def broker_settings(args: argparse.Namespace, user: str) -> Any:
     return replace(settings, username=username, password=password)
 
 
+def _torch_missing() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("opacus") is None:
+        print("secagg train: this needs torch and opacus: install the extra with "
+              "`pip install 'secagg[torch]'` (use constraints.txt to get the CPU build)",
+              file=sys.stderr)
+        return True
+    return False
+
+
 def run(args: argparse.Namespace) -> int:
+    if _torch_missing():
+        return 2
     if args.role != "all":
         return run_remote(args)
     try:
