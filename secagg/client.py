@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from .config import Config
 from .crypto import (
@@ -30,8 +31,8 @@ from .crypto import (
     KeyPair,
     Masker,
     SigningKey,
-    check_public_key,
     dtype_for_bits,
+    load_public_key,
     open_sealed,
     pair_label,
     pairwise_mask_key,
@@ -163,6 +164,7 @@ class Client:
         self._answered: dict[bytes, ClientMessage] = {}  # digest of server message -> reply
         self._keys: dict[int, KeyEntry] = {}
         self._shared_secrets: dict[int, bytes] = {}
+        self._loaded: dict[bytes, X25519PublicKey] = {}
         self._own_shares: _Received | None = None
         self._received: dict[int, _Received] = {}
         self._survivor_list: tuple[int, ...] | None = None
@@ -211,6 +213,7 @@ class Client:
         self._input = None
         self._received = {}
         self._shared_secrets = {}
+        self._loaded = {}
         self._own_shares = None
         self._encryption = None
         self._masking = None
@@ -325,10 +328,11 @@ class Client:
             raise self._abort(f"only {len(keys)} clients advertised keys; the threshold "
                               f"is {t}")
         seen: set[bytes] = set()
+        loaded: dict[bytes, X25519PublicKey] = {}  # checked once, used for both exchanges
         for cid, entry in keys.items():
             for key in (entry.encryption_key, entry.masking_key):
                 try:
-                    check_public_key(key)
+                    loaded[key] = load_public_key(key)
                 except CryptoError as exc:
                     raise self._abort(f"client {cid}'s public key is invalid: {exc}") from None
                 if key in seen:
@@ -350,7 +354,7 @@ class Client:
             if peer == self.client_id:
                 continue
             peer_key = keys[peer].encryption_key
-            secret = secrets[peer] = self._keys_of(self._encryption).exchange(peer_key)
+            secret = secrets[peer] = self._keys_of(self._encryption).exchange(loaded[peer_key])
             key = share_key(secret, self.session_id, self.client_id, peer,
                             self._keys_of(self._encryption).public, peer_key)
             plaintext = (u32(self.client_id) + u32(peer) + masking_shares[peer]
@@ -359,6 +363,7 @@ class Client:
                                      share_associated_data(self.session_id, self.client_id,
                                                            peer))
         self._keys = keys
+        self._loaded = loaded
         self._shared_secrets = secrets  # X25519 is symmetric: reused to open the replies
         self._own_shares = _Received(masking_shares[self.client_id],
                                      seed_shares[self.client_id])
@@ -417,8 +422,8 @@ class Client:
         own, session, shape = masking.public, self.session_id, cfg.shape_tag
         for peer in peers:
             peer_key = self._keys[peer].masking_key
-            key = pairwise_mask_key(masking.exchange(peer_key), session, self.client_id, peer,
-                                    own, peer_key, shape)
+            key = pairwise_mask_key(masking.exchange(self._loaded[peer_key]), session,
+                                    self.client_id, peer, own, peer_key, shape)
             if self.client_id < peer:
                 masker.add(y, key)
             else:
