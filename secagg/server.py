@@ -14,15 +14,12 @@ one stage is rejected. ``ProtocolAbort`` means the round cannot finish.
 
 from __future__ import annotations
 
-import os
-import random
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from .client import (
     advertisement_transcript,
@@ -33,14 +30,10 @@ from .config import Config
 from .crypto import (
     CryptoError,
     KeyPair,
-    Masker,
     check_public_key,
     constant_time_equal,
     dtype_for_bits,
-    load_public_key,
-    pairwise_mask_key,
     self_mask_commitment,
-    self_mask_key,
     sha256,
     verify_signature,
 )
@@ -65,13 +58,15 @@ from .messages import (
 from .session import derive_session_id, normalize_roster, session_graph
 from .shamir import (
     PRIME,
-    consistent,
-    decode_with_errors,
-    evaluate_at,
-    extrapolate,
-    reconstruct_value,
 )
 from .stage import Stage
+from .unmasking import (
+    MaskJob,
+    balance,
+    mask_correction,
+    reconstruct_verified,
+    screen_shares,
+)
 
 
 @dataclass(frozen=True)
@@ -470,84 +465,15 @@ class Server:
 
     def _reconstruct(self, owner: int, shares: dict[int, int],
                      check: Callable[[bytes], bool], corrupt: dict[int, set[int]]) -> bytes:
-        """Reconstruct and verify one secret (docs/protocol.md section 8).
-
-        The first ``t`` shares usually verify. If not, the shares are decoded as a
-        Reed-Solomon codeword (Gao), which corrects up to (m - t) / 2 wrong shares and
-        names their holders; beyond that, random t-subsets are tried against the check."""
-        t = self._threshold
-        holders = sorted(shares)
-        clean = [h for h in holders if h not in self._suspects]
-
-        def verified(value: int) -> bytes | None:
-            if value >> 256:
-                return None
-            secret = value.to_bytes(32, "big")
-            try:
-                return secret if check(secret) else None
-            except (ValueError, CryptoError):
-                return None
-
-        if len(clean) < t:  # too many suspects to skip: try the lowest ids, check the rest
-            clean = holders
-        if len(clean) >= t:
-            base = tuple(clean[:t])
-            first = verified(reconstruct_value({x: shares[x] for x in base}, t))
-            if first is not None:
-                named = [h for h in holders if h in self._suspects and h not in base]
-                for holder, value in zip(named, extrapolate(shares, base, named), strict=True):
-                    if value != shares[holder]:
-                        corrupt.setdefault(holder, set()).add(owner)
-                return first
-        decoded = decode_with_errors(shares, t)
-        if decoded is not None:
-            secret = verified(decoded[0])
-            if secret is not None:
-                for holder in decoded[1]:
-                    corrupt.setdefault(holder, set()).add(owner)
-                return secret
-        rng = random.Random(owner)  # which subsets to try is not secret
-        for _ in range(64 if len(holders) > t else 0):
-            subset = tuple(sorted(rng.sample(holders, t)))
-            secret = verified(reconstruct_value({x: shares[x] for x in subset}, t))
-            if secret is not None:
-                self._blame(owner, shares, subset, corrupt)
-                return secret
-        raise self._abort(f"the shares of client {owner}'s secret are inconsistent and no "
-                          f"{t} of them reconstruct the committed value")
+        secret = reconstruct_verified(owner, shares, self._threshold, check, self._suspects,
+                                      corrupt)
+        if secret is None:
+            raise self._abort(f"the shares of client {owner}'s secret are inconsistent and "
+                              f"no {self._threshold} of them reconstruct the committed value")
+        return secret
 
     def _screen(self, sharesets: list[dict[int, int]]) -> set[int]:
-        """Holders that sent a share off its polynomial, for all secrets at once.
-
-        Secrets shared among the same holders are combined with random 128-bit
-        coefficients; a combination of codewords is a codeword, and a corrupted share
-        survives the combination except with probability about 2^-128. One consistency
-        check per holder set, and Gao's decoder on the combination when it fails."""
-        t = self._threshold
-        groups: dict[tuple[int, ...], list[dict[int, int]]] = {}
-        for shares in sharesets:
-            if len(shares) > t:
-                groups.setdefault(tuple(sorted(shares)), []).append(shares)
-        suspects: set[int] = set()
-        for holders, members in groups.items():
-            coefficients = [int.from_bytes(os.urandom(16), "big") for _ in members]
-            combined = {h: sum(c * m[h] for c, m in zip(coefficients, members, strict=True))
-                        % PRIME for h in holders}
-            if consistent(combined, t):
-                continue
-            decoded = decode_with_errors(combined, t)
-            if decoded is not None:
-                suspects |= decoded[1]
-            else:  # beyond the decoding radius: check every share of this group one by one
-                suspects |= set(holders)
-        return suspects
-
-    def _blame(self, owner: int, shares: dict[int, int], subset: tuple[int, ...],
-               corrupt: dict[int, set[int]]) -> None:
-        """Name every holder whose share is off the verified polynomial."""
-        for holder, share in shares.items():
-            if holder not in subset and evaluate_at(shares, subset, holder) != share:
-                corrupt.setdefault(holder, set()).add(owner)
+        return screen_shares(sharesets, self._threshold)
 
     def _unmask(self, seeds: dict[int, bytes], private_keys: dict[int, KeyPair]) -> np.ndarray:
         """sum y - sum PRG(b_u) for survivors - the survivors' pairwise masks with dropouts.
@@ -555,7 +481,7 @@ class Server:
         The mask work is cut into independent jobs; with an ``executor`` (e.g. a process
         pool, which the caller owns) they run in parallel, otherwise inline."""
         cfg = self.config
-        jobs: list[_MaskJob] = [("self", owner, seed, ()) for owner, seed in seeds.items()]
+        jobs: list[MaskJob] = [("self", owner, seed, ()) for owner, seed in seeds.items()]
         masked_with: dict[int, list[int]] = {}  # dropped u -> survivors that masked with u
         for survivor in sorted(self._survivors):
             for peer in self._forwarded[survivor]:
@@ -569,7 +495,7 @@ class Server:
                   {d: self._adverts[d].masking_key for d in private_keys})
         total = self._sum.copy()
         workers = self._workers if self._executor is not None else 1
-        batches = _balance(jobs, workers)
+        batches = balance(jobs, workers)
         if self._executor is not None and len(batches) > 1:
             futures = [self._executor.submit(mask_correction, header, batch)
                        for batch in batches]
@@ -581,50 +507,6 @@ class Server:
         if cfg.bits < 8 * total.dtype.itemsize:
             np.bitwise_and(total, total.dtype.type((1 << cfg.bits) - 1), out=total)
         return total.astype(np.uint64)
-
-
-_MaskJob = tuple[str, int, bytes, tuple[tuple[int, bytes], ...]]
-
-
-def _balance(jobs: list[_MaskJob], parts: int) -> list[list[_MaskJob]]:
-    """Split jobs into ``parts`` batches of about equal keystream count."""
-    batches: list[list[_MaskJob]] = [[] for _ in range(max(1, parts))]
-    loads = [0] * len(batches)
-    for job in sorted(jobs, key=lambda j: -max(1, len(j[3]))):
-        i = loads.index(min(loads))
-        batches[i].append(job)
-        loads[i] += max(1, len(job[3]))
-    return [b for b in batches if b]
-
-
-def mask_correction(header: tuple[bytes, bytes, int, int, dict[int, bytes]],
-                    jobs: list[_MaskJob]) -> np.ndarray:
-    """The masks that the survivors' masked inputs still carry, for a batch of jobs:
-    ``("self", u, b_u, ())`` adds PRG(b_u); ``("pair", u, sk_u, ((v, pk_v), ...))`` adds
-    what each survivor v added for its pair with dropped u. Top-level so a process pool
-    can run it."""
-    session_id, shape_tag, dim, bits, dropped_keys = header
-    masker = Masker(dim, bits)
-    correction = np.zeros(dim, dtype=masker.dtype)
-    loaded: dict[bytes, X25519PublicKey] = {}  # one key object per survivor, not per pair
-    for kind, owner, secret, peers in jobs:
-        if kind == "self":
-            masker.add(correction, self_mask_key(secret, session_id, owner, shape_tag))
-            continue
-        pair = KeyPair.from_private_bytes(secret)
-        owner_pk = dropped_keys[owner]
-        for survivor, survivor_pk in peers:
-            peer = loaded.get(survivor_pk)
-            if peer is None:
-                peer = loaded[survivor_pk] = load_public_key(survivor_pk)
-            key = pairwise_mask_key(pair.exchange(peer), session_id, survivor, owner,
-                                    survivor_pk, owner_pk, shape_tag)
-            # the survivor added +mask if survivor < dropped, else -mask
-            if survivor < owner:
-                masker.add(correction, key)
-            else:
-                masker.subtract(correction, key)
-    return correction
 
 
 def _entry(msg: AdvertiseKeys) -> KeyEntry:
