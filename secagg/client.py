@@ -405,6 +405,7 @@ class Client:
             decode_share(seed_share)
             received[sender] = _Received(masking_share, seed_share)
         masked = self._mask_input(sorted(senders))
+        self._input = None  # masked in place: the plaintext input is gone from memory
         self._received = received
         self._stage = Stage.MASKED_INPUT
         return self._signed(MaskedInput(self.session_id, self.client_id, self.config.bits,
@@ -415,7 +416,7 @@ class Client:
         assert self._input is not None
         cfg = self.config
         masker = Masker(cfg.dim, cfg.bits)
-        y = self._input.copy()
+        y = self._input  # this client's private copy (check_input), masked in place
         masker.add(y, self_mask_key(self._seed, self.session_id, self.client_id,
                                     cfg.shape_tag))
         masking = self._keys_of(self._masking)

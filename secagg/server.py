@@ -493,7 +493,7 @@ class Server:
                 jobs.append(("pair", dropped, pair.private_bytes(), peers))
         header = (self.session_id, cfg.shape_tag, cfg.dim, cfg.bits,
                   {d: self._adverts[d].masking_key for d in private_keys})
-        total = self._sum.copy()
+        total = self._sum  # the round is over: unmask in place, no d-sized copy
         workers = self._workers if self._executor is not None else 1
         batches = balance(jobs, workers)
         if self._executor is not None and len(batches) > 1:

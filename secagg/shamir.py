@@ -217,18 +217,8 @@ def reconstruct(shares: Mapping[int, bytes], threshold: int) -> bytes:
 
 
 def evaluate_at(shares: Mapping[int, int], xs: tuple[int, ...], at: int) -> int:
-    """The polynomial through the points (x, shares[x]) for x in ``xs``, evaluated at ``at``.
-
-    Used to find which extra shares disagree with a verified reconstruction."""
-    total = 0
-    for i, xi in enumerate(xs):
-        num, den = 1, 1
-        for j, xj in enumerate(xs):
-            if j != i:
-                num = num * (at - xj) % PRIME
-                den = den * (xi - xj) % PRIME
-        total += shares[xi] * num * pow(den, -1, PRIME)
-    return total % PRIME
+    """The polynomial through the points (x, shares[x]) for x in ``xs``, evaluated at ``at``."""
+    return extrapolate(shares, xs, [at])[0]
 
 
 # --- error correction (Gao 2003, a Reed-Solomon decoder) ------------------------------------
@@ -321,8 +311,12 @@ def extrapolate(points: Mapping[int, int], xs: tuple[int, ...], targets: Sequenc
     """The polynomial through (x, points[x]) for x in ``xs`` (degree < len(xs)), evaluated
     at each target (barycentric form: O(len(xs)) per target)."""
     weights = _barycentric_weights(xs)
+    known = set(xs)
     out = []
     for target in targets:
+        if target in known:  # the barycentric form divides by (target - x)
+            out.append(points[target] % PRIME)
+            continue
         diffs = [(target - x) % PRIME for x in xs]
         inverses = _batch_inverse(diffs)
         ell = 1

@@ -24,7 +24,6 @@ from .shamir import (
     PRIME,
     consistent,
     decode_with_errors,
-    evaluate_at,
     extrapolate,
     reconstruct_value,
 )
@@ -108,8 +107,9 @@ def screen_shares(sharesets: list[dict[int, int]], t: int) -> set[int]:
 def blame(owner: int, shares: dict[int, int], subset: tuple[int, ...],
           corrupt: dict[int, set[int]]) -> None:
     """Name every holder whose share is off the polynomial through ``subset``."""
-    for holder, share in shares.items():
-        if holder not in subset and evaluate_at(shares, subset, holder) != share:
+    others = [h for h in sorted(shares) if h not in subset]
+    for holder, value in zip(others, extrapolate(shares, subset, others), strict=True):
+        if value != shares[holder]:
             corrupt.setdefault(holder, set()).add(owner)
 
 
