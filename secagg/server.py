@@ -166,16 +166,6 @@ class Server:
         Returns ``True`` for a new message, ``False`` for a redelivery of one already
         accepted (this stage's or the previous stage's); raises ``ProtocolError`` when the
         message is rejected."""
-        if self.result is not None and client_id in self._previous_digests:
-            try:
-                raw_late = (bytes(message) if isinstance(message, (bytes, bytearray, memoryview))
-                            else encode(message))
-            except Exception:  # a malformed object: rejected below like any other
-                raw_late = b""
-            if self._previous_digests[client_id] == sha256(raw_late):
-                return False  # a late redelivery of an unmasking message
-        if self.result is not None:
-            raise self._reject(client_id, "the round has finished")
         if self.aborted is not None:
             raise self._reject(client_id, f"the round was aborted: {self.aborted}")
         if isinstance(message, (bytes, bytearray, memoryview)):
@@ -212,7 +202,9 @@ class Server:
         if self._digests.get(client_id) == digest and client_id in self._inbox:
             return False  # redelivery of an accepted message
         if self._previous_digests.get(client_id) == digest:
-            return False  # late redelivery of last stage's message
+            return False  # late redelivery of last stage's message (also after the result)
+        if self.result is not None:
+            raise self._reject(client_id, "the round has finished")
         if msg.stage != self._stage:
             raise self._reject(client_id, f"a {msg.stage.label} message is out of stage")
         if client_id not in self._expected:
