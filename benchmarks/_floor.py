@@ -1,7 +1,7 @@
 """The physical floor every benchmark is compared with, measured in the same run:
 AES-128-CTR keystream (the mask PRG) into a preallocated buffer (one cipher per key, as
 masks need),
-the modular vector additions, and X25519 exchanges (DESIGN.md section 7)."""
+the modular vector additions, and X25519 exchanges (docs/architecture.md section 7)."""
 
 from __future__ import annotations
 

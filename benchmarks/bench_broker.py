@@ -2,7 +2,7 @@
 
 Why: a secagg round moves ~0.4-several MB per site per stage through one aggregation
 server; this measures how many MB/s each broker sustains in that fan-in shape, next to the
-floor of a plain loopback TCP copy of the same bytes (printed as a ratio, per DESIGN §7).
+floor of a plain loopback TCP copy of the same bytes (printed as a ratio, per docs/architecture.md §7).
 
     python benchmarks/bench_broker.py --clients 20 --size 4194304 --messages 2 [--json]
 

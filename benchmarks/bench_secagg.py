@@ -1,4 +1,4 @@
-"""Protocol-core benchmarks against the targets of DESIGN.md section 7.
+"""Protocol-core benchmarks against the targets of docs/architecture.md section 7.
 
 Every figure is printed with its ratio to the floor measured in the same run
 (benchmarks/_floor.py). Run by hand:
@@ -297,7 +297,7 @@ def write_markdown(path: str, argv: str) -> None:
             f"forwarding, summing the masked inputs) took {other:.2f} s here, so on this "
             f"machine the 5 s target sits at the physical limit: AES-CTR keystream plus "
             f"the add runs at {RESULTS.get('keystream_gb_per_s', 0):.1f} GB/s here (400 KB "
-            f"per key), below the 9 GB/s DESIGN.md quotes. Stage times: "
+            f"per key), below the 9 GB/s docs/architecture.md quotes. Stage times: "
             + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items()) + "."]
     scaling = RESULTS.get("secagg_plus_scaling")
     if scaling:

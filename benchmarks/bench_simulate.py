@@ -1,4 +1,4 @@
-"""Benchmark ``secagg simulate`` (DESIGN.md section 7): 100 clients, d = 10^5, 30% dropout,
+"""Benchmark ``secagg simulate`` (docs/architecture.md section 7): 100 clients, d = 10^5, 30% dropout,
 2 worker processes, embedded broker (and Mosquitto). Target: under 30 s wall, under 4 GiB.
 
 Runs the real command in a subprocess (broker, server, worker processes and all), samples

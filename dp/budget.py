@@ -1,4 +1,4 @@
-"""A privacy budget fixed before training and never exceeded (DESIGN.md section 6).
+"""A privacy budget fixed before training and never exceeded (docs/architecture.md section 6).
 
 A round is described by an event; the budget answers whether it still fits
 (:meth:`PrivacyBudget.can_run`), records it (:meth:`PrivacyBudget.spend`, which refuses a

@@ -5,7 +5,7 @@ of :mod:`dp.samplers` consume only uniform 64-bit words drawn from a :class:`Ran
 The default, :class:`SystemRandom`, reads ``os.urandom`` (the kernel CSPRNG) in bulk.
 :class:`SeededRandom` is an AES-256-CTR keystream from a 32-byte key: cryptographically
 strong but reproducible, for tests and for replaying a simulation. Numpy's generators are
-never used for noise (DESIGN.md section 3: "never numpy's generators for secrets").
+never used for noise (docs/architecture.md section 3: "never numpy's generators for secrets").
 """
 
 from __future__ import annotations

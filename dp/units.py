@@ -1,4 +1,4 @@
-"""Privacy units: all records of one patient are one unit (DESIGN.md section 6).
+"""Privacy units: all records of one patient are one unit (docs/architecture.md section 6).
 
 Opacus computes per-*record* gradients (``GradSampleModule``); it does not group. Grouping
 is done here: per-record gradients are summed per patient *before* clipping, so one patient

@@ -3,7 +3,7 @@
 Per round (McMahan et al. 2017, FedAvg, with the privacy modes of docs/privacy.md):
 
 1. draw the cohort (seeded: public) and ask the budget whether the round fits; the round
-   that would exceed it is not run and training stops (DESIGN.md section 6);
+   that would exceed it is not run and training stops (docs/architecture.md section 6);
 2. every cohort site computes its update and encodes it with its sample count
    (:mod:`fl.codec`); only that vector goes to secure aggregation (:mod:`fl.aggregation`);
 3. if the protocol aborts (fewer than ``threshold`` sites survived) the round is retried with

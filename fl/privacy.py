@@ -1,6 +1,6 @@
 """Per-round privacy plans: what a round costs on the budget and how sites encode.
 
-A plan is fixed before training (DESIGN.md section 6): the coordinator asks the budget
+A plan is fixed before training (docs/architecture.md section 6): the coordinator asks the budget
 whether the next round's event fits, runs the round only if it does, and spends the event
 only once an aggregate was released (a round that aborts releases nothing).
 

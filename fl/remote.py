@@ -852,7 +852,7 @@ def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, *, kin
                      attempts: int, log: Log) -> tuple[RemoteRound, int]:
     """One aggregation with site processes, retried (fresh inputs) while it cannot finish.
 
-    An attempt that aborts released nothing, so nothing is spent (DESIGN.md section 6).
+    An attempt that aborts released nothing, so nothing is spent (docs/architecture.md section 6).
     """
     from fl.coordinator import RoundFailed
 

@@ -1,7 +1,7 @@
 """secagg: secure aggregation for federations (Bonawitz et al. 2017; SecAgg+, Bell et al.
 2020), sans-IO.
 
-Public surface (DESIGN.md section 4)::
+Public surface (docs/architecture.md section 4)::
 
     from secagg import Config, Stage, simulate, ProtocolError, ProtocolAbort
 

@@ -220,7 +220,7 @@ class Client:
 
     def _signed(self, message: _Signable) -> _Signable:
         """In malicious mode every client message is signed, so neither the broker nor the
-        server can alter it unnoticed (DESIGN.md section 5)."""
+        server can alter it unnoticed (docs/architecture.md section 5)."""
         if not self.config.malicious or self._signing_key is None:
             return message
         signature = self._signing_key.sign(client_message_transcript(message))

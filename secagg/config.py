@@ -37,7 +37,7 @@ def _is_int(value: object) -> bool:
 
 @dataclass(frozen=True)
 class Config:
-    """Parameters of one secure aggregation round (DESIGN.md section 4).
+    """Parameters of one secure aggregation round (docs/architecture.md section 4).
 
     ``neighbors=None`` is the complete graph of Bonawitz et al. 2017; ``neighbors=k`` is
     SecAgg+ (Bell et al. 2020) where every client's secrets are shared among its closed

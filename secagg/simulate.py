@@ -24,7 +24,7 @@ from .stage import Stage
 @dataclass(frozen=True)
 class SimulationResult:
     """``total`` (uint64, the sum of included inputs mod 2**bits) and ``included`` as in
-    DESIGN.md section 4, plus what a report needs."""
+    docs/architecture.md section 4, plus what a report needs."""
 
     total: np.ndarray
     included: frozenset[int]

@@ -1,4 +1,4 @@
-"""The benchmark scripts still run (tiny sizes, no timing asserted: DESIGN.md section 7
+"""The benchmark scripts still run (tiny sizes, no timing asserted: docs/architecture.md section 7
 keeps performance targets out of the test suite)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """asyncio drivers that bind the sans-IO ``secagg.Server`` and ``secagg.Client`` to a bus.
 
-The state machines decide; the drivers own time and the wire (DESIGN.md section 5):
+The state machines decide; the drivers own time and the wire (docs/architecture.md section 5):
 
 * every payload is framed (``transport.framing``): chunked above ``max_payload``, reassembled
   in bounded buffers; garbage, truncated, oversized and spliced payloads are logged and

@@ -1,4 +1,4 @@
-"""``secagg budget``: the privacy officer's planner (DESIGN.md section 4).
+"""``secagg budget``: the privacy officer's planner (docs/architecture.md section 4).
 
 Given a noise multiplier, print how many rounds (steps of the sampled Gaussian mechanism)
 the budget affords -- the largest R whose epsilon is at most E. Given rounds, print the

@@ -1,4 +1,4 @@
-"""``secagg train``: federated training across hospitals (DESIGN.md section 4).
+"""``secagg train``: federated training across hospitals (docs/architecture.md section 4).
 
 ``--role all`` (the default) simulates every site in this process. ``--role coordinator``
 and ``--role site`` run the same training across machines: one coordinator process, and one

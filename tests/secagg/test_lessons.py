@@ -1,4 +1,4 @@
-"""One test per lesson of DESIGN.md section 8: what Flower's SecAgg+ and Google's fcp get
+"""One test per lesson of docs/architecture.md section 8: what Flower's SecAgg+ and Google's fcp get
 wrong, shown not to happen here, and what they get right, shown to hold."""
 
 from __future__ import annotations

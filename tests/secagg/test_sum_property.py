@@ -122,7 +122,7 @@ def test_simulate_returns_the_exact_modular_sum(case: tuple[Config, dict[int, St
 
 @pytest.mark.parametrize("security", ["semi-honest", "malicious"])
 def test_design_example_twenty_clients_three_dropouts(security: str) -> None:
-    """DESIGN.md section 4 / README: n=20, t=11, d=100000, 32 bits, three dropouts."""
+    """docs/architecture.md section 4 / README: n=20, t=11, d=100000, 32 bits, three dropouts."""
     dim = 100_000 if security == "semi-honest" else 20_000
     threshold = 11 if security == "semi-honest" else 14
     config = Config(num_clients=20, threshold=threshold, dim=dim, bits=32, security=security)

@@ -1,4 +1,4 @@
-"""Every field of every message, tampered, in a real round (DESIGN.md sections 3 and 8).
+"""Every field of every message, tampered, in a real round (docs/architecture.md sections 3 and 8).
 
 A tampered message must end in exactly one of:
 

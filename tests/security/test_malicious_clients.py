@@ -236,7 +236,7 @@ def test_passive_broker_cannot_recover_an_input(security: str) -> None:
                  "protects them), so the broker learns what the server learns: the sum")
 @documented_limitation(
     "finding (design): UnmaskingShares are not encrypted to the server, so a passive broker "
-    "computes the aggregate the server computes; DESIGN.md section 5 lists only shares "
+    "computes the aggregate the server computes; docs/architecture.md section 5 lists only shares "
     "and masked inputs as protected; use TLS to the broker or encrypt shares to the server")
 def test_passive_broker_learns_only_the_sum() -> None:
     p = Puppeteer(Config(num_clients=7, dim=64, bits=16))
