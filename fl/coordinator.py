@@ -30,8 +30,8 @@ import torch
 from dp.budget import PrivacyBudget
 from fl import checkpoint as ckpt
 from fl.aggregation import AggregateOutcome, Aggregator
-from fl.codec import FixedPointCodec
-from fl.privacy import DistributedPlan, Plan, SiteDpPlan, event_to_json, restore_budget
+from fl.contribution import Decoder, RoundTask, decoder, round_task, site_input
+from fl.privacy import DistributedPlan, Plan, event_to_json, restore_budget
 from fl.settings import TrainSettings
 from fl.site import Site
 from fl.vector import ParameterLayout
@@ -250,47 +250,17 @@ class Coordinator:
             return self.plan.params.bits
         return 64
 
-    def _inputs(self, r: int, cohort: list[int]) -> tuple[dict[int, U64], Callable[..., Any],
+    def task(self, r: int, cohort: list[int]) -> RoundTask:
+        """What round ``r`` asks of each cohort site (:mod:`fl.contribution`)."""
+        return round_task(self.settings, self.plan, r, len(cohort))
+
+    def _inputs(self, r: int, cohort: list[int]) -> tuple[dict[int, U64], Decoder,
                                                           dict[int, int]]:
         """Each cohort site's encoded vector, and how to decode the sum into an update."""
-        s = self.settings
-        d = self.layout.size
+        task = self.task(r, cohort)
         inputs: dict[int, U64] = {}
         counts: dict[int, int] = {}
-        if isinstance(self.plan, DistributedPlan):
-            codec = self.plan.codec(s.seed, r)
-            for cid in cohort:
-                rows = self.sites[cid].unit_gradients(self.model, sample_rate=s.sample_rate,
-                                                      unit=s.unit)
-                counts[cid] = len(rows)
-                inputs[cid] = codec.encode(rows)
-
-            def decode_distributed(total: U64, included: int) -> tuple[Any, float]:
-                grad_sum, count = codec.decode(total, included)
-                # The noisy count is post-processing of the same release; floor it at 1.
-                return -grad_sum / max(count, 1.0), count
-
-            return inputs, decode_distributed, counts
-        fixed = FixedPointCodec(d + 1, bits=64, max_summands=len(cohort))
         for cid in cohort:
-            site = self.sites[cid]
-            seed = (s.seed * 1_000_003 + r * 1009 + cid) % (1 << 62)
-            if isinstance(self.plan, SiteDpPlan):
-                delta = site.site_dp_update(
-                    self.model, self.layout, noise_multiplier=self.plan.noise_multiplier,
-                    clip_norm=self.plan.clip_norm, sample_rate=self.plan.sample_rate,
-                    steps=self.plan.steps, lr=s.lr, unit=s.unit)
-                weight = 1  # uniform: a site's count is not protected in site mode
-            else:
-                delta = site.fedavg_update(self.model, self.layout, epochs=s.local_epochs,
-                                           lr=s.lr, batch_size=s.batch_size, mu=s.fedprox_mu,
-                                           seed=seed)
-                weight = site.num_records
-            counts[cid] = weight
-            inputs[cid] = fixed.encode(np.append(weight * delta, weight))
-
-        def decode_fixed(total: U64, included: int) -> tuple[Any, float]:
-            values = fixed.decode(total)
-            return values[:-1] / values[-1], float(values[-1])
-
-        return inputs, decode_fixed, counts
+            given = site_input(self.sites[cid], self.model, task, cid)
+            inputs[cid], counts[cid] = given.vector, given.count
+        return inputs, decoder(task, self.layout.size), counts

@@ -21,7 +21,7 @@ import torch
 
 from fl import checkpoint as ckpt
 from fl.aggregation import Aggregator, Tap, open_aggregator
-from fl.codec import FixedPointCodec
+from fl.contribution import scaler_from_sum, scaler_input
 from fl.coordinator import Coordinator, RoundCapture, evaluate
 from fl.data import Table, dirichlet_split, load_csv, load_dataset, split_patients
 from fl.models import make_model
@@ -62,17 +62,11 @@ def uses_scaler(settings: TrainSettings, table: Table) -> bool:
 
 def secure_scaler(sites: dict[int, Site], aggregator: Aggregator) -> Scaler:
     """Federation-wide mean and std from one secure sum of every site's feature sums."""
-    first = next(iter(sites.values()))
-    dim = 2 * first.table.num_features + 1
-    codec = FixedPointCodec(dim, bits=64, frac_bits=12, max_summands=len(sites))
-    inputs = {cid: codec.encode(site.feature_sums()) for cid, site in sites.items()}
-    outcome = aggregator.aggregate(Config(num_clients=len(sites), dim=dim, bits=64), inputs, {})
-    sums = codec.decode(outcome.total)
-    f = first.table.num_features
-    n = max(sums[-1], 1.0)
-    mean = sums[:f] / n
-    var = np.maximum(sums[f:2 * f] / n - mean**2, 0.0)
-    return Scaler(mean, np.where(var > 1e-12, np.sqrt(var), 1.0))
+    f = next(iter(sites.values())).table.num_features
+    inputs = {cid: scaler_input(site.feature_sums(), len(sites))
+              for cid, site in sites.items()}
+    config = Config(num_clients=len(sites), dim=2 * f + 1, bits=64)
+    return scaler_from_sum(aggregator.aggregate(config, inputs, {}).total, f, len(sites))
 
 
 def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim: int,

@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -67,7 +67,6 @@ from fl.wire import (
     framed,
     round_context,
     site_will,
-    task_float,
     task_int,
     task_str,
 )
@@ -93,9 +92,6 @@ logger = logging.getLogger(__name__)
 U64 = npt.NDArray[np.uint64]
 Log = Callable[[str], None]
 T = TypeVar("T")
-SCALER_FRAC_BITS = 12
-DP_MODES = ("none", "site", "distributed")
-UNITS = ("patient", "record")
 MODEL_KINDS = ("logreg", "mlp")
 
 
@@ -194,11 +190,12 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *, require_dp: st
                ) -> U64:
     """This site's secure-aggregation vector for the announced round.
 
-    The same code as ``Coordinator._inputs``/``secure_scaler`` in simulation: what a
-    site computes does not depend on where it runs. Every task field is validated first (a
-    hostile coordinator can make a site refuse a round, never crash it).
+    :func:`fl.contribution.site_input`, as in simulation: what a site computes does not
+    depend on where it runs. Every task field is validated first (a hostile coordinator can
+    make a site refuse a round, never crash it).
     """
-    from fl.codec import DistributedCodec, FixedPointCodec
+    from fl.contribution import RoundTask, TaskError, scaler_input
+    from fl.contribution import site_input as contribution
     from fl.models import make_model
     from fl.site import Scaler, Site
     from fl.vector import ParameterLayout
@@ -212,13 +209,7 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *, require_dp: st
         dim = 2 * table.num_features + 1
         if task_int(task, "dim", dim, dim) != dim or task_int(task, "bits", 64, 64) != 64:
             raise WireError("scaler task dimension or bits do not match this table")
-        codec = FixedPointCodec(dim, bits=64, frac_bits=SCALER_FRAC_BITS,
-                                max_summands=cohort)
-        return codec.encode(Site(cid, table).feature_sums())
-    mode = task_str(task, "dp", DP_MODES)
-    if require_dp is not None and mode != require_dp:
-        raise WireError(f"the coordinator asks for --dp {mode}; this site requires --dp "
-                        f"{require_dp}")
+        return scaler_input(Site(cid, table).feature_sums(), cohort)
     scaler = None if blob.scaler is None else Scaler(*blob.scaler)
     if scaler is not None and scaler.mean.size != table.num_features:
         raise WireError("the scaler does not match the number of features")
@@ -230,51 +221,19 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *, require_dp: st
         raise WireError(f"the model has {blob.model.size} parameters; "
                         f"{task['model']} on this table has {layout.size}")
     layout.load(model, blob.model)
-    unit = task_str(task, "unit", UNITS)
-    if mode == "distributed":
-        from dp.encoding import EncodingParams
-
-        raw = task.get("params")
-        if not isinstance(raw, dict):
-            raise WireError("task field 'params' must be a map")
-        try:
-            params = EncodingParams(
-                dim=task_int(raw, "dim", layout.size + 1, layout.size + 1),
-                clip_norm=task_float(raw, "clip_norm", 0, low_open=True),
-                scale=task_float(raw, "scale", 0, low_open=True),
-                bits=task_int(raw, "bits", 8, 64),
-                noise_stddev=task_float(raw, "noise_stddev"),
-                rotation_seed=task_int(raw, "rotation_seed", 0, (1 << 63) - 1),
-                mechanism=task_str(raw, "mechanism", ("dgauss", "skellam")),  # type: ignore[arg-type]
-                beta=task_float(raw, "beta", 0, 1),
-                threshold=task_int(raw, "threshold", 1, 1 << 16))
-        except ValueError as exc:
-            raise WireError(f"invalid distributed-DP parameters: {exc}") from None
-        rows = site.unit_gradients(model, sample_rate=task_float(task, "sample_rate", 0, 1,
-                                                                 low_open=True), unit=unit)
-        max_units = task_int(task, "max_units", 1, 1 << 40)
-        if len(rows) > max_units:
-            raise WireError(f"{len(rows)} sampled units exceed the federation's bound "
-                            f"{max_units} (--max-units): the sum could wrap")
-        return DistributedCodec(params).encode(rows)
-    fixed = FixedPointCodec(layout.size + 1, bits=64, max_summands=cohort)
-    lr = task_float(task, "lr", 0, low_open=True)
-    if mode == "site":
-        delta = site.site_dp_update(
-            model, layout, noise_multiplier=task_float(task, "noise_multiplier", 0,
-                                                       low_open=True),
-            clip_norm=task_float(task, "clip_norm", 0, low_open=True),
-            sample_rate=task_float(task, "sample_rate", 0, 1, low_open=True),
-            steps=task_int(task, "steps", 1, 1 << 20), lr=lr, unit=unit)
-        weight = 1
-    else:
-        seed = (task_int(task, "seed", -(1 << 62), 1 << 62) * 1_000_003
-                + announce.round * 1009 + cid) % (1 << 62)
-        delta = site.fedavg_update(model, layout, epochs=task_int(task, "local_epochs", 1, 10_000),
-                                   lr=lr, batch_size=task_int(task, "batch_size", 1, 1 << 24),
-                                   mu=task_float(task, "fedprox_mu"), seed=seed)
-        weight = site.num_records
-    return fixed.encode(np.append(weight * delta, weight))
+    try:
+        round_task = RoundTask.from_wire(task, layout.size)
+    except TaskError as exc:
+        raise WireError(str(exc)) from None
+    if require_dp is not None and round_task.mode != require_dp:
+        raise WireError(f"the coordinator asks for --dp {round_task.mode}; this site "
+                        f"requires --dp {require_dp}")
+    if round_task.round != announce.round or round_task.cohort != cohort:
+        raise WireError("the task's round or cohort differs from the announcement")
+    try:
+        return contribution(site, model, round_task, cid).vector
+    except TaskError as exc:
+        raise WireError(str(exc)) from None
 
 
 @dataclass
@@ -877,9 +836,9 @@ def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, *, kin
 
 def _coordinator_class() -> type:
     from fl.aggregation import AggregateOutcome
-    from fl.codec import FixedPointCodec
+    from fl.contribution import RoundTask as RoundTaskT
+    from fl.contribution import decoder, round_task
     from fl.coordinator import Aggregated, Coordinator
-    from fl.privacy import DistributedPlan, SiteDpPlan
 
     class RemoteCoordinator(Coordinator):
         """:class:`fl.coordinator.Coordinator` whose sites are other processes: it builds
@@ -890,47 +849,24 @@ def _coordinator_class() -> type:
         schema: Schema
         scaler_arrays: tuple[Any, Any] | None
 
-        def task(self, r: int, cohort: list[int]) -> dict[str, Any]:
-            s = self.settings
-            task: dict[str, Any] = {
-                "features": list(self.schema.features), "labels": list(self.schema.labels),
-                "model": s.model, "dp": self.plan.mode, "unit": s.unit, "lr": s.lr,
-                "seed": s.seed, "local_epochs": s.local_epochs, "batch_size": s.batch_size,
-                "fedprox_mu": s.fedprox_mu, "bits": self._bits()}
-            if isinstance(self.plan, SiteDpPlan):
-                task.update(noise_multiplier=self.plan.noise_multiplier,
-                            clip_norm=self.plan.clip_norm, sample_rate=self.plan.sample_rate,
-                            steps=self.plan.steps)
-            elif isinstance(self.plan, DistributedPlan):
-                params = asdict(self.plan.codec(s.seed, r).params)
-                params.pop("encoded_dim", None)
-                task.update(params=params, sample_rate=self.plan.sample_rate,
-                            max_units=int(self.options.max_units or 1))
-            return task
+        def wire_task(self, r: int, cohort: list[int]) -> tuple[RoundTaskT, dict[str, Any]]:
+            task = round_task(self.settings, self.plan, r, len(cohort),
+                              max_units=self.options.max_units)
+            return task, {"features": list(self.schema.features),
+                          "labels": list(self.schema.labels), "model": self.settings.model,
+                          **task.to_wire()}
 
         def _aggregate(self, r: int, cohort: list[int]) -> Aggregated:
             d = self.layout.size
             model = self.layout.to_vector(self.model)
-            blob = Blob("train", self.task(r, cohort), model, self.scaler_arrays).encode()
-            if isinstance(self.plan, DistributedPlan):
-                codec = self.plan.codec(self.settings.seed, r)
-                dim = codec.encoded_dim
-
-                def decode(total: U64, included: int) -> tuple[Any, float]:
-                    grad_sum, count = codec.decode(total, included)
-                    return -grad_sum / max(count, 1.0), count
-            else:
-                fixed = FixedPointCodec(d + 1, bits=64, max_summands=len(cohort))
-                dim = d + 1
-
-                def decode(total: U64, included: int) -> tuple[Any, float]:
-                    values = fixed.decode(total)
-                    return values[:-1] / values[-1], float(values[-1])
-
+            task, body = self.wire_task(r, cohort)
+            blob = Blob("train", body, model, self.scaler_arrays).encode()
+            decode = decoder(task, d)
+            dim = task.encoded_dim(d)
             done, attempts = remote_aggregate(
                 self.channel, self.options, kind="train", round_number=r,
                 blob_for=lambda attempt: blob, cohort=cohort, threshold=self.threshold,
-                dim=dim, bits=self._bits(), attempts=self.settings.max_attempts, log=self.log)
+                dim=dim, bits=task.bits, attempts=self.settings.max_attempts, log=self.log)
             result = done.result
             dropped = {cid: Stage(st).label for cid, st in result.dropped.items()}
             dropped.update(done.absent)
@@ -1089,8 +1025,7 @@ def _remote_scaler(channel: CoordinatorChannel, options: RemoteOptions, settings
                    schema: Schema, ids: Sequence[int], threshold: int, log: Log) -> Any:
     """Federation-wide feature mean and std from one secure sum of the sites' feature sums
     (``fl.federation.secure_scaler``, with the sites in their own processes)."""
-    from fl.codec import FixedPointCodec
-    from fl.site import Scaler
+    from fl.contribution import scaler_from_sum
 
     f = len(schema.features)
     dim = 2 * f + 1
@@ -1101,15 +1036,11 @@ def _remote_scaler(channel: CoordinatorChannel, options: RemoteOptions, settings
                                blob_for=lambda attempt: blob, cohort=list(ids),
                                threshold=threshold, dim=dim, bits=64,
                                attempts=settings.max_attempts, log=log)
-    codec = FixedPointCodec(dim, bits=64, frac_bits=SCALER_FRAC_BITS, max_summands=len(ids))
-    sums = codec.decode(np.asarray(done.result.total, dtype=np.uint64))
-    n = max(sums[-1], 1.0)
-    mean = sums[:f] / n
-    var = np.maximum(sums[f:2 * f] / n - mean**2, 0.0)
+    scaler = scaler_from_sum(np.asarray(done.result.total, dtype=np.uint64), f, len(ids))
     log(f"feature scaling from a secure sum over sites {sorted(done.result.included)}")
     if settings.dp != "none":
         log("note: feature scaling statistics come from an exact secure sum that the "
             "privacy budget does not cover; use --scaling none or pre-scaled data for "
             "a guarantee that covers every release")
-    return Scaler(mean, np.where(var > 1e-12, np.sqrt(var), 1.0))
+    return scaler
 

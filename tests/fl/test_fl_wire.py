@@ -8,6 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from fl.contribution import RoundTask
 from fl.remote import SiteData, site_input
 from fl.wire import (
     Announce,
@@ -94,14 +95,14 @@ def test_a_site_refuses_a_hostile_task(tmp_path) -> None:
                                                 for i in range(20)))
     data = SiteData(1, csv=str(csv), patient_column="pid", label_column="label")
     assert data.schema.features == ("a", "b") and data.schema.labels == ("no", "yes")
-    good = {"features": ["a", "b"], "labels": ["no", "yes"], "model": "logreg", "dp": "none",
-            "unit": "patient", "lr": 0.1, "seed": 0, "local_epochs": 1, "batch_size": 8,
-            "fedprox_mu": 0.0, "bits": 64}
+    good = {"features": ["a", "b"], "labels": ["no", "yes"], "model": "logreg",
+            **RoundTask(mode="none", round=3, cohort=3, seed=0, batch_size=8).to_wire()}
     model = np.zeros(6)
     vector = site_input(data, Blob("train", good, model), announce(), require_dp=None)
     assert vector.dtype == np.uint64 and vector.size == 7
     for bad in ({"features": ["a", "c"]}, {"labels": ["yes"]}, {"lr": float("nan")},
-                {"dp": "magic"}, {"batch_size": 0}, {"local_epochs": True}):
+                {"mode": "magic"}, {"batch_size": 0}, {"local_epochs": True},
+                {"round": 4}, {"cohort": 5}):
         with pytest.raises(WireError):
             site_input(data, Blob("train", {**good, **bad}, model), announce(),
                        require_dp=None)

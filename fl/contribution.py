@@ -1,0 +1,266 @@
+"""What a site contributes to one round, per privacy mode, and how the sum is decoded.
+
+Written once and used by every role: the simulated coordinator (:mod:`fl.coordinator`)
+computes its sites' inputs with :func:`site_input`, and so does a hospital's own process in
+the multi-machine mode (:mod:`fl.remote`); both coordinators decode with :func:`decoder`.
+What a round asks of a site is one public :class:`RoundTask` (the multi-machine coordinator
+sends it in the round's blob, :meth:`RoundTask.to_wire` / :meth:`RoundTask.from_wire`), so
+the privacy arithmetic cannot drift between the two modes.
+
+Per mode (the encodings are those of :mod:`fl.codec`):
+
+* ``none``: ``[n_k * delta_k, n_k]`` in 64-bit fixed point, ``delta_k`` after
+  ``local_epochs`` of seeded SGD (FedProx if ``fedprox_mu > 0``): weighted FedAvg.
+* ``site``: ``[delta_k, 1]``: the update is DP-SGD-private at the site (Opacus), and the
+  count coordinate carries only the number of sites (an exact record count is not private).
+* ``distributed``: per sampled unit ``[g_p clipped, gamma]`` through the integer encoder
+  with the site's noise share (:class:`fl.codec.DistributedCodec`); the decoded sum is
+  ``-sum g / noisy count``.
+
+The feature scaler's secure sum (:func:`scaler_input`, :func:`scaler_from_sum`) lives here
+for the same reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from dp.encoding import EncodingParams
+from fl.codec import DistributedCodec, FixedPointCodec
+from fl.privacy import DistributedPlan, Plan, SiteDpPlan
+from fl.settings import TrainSettings
+from fl.site import Scaler
+from fl.vector import ParameterLayout
+
+F64 = npt.NDArray[np.float64]
+U64 = npt.NDArray[np.uint64]
+MODES = ("none", "site", "distributed")
+UNITS = ("patient", "record")
+SCALER_FRAC_BITS = 12
+Decoder = Callable[[U64, int], tuple[F64, float]]
+
+
+class TaskError(ValueError):
+    """A round task field is missing or out of range: the site refuses the round."""
+
+
+class Trainer(Protocol):
+    """What a site needs to contribute: :class:`fl.site.Site` and :class:`fl.api.PrivateSite`."""
+
+    @property
+    def num_records(self) -> int: ...
+
+    def fedavg_update(self, model: torch.nn.Module, layout: ParameterLayout, *, epochs: int,
+                      lr: float, batch_size: int, mu: float = 0.0, seed: int = 0) -> F64: ...
+
+    def site_dp_update(self, model: torch.nn.Module, layout: ParameterLayout, *,
+                       noise_multiplier: float, clip_norm: float, sample_rate: float,
+                       steps: int, lr: float, unit: str = "patient") -> F64: ...
+
+    def unit_gradients(self, model: torch.nn.Module, *, sample_rate: float,
+                       unit: str = "patient") -> F64: ...
+
+
+@dataclass(frozen=True)
+class RoundTask:
+    """Everything public a round asks of a site (the same object in every role)."""
+
+    mode: str
+    round: int
+    cohort: int
+    """Sites in the cohort: the fixed-point headroom of the sum."""
+    seed: int
+    unit: str = "patient"
+    lr: float = 0.1
+    local_epochs: int = 1
+    batch_size: int = 32
+    fedprox_mu: float = 0.0
+    noise_multiplier: float = 0.0
+    clip_norm: float = 1.0
+    sample_rate: float = 1.0
+    steps: int = 1
+    params: EncodingParams | None = None
+    """Distributed DP: the round's integer encoding (its public rotation included)."""
+    max_units: int | None = None
+    """Distributed DP: the public bound on a site's sampled units the modulus was sized for."""
+
+    @property
+    def bits(self) -> int:
+        return self.params.bits if self.params is not None else 64
+
+    def encoded_dim(self, model_dim: int) -> int:
+        return self.params.encoded_dim if self.params is not None else model_dim + 1
+
+    def to_wire(self) -> dict[str, Any]:
+        body = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.params is not None:
+            body["params"] = {k: v for k, v in asdict(self.params).items()
+                              if k != "encoded_dim"}
+        return body
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any], model_dim: int) -> RoundTask:
+        """Validate every field (a hostile coordinator makes a site refuse, never crash)."""
+        mode = _str(body, "mode", MODES)
+        params = None
+        max_units = None
+        if mode == "distributed":
+            raw = body.get("params")
+            if not isinstance(raw, Mapping):
+                raise TaskError("task field 'params' must be a map")
+            try:
+                params = EncodingParams(
+                    dim=_int(raw, "dim", model_dim + 1, model_dim + 1),
+                    clip_norm=_float(raw, "clip_norm", low_open=True),
+                    scale=_float(raw, "scale", low_open=True),
+                    bits=_int(raw, "bits", 8, 64),
+                    noise_stddev=_float(raw, "noise_stddev"),
+                    rotation_seed=_int(raw, "rotation_seed", 0, (1 << 63) - 1),
+                    mechanism=_str(raw, "mechanism", ("dgauss", "skellam")),  # type: ignore[arg-type]
+                    beta=_float(raw, "beta", 0, 1),
+                    threshold=_int(raw, "threshold", 1, 1 << 16))
+            except ValueError as exc:
+                raise TaskError(f"invalid distributed-DP parameters: {exc}") from None
+            max_units = _int(body, "max_units", 1, 1 << 40)
+        return cls(
+            mode=mode, round=_int(body, "round", 0, 1 << 31),
+            cohort=_int(body, "cohort", 2, 1 << 16),
+            seed=_int(body, "seed", -(1 << 62), 1 << 62), unit=_str(body, "unit", UNITS),
+            lr=_float(body, "lr", low_open=True),
+            local_epochs=_int(body, "local_epochs", 1, 10_000),
+            batch_size=_int(body, "batch_size", 1, 1 << 24),
+            fedprox_mu=_float(body, "fedprox_mu"),
+            noise_multiplier=_float(body, "noise_multiplier"),
+            clip_norm=_float(body, "clip_norm", low_open=True),
+            sample_rate=_float(body, "sample_rate", 0, 1, low_open=True),
+            steps=_int(body, "steps", 1, 1 << 20), params=params, max_units=max_units)
+
+
+def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: int, *,
+               max_units: int | None = None) -> RoundTask:
+    """Round ``round_number``'s task under ``plan`` (the coordinator's side, both modes)."""
+    s = settings
+    task = RoundTask(mode=plan.mode, round=round_number, cohort=cohort, seed=s.seed,
+                     unit=s.unit, lr=s.lr, local_epochs=s.local_epochs,
+                     batch_size=s.batch_size, fedprox_mu=s.fedprox_mu,
+                     clip_norm=s.clip_norm, sample_rate=s.sample_rate)
+    if isinstance(plan, SiteDpPlan):
+        return replace(task, noise_multiplier=plan.noise_multiplier,
+                        clip_norm=plan.clip_norm, sample_rate=plan.sample_rate,
+                        steps=plan.steps)
+    if isinstance(plan, DistributedPlan):
+        return replace(task, params=plan.codec(s.seed, round_number).params,
+                        sample_rate=plan.sample_rate, max_units=max_units)
+    return task
+
+
+def local_seed(seed: int, round_number: int, site_id: int) -> int:
+    """The seed of site ``site_id``'s shuffles in round ``round_number`` (public)."""
+    return (seed * 1_000_003 + round_number * 1009 + site_id) % (1 << 62)
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """A site's secure-aggregation input and the count it carries (for reports)."""
+
+    vector: U64
+    count: int
+
+
+def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
+               site_id: int) -> Contribution:
+    """Site ``site_id``'s input for ``task`` at the global ``model`` (left unchanged)."""
+    layout = ParameterLayout.of(model)
+    if task.mode == "distributed":
+        assert task.params is not None
+        rows = trainer.unit_gradients(model, sample_rate=task.sample_rate, unit=task.unit)
+        if task.max_units is not None and len(rows) > task.max_units:
+            raise TaskError(f"{len(rows)} sampled units exceed the federation's bound "
+                            f"{task.max_units} (--max-units): the sum could wrap")
+        return Contribution(DistributedCodec(task.params).encode(rows), len(rows))
+    if task.mode == "site":
+        delta = trainer.site_dp_update(
+            model, layout, noise_multiplier=task.noise_multiplier, clip_norm=task.clip_norm,
+            sample_rate=task.sample_rate, steps=task.steps, lr=task.lr, unit=task.unit)
+        weight = 1  # uniform: a site's count is not protected in site mode
+    else:
+        delta = trainer.fedavg_update(model, layout, epochs=task.local_epochs, lr=task.lr,
+                                      batch_size=task.batch_size, mu=task.fedprox_mu,
+                                      seed=local_seed(task.seed, task.round, site_id))
+        weight = trainer.num_records
+    codec = FixedPointCodec(layout.size + 1, bits=64, max_summands=task.cohort)
+    return Contribution(codec.encode(np.append(weight * delta, weight)), weight)
+
+
+def decoder(task: RoundTask, model_dim: int) -> Decoder:
+    """``(sum, number of included sites) -> (averaged update, count)`` for ``task``."""
+    if task.params is not None:
+        codec = DistributedCodec(task.params)
+
+        def decode_distributed(total: U64, included: int) -> tuple[F64, float]:
+            grad_sum, count = codec.decode(total, included)
+            # The noisy count is post-processing of the same release; floor it at 1.
+            return -grad_sum / max(count, 1.0), count
+
+        return decode_distributed
+    fixed = FixedPointCodec(model_dim + 1, bits=64, max_summands=task.cohort)
+
+    def decode_fixed(total: U64, included: int) -> tuple[F64, float]:
+        values = fixed.decode(total)
+        return values[:-1] / values[-1], float(values[-1])
+
+    return decode_fixed
+
+
+# -- the feature scaler's secure sum -------------------------------------------------------
+def scaler_codec(num_features: int, sites: int) -> FixedPointCodec:
+    return FixedPointCodec(2 * num_features + 1, bits=64, frac_bits=SCALER_FRAC_BITS,
+                           max_summands=sites)
+
+
+def scaler_input(feature_sums: F64, sites: int) -> U64:
+    """A site's ``[sum x, sum x^2, n]`` (:meth:`fl.site.Site.feature_sums`), encoded."""
+    return scaler_codec((len(feature_sums) - 1) // 2, sites).encode(feature_sums)
+
+
+def scaler_from_sum(total: U64, num_features: int, sites: int) -> Scaler:
+    """Federation-wide mean and std from the secure sum of the sites' feature sums."""
+    sums = scaler_codec(num_features, sites).decode(total)
+    f = num_features
+    n = max(sums[-1], 1.0)
+    mean = sums[:f] / n
+    var = np.maximum(sums[f:2 * f] / n - mean**2, 0.0)
+    return Scaler(mean, np.where(var > 1e-12, np.sqrt(var), 1.0))
+
+
+# -- task field validation ----------------------------------------------------------------
+def _int(body: Mapping[str, Any], key: str, low: int, high: int) -> int:
+    value = body.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise TaskError(f"task field {key!r} must be an integer in [{low}, {high}]")
+    return value
+
+
+def _float(body: Mapping[str, Any], key: str, low: float = 0.0, high: float = math.inf, *,
+           low_open: bool = False) -> float:
+    value = body.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TaskError(f"task field {key!r} must be a number")
+    value = float(value)
+    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+        raise TaskError(f"task field {key!r}={value} is out of range")
+    return value
+
+
+def _str(body: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or value not in choices:
+        raise TaskError(f"task field {key!r} must be one of {choices}")
+    return value
