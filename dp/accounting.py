@@ -195,7 +195,12 @@ def ddg_rdp_fn(
 
     ``sigma`` is each client's integer-domain standard deviation; sensitivities are in the
     integer domain. ``num_clients`` should be the calibration threshold (fewest summands).
+    KLS 2021 Thm. 1 (hence this bound) assumes ``sigma >= 1/2``: smaller is refused.
     """
+    if not sigma >= 0.5:
+        raise PrivacyConfigError(
+            f"the distributed discrete Gaussian bound (KLS 2021, Thm. 1) needs each site's "
+            f"integer-domain stddev >= 1/2, got {sigma:.4g}: raise the noise or the scale")
     tau = ddg_tau(sigma, num_clients)
     r2 = l2_sensitivity / (math.sqrt(num_clients) * sigma)
     r1 = l1_sensitivity / (math.sqrt(num_clients) * sigma)
@@ -232,17 +237,71 @@ def subsampled_rdp(eps: Callable[[int], float], q: float, alpha: int) -> float:
 
     ``log((1-q)^(a-1) (a q - q + 1) + C(a,2) q^2 (1-q)^(a-2) e^eps(2)
     + 3 sum_{l=3}^a C(a,l) (1-q)^(a-l) q^l e^((l-1) eps(l))) / (a - 1)``, capped by ``eps(a)``.
+    Every term is taken in log space, so ``q`` close to 1 (where ``(1-q)^(a-1)`` underflows)
+    is exact, and ``q = 1`` is the unsubsampled mechanism.
     """
+    if not 0 < q <= 1:
+        raise PrivacyConfigError(f"sample rate must be in (0, 1], got {q}")
     if q >= 1:
         return eps(alpha)
-    terms = [math.log((1 - q) ** (alpha - 1) * (alpha * q - q + 1))]
-    terms.append(_log_comb(alpha, 2) + 2 * math.log(q) + (alpha - 2) * math.log1p(-q) + eps(2))
+    log1mq = math.log1p(-q)
+    terms = [(alpha - 1) * log1mq + math.log(alpha * q - q + 1)]
+    terms.append(_log_comb(alpha, 2) + 2 * math.log(q) + (alpha - 2) * log1mq + eps(2))
     for k in range(3, alpha + 1):
-        terms.append(math.log(3) + _log_comb(alpha, k) + (alpha - k) * math.log1p(-q)
+        terms.append(math.log(3) + _log_comb(alpha, k) + (alpha - k) * log1mq
                      + k * math.log(q) + (k - 1) * eps(k))
     m = max(terms)
+    if not math.isfinite(m):
+        return eps(alpha)
     value = (m + math.log(sum(math.exp(t - m) for t in terms))) / (alpha - 1)
     return min(value, eps(alpha))
+
+
+def joint_rdp_fn(*fns: Callable[[int], float]) -> Callable[[int], float]:
+    """Per-step RDP of several queries answered on the *same* sample (e.g. an update and
+    its adaptive-clipping count, Andrew et al. 2021): compose the unsubsampled mechanisms
+    (their RDP adds, Mironov 2017 Prop. 1), then subsample the composition once. Adding two
+    separately subsampled curves would assume independent samples and is not a bound."""
+
+    def eps(a: int) -> float:
+        return sum(f(a) for f in fns)
+
+    return eps
+
+
+def adaptive_clip_noise_multiplier(update_noise_multiplier: float, count_stddev: float
+                                   ) -> float:
+    """Andrew et al. 2021, Thm. 1: an update with noise multiplier ``z_u`` and the centred
+    unclipped count (each unit contributes ``b - 1/2``, sensitivity 1/2) with noise
+    ``count_stddev`` on the same sample form one Gaussian mechanism with noise multiplier
+    ``(z_u^-2 + (2 count_stddev)^-2)^-1/2``."""
+    if not update_noise_multiplier > 0 or not count_stddev > 0:
+        raise PrivacyConfigError("noise multiplier and count stddev must be > 0")
+    return float((update_noise_multiplier**-2 + (2 * count_stddev) ** -2) ** -0.5)
+
+
+def adaptive_clip_update_noise(effective_noise_multiplier: float, count_stddev: float
+                               ) -> float:
+    """The update's noise multiplier that, with the count, gives ``effective`` (the inverse
+    of :func:`adaptive_clip_noise_multiplier`); needs ``effective < 2 count_stddev``."""
+    z, s = effective_noise_multiplier, count_stddev
+    if not z > 0 or not s > 0:
+        raise PrivacyConfigError("noise multiplier and count stddev must be > 0")
+    if not z < 2 * s:
+        raise PrivacyConfigError(
+            f"the clip count's noise {s:g} is too small for noise multiplier {z:g}: need "
+            f"count stddev > {z / 2:g} (Andrew et al. 2021, Thm. 1); raise it")
+    return float((z**-2 - (2 * s) ** -2) ** -0.5)
+
+
+def check_delta(delta: float, num_units: int) -> str | None:
+    """A warning text when ``delta >= 1 / num_units`` (then "release one unit's data at
+    random" satisfies the guarantee: delta must be well below 1/#patients), else None."""
+    if num_units >= 1 and delta >= 1.0 / num_units:
+        return (f"delta={delta:g} is not below 1/{num_units} (the number of patients): "
+                f"a mechanism that publishes one patient's records outright would meet it; "
+                f"use delta < {1.0 / num_units:.1g}, e.g. {0.1 / num_units:.1g}")
+    return None
 
 
 def integer_rdp(

@@ -1,15 +1,19 @@
 """Private adaptive clipping: Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private
 Learning with Adaptive Clipping", NeurIPS 2021 (Algorithm 1, geometric update).
 
-Each round every sampled unit reports the bit ``b = [||g|| <= C]``. The sites sum their bits,
-add a share of discrete Gaussian noise (so the count is protected like the update itself),
-and the count travels through secure aggregation mod ``2**bits``; the server only sees the
-noisy total ``b~`` and updates ``C <- C * exp(-lr * (b~ / expected_units - target_quantile))``.
+Each round every sampled unit reports the bit ``b = [||g|| <= C]``, centred as in the paper:
+it contributes ``b - 1/2`` (sensitivity 1/2), carried as the integer ``2b - 1`` with twice the
+noise so it stays in the integer domain. The sites sum these, add a share of discrete Gaussian
+noise (so the count is protected like the update itself), and the sum travels through secure
+aggregation mod ``2**bits``; the server only sees the noisy total and updates
+``C <- C * exp(-lr * (b~ - target_quantile))`` with ``b~ = noisy sum / expected_units + 1/2``.
 No site reveals a percentile of its norms in the clear.
 
-The count is a one-dimensional query of L2 and L1 sensitivity 1 per unit; its RDP (distributed
-discrete Gaussian, KLS 2021) is returned by :meth:`QuantileClipper.round_rdp` and must be
-spent on the budget alongside the update's.
+The count is answered on the *same* Poisson sample as the update, so its cost is not a
+separately subsampled curve: the two unsubsampled mechanisms compose and are subsampled once
+(:func:`dp.accounting.joint_rdp_fn`; :func:`dp.distributed.round_rdp` with ``clipper=``).
+For the Gaussian (site mode) that is Andrew et al.'s Thm. 1,
+:func:`dp.accounting.adaptive_clip_noise_multiplier`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from dp.accounting import F64, ORDERS, ddg_rdp_fn, integer_rdp
+from collections.abc import Callable
+
+from dp.accounting import ddg_rdp_fn
 from dp.errors import PrivacyConfigError, TooFewSurvivors
 from dp.randomness import RandomSource, SystemRandom
 from dp.samplers import discrete_gaussian
@@ -32,8 +38,9 @@ U64 = npt.NDArray[np.uint64]
 class QuantileClipper:
     """Tracks the clip norm ``C`` toward the ``target_quantile`` of unit norms, privately.
 
-    ``count_stddev`` is the central stddev of the count noise (Andrew et al. suggest about
-    ``expected_units / 20``); each of ``threshold`` sites adds ``count_stddev / sqrt(t)``.
+    ``count_stddev`` is the central stddev of the noise on the centred count (Andrew et al.
+    suggest about ``expected_units / 20``); on the integer ``2b - 1`` scale each of
+    ``threshold`` sites adds stddev ``2 count_stddev / sqrt(t)``, which must be >= 1/2.
     """
 
     clip_norm: float
@@ -54,15 +61,20 @@ class QuantileClipper:
             raise PrivacyConfigError("count_stddev and expected_units must be > 0")
         if self.threshold < 1 or not 8 <= self.bits <= 64:
             raise PrivacyConfigError("threshold must be >= 1 and bits in [8, 64]")
+        if self.per_site_variance < 0.25:
+            raise PrivacyConfigError(
+                f"each site's count noise stddev {math.sqrt(self.per_site_variance):.3g} is "
+                "below 1/2 (the discrete Gaussian bound's assumption): raise count_stddev")
 
     @property
     def per_site_variance(self) -> float:
-        return self.count_stddev**2 / self.threshold
+        """Each site's noise variance on the integer ``2b - 1`` scale."""
+        return (2 * self.count_stddev) ** 2 / self.threshold
 
     def site_share(self, unit_norms: npt.ArrayLike, source: RandomSource | None = None) -> U64:
-        """This site's masked-ready count: ``#{||g|| <= C}`` plus its noise share, mod 2**bits."""
+        """This site's masked-ready count ``sum(2b - 1)`` plus its noise share, mod 2**bits."""
         norms = np.asarray(unit_norms, dtype=np.float64)
-        count = int(np.count_nonzero(norms <= self.clip_norm))
+        count = 2 * int(np.count_nonzero(norms <= self.clip_norm)) - norms.size
         noise = int(discrete_gaussian(self.per_site_variance, 1, source or SystemRandom())[0])
         return np.array([(count + noise) % (1 << self.bits)], dtype=np.uint64)
 
@@ -76,12 +88,11 @@ class QuantileClipper:
         v = int(np.asarray(modular_sum, dtype=np.uint64)[0])
         if v >= 1 << (self.bits - 1):
             v -= 1 << self.bits
-        fraction = v / self.expected_units
+        fraction = v / 2 / self.expected_units + 0.5
         self.clip_norm *= math.exp(-self.learning_rate * (fraction - self.target_quantile))
         return self.clip_norm
 
-    def round_rdp(self, sample_rate: float, steps: int = 1) -> F64:
-        """RDP of the count query (sensitivity 1) with ``threshold`` noise shares."""
-        sigma = math.sqrt(self.per_site_variance)
-        fn = ddg_rdp_fn(1.0, 1.0, sigma, self.threshold, 1)
-        return integer_rdp(fn, sample_rate, steps, ORDERS)
+    def count_rdp_fn(self) -> Callable[[int], float]:
+        """Per-step unsubsampled RDP of the count (sensitivity 1 on the ``2b - 1`` scale);
+        compose it with the update's before subsampling (:func:`dp.distributed.round_rdp`)."""
+        return ddg_rdp_fn(1.0, 1.0, math.sqrt(self.per_site_variance), self.threshold, 1)

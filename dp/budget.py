@@ -17,12 +17,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from dp.accounting import (
     F64,
     ORDERS,
+    adaptive_clip_noise_multiplier,
     check_accountant,
     epsilon_of_history,
     gaussian_rdp,
@@ -41,11 +43,17 @@ def _gaussian_step_rdp(noise_multiplier: float, sample_rate: float) -> F64:
 
 @dataclass(frozen=True)
 class GaussianRound:
-    """``steps`` steps of the sampled Gaussian mechanism (noise multiplier, sample rate)."""
+    """``steps`` steps of the sampled Gaussian mechanism (noise multiplier, sample rate).
+
+    With ``count_stddev`` every step also releases the centred adaptive-clipping count on the
+    same sample (Andrew et al. 2021): the pair is one Gaussian mechanism with the
+    :attr:`effective_noise_multiplier` (Thm. 1).
+    """
 
     noise_multiplier: float
     sample_rate: float
     steps: int = 1
+    count_stddev: float | None = None
 
     def __post_init__(self) -> None:
         if not self.noise_multiplier > 0:
@@ -54,25 +62,40 @@ class GaussianRound:
             raise PrivacyConfigError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
         if self.steps < 1:
             raise PrivacyConfigError(f"steps must be >= 1, got {self.steps}")
+        if self.count_stddev is not None and not self.count_stddev > 0:
+            raise PrivacyConfigError(f"count_stddev must be > 0, got {self.count_stddev}")
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        if self.count_stddev is None:
+            return self.noise_multiplier
+        return adaptive_clip_noise_multiplier(self.noise_multiplier, self.count_stddev)
 
     def rdp(self) -> F64:
-        return _gaussian_step_rdp(self.noise_multiplier, self.sample_rate) * self.steps
+        return _gaussian_step_rdp(self.effective_noise_multiplier, self.sample_rate) * self.steps
 
 
 @dataclass(frozen=True)
 class RdpRound:
-    """A round given by its RDP at :data:`dp.accounting.ORDERS` (already composed over steps)."""
+    """A round given by its RDP at :data:`dp.accounting.ORDERS` (already composed over steps).
+
+    ``spec`` optionally describes the mechanism (JSON-able pairs) for the audit export
+    (:mod:`dp.audit`).
+    """
 
     rdp_curve: tuple[float, ...]
     label: str = "rdp"
+    spec: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.rdp_curve) != len(ORDERS):
             raise PrivacyConfigError(f"rdp_curve must have {len(ORDERS)} entries (ORDERS)")
 
     @classmethod
-    def from_array(cls, rdp: F64, label: str = "rdp") -> RdpRound:
-        return cls(tuple(float(x) for x in rdp), label)
+    def from_array(cls, rdp: F64, label: str = "rdp",
+                   spec: dict[str, float] | None = None) -> RdpRound:
+        return cls(tuple(float(x) for x in rdp), label,
+                   tuple(sorted((spec or {}).items())))
 
     def rdp(self) -> F64:
         return np.asarray(self.rdp_curve, dtype=np.float64)
@@ -154,5 +177,32 @@ class PrivacyBudget:
                     "the PRV accountant only composes Gaussian rounds; use accountant='rdp' "
                     "for distributed (discrete Gaussian / Skellam) rounds"
                 )
-            history.append((e.noise_multiplier, e.sample_rate, e.steps))
+            history.append((e.effective_noise_multiplier, e.sample_rate, e.steps))
         return epsilon_of_history(history, self.delta, "prv")
+
+
+# --- persistence (checkpoints, site ledgers) -------------------------------------------
+def event_to_json(event: Event) -> dict[str, Any]:
+    if isinstance(event, GaussianRound):
+        data: dict[str, Any] = {"kind": "gaussian", "noise_multiplier": event.noise_multiplier,
+                                "sample_rate": event.sample_rate, "steps": event.steps}
+        if event.count_stddev is not None:
+            data["count_stddev"] = event.count_stddev
+        return data
+    return {"kind": "rdp", "label": event.label, "rdp_curve": list(event.rdp_curve),
+            "spec": dict(event.spec)}
+
+
+def event_from_json(data: dict[str, Any]) -> Event:
+    """The inverse of :func:`event_to_json`; a malformed record raises PrivacyConfigError."""
+    try:
+        if data["kind"] == "gaussian":
+            count = data.get("count_stddev")
+            return GaussianRound(float(data["noise_multiplier"]), float(data["sample_rate"]),
+                                 int(data["steps"]),
+                                 None if count is None else float(count))
+        spec = {str(k): float(v) for k, v in dict(data.get("spec") or {}).items()}
+        return RdpRound(tuple(float(x) for x in data["rdp_curve"]), str(data["label"]),
+                        tuple(sorted(spec.items())))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PrivacyConfigError(f"not a privacy event record: {exc}") from None

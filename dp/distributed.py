@@ -9,12 +9,21 @@ post-processing for privacy and a utility cost reported as :attr:`NoiseCalibrati
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from dp.accounting import F64, ORDERS, ddg_rdp_fn, integer_rdp, rdp_to_epsilon, skellam_rdp_fn
+from dp.accounting import (
+    F64,
+    ORDERS,
+    ddg_rdp_fn,
+    integer_rdp,
+    joint_rdp_fn,
+    rdp_to_epsilon,
+    skellam_rdp_fn,
+)
+from dp.adaptive_clip import QuantileClipper
 from dp.encoding import EncodingParams, Mechanism, rounded_l2_bound
 from dp.errors import PrivacyConfigError
 from dp.rotation import padded_dim
@@ -138,22 +147,35 @@ def choose_scale(
     return lo
 
 
+def round_rdp_fn(params: EncodingParams) -> Callable[[int], float] | None:
+    """Per-step, unsubsampled RDP of the integer mechanism ``params`` describes (None when no
+    bound is known: no noise, or a discrete Gaussian share below 1/2)."""
+    sigma = params.scale * params.noise_stddev
+    if sigma <= 0 or (params.mechanism == "dgauss" and sigma < 0.5):
+        return None
+    l2, l1 = params.rounded_l2_bound, params.rounded_l1_bound
+    if params.mechanism == "dgauss":
+        return ddg_rdp_fn(l2, l1, sigma, params.threshold, params.encoded_dim)
+    return skellam_rdp_fn(l2, l1, params.threshold * sigma**2)
+
+
 def round_rdp(
-    params: EncodingParams, sample_rate: float, steps: int = 1, orders: Sequence[float] = ORDERS
+    params: EncodingParams, sample_rate: float, steps: int = 1, orders: Sequence[float] = ORDERS,
+    *, clipper: QuantileClipper | None = None,
 ) -> F64:
     """RDP of ``steps`` rounds of the integer mechanism ``params`` describes.
 
     Sensitivity is one unit's rounded vector (:attr:`EncodingParams.rounded_l2_bound`), the
-    noise is the sum over the ``threshold`` fewest survivors.
+    noise is the sum over the ``threshold`` fewest survivors. Without a known bound (no
+    noise, or a discrete Gaussian share below the 1/2 its bound assumes) the RDP is infinite:
+    such a round never fits a budget. With ``clipper`` the round also releases the adaptive
+    clipping count on the same sample: the two are composed, then subsampled once.
     """
-    sigma = params.scale * params.noise_stddev
-    if sigma <= 0:
+    fn = round_rdp_fn(params)
+    if fn is None:
         return np.full(len(orders), math.inf)
-    l2, l1 = params.rounded_l2_bound, params.rounded_l1_bound
-    if params.mechanism == "dgauss":
-        fn = ddg_rdp_fn(l2, l1, sigma, params.threshold, params.encoded_dim)
-    else:
-        fn = skellam_rdp_fn(l2, l1, params.threshold * sigma**2)
+    if clipper is not None:
+        fn = joint_rdp_fn(fn, clipper.count_rdp_fn())
     return integer_rdp(fn, sample_rate, steps, orders)
 
 

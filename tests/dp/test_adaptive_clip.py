@@ -20,7 +20,10 @@ def test_clip_tracks_the_target_quantile_from_noisy_secure_counts() -> None:
         total = np.sum(shares, axis=0) % np.uint64(1 << clipper.bits)
         clipper.update(total, num_included=5)
     assert abs(clipper.clip_norm - true_median) < 0.25 * true_median
-    count = int(np.sum(sites[0] <= clipper.clip_norm))
-    shares = [int(clipper.site_share(sites[0], source)[0]) for _ in range(50)]
+    centred = 2 * int(np.sum(sites[0] <= clipper.clip_norm)) - sites[0].size
+    half = 1 << (clipper.bits - 1)
+    shares = [(int(clipper.site_share(sites[0], source)[0]) + half) % (2 * half) - half
+              for _ in range(50)]
     assert len(set(shares)) > 5  # each share carries fresh noise, not the bare count
-    assert abs(np.mean(shares) - count) < 5 * clipper.count_stddev / 2 / np.sqrt(50) + 1
+    per_site = np.sqrt(clipper.per_site_variance)
+    assert abs(np.mean(shares) - centred) < 5 * per_site / np.sqrt(50) + 1
