@@ -1,0 +1,402 @@
+"""The site's own privacy policy and ledger (docs/architecture.md section 9: the site is
+sovereign over its privacy; docs/privacy.md section 1).
+
+The coordinator *proposes* each release (a training round, or feature statistics); the site
+checks the proposal against the :class:`SitePolicy` its operator set (flags or a policy file,
+never the coordinator) and against its :class:`Ledger`, and refuses with
+:class:`PolicyRefused` naming the rule that would break. The site computes the privacy cost
+itself from the proposed parameters (:class:`Proposal` builds the event; nothing the
+coordinator says about epsilon is believed).
+
+The ledger is write-ahead: :meth:`Ledger.charge` writes the release's cost durably (fsync,
+atomic rename) *before* the site computes or sends the input that makes the release
+possible, so a crash at any later point never leaves a release uncounted. A charge may be
+withdrawn (:meth:`Ledger.withdraw`) only while the input provably never left the site (the
+round moved on before the site sent anything). Every attempt whose input was sent stays
+charged, whether or not the coordinator says the round completed: a dishonest coordinator
+could claim an abort and decode anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dp.budget import Event, GaussianRound, PrivacyBudget, event_from_json, event_to_json
+from dp.errors import PrivacyConfigError, PrivacyError
+
+MODES = ("none", "site", "distributed")
+MECHANISMS = ("gaussian", "dgauss", "skellam")
+LEDGER_FORMAT = 1
+
+
+class PolicyRefused(PrivacyError):
+    """A proposed release breaks the site's policy; ``rule`` names the rule (a
+    :class:`SitePolicy` field name, ``"budget"`` or ``"exact-release"``)."""
+
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(f"refused by site policy [{rule}]: {message}")
+        self.rule = rule
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One release a coordinator asks the site to take part in, as the site sees it.
+
+    ``noise_multiplier`` is the Gaussian-equivalent central noise multiplier (noise stddev
+    over the unit's sensitivity) that any ``calibration_threshold`` summed sites carry;
+    ``secagg_threshold`` is the fewest sites the secure sum can be decoded from.
+    """
+
+    kind: str
+    mode: str
+    mechanism: str | None
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    clip_norm: float | None
+    calibration_threshold: int | None
+    secagg_threshold: int
+    event: Event | None
+    label: str = ""
+
+    @classmethod
+    def site_dp(cls, *, noise_multiplier: float, sample_rate: float, steps: int,
+                clip_norm: float, secagg_threshold: int, count_stddev: float | None = None,
+                label: str = "") -> Proposal:
+        """Site mode: ``steps`` DP-SGD steps at the site (optionally adaptive clipping)."""
+        event = None
+        z = noise_multiplier
+        if z > 0 and 0 < sample_rate <= 1 and steps >= 1:
+            event = GaussianRound(z, sample_rate, steps, count_stddev)
+            z = event.effective_noise_multiplier
+        return cls("train", "site", "gaussian", z, sample_rate, steps, clip_norm, None,
+                   secagg_threshold, event, label)
+
+    @classmethod
+    def distributed(cls, params: Any, *, sample_rate: float, secagg_threshold: int,
+                    label: str = "") -> Proposal:
+        """Distributed mode: one noisy secure sum of ``params`` (:class:`EncodingParams`)."""
+        from dp.audit import distributed_event
+        from dp.distributed import effective_noise_multiplier
+
+        z = effective_noise_multiplier(params) if params.noise_stddev > 0 else 0.0
+        event = distributed_event(params, sample_rate) if 0 < sample_rate <= 1 else None
+        return cls("train", "distributed", params.mechanism, z, sample_rate, 1,
+                   params.clip_norm, params.threshold, secagg_threshold, event, label)
+
+    @classmethod
+    def exact(cls, kind: str, *, secagg_threshold: int, label: str = "") -> Proposal:
+        """An exact (un-noised) secure sum: a ``--dp none`` round, or feature statistics."""
+        return cls(kind, "none", None, 0.0, 1.0, 1, None, None, secagg_threshold, None, label)
+
+
+@dataclass(frozen=True)
+class SitePolicy:
+    """What this site agrees to release, set by its operator.
+
+    ``modes`` lists the privacy modes the site takes part in (leave out ``"none"`` and the
+    site never releases an exact sum: no ``--dp none`` rounds, no exact feature statistics).
+    ``min_noise_multiplier``: the Gaussian-equivalent noise multiplier floor;
+    ``min_threshold``: the fewest sites the noise is calibrated to and the secure sum can be
+    decoded from; ``max_sample_rate``, ``max_steps`` (DP-SGD steps per release),
+    ``max_clip_norm``, ``max_releases`` (releases the ledger will ever record);
+    ``epsilon``/``delta``: this site's budget per patient (``epsilon=None``: no cap, still
+    accounted and reported).
+    """
+
+    modes: tuple[str, ...] = MODES
+    mechanisms: tuple[str, ...] = MECHANISMS
+    min_noise_multiplier: float = 0.0
+    min_threshold: int = 2
+    max_sample_rate: float = 1.0
+    max_steps: int | None = None
+    max_clip_norm: float | None = None
+    max_releases: int | None = None
+    epsilon: float | None = None
+    delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.modes or set(self.modes) - set(MODES):
+            problems.append(f"modes must be among {MODES}, got {self.modes}")
+        if not self.mechanisms or set(self.mechanisms) - set(MECHANISMS):
+            problems.append(f"mechanisms must be among {MECHANISMS}, got {self.mechanisms}")
+        if not (self.min_noise_multiplier >= 0 and math.isfinite(self.min_noise_multiplier)):
+            problems.append(f"min_noise_multiplier must be >= 0, got "
+                            f"{self.min_noise_multiplier}")
+        if self.min_threshold < 1:
+            problems.append(f"min_threshold must be >= 1, got {self.min_threshold}")
+        if not 0 < self.max_sample_rate <= 1:
+            problems.append(f"max_sample_rate must be in (0, 1], got {self.max_sample_rate}")
+        for name in ("max_steps", "max_releases"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"{name} must be >= 1, got {value}")
+        if self.max_clip_norm is not None and not self.max_clip_norm > 0:
+            problems.append(f"max_clip_norm must be > 0, got {self.max_clip_norm}")
+        if self.epsilon is not None and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
+            problems.append(f"epsilon must be a positive number, got {self.epsilon}")
+        if not 0 < self.delta < 1:
+            problems.append(f"delta must be in (0, 1), e.g. 1e-5, got {self.delta}")
+        if problems:
+            raise PrivacyConfigError("site policy: " + "; ".join(problems))
+
+    @property
+    def requires_dp(self) -> bool:
+        return "none" not in self.modes
+
+    # -- files --------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["modes"], data["mechanisms"] = list(self.modes), list(self.mechanisms)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SitePolicy:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise PrivacyConfigError(f"site policy: unknown keys {unknown}; known: "
+                                     f"{sorted(names)}")
+        values = dict(data)
+        for key in ("modes", "mechanisms"):
+            if key in values:
+                values[key] = tuple(str(v) for v in values[key])
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise PrivacyConfigError(f"site policy: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> SitePolicy:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise PrivacyConfigError(f"site policy file {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise PrivacyConfigError(f"site policy file {path}: expected a JSON object")
+        return cls.from_json(data)
+
+    # -- the rules ------------------------------------------------------------------------
+    def check(self, p: Proposal) -> None:
+        """Raise :class:`PolicyRefused` naming the first rule ``p`` breaks (the budget and
+        ``max_releases`` are the ledger's: :meth:`Ledger.charge`)."""
+        if p.mode not in self.modes:
+            if p.mode == "none":
+                raise PolicyRefused("exact-release", f"this site requires differential "
+                                    f"privacy ({'/'.join(self.modes)}) and does not release "
+                                    f"an exact {p.kind} sum")
+            raise PolicyRefused("modes", f"mode {p.mode!r} is not among this site's "
+                                f"{list(self.modes)}")
+        if p.secagg_threshold < self.min_threshold:
+            raise PolicyRefused("min_threshold", f"the secure sum could be decoded from "
+                                f"{p.secagg_threshold} sites; this site needs at least "
+                                f"{self.min_threshold}")
+        if p.mode == "none":
+            return
+        if p.mechanism not in self.mechanisms:
+            raise PolicyRefused("mechanisms", f"mechanism {p.mechanism!r} is not among "
+                                f"this site's {list(self.mechanisms)}")
+        if p.event is None or not p.noise_multiplier > 0:
+            raise PolicyRefused("min_noise_multiplier", "the proposed round adds no noise "
+                                "(or has no valid privacy bound)")
+        if p.noise_multiplier < self.min_noise_multiplier:
+            raise PolicyRefused("min_noise_multiplier", f"noise multiplier "
+                                f"{p.noise_multiplier:.4g} < this site's floor "
+                                f"{self.min_noise_multiplier:g}")
+        if p.calibration_threshold is not None:
+            if p.calibration_threshold < self.min_threshold:
+                raise PolicyRefused("min_threshold", f"the noise is calibrated to "
+                                    f"{p.calibration_threshold} sites; this site needs at "
+                                    f"least {self.min_threshold}")
+            if p.secagg_threshold < p.calibration_threshold:
+                raise PolicyRefused("min_threshold", f"the sum could be decoded from "
+                                    f"{p.secagg_threshold} sites but the noise is calibrated "
+                                    f"to {p.calibration_threshold}: fewer survivors would "
+                                    "carry less noise than accounted")
+        if p.sample_rate > self.max_sample_rate:
+            raise PolicyRefused("max_sample_rate", f"sample rate {p.sample_rate:g} > this "
+                                f"site's ceiling {self.max_sample_rate:g}")
+        if self.max_steps is not None and p.steps > self.max_steps:
+            raise PolicyRefused("max_steps", f"{p.steps} steps per round > this site's "
+                                f"ceiling {self.max_steps}")
+        if (self.max_clip_norm is not None and p.clip_norm is not None
+                and p.clip_norm > self.max_clip_norm):
+            raise PolicyRefused("max_clip_norm", f"clip norm {p.clip_norm:g} > this site's "
+                                f"ceiling {self.max_clip_norm:g}")
+
+
+@dataclass(frozen=True)
+class Charge:
+    """One ledger entry: a release this site made possible, and what it cost."""
+
+    id: int
+    label: str
+    kind: str
+    mode: str
+    mechanism: str | None
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    event: dict[str, Any] | None
+    epsilon_after: float
+    at: float
+    withdrawn: str | None = None
+
+
+@dataclass
+class Ledger:
+    """The site's persistent record of every release (JSON at ``path``, write-ahead).
+
+    Opening a ledger takes an exclusive lock on ``path + ".lock"`` (one site process per
+    ledger); :meth:`close` releases it.
+    """
+
+    path: Path
+    policy: SitePolicy
+    charges: list[Charge] = field(default_factory=list)
+    _lock: Any = field(default=None, repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path, policy: SitePolicy) -> Ledger:
+        path = Path(path)
+        if not path.parent.is_dir():
+            raise PrivacyConfigError(f"privacy ledger {path}: its directory does not exist")
+        ledger = cls(path, policy)
+        ledger._lock = _lock_file(path.with_name(path.name + ".lock"))
+        try:
+            ledger.charges = _read(path)
+        except BaseException:
+            ledger.close()
+            raise
+        return ledger
+
+    def close(self) -> None:
+        if self._lock is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock)
+            self._lock = None
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- queries --------------------------------------------------------------------------
+    def active(self) -> Iterator[Charge]:
+        return (c for c in self.charges if c.withdrawn is None)
+
+    def budget(self) -> PrivacyBudget:
+        """Everything charged so far, composed (RDP; it composes every mechanism)."""
+        cap = sys.float_info.max if self.policy.epsilon is None else self.policy.epsilon
+        budget = PrivacyBudget(cap, self.policy.delta)
+        for c in self.active():
+            if c.event is not None:
+                budget.spend(event_from_json(c.event))
+        return budget
+
+    @property
+    def epsilon(self) -> float:
+        return self.budget().spent[0]
+
+    @property
+    def releases(self) -> int:
+        return sum(1 for _ in self.active())
+
+    # -- the write-ahead record -------------------------------------------------------------
+    def charge(self, proposal: Proposal) -> Charge:
+        """Check ``proposal`` against the policy and the budget, then record its cost
+        durably; only after this returns may the site compute and send its input."""
+        self.policy.check(proposal)
+        if self.policy.max_releases is not None and self.releases >= self.policy.max_releases:
+            raise PolicyRefused("max_releases", f"this site already took part in "
+                                f"{self.releases} releases (its ceiling)")
+        budget = self.budget()
+        after = budget.spent[0]
+        if proposal.event is not None:
+            after = budget.epsilon_after(proposal.event)
+            if not math.isfinite(after):
+                raise PolicyRefused("min_noise_multiplier", "the proposed round has no finite "
+                                    "privacy bound (e.g. a discrete Gaussian share below 1/2)")
+            if self.policy.epsilon is not None and not after <= self.policy.epsilon:
+                raise PolicyRefused("budget", f"this release would bring this site's "
+                                    f"epsilon to {after:.4g} > its budget "
+                                    f"{self.policy.epsilon:g} (spent {budget.spent[0]:.4g} "
+                                    f"over {self.releases} releases)")
+        entry = Charge(len(self.charges) + 1, proposal.label, proposal.kind, proposal.mode,
+                       proposal.mechanism, proposal.noise_multiplier, proposal.sample_rate,
+                       proposal.steps,
+                       None if proposal.event is None else event_to_json(proposal.event),
+                       after, time.time())
+        self._write([*self.charges, entry])
+        self.charges.append(entry)
+        return entry
+
+    def withdraw(self, charge: Charge, reason: str) -> None:
+        """Undo ``charge`` -- only when its input never left the site."""
+        updated = [c if c.id != charge.id else _withdrawn(c, reason) for c in self.charges]
+        self._write(updated)
+        self.charges = updated
+
+    def _write(self, charges: list[Charge]) -> None:
+        data = {"format": LEDGER_FORMAT, "policy": self.policy.to_json(),
+                "charges": [asdict(c) for c in charges]}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(data, indent=1) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.path)
+        with contextlib.suppress(OSError):  # make the rename itself durable
+            fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _withdrawn(c: Charge, reason: str) -> Charge:
+    from dataclasses import replace
+
+    return replace(c, withdrawn=reason)
+
+
+def _read(path: Path) -> list[Charge]:
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("format") != LEDGER_FORMAT:
+            raise ValueError(f"unknown format {data.get('format')!r}")
+        charges = [Charge(**c) for c in data["charges"]]
+        for c in charges:
+            if c.event is not None:
+                event_from_json(c.event)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise PrivacyConfigError(f"privacy ledger {path} is unreadable ({exc}); it is the "
+                                 "site's record of what it released: restore it from a "
+                                 "backup rather than deleting it") from None
+    return charges
+
+
+def _lock_file(path: Path) -> int:
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise PrivacyConfigError(f"privacy ledger {path.with_suffix('')} is in use by another "
+                                 "process: one site process per ledger") from None
+    return fd

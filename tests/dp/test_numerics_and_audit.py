@@ -1,0 +1,100 @@
+"""Numerical edges of the accounting, joint adaptive-clipping accounting, and the audit export
+recomputed with Google's dp-accounting (an independent library)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("opacus")
+dpa = pytest.importorskip("dp_accounting")
+
+from dp.accounting import (
+    ORDERS,
+    adaptive_clip_noise_multiplier,
+    adaptive_clip_update_noise,
+    check_delta,
+    ddg_rdp_fn,
+    gaussian_rdp,
+    rdp_to_epsilon,
+    subsampled_rdp,
+)
+from dp.audit import distributed_event, recompute_epsilon, run_json
+from dp.budget import GaussianRound, PrivacyBudget
+from dp.distributed import round_epsilon
+from dp.encoding import EncodingParams
+from dp.errors import PrivacyConfigError
+
+
+@pytest.mark.parametrize("q", [0.95, 0.99, 0.999999, 1.0])
+def test_subsampling_near_q_1_does_not_underflow(q: float) -> None:
+    fn = ddg_rdp_fn(100.0, 300.0, 80.0, 4, 64)
+    for alpha in (2, 17, 64, 256):
+        value = subsampled_rdp(fn, q, alpha)
+        assert math.isfinite(value) and 0 < value <= fn(alpha) + 1e-12
+    assert subsampled_rdp(fn, 0.95, 64) <= subsampled_rdp(fn, 0.999999, 64) + 1e-9
+    if q == 1.0:
+        assert subsampled_rdp(fn, q, 64) == fn(64)
+
+
+def test_ddg_bound_refuses_sigma_below_one_half() -> None:
+    with pytest.raises(PrivacyConfigError, match="1/2"):
+        ddg_rdp_fn(1.0, 1.0, 0.49, 3, 10)
+    params = EncodingParams(dim=10, clip_norm=1.0, scale=1.0, bits=32, noise_stddev=0.3,
+                            rotation_seed=0, threshold=3)
+    assert math.isinf(round_epsilon(params, 0.1, 1, 1e-5))  # no bound: never fits a budget
+
+
+def test_delta_at_or_above_one_over_patients_is_flagged() -> None:
+    assert check_delta(1e-3, 1000) is not None and "1/1000" in check_delta(1e-3, 1000)
+    assert check_delta(1e-5, 1000) is None
+
+
+def test_adaptive_clipping_is_accounted_as_one_gaussian_on_the_same_sample() -> None:
+    """Andrew et al. 2021 Thm. 1 vs dp-accounting composing both queries inside one
+    Poisson-sampled event; the old sum of two separately subsampled curves is lower (not a
+    valid bound)."""
+    q, z, sigma_b, steps, delta = 256 / 60_000, 1.1, 0.75, 14_062, 1e-5
+    ours = PrivacyBudget(100.0, delta).spend(GaussianRound(z, q, steps, sigma_b))[0]
+    event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.ComposedDpEvent(
+        [dpa.GaussianDpEvent(z), dpa.GaussianDpEvent(2 * sigma_b)])), steps)
+    theirs = dpa.rdp.RdpAccountant(list(ORDERS)).compose(event).get_epsilon(delta)
+    assert ours == pytest.approx(theirs, rel=1e-3)
+    separate = rdp_to_epsilon(gaussian_rdp(z, q, steps)
+                              + gaussian_rdp(2 * sigma_b, q, steps), delta)
+    assert separate < ours
+    z_eff = adaptive_clip_noise_multiplier(z, sigma_b)
+    assert adaptive_clip_update_noise(z_eff, sigma_b) == pytest.approx(z)
+    with pytest.raises(PrivacyConfigError, match="count stddev"):
+        adaptive_clip_update_noise(2.0, 0.9)
+
+
+def test_a_site_mode_run_recomputed_by_dp_accounting_matches() -> None:
+    events = [GaussianRound(1.2, 0.05, 30), GaussianRound(1.2, 0.05, 30),
+              GaussianRound(1.5, 0.05, 30, count_stddev=2.0)]
+    budget = PrivacyBudget(50.0, 1e-5)
+    for e in events:
+        budget.spend(e)
+    exported = run_json(events)
+    assert recompute_epsilon(exported, 1e-5, "rdp") == pytest.approx(budget.spent[0], rel=1e-3)
+    prv = PrivacyBudget(50.0, 1e-5, accountant="prv")  # Opacus PRV vs dp-accounting PLD
+    for e in events[:2]:  # (dp-accounting's PLD cannot open a composed sampled event)
+        prv.spend(e)
+    pld = recompute_epsilon(run_json(events[:2]), 1e-5, "pld")
+    assert pld == pytest.approx(prv.spent[0], rel=0.03)
+
+
+def test_a_distributed_round_exports_as_zcdp_that_bounds_ours() -> None:
+    params = EncodingParams(dim=30, clip_norm=1.0, scale=4096.0, bits=40,
+                            noise_stddev=2.0 / math.sqrt(4), rotation_seed=0, threshold=4)
+    full = distributed_event(params, 1.0, steps=5)
+    ours = rdp_to_epsilon(full.rdp(), 1e-5)
+    theirs = recompute_epsilon(run_json([full]), 1e-5)
+    assert ours <= theirs * (1 + 1e-6) and theirs == pytest.approx(ours, rel=0.02)
+    sampled = run_json([distributed_event(params, 0.1)])
+    assert sampled["events"][0]["event"]["class_name"] == "PoissonSampledDpEvent"
+    with pytest.raises(PrivacyConfigError, match="subsamples only Gaussians"):
+        recompute_epsilon(sampled, 1e-5)
+    assert np.all(np.isfinite(distributed_event(params, 0.1).rdp()))
