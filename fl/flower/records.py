@@ -1,0 +1,34 @@
+"""The Flower records the adapter puts on the wire, in one place for both sides.
+
+A secure-aggregation message is a ``RecordDict`` with one ``ConfigRecord`` under
+:data:`RECORD`: ``setup`` (the round setup, with the first train message only),
+``session`` (the round's 32-byte session id, every later message) and ``msg`` (secagg
+wire bytes). Nothing else of a train reply leaves a node during a secure round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+RECORD = "secagg"
+STATE = "secagg.round"
+SETUP = "setup"
+SESSION = "session"
+PAYLOAD = "msg"
+STAGE = "stage"
+
+
+def secagg_record(message: Any) -> Any | None:
+    """The adapter's ConfigRecord of a Flower message, or None."""
+    if not message.has_content():
+        return None
+    return message.content.config_records.get(RECORD)
+
+
+def payload_of(message: Any) -> bytes:
+    """The secagg wire bytes of a reply (``ValueError`` if there are none)."""
+    record = secagg_record(message)
+    value = None if record is None else record.get(PAYLOAD)
+    if not isinstance(value, bytes):
+        raise ValueError("the reply carries no secure-aggregation message")
+    return value

@@ -1,0 +1,280 @@
+"""Server side: secure aggregation for any Message-API strategy (``flwr.serverapp.strategy``).
+
+``SecureAggregation(FedAvg(...))`` is the whole change in a ``ServerApp``. The user's
+strategy still samples and configures the nodes (``configure_train``), runs evaluation and
+applies its update rule (``aggregate_train``: FedAvg's average, FedAdam's server optimiser,
+...). Only the train exchange changes: the wrapper hands the strategy a ``Grid`` whose
+``send_and_receive`` runs a secure-aggregation round (:mod:`fl.flower.rounds`) for train
+messages, and answers with **one** reply that carries the decoded aggregate: the weighted
+average of the arrays (and of the chosen metrics) with the securely summed weight. A
+strategy's weighted average of that single reply is the aggregate itself, so its update
+rule applies unchanged; strategies that need each node's update (FedMedian, Krum, ...)
+cannot be combined with secure aggregation, which exists to hide exactly that.
+
+Protocol choices per round (n = the nodes the strategy sampled): ``neighbors="auto"``
+takes SecAgg+'s (k, t) from ``secagg.secagg_plus_parameters(n, dropout_rate,
+corrupt_rate)`` (the complete graph when no sparse one is safe); ``neighbors=None`` is
+SecAgg over the complete graph with ``threshold`` (default: the protocol's floor).
+``privacy=DistributedDP(...)`` switches the encoding to distributed DP (:mod:`dp`): the
+per-node noise comes from ``fl.privacy.distributed_plan`` (calibrated so any ``t``
+survivors carry the target noise) and a round that would overshoot the budget is not run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.result import Result
+
+from dp.budget import PrivacyBudget
+from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten
+from fl.flower.rounds import RoundDriver, RoundReport
+from fl.flower.setup import DpSpec, RoundSetup
+from fl.privacy import DistributedPlan, distributed_plan
+from secagg import Server, secagg_plus_parameters
+
+log = logging.getLogger("fl.flower")
+
+
+@dataclass(frozen=True)
+class DistributedDP:
+    """Client-level distributed DP: each node clips its update (reply minus the arrays
+    sent) to ``clip_norm`` and adds its share of integer noise. Give ``epsilon`` (with
+    ``delta``, the node ``sample_rate`` and the planned ``rounds``) to have the noise fit
+    the budget and the budget enforced, or a central ``noise_multiplier``."""
+
+    clip_norm: float
+    epsilon: float | None = None
+    delta: float = 1e-5
+    sample_rate: float = 1.0
+    rounds: int = 1
+    noise_multiplier: float | None = None
+    granularity_bits: int = 12
+
+
+class _SecureGrid(Grid):
+    """The strategy's grid, with train exchanges replaced by secure rounds."""
+
+    def __init__(self, grid: Grid, owner: SecureAggregation, timeout: float | None) -> None:
+        self._grid = grid
+        self._owner = owner
+        self._timeout = timeout
+
+    def set_run(self, run: Any) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self._grid.run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int,
+                       group_id: str, ttl: float | None = None) -> Message:
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self._grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: float | None = None) -> Iterable[Message]:
+        batch = list(messages)
+        if batch and all(m.metadata.message_type.split(".")[0] == "train" for m in batch):
+            return self._owner.secure_round(self._grid, batch, timeout)
+        return self._grid.send_and_receive(batch, timeout=timeout)
+
+
+class SecureAggregation(Strategy):
+    """Wrap a Message-API strategy so its train rounds are securely aggregated.
+
+    ``metrics``: train-reply metrics averaged securely (weighted like the arrays); every
+    other metric of a train reply stays on the node. ``reports`` holds one
+    :class:`fl.flower.rounds.RoundReport` per round."""
+
+    def __init__(self, strategy: Strategy, *, neighbors: int | str | None = "auto",
+                 threshold: int | None = None, dropout_rate: float = 0.1,
+                 corrupt_rate: float = 0.0, security: str = "semi-honest", bits: int = 64,
+                 frac_bits: int = 24, metrics: Sequence[str] = (),
+                 privacy: DistributedDP | None = None, stage_timeout: float | None = None
+                 ) -> None:
+        if security != "semi-honest":
+            raise ValueError(f"security={security!r}: the Flower adapter runs semi-honest "
+                             "rounds; use secagg's own transport for malicious mode")
+        if not (neighbors is None or neighbors == "auto" or isinstance(neighbors, int)):
+            raise ValueError(f"neighbors={neighbors!r}: use 'auto' (SecAgg+), None (SecAgg) "
+                             "or an integer k")
+        if privacy is not None and metrics:
+            raise ValueError("metrics cannot be averaged under distributed DP (they would "
+                             "carry no noise); pass metrics=()")
+        if privacy is not None and privacy.epsilon is None and privacy.noise_multiplier is None:
+            raise ValueError("DistributedDP needs epsilon (a budget) or a noise_multiplier")
+        self.strategy = strategy
+        self.neighbors = neighbors
+        self.threshold = threshold
+        self.dropout_rate = dropout_rate
+        self.corrupt_rate = corrupt_rate
+        self.security = security
+        self.bits = bits
+        self.frac_bits = frac_bits
+        self.metrics = tuple(metrics)
+        self.privacy = privacy
+        self.stage_timeout = stage_timeout
+        self.budget = (PrivacyBudget(privacy.epsilon, privacy.delta)
+                       if privacy is not None and privacy.epsilon is not None else None)
+        self.reports: list[RoundReport] = []
+        self._plans: dict[tuple[int, int, int], DistributedPlan] = {}
+        self._round = 0
+
+    # --- the strategy interface: the user's strategy decides ------------------------------
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        return self.strategy.aggregate_train(server_round, replies)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+                           ) -> MetricRecord | None:
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        self.strategy.summary()
+        log.info("secure aggregation: neighbors=%s threshold=%s dropout_rate=%s %s",
+                 self.neighbors, self.threshold, self.dropout_rate,
+                 "distributed DP" if self.privacy else f"{self.bits}-bit fixed point")
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
+              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None
+              ) -> Result:
+        """The user's strategy's own loop, on a grid whose train exchanges are secure."""
+        return self.strategy.start(_SecureGrid(grid, self, timeout), initial_arrays,
+                                   num_rounds=num_rounds, timeout=timeout,
+                                   train_config=train_config, evaluate_config=evaluate_config,
+                                   evaluate_fn=evaluate_fn)
+
+    # --- one secure round -----------------------------------------------------------------
+
+    def secure_round(self, grid: Grid, messages: list[Message], timeout: float | None
+                     ) -> list[Message]:
+        """Run a secure round for the strategy's train messages; one aggregate reply."""
+        self._round += 1
+        nodes = [m.metadata.dst_node_id for m in messages]
+        if len(set(nodes)) != len(nodes):
+            raise ValueError("the strategy sent one node two train messages in one round")
+        if len(nodes) < 2:
+            log.warning("round %d: %d node(s) sampled; secure aggregation needs at least 2, "
+                        "the round is skipped", self._round, len(nodes))
+            return []
+        first = messages[0].content
+        if len(first.array_records) != 1:
+            raise ValueError("secure aggregation needs train messages with exactly one "
+                             "ArrayRecord (the arrays the nodes train from)")
+        arrays = next(iter(first.array_records.values()))
+        server_round = self._server_round(first)
+        setup = self._setup(grid, sorted(nodes), server_round, layout_of(arrays))
+        if setup is None:
+            return []
+        server = Server(setup.config(encoded_dim(setup)),
+                        roster=range(1, setup.num_clients + 1), context=setup.context())
+        driver = RoundDriver(grid, setup, server, messages[0].metadata.message_type,
+                             self.stage_timeout if self.stage_timeout is not None else timeout)
+        report = driver.run(messages)
+        self.reports.append(report)
+        if report.total is None:
+            return []
+        sent = flatten(arrays, setup.arrays)
+        aggregate, metrics, weight = decode_sum(setup, report.total, len(report.included),
+                                                sent)
+        if self.budget is not None and setup.dp is not None:
+            self.budget.spend(self._plan(setup.model_dim, setup).event())
+            report.epsilon = self.budget.spent[0]
+        key = next(iter(first.array_records.keys()))
+        weight_key = self._weight_key()
+        content = RecordDict({
+            key: ArrayRecord({name: Array(value) for name, value
+                              in unflatten(aggregate, setup.arrays).items()}),
+            "metrics": MetricRecord({**metrics, weight_key: weight})})
+        return [Message(content, reply_to=messages[0])]
+
+    def _weight_key(self) -> str:
+        return str(getattr(self.strategy, "weighted_by_key", "num-examples"))
+
+    def _server_round(self, content: RecordDict) -> int:
+        for record in content.config_records.values():
+            value = record.get("server-round")
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return self._round
+
+    def _graph(self, n: int) -> tuple[int | None, int | None]:
+        if self.neighbors == "auto":
+            params = secagg_plus_parameters(n, self.dropout_rate, self.corrupt_rate,
+                                            self.security)
+            return params.neighbors, params.threshold
+        if isinstance(self.neighbors, int):
+            return self.neighbors, self.threshold
+        return None, self.threshold
+
+    def _setup(self, grid: Grid, roster: list[int], server_round: int,
+               specs: tuple[Any, ...]) -> RoundSetup | None:
+        from secagg import Config
+
+        k, t = self._graph(len(roster))
+        # Config fills in the protocol's threshold floor when t is None
+        probe = Config(num_clients=len(roster), threshold=t, neighbors=k,
+                       security=self.security)
+        nonce = os.urandom(32)
+        setup = RoundSetup(
+            run_id=int(grid.run.run_id), server_round=server_round, nonce=nonce,
+            roster=tuple(roster), threshold=int(probe.threshold or 0),
+            neighbors=probe.neighbors, bits=self.bits, security=self.security,
+            arrays=specs, metrics=self.metrics, weight_key=self._weight_key(),
+            encoding="fixed", frac_bits=self.frac_bits)
+        if self.privacy is None:
+            return setup
+        plan = self._plan(setup.model_dim, setup)
+        if self.budget is not None and not self.budget.can_run(plan.event()):
+            log.warning("round %d is not run: it would exceed the privacy budget "
+                        "(epsilon %.3g of %.3g spent)", server_round, self.budget.spent[0],
+                        self.budget.epsilon)
+            return None
+        p = plan.params
+        rotation = int.from_bytes(hashlib.sha256(b"flower-rotation|" + nonce).digest()[:8],
+                                  "big") >> 1
+        dp = DpSpec(p.clip_norm, p.scale, p.bits, p.noise_stddev, rotation, p.mechanism,
+                    p.beta, p.threshold)
+        return replace(setup, encoding="ddp", frac_bits=0, dp=dp, bits=p.bits, metrics=())
+
+    def _plan(self, model_dim: int, setup: RoundSetup) -> DistributedPlan:
+        privacy = self.privacy
+        assert privacy is not None
+        key = (model_dim, setup.num_clients, setup.threshold)
+        if key not in self._plans:
+            self._plans[key] = distributed_plan(
+                model_dim=model_dim, epsilon=privacy.epsilon, delta=privacy.delta,
+                sample_rate=privacy.sample_rate, rounds=privacy.rounds,
+                clip_norm=privacy.clip_norm, num_sites=setup.num_clients,
+                threshold=setup.threshold, max_units_per_site=1,
+                noise_multiplier=privacy.noise_multiplier,
+                granularity_bits=privacy.granularity_bits)
+        return self._plans[key]

@@ -1,0 +1,257 @@
+"""What the server asks of a node for one securely aggregated Flower round, and its checks.
+
+The server wrapper (:mod:`fl.flower.server`) sends one :class:`RoundSetup` with the train
+message of a round; every node of the round receives the same bytes. The setup is public:
+the roster of Flower node ids (a node's secagg client id is its position plus one), the
+protocol parameters, the layout of the reply's arrays, the metrics that are averaged
+securely, the weight key and the encoding (fixed point, or the distributed-DP integer
+encoding of :mod:`dp.encoding`). Its canonical bytes are the round's ``context``, so the
+session id every party derives (docs/architecture.md section 9) binds all of it, the run id,
+the server round and a fresh server nonce: a node that was told something else cannot
+complete the round with the others.
+
+:meth:`RoundSetup.from_bytes` validates every field and raises :class:`SetupError` (a
+``ValueError`` that says what is wrong) on anything malformed; nothing is half-built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+
+from secagg import Config
+
+VERSION = 1
+ENCODINGS = ("fixed", "ddp")
+MECHANISMS = ("dgauss", "skellam")
+MAX_ROSTER = 1 << 16
+MAX_ARRAYS = 1 << 12
+MAX_DIM = 1 << 28
+MAX_SETUP_BYTES = 1 << 22
+DTYPES = ("float16", "float32", "float64")
+
+
+class SetupError(ValueError):
+    """A round setup is malformed or unsafe; the node refuses the round."""
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array of the reply's ArrayRecord: its key, shape and floating dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class DpSpec:
+    """The public parameters of :class:`dp.encoding.EncodingParams` for one round (the
+    model dimension plus one count column is implied by the array layout)."""
+
+    clip_norm: float
+    scale: float
+    bits: int
+    noise_stddev: float
+    rotation_seed: int
+    mechanism: str
+    beta: float
+    threshold: int
+
+
+@dataclass(frozen=True)
+class RoundSetup:
+    run_id: int
+    server_round: int
+    nonce: bytes
+    roster: tuple[int, ...]
+    threshold: int
+    neighbors: int | None
+    bits: int
+    security: str
+    arrays: tuple[ArraySpec, ...]
+    metrics: tuple[str, ...]
+    weight_key: str
+    encoding: str
+    frac_bits: int = 0
+    dp: DpSpec | None = None
+
+    # --- derived ----------------------------------------------------------------------------
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.roster)
+
+    @property
+    def model_dim(self) -> int:
+        return sum(spec.size for spec in self.arrays)
+
+    def client_id(self, node_id: int) -> int:
+        """The secagg client id of a Flower node (its position in the roster, plus one)."""
+        try:
+            return self.roster.index(node_id) + 1
+        except ValueError:
+            raise SetupError(f"node {node_id} is not in this round's roster") from None
+
+    def node_of(self, client_id: int) -> int:
+        return self.roster[client_id - 1]
+
+    def config(self, dim: int) -> Config:
+        """The secagg configuration (``dim`` is the encoded length, see fl.flower.encoding)."""
+        try:
+            return Config(num_clients=self.num_clients, threshold=self.threshold, dim=dim,
+                          bits=self.bits, neighbors=self.neighbors, security=self.security)
+        except ValueError as exc:
+            raise SetupError(f"unsafe or invalid protocol parameters: {exc}") from None
+
+    def context(self) -> bytes:
+        """The bytes every party hands secagg as ``context`` (the whole setup)."""
+        return self.to_bytes()
+
+    # --- wire -------------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        body: dict[str, Any] = {
+            "v": VERSION, "run": self.run_id, "round": self.server_round, "nonce": self.nonce,
+            "roster": list(self.roster), "t": self.threshold, "k": self.neighbors or 0,
+            "bits": self.bits, "security": self.security,
+            "arrays": [[s.name, list(s.shape), s.dtype] for s in self.arrays],
+            "metrics": list(self.metrics), "weight": self.weight_key,
+            "encoding": self.encoding, "frac_bits": self.frac_bits,
+            "dp": None if self.dp is None else [
+                self.dp.clip_norm, self.dp.scale, self.dp.bits, self.dp.noise_stddev,
+                self.dp.rotation_seed, self.dp.mechanism, self.dp.beta, self.dp.threshold],
+        }
+        return bytes(msgpack.packb(body, use_bin_type=True))
+
+    @classmethod
+    def from_bytes(cls, raw: object) -> RoundSetup:
+        if not isinstance(raw, bytes):
+            raise SetupError(f"the round setup must be bytes, got {type(raw).__name__}")
+        if len(raw) > MAX_SETUP_BYTES:
+            raise SetupError(f"the round setup has {len(raw)} bytes; at most "
+                             f"{MAX_SETUP_BYTES} are accepted")
+        try:
+            body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        except Exception as exc:
+            raise SetupError(f"the round setup does not decode: {exc}") from None
+        if not isinstance(body, dict):
+            raise SetupError("the round setup must be a map")
+        setup = cls._parse(body)
+        if setup.to_bytes() != raw:
+            raise SetupError("the round setup is not in canonical form")
+        return setup
+
+    @classmethod
+    def _parse(cls, body: dict[str, Any]) -> RoundSetup:
+        if body.get("v") != VERSION:
+            raise SetupError(f"round setup version {body.get('v')!r}; this node speaks "
+                             f"version {VERSION}: upgrade secagg on the older side")
+        roster = _int_list(body, "roster", 1 << 63, MAX_ROSTER)
+        if len(roster) < 2 or len(set(roster)) != len(roster):
+            raise SetupError("the roster needs at least two distinct node ids")
+        nonce = body.get("nonce")
+        if not isinstance(nonce, bytes) or len(nonce) != 32:
+            raise SetupError("the nonce must be 32 bytes")
+        arrays = body.get("arrays")
+        if not isinstance(arrays, list) or not 1 <= len(arrays) <= MAX_ARRAYS:
+            raise SetupError(f"the array layout needs 1..{MAX_ARRAYS} entries")
+        specs = tuple(_array_spec(item) for item in arrays)
+        if len({s.name for s in specs}) != len(specs):
+            raise SetupError("the array layout repeats a name")
+        if sum(s.size for s in specs) > MAX_DIM:
+            raise SetupError(f"the arrays hold more than {MAX_DIM} values")
+        metrics = body.get("metrics")
+        if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics) \
+                or len(set(metrics)) != len(metrics) or len(metrics) > 256:
+            raise SetupError("metrics must be a list of at most 256 distinct names")
+        weight = _str(body, "weight")
+        if weight in metrics:
+            raise SetupError("the weight key cannot also be an averaged metric")
+        encoding = _str(body, "encoding")
+        if encoding not in ENCODINGS:
+            raise SetupError(f"encoding {encoding!r}: use one of {ENCODINGS}")
+        security = _str(body, "security")
+        k = _int(body, "k", 0, MAX_ROSTER)
+        frac_bits = _int(body, "frac_bits", 0, 62)
+        dp = _dp_spec(body.get("dp")) if encoding == "ddp" else None
+        if encoding == "ddp" and metrics:
+            raise SetupError("metrics cannot be averaged under distributed DP (they carry "
+                             "no noise); send none")
+        if encoding == "fixed" and body.get("dp") is not None:
+            raise SetupError("a fixed-point round carries no DP parameters")
+        return cls(run_id=_int(body, "run", 0, (1 << 64) - 1),
+                   server_round=_int(body, "round", 0, (1 << 63) - 1), nonce=nonce,
+                   roster=tuple(roster), threshold=_int(body, "t", 1, MAX_ROSTER),
+                   neighbors=k or None, bits=_int(body, "bits", 8, 64), security=security,
+                   arrays=specs, metrics=tuple(metrics), weight_key=weight,
+                   encoding=encoding, frac_bits=frac_bits, dp=dp)
+
+
+def _int(body: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = body.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise SetupError(f"setup field {key!r} must be an integer in [{low}, {high}], "
+                         f"got {value!r}")
+    return value
+
+
+def _float(value: object, what: str, low: float, high: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not low <= value <= high:
+        raise SetupError(f"{what} must be a finite number in [{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def _str(body: dict[str, Any], key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not 0 < len(value) <= 256:
+        raise SetupError(f"setup field {key!r} must be a non-empty string")
+    return value
+
+
+def _int_list(body: dict[str, Any], key: str, high: int, limit: int) -> list[int]:
+    value = body.get(key)
+    if not isinstance(value, list) or len(value) > limit or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < high for v in value):
+        raise SetupError(f"setup field {key!r} must be a list of at most {limit} "
+                         "non-negative integers")
+    return value
+
+
+def _array_spec(item: object) -> ArraySpec:
+    if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+            and isinstance(item[1], list) and isinstance(item[2], str)):
+        raise SetupError("each array entry must be [name, shape, dtype]")
+    name, shape, dtype = item
+    if not 0 < len(name) <= 256 or len(shape) > 32 or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_DIM
+            for s in shape):
+        raise SetupError(f"array {name!r}: a name and a shape of at most 32 sizes")
+    if dtype not in DTYPES:
+        raise SetupError(f"array {name!r} has dtype {dtype!r}; only {DTYPES} are averaged")
+    return ArraySpec(name, tuple(shape), dtype)
+
+
+def _dp_spec(item: object) -> DpSpec:
+    if not isinstance(item, list) or len(item) != 8:
+        raise SetupError("a distributed-DP round needs its 8 encoding parameters")
+    clip, scale, bits, stddev, seed, mechanism, beta, threshold = item
+    if mechanism not in MECHANISMS:
+        raise SetupError(f"DP mechanism {mechanism!r}: use one of {MECHANISMS}")
+    if not isinstance(bits, int) or not 8 <= bits <= 64:
+        raise SetupError("DP bits must be an integer in [8, 64]")
+    if not isinstance(seed, int) or not 0 <= seed < (1 << 63):
+        raise SetupError("the rotation seed must be an integer in [0, 2**63)")
+    if not isinstance(threshold, int) or threshold < 1:
+        raise SetupError("the DP threshold must be a positive integer")
+    return DpSpec(_float(clip, "clip_norm", 1e-12), _float(scale, "scale", 1e-12), bits,
+                  _float(stddev, "noise_stddev", 0.0), seed, mechanism,
+                  _float(beta, "beta", 0.0, 0.999999), threshold)
