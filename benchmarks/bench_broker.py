@@ -39,8 +39,8 @@ USERS = {"bench": "bench-pw"}
 
 
 @contextmanager
-def embedded_process() -> Iterator[int]:
-    """The embedded broker in a child process; yields its port."""
+def embedded_process() -> Iterator[tuple[int, int]]:
+    """The embedded broker in a child process; yields its port and pid."""
     with tempfile.TemporaryDirectory() as tmp:
         users_file, port_file = Path(tmp, "users.json"), Path(tmp, "port")
         users_file.write_text(json.dumps(USERS))
@@ -55,7 +55,7 @@ def embedded_process() -> Iterator[int]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("embedded broker process did not start")
                 time.sleep(0.02)
-            yield int(port_file.read_text())
+            yield int(port_file.read_text()), proc.pid
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -66,9 +66,20 @@ def embedded_process() -> Iterator[int]:
 
 
 @contextmanager
-def mosquitto_process() -> Iterator[int]:
+def mosquitto_process() -> Iterator[tuple[int, int]]:
     with MosquittoBroker(users=USERS) as broker:
-        yield broker.port
+        yield broker.port, broker.pid
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident set (Linux ``VmHWM``), MiB; NaN where unavailable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
 
 
 async def fan_in(port: int, clients: int, size: int, messages: int) -> float:
@@ -151,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     if mosquitto_available():
         brokers["mosquitto"] = mosquitto_process
     for name, factory in brokers.items():
-        with factory() as port:
+        with factory() as (port, pid):
             seconds = asyncio.run(fan_in(port, args.clients, args.size, args.messages))
+            peak = peak_rss_mib(pid)
         results[name] = {"seconds": seconds, "mb_per_s": total / seconds / 1e6,
-                         "ratio_to_floor": seconds / floor}
+                         "ratio_to_floor": seconds / floor, "peak_rss_mib": peak}
     report = {"clients": args.clients, "size": args.size, "messages": args.messages,
               "total_bytes": total, "floor_seconds": floor, "brokers": results}
     if args.json:
@@ -164,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
           f"-> 1 subscriber ({total / 1e6:.0f} MB), loopback floor {floor:.3f} s")
     for name, row in results.items():
         print(f"  {name:10s} {row['seconds']:7.3f} s  {row['mb_per_s']:8.1f} MB/s  "
-              f"{row['ratio_to_floor']:5.1f}x floor")
+              f"{row['ratio_to_floor']:5.1f}x floor  peak RSS {row['peak_rss_mib']:6.1f} MiB")
     return 0
 
 

@@ -21,7 +21,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 
-from .broker import AclEntry, TopicAcl, topic_matches
+from .broker.topics import AclEntry, TopicAcl, topic_matches
 from .link import Delivery, Event, LinkLost, Reconnected, Will
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class MemoryNetwork:
         if self._acl is None:
             return True
         entry = self._acl.get(username)
-        kind = "publish" if action == "publish" else "subscribe"
+        kind = action if action in ("publish", "retain") else "subscribe"
         return entry is not None and entry.allows(kind, topic, username, username)
 
     @asynccontextmanager
@@ -133,8 +133,9 @@ class MemoryNetwork:
                 del self._links[username]
 
     def route(self, username: str, topic: str, payload: bytes, retain: bool) -> None:
-        if not self.allowed(username, "publish", topic):
-            logger.warning("memory bus: %s may not publish to %s; dropped", username, topic)
+        if not self.allowed(username, "retain" if retain else "publish", topic):
+            logger.warning("memory bus: %s may not %s to %s; dropped", username,
+                           "publish retained" if retain else "publish", topic)
             return
         payloads = [payload] if self.tap is None else self.tap(username, topic, payload)
         for data in payloads:

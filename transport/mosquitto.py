@@ -26,7 +26,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from transport.broker import MQTT_MAX_REMAINING_LENGTH, AclEntry, TopicAcl, validate_topic_filter
+from transport.broker.packets import MQTT_MAX_REMAINING_LENGTH
+from transport.broker.topics import AclEntry, TopicAcl, validate_topic_filter
 
 __all__ = [
     "MosquittoBroker",
@@ -260,6 +261,13 @@ class MosquittoBroker:
     def url(self) -> str:
         scheme = "mqtts" if self.certfile else "mqtt"
         return f"{scheme}://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """The Mosquitto process id (for resource measurements)."""
+        if self._process is None:
+            raise MosquittoError("Mosquitto is not started; use 'with' or call start()")
+        return self._process.pid
 
     @property
     def log_path(self) -> Path | None:

@@ -42,6 +42,8 @@ from secagg import Config, ProtocolAbort, SigningKey, Stage
 from secagg.client import Client, check_input
 from secagg.server import AggregateResult, Server
 
+from .broker.auth import TOKEN_LOG2_N, hash_password
+from .broker.topics import AclEntry, TopicAcl
 from .drivers import ClientDriver, StageProgress, Timeouts, TransportError
 from .framing import DEFAULT_MAX_PAYLOAD
 from .local import new_round_name, serve_client, serve_server
@@ -49,8 +51,6 @@ from .mqtt import BrokerSettings, MqttNetwork, parse_broker_url
 from .topics import SERVER_USER, Topics, acl_table, site_name
 
 logger = logging.getLogger(__name__)
-
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -92,28 +92,39 @@ def input_ids(directory: str) -> list[int]:
 # --------------------------------------------------------------------------- brokers
 
 
+AclTable = Mapping[str, AclEntry]
+
+
+def _acl_json(acl: AclTable) -> dict[str, dict[str, list[str]]]:
+    out = {}
+    for user, entry in acl.items():
+        rules = TopicAcl.coerce(entry)
+        out[user] = {"subscribe": list(rules.subscribe), "publish": list(rules.publish),
+                     "retain": list(rules.retain)}
+    return out
+
+
 @contextmanager
-def _embedded_broker_process(users: Mapping[str, str],
-                             acl: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]],
+def _embedded_broker_process(users: Mapping[str, str], acl: AclTable,
                              timeout: float = 30.0) -> Iterator[int]:
+    """``python -m transport.broker`` (the installed package) in its own session, so a
+    Ctrl-C on the terminal reaches only this process, which stops it; its users file holds
+    scrypt hashes, never the passwords."""
     with tempfile.TemporaryDirectory(prefix="secagg-broker-") as tmp:
         users_file, acl_file, port_file = (Path(tmp, n) for n in ("users", "acl", "port"))
-        for path, data in ((users_file, dict(users)),
-                           (acl_file, {u: {"subscribe": list(r), "publish": list(w)}
-                                       for u, (r, w) in acl.items()})):
+        hashes = {user: hash_password(pw, log2_n=TOKEN_LOG2_N) for user, pw in users.items()}
+        for path, data in ((users_file, hashes), (acl_file, _acl_json(acl))):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 json.dump(data, handle)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
         log_path = Path(tmp, "broker.log")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "transport.broker", "--port", "0", "--users-file",
                  str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
                  "--log-level", "WARNING"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
         try:
             deadline = time.monotonic() + timeout
             while not port_file.exists():
@@ -123,18 +134,22 @@ def _embedded_broker_process(users: Mapping[str, str],
                 time.sleep(0.02)
             yield int(port_file.read_text())
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(5.0)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5.0)
+            stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace: float = 1.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds; waits for the exit."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5.0)
 
 
 @contextmanager
-def broker_for(kind: str, users: Mapping[str, str],
-               acl: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
+def broker_for(kind: str, users: Mapping[str, str], acl: AclTable
                ) -> Iterator[BrokerSettings]:
     """``embedded`` (own process), ``mosquitto`` (generated config) or an ``mqtt(s)://``
     URL; yields how to reach it with per-party passwords (for the URL: its own

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 from secagg import Stage
 
+from .broker.topics import TopicAcl
+
 ROOT = "secagg"
 SERVER_USER = "server"
 SITE_PREFIX = "site-"
@@ -131,21 +133,24 @@ class Topics:
         return None if cid is None else (cid, parts[4])
 
 
-def site_acl(username: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(read, write) patterns of a site: only its own topics (``%u`` = its username)."""
+def site_acl(username: str) -> TopicAcl:
+    """A site: reads its own downstream topics and the control topics, writes only topics
+    ending in its own name (``%u`` = its username), retains nothing."""
     del username  # the patterns use %u, expanded by the broker
-    return ((f"{ROOT}/+/client/%u/#", f"{ROOT}/+/{CONTROL}"),
-            (f"{ROOT}/+/server/+/%u",))
+    return TopicAcl(subscribe=(f"{ROOT}/+/client/%u/#", f"{ROOT}/+/{CONTROL}"),
+                    publish=(f"{ROOT}/+/server/+/%u",))
 
 
-def server_acl() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(read, write) patterns of the aggregator."""
-    return ((f"{ROOT}/+/server/#",), (f"{ROOT}/+/client/#", f"{ROOT}/+/{CONTROL}"))
+def server_acl() -> TopicAcl:
+    """The aggregator: reads every upstream topic, writes downstream and control topics, and
+    retains only on control topics (the round start and end, the federation's state)."""
+    return TopicAcl(subscribe=(f"{ROOT}/+/server/#",),
+                    publish=(f"{ROOT}/+/client/#", f"{ROOT}/+/{CONTROL}"),
+                    retain=(f"{ROOT}/+/{CONTROL}",))
 
 
-def acl_table(client_ids: list[int] | tuple[int, ...]) -> dict[str, tuple[tuple[str, ...],
-                                                                        tuple[str, ...]]]:
-    """username -> (read, write) for the server and every site; what the brokers take."""
+def acl_table(client_ids: list[int] | tuple[int, ...]) -> dict[str, TopicAcl]:
+    """username -> ``TopicAcl`` for the server and every site; what the brokers take."""
     table = {SERVER_USER: server_acl()}
     for cid in client_ids:
         table[site_name(cid)] = site_acl(site_name(cid))

@@ -303,7 +303,7 @@ def test_large_payload_8mib_round_trip() -> None:
     payload = os.urandom(8 << 20)
 
     async def body() -> None:
-        broker = EmbeddedBroker(users=USERS)
+        broker = EmbeddedBroker(users=USERS, max_payload=16 << 20)
         async with broker, client(broker) as sub, client(broker, "site-1") as pub:
             await sub.subscribe("big", qos=1)
             await pub.publish("big", payload, qos=1)
@@ -321,7 +321,7 @@ def test_thirty_concurrent_clients_publish_1mib_each() -> None:
             await pub.publish(f"bulk/{i}", payloads[i], qos=1)
 
     async def body() -> None:
-        async with EmbeddedBroker(users=USERS) as broker:
+        async with EmbeddedBroker(users=USERS, max_payload=2 << 20) as broker:
             async with client(broker, max_queued_incoming_messages=0) as sub:
                 await sub.subscribe("bulk/#", qos=1)
                 await asyncio.gather(*(publish(broker, i) for i in range(30)))
@@ -576,7 +576,7 @@ def test_oversize_publish_is_refused_before_reading_it() -> None:
 def test_slow_consumer_is_dropped_and_others_keep_receiving() -> None:
     async def body() -> None:
         broker = EmbeddedBroker(users=USERS, max_queued_bytes=1 << 20,
-                                slow_consumer_timeout=0.5)
+                                slow_consumer_timeout=0.5, max_payload=2 << 20)
         async with broker, client(broker) as fast:
             await fast.subscribe("flood/#", qos=0)
             sock = socket.socket()
@@ -692,7 +692,8 @@ def test_tls(tmp_path: Path) -> None:
     payload = os.urandom(2 << 20)
 
     async def body() -> None:
-        async with EmbeddedBroker(users=USERS, ssl_context=server_ctx) as broker:
+        async with EmbeddedBroker(users=USERS, ssl_context=server_ctx,
+                                  max_payload=4 << 20) as broker:
             assert broker.url.startswith("mqtts://")
             async with aiomqtt.Client("localhost", broker.port, username="server",
                                       password=USERS["server"], tls_context=client_ctx) as c:

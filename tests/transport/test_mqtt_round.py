@@ -111,7 +111,7 @@ async def _intrude(port: int, users: dict[str, str], round_name: str) -> int:
         upstream = t.stage_upstream(2, Stage.MASKED_INPUT)
         honest = frame(b"\x93\xa3SA1\x02" + b"\x00" * 40)[0]
         for payload in (b"garbage", b"SGF1" + b"\x00" * 10, honest[:-3],
-                        frame(b"A" * (1 << 21), max_payload=1 << 22)[0], honest, honest):
+                        frame(b"A" * (200 << 10))[0], honest, honest):
             await site2.publish(upstream, payload, qos=1)
             sent += 1
         # denied by the ACL (acknowledged all the same; aiomqtt cannot tell)

@@ -1,8 +1,4 @@
-"""The embedded MQTT broker's errors, kept apart so every broker module can raise them.
-
-They live outside ``broker.py`` so that ``python -m transport.broker`` (which runs that file
-as ``__main__``) still catches the same classes the other broker modules raise.
-"""
+"""The embedded broker's errors, importable by every broker module without a cycle."""
 
 from __future__ import annotations
 
@@ -17,4 +13,3 @@ class BrokerConfigError(BrokerError, ValueError):
 
 class BrokerStartError(BrokerError, RuntimeError):
     """The broker could not bind or start (port in use, bad TLS context, ...)."""
-

@@ -1,15 +1,18 @@
 """MQTT 3.1.1 wire format for the embedded broker: packet types, fixed-header rules,
-remaining-length encoding, field decoders and the CONNECT payload.
+remaining-length encoding, field decoders, the CONNECT payload and the PUBLISH header.
 
-No I/O: ``transport.broker_connection`` reads the bytes and calls these. Every malformed
+No I/O: ``transport.broker.connection`` reads the bytes and calls these. Every malformed
 input raises :class:`ProtocolViolation`, which closes only the offending connection.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transport.mqtt_topics import validate_topic_name
+from .topics import validate_topic_name
+
+Buffer = bytes | bytearray | memoryview
 
 MQTT_MAX_REMAINING_LENGTH = 268_435_455
 """Largest remaining length the 4-byte MQTT varint can encode (256 MiB - 1)."""
@@ -83,18 +86,36 @@ def ack_packet(packet_type: int, packet_id: int, flags: int = 0) -> bytes:
 
 @dataclass(frozen=True)
 class Message:
-    """A routed PUBLISH; ``payload`` is shared (never copied) between all subscribers."""
+    """A routed PUBLISH. The payload is a tuple of buffers (a large body arrives in pieces,
+    never one allocation of a declared length) shared, never copied, by all subscribers."""
 
     topic: str
     topic_bytes: bytes
-    payload: bytes | memoryview
+    chunks: tuple[Buffer, ...]
+    size: int
     qos: int
     retain: bool
 
     @classmethod
-    def build(cls, topic: str, payload: bytes | memoryview, qos: int, retain: bool) -> Message:
-        return cls(topic, len(topic.encode()).to_bytes(2, "big") + topic.encode(), payload,
-                   qos, retain)
+    def build(cls, topic: str, payload: Buffer | Sequence[Buffer], qos: int,
+              retain: bool) -> Message:
+        chunks = ((payload,) if isinstance(payload, (bytes, bytearray, memoryview))
+                  else tuple(payload))
+        encoded = topic.encode()
+        return cls(topic, len(encoded).to_bytes(2, "big") + encoded, chunks,
+                   sum(len(c) for c in chunks), qos, retain)
+
+    @property
+    def payload(self) -> bytes:
+        """The payload as one bytes object (a copy: for wills, tests and small messages)."""
+        return b"".join(bytes(c) for c in self.chunks)
+
+    def header(self, qos: int, retain: bool, packet_id: int = 0, dup: bool = False) -> bytes:
+        """The PUBLISH fixed and variable header for sending this message at ``qos``."""
+        first = (PUBLISH << 4) | (int(dup) << 3) | (qos << 1) | int(retain)
+        remaining = len(self.topic_bytes) + self.size + (2 if qos else 0)
+        head = bytes([first]) + encode_remaining_length(remaining) + self.topic_bytes
+        return head + packet_id.to_bytes(2, "big") if qos else head
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """MQTT topic names and filters, wildcard matching, and the embedded broker's topic ACL.
 
-Pure functions and immutable values, no I/O: the broker (``transport.broker``) asks
-:class:`AclPolicy` whether a user may publish or subscribe; ``transport.mosquitto`` reuses
-:class:`TopicAcl` and :func:`validate_topic_filter` to write Mosquitto's ACL file.
+Pure functions and immutable values, no I/O: the broker asks :class:`AclPolicy` whether a
+user may publish, retain or subscribe; ``transport.mosquitto`` reuses :class:`TopicAcl` and
+:func:`validate_topic_filter` to write Mosquitto's ACL file.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from transport.broker_errors import BrokerConfigError
+from .errors import BrokerConfigError
 
 # One logger for the whole embedded broker, whichever module it lives in.
 logger = logging.getLogger("transport.broker")
 
-Action = Literal["publish", "subscribe"]
+Action = Literal["publish", "subscribe", "retain"]
 AclCallable = Callable[[str, Action, str], bool]
-"""``(username, action, topic_or_filter) -> allowed``; called for every PUBLISH/SUBSCRIBE."""
+"""``(username, action, topic_or_filter) -> allowed``; called for every PUBLISH/SUBSCRIBE,
+and with ``"retain"`` for a PUBLISH that asks the broker to retain it."""
 
 
 # --------------------------------------------------------------------------- topics
@@ -101,16 +102,21 @@ def filter_covers(pattern: str, topic_filter: str) -> bool:
 class TopicAcl:
     """Topic patterns one user may subscribe to (read) and publish to (write).
 
-    Patterns use MQTT wildcards; ``%u`` is replaced by the username and ``%c`` by the client
-    id (as in Mosquitto's ``pattern`` lines). A tuple ``(read_patterns, write_patterns)`` is
-    accepted wherever a ``TopicAcl`` is, in that order (Mosquitto's read/write).
+    ``retain`` lists the topics where this user may ask the broker to keep a retained message
+    (nowhere by default: a retained message outlives its sender, so only the topics the
+    layout needs allow it). Patterns use MQTT wildcards; ``%u`` is replaced by the username
+    and ``%c`` by the client id (as in Mosquitto's ``pattern`` lines), the latter only when
+    the client id is bound to the username (it is the username or starts with
+    ``<username>-``). A tuple ``(read_patterns, write_patterns)`` is accepted wherever a
+    ``TopicAcl`` is, in that order (Mosquitto's read/write).
     """
 
     subscribe: tuple[str, ...] = ()
     publish: tuple[str, ...] = ()
+    retain: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("subscribe", "publish"):
+        for name in ("subscribe", "publish", "retain"):
             value = getattr(self, name)
             if isinstance(value, str):
                 raise BrokerConfigError(
@@ -138,7 +144,13 @@ class TopicAcl:
         )
 
     def allows(self, action: Action, topic: str, username: str, client_id: str) -> bool:
-        """Whether ``username``/``client_id`` may publish to or subscribe with ``topic``."""
+        """Whether ``username``/``client_id`` may publish to, retain on or subscribe with
+        ``topic`` (retaining also needs the right to publish)."""
+        if action == "retain":
+            return (self.allows("publish", topic, username, client_id)
+                    and any(p is not None and topic_matches(p, topic)
+                            for p in (_substitute(r, username, client_id)
+                                      for r in self.retain)))
         patterns = self.publish if action == "publish" else self.subscribe
         for raw in patterns:
             pattern = _substitute(raw, username, client_id)
@@ -152,8 +164,17 @@ class TopicAcl:
         return False
 
 
+def client_id_bound(username: str, client_id: str) -> bool:
+    """Whether ``client_id`` belongs to ``username``: it is the username or
+    ``<username>-<suffix>`` (what the drivers use), so no other user can claim it."""
+    return bool(username) and (client_id == username or client_id.startswith(username + "-"))
+
+
 def _substitute(pattern: str, username: str, client_id: str) -> str | None:
-    """Expand ``%u``/``%c``; None when the value would inject a wildcard or a level."""
+    """Expand ``%u``/``%c``; None when the value would inject a wildcard or a level, or
+    when ``%c`` names a client id that is not bound to the username."""
+    if "%c" in pattern and not client_id_bound(username, client_id):
+        return None
     for token, value in (("%u", username), ("%c", client_id)):
         if token in pattern:
             if not value or any(ch in value for ch in "+#/"):

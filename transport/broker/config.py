@@ -1,0 +1,101 @@
+"""The embedded broker's limits and counters: every bound it enforces, in one place.
+
+Each limit is there because a client with one valid login (or none: raw bytes on a socket)
+could otherwise make the broker spend memory, CPU or other clients' time without bound;
+docs/deployment.md lists what each guarantees. ``BrokerLimits()`` are the defaults the CLI
+and ``secagg simulate`` use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import BrokerConfigError
+from .packets import MQTT_MAX_REMAINING_LENGTH
+
+DEFAULT_MAX_PAYLOAD = 256 << 10
+"""Largest PUBLISH payload by default: the transport's frames (``transport.framing``) are at
+most 256 KiB, so nothing the package sends is larger; raise it for other uses."""
+
+
+@dataclass(frozen=True)
+class BrokerLimits:
+    """Bounds on what any one client, user or the whole broker may hold.
+
+    Sizes are bytes, times seconds. ``max_queued_bytes`` is one subscriber's outbound queue:
+    a publisher whose message goes to a subscriber over it waits (TCP back-pressure) while
+    that subscriber makes progress, the other subscribers get the message at once, and a
+    subscriber that makes no progress for ``slow_consumer_timeout`` seconds, or whose queue
+    passes twice the limit, is disconnected.
+    """
+
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+    max_connect_packet: int = 16 << 10
+    max_control_packet: int = 64 << 10
+    connect_timeout: float = 10.0
+    packet_timeout: float = 30.0
+    max_keepalive: int = 300
+    max_queued_bytes: int = 16 << 20
+    slow_consumer_timeout: float = 10.0
+    max_inflight: int = 64
+    max_session_queue: int = 1000
+    max_connections: int = 4096
+    max_connections_per_user: int = 64
+    max_pending_logins: int = 256
+    max_subscriptions: int = 64
+    max_subscriptions_total: int = 100_000
+    max_retained_per_user: int = 16
+    max_retained_bytes_per_user: int = 4 << 20
+    max_retained_total: int = 10_000
+    max_sessions_per_user: int = 16
+    login_failure_delay: float = 0.25
+    login_failure_max_delay: float = 5.0
+    packets_per_yield: int = 16
+
+    def __post_init__(self) -> None:
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if not value > 0:
+                raise BrokerConfigError(f"BrokerLimits.{spec.name} must be positive, got "
+                                        f"{value!r}")
+        if self.max_payload > MQTT_MAX_REMAINING_LENGTH:
+            raise BrokerConfigError(
+                f"max_payload must be in 1..{MQTT_MAX_REMAINING_LENGTH} (the MQTT maximum), "
+                f"got {self.max_payload}")
+        if self.max_keepalive > 0xFFFF:
+            raise BrokerConfigError("max_keepalive must be at most 65535 s (the MQTT field)")
+
+    def replace(self, **changes: object) -> BrokerLimits:
+        """A copy with ``changes``; unknown names are a configuration error."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise BrokerConfigError(f"unknown broker limits {unknown}; known: {sorted(names)}")
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass
+class BrokerStats:
+    """Counters for reports: payload bytes only (headers excluded), messages per direction."""
+
+    connections_total: int = 0
+    connections_current: int = 0
+    connections_refused: int = 0
+    messages_in: int = 0
+    bytes_in: int = 0
+    messages_out: int = 0
+    bytes_out: int = 0
+    messages_dropped: int = 0
+    retained_messages: int = 0
+    retain_denials: int = 0
+    auth_failures: int = 0
+    acl_denials: int = 0
+    protocol_errors: int = 0
+    slow_consumers_dropped: int = 0
+    wills_published: int = 0
+    redelivered: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """JSON-friendly copy for benchmark and simulation reports."""
+        return dataclasses.asdict(self)

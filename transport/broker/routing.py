@@ -1,0 +1,178 @@
+"""Routing of the embedded broker: an indexed subscription tree, the retained store, fan-out.
+
+:class:`SubscriptionIndex` is a tree on topic levels (``+`` and ``#`` are children like any
+other level), so matching a topic costs its depth times the wildcards on the way, not one
+comparison per subscription in the broker. :class:`RetainedStore` keeps retained messages
+with an owner each and caps them per user and overall. :class:`Router` delivers a message to
+every matching session without ever waiting for one of them; only the publisher waits, and
+only for a subscriber that is over its queue limit and still draining.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from .config import BrokerLimits, BrokerStats
+from .packets import Message
+from .session import Session
+
+logger = logging.getLogger("transport.broker")
+
+
+class _Node:
+    __slots__ = ("children", "sessions")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Node] = {}
+        self.sessions: dict[Session, int] = {}
+
+
+class SubscriptionIndex:
+    """Topic filter tree: ``match(topic)`` -> {session: highest granted QoS}."""
+
+    def __init__(self) -> None:
+        self._root = _Node()
+        self.count = 0
+
+    def add(self, topic_filter: str, session: Session, qos: int) -> None:
+        node = self._root
+        for level in topic_filter.split("/"):
+            node = node.children.setdefault(level, _Node())
+        if session not in node.sessions:
+            self.count += 1
+        node.sessions[session] = qos
+
+    def remove(self, topic_filter: str, session: Session) -> None:
+        path = [self._root]
+        levels = topic_filter.split("/")
+        for level in levels:
+            child = path[-1].children.get(level)
+            if child is None:
+                return
+            path.append(child)
+        if path[-1].sessions.pop(session, None) is not None:
+            self.count -= 1
+        for depth in range(len(levels), 0, -1):  # prune empty branches
+            node = path[depth]
+            if node.sessions or node.children:
+                break
+            del path[depth - 1].children[levels[depth - 1]]
+
+    def match(self, topic: str) -> dict[Session, int]:
+        levels = topic.split("/")
+        out: dict[Session, int] = {}
+        dollar = levels[0].startswith("$")
+
+        def take(node: _Node) -> None:
+            for session, qos in node.sessions.items():
+                if out.get(session, -1) < qos:
+                    out[session] = qos
+
+        def walk(node: _Node, depth: int) -> None:
+            # Spec 4.7.2: wildcards at the first level never match $-topics ($SYS, ...).
+            wild = not (dollar and depth == 0)
+            hash_node = node.children.get("#") if wild else None
+            if hash_node is not None:
+                take(hash_node)  # '#' also matches the parent level itself
+            if depth == len(levels):
+                take(node)
+                return
+            child = node.children.get(levels[depth])
+            if child is not None:
+                walk(child, depth + 1)
+            plus = node.children.get("+") if wild else None
+            if plus is not None:
+                walk(plus, depth + 1)
+
+        walk(self._root, 0)
+        return out
+
+
+class RetainedStore:
+    """Retained messages, each owned by the user who set it, capped per user and overall."""
+
+    def __init__(self, limits: BrokerLimits) -> None:
+        self._limits = limits
+        self._messages: dict[str, tuple[Message, str]] = {}
+        self._count: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def items(self) -> list[tuple[str, Message]]:
+        return [(topic, message) for topic, (message, _) in self._messages.items()]
+
+    def set(self, message: Message, owner: str) -> bool:
+        """Keep (or, with an empty payload, clear) the retained message of its topic; False
+        when ``owner`` is at its cap or the store is full."""
+        old = self._messages.get(message.topic)
+        old_owned = old is not None and old[1] == owner
+        if message.size:
+            limits = self._limits
+            count = self._count.get(owner, 0) + (0 if old_owned else 1)
+            size = (self._bytes.get(owner, 0) + message.size
+                    - (old[0].size if old_owned and old is not None else 0))
+            total = len(self._messages) + (0 if old is not None else 1)
+            if (count > limits.max_retained_per_user
+                    or size > limits.max_retained_bytes_per_user
+                    or total > limits.max_retained_total):
+                return False
+        if old is not None:
+            self._release(old[0], old[1])
+            del self._messages[message.topic]
+        if message.size:
+            self._messages[message.topic] = (message, owner)
+            self._count[owner] = self._count.get(owner, 0) + 1
+            self._bytes[owner] = self._bytes.get(owner, 0) + message.size
+        return True
+
+    def _release(self, message: Message, owner: str) -> None:
+        self._count[owner] -= 1
+        self._bytes[owner] -= message.size
+        if not self._count[owner]:
+            del self._count[owner], self._bytes[owner]
+
+
+class Router:
+    """Fans a message out to the matching sessions; drops subscribers that stop draining."""
+
+    def __init__(self, limits: BrokerLimits, stats: BrokerStats,
+                 drop_slow: Callable[[Session], None]) -> None:
+        self.limits = limits
+        self.stats = stats
+        self.index = SubscriptionIndex()
+        self.retained = RetainedStore(limits)
+        self._drop_slow = drop_slow
+
+    def deliver(self, session: Session, message: Message, qos: int, retain: bool) -> None:
+        if session.deliver(message, qos, retain):
+            self.stats.messages_out += 1
+            self.stats.bytes_out += message.size
+        else:
+            self.stats.messages_dropped += 1
+        if session.connection is not None and session.over(2.0):
+            self._drop_slow(session)
+
+    def fan_out(self, message: Message) -> list[Session]:
+        """Queue ``message`` for every matching session now; returns the sessions that are
+        over their limit (a publisher may wait for them with :meth:`wait_for`)."""
+        late = []
+        for session, qos in self.index.match(message.topic).items():
+            self.deliver(session, message, min(qos, message.qos), retain=False)
+            if session.connection is not None and session.over():
+                late.append(session)
+        return late
+
+    async def wait_for(self, session: Session) -> None:
+        """Wait while ``session`` is over its limit and keeps making progress; drop it once
+        it made none for ``slow_consumer_timeout`` seconds."""
+        timeout = self.limits.slow_consumer_timeout
+        while session.connection is not None and session.over():
+            remaining = session.progress_at + timeout - time.monotonic()
+            if remaining <= 0:
+                self._drop_slow(session)
+                return
+            await session.wait_progress(remaining)
