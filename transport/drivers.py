@@ -177,6 +177,7 @@ class ServerDriver:
         self._tasks: set[asyncio.Task[None]] = set()
         self._deadlines = {s.label: self.timeouts.deadline(s)
                            for s in _stages(server.config.malicious)}
+        self._stage_kinds = frozenset(self._deadlines)
 
     # -- public ----------------------------------------------------------------------
 
@@ -315,10 +316,19 @@ class ServerDriver:
             return
         kind, cid = parsed
         stage = stage_of(kind)
+        if cid not in self.server.roster or (
+                kind not in self._stage_kinds if stage is not None else
+                kind not in (OFFLINE, ABORT)):
+            # Dropped before any buffering: a site (even one outside the roster) may write
+            # any <kind> under its own name, and must not make the server keep anything.
+            self.invalid_payloads += 1
+            logger.debug("server: message from client %d on kind %r dropped", cid, kind)
+            return
         limit = None if stage is not None else MAX_CONTROL_BYTES
         now = asyncio.get_running_loop().time()
         try:
-            message = self._reassembler.feed((cid, kind), event.payload, now, limit)
+            message = self._reassembler.feed((cid, kind), event.payload, now, limit,
+                                             quota=cid)
         except FrameError as exc:
             self.invalid_payloads += 1
             logger.warning("server: invalid payload from client %d on %s dropped: %s", cid,
@@ -523,6 +533,9 @@ class ClientDriver:
             kind = parsed[1]
         if not event.payload:
             return  # a cleared retained message
+        if kind not in ("control", RECEIPT) and stage_of(kind) is None:
+            logger.warning("client %d: message of unknown kind %r dropped", cid, kind)
+            return
         if kind != "control":
             self._server_lost_at = None  # the server is publishing: it is there
         is_stage = stage_of(kind) is not None

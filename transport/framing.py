@@ -56,13 +56,38 @@ def message_id(message: bytes) -> bytes:
     return hashlib.sha256(message).digest()
 
 
+CHUNK_OVERHEAD = 128
+"""Bytes charged per buffered chunk on top of its length (the bytes object, the dict slot):
+what a sender pays for tiny chunks is what they really cost in memory."""
+PARTIAL_OVERHEAD = 512
+"""Bytes charged per incomplete message (its bookkeeping)."""
+
+
 @dataclass
 class _Partial:
     total: int
     count: int
+    step: int  # the length of every chunk but the last
     created: float
     chunks: dict[int, bytes] = field(default_factory=dict)
     size: int = 0
+    charged: int = PARTIAL_OVERHEAD
+
+
+def _chunk_step(index: int, count: int, total: int, length: int) -> int:
+    """The full chunk size a well-formed chunk set has, from one of its chunks; raises
+    ``FrameError`` when no sender using full-size chunks could have produced it."""
+    if index < count - 1:
+        step = length
+    else:  # the last chunk: the others share total - length bytes equally
+        rest = total - length
+        if rest <= 0 or rest % (count - 1):
+            raise FrameError("chunks are not full-size (the last chunk does not fit)")
+        step = rest // (count - 1)
+    if step <= 0 or -(-total // step) != count or total - step * (count - 1) <= 0:
+        raise FrameError(f"chunk of {length} bytes does not fit {count} full-size chunks of "
+                         f"a {total}-byte message")
+    return step
 
 
 @dataclass(frozen=True)
@@ -76,33 +101,59 @@ class Reassembled:
 class Reassembler:
     """Collects frames per sender and returns each message when it is complete.
 
-    ``max_message_bytes`` bounds one message (callers pass the largest valid message for the
-    topic); at most ``max_partial`` incomplete messages are kept per sender (the oldest is
-    evicted) and ``max_buffered_bytes`` overall; incomplete messages older than ``ttl``
-    seconds are discarded.
+    Bounds (a sender that breaks them loses only its own partial messages):
+
+    * ``max_message_bytes`` per message (callers pass the largest valid message for the
+      topic, or a smaller ``max_message_bytes`` per call);
+    * per quota key (``quota``, by default the sender): at most ``max_partial`` incomplete
+      messages (its oldest is evicted) and ``max_sender_bytes`` bytes charged, each chunk
+      counting its length plus ``CHUNK_OVERHEAD`` and each message ``PARTIAL_OVERHEAD``;
+    * ``max_buffered_bytes`` charged overall;
+    * incomplete messages older than ``ttl`` seconds are discarded, oldest first, in
+      constant time per expired message.
+
+    Chunk sets must use full-size chunks: every chunk but the last has the same length and
+    the count is what that length implies (what :func:`frame` produces).
     """
 
     def __init__(self, max_message_bytes: int, *, max_partial: int = 4,
-                 max_buffered_bytes: int = 512 << 20, ttl: float = 120.0) -> None:
+                 max_buffered_bytes: int = 512 << 20, max_sender_bytes: int | None = None,
+                 ttl: float = 120.0) -> None:
         if max_message_bytes <= 0 or max_partial <= 0 or max_buffered_bytes <= 0:
             raise ValueError("Reassembler limits must be positive")
         self.max_message_bytes = max_message_bytes
         self.max_partial = max_partial
         self.max_buffered_bytes = max_buffered_bytes
+        self.max_sender_bytes = (max_sender_bytes if max_sender_bytes is not None else
+                                 max_partial * (max_message_bytes + PARTIAL_OVERHEAD)
+                                 + CHUNK_OVERHEAD * 1024)
         self.ttl = ttl
-        self._partial: dict[Hashable, OrderedDict[bytes, _Partial]] = {}
+        self._partial: dict[tuple[Hashable, bytes], tuple[Hashable, _Partial]] = {}
+        self._by_quota: dict[Hashable, OrderedDict[tuple[Hashable, bytes], None]] = {}
+        self._charged: dict[Hashable, int] = {}
+        self._expiry: OrderedDict[tuple[Hashable, bytes], float] = OrderedDict()
         self._buffered = 0
+        self._charged_total = 0
 
     @property
     def buffered_bytes(self) -> int:
+        """Chunk bytes held in incomplete messages."""
         return self._buffered
 
+    @property
+    def charged_bytes(self) -> int:
+        """What the quotas count: chunk bytes plus per-chunk and per-message overhead."""
+        return self._charged_total
+
     def feed(self, sender: Hashable, data: bytes, now: float,
-             max_message_bytes: int | None = None) -> Reassembled | None:
+             max_message_bytes: int | None = None, *,
+             quota: Hashable | None = None) -> Reassembled | None:
         """Add one frame from ``sender``; the message if this frame completed it.
 
-        Raises ``FrameError`` for a frame that is malformed, oversized, or inconsistent
-        with the other frames of its message (that message's partial set is discarded).
+        ``quota`` names whose quota the buffered bytes count against (default ``sender``;
+        the server passes the client, whatever topic the frame came on). Raises
+        ``FrameError`` for a frame that is malformed, oversized, not full-size, or
+        inconsistent with the other frames of its message (that message is discarded).
         """
         limit = self.max_message_bytes if max_message_bytes is None else max_message_bytes
         if len(data) < HEADER_BYTES:
@@ -125,47 +176,80 @@ class Reassembler:
                 raise FrameError("message does not match its sha256")
             return Reassembled(digest, bytes(chunk))
         self._expire(now)
-        sets = self._partial.setdefault(sender, OrderedDict())
-        partial = sets.get(digest)
-        if partial is None:
-            if len(sets) >= self.max_partial:
-                _, evicted = sets.popitem(last=False)
-                self._buffered -= evicted.size
-            partial = sets[digest] = _Partial(total, count, now)
-        elif partial.total != total or partial.count != count:
-            self._discard(sender, digest)
-            raise FrameError("chunk disagrees with earlier chunks of its message")
+        owner = sender if quota is None else quota
+        key = (sender, digest)
+        entry = self._partial.get(key)
+        if entry is None:
+            step = _chunk_step(index, count, total, len(chunk))
+            partial = self._open(owner, key, _Partial(total, count, step, now))
+        else:
+            partial = entry[1]
+            if partial.total != total or partial.count != count:
+                self._discard(key)
+                raise FrameError("chunk disagrees with earlier chunks of its message")
+        expected = partial.step if index < count - 1 else total - partial.step * (count - 1)
+        if len(chunk) != expected:
+            self._discard(key)
+            raise FrameError(f"chunk {index} has {len(chunk)} bytes, not the {expected} "
+                             "full-size chunking gives")
         if index in partial.chunks:
             return None  # a duplicate chunk (QoS 1 redelivery or re-publish)
-        if partial.size + len(chunk) > total:
-            self._discard(sender, digest)
-            raise FrameError("chunks add up to more than the message length")
-        if self._buffered + len(chunk) > self.max_buffered_bytes:
-            self._discard(sender, digest)
-            raise FrameError(f"reassembly buffers are full ({self._buffered} bytes)")
+        cost = len(chunk) + CHUNK_OVERHEAD
+        if self._charged[owner] + cost > self.max_sender_bytes:
+            self._discard(key)
+            raise FrameError(f"the sender's reassembly quota ({self.max_sender_bytes} bytes) "
+                             "is used up")
+        if self._charged_total + cost > self.max_buffered_bytes:
+            self._discard(key)
+            raise FrameError(f"reassembly buffers are full ({self._charged_total} bytes)")
         partial.chunks[index] = bytes(chunk)
         partial.size += len(chunk)
+        partial.charged += cost
         self._buffered += len(chunk)
+        self._charged[owner] += cost
+        self._charged_total += cost
         if len(partial.chunks) < count:
             return None
-        self._discard(sender, digest)
+        self._discard(key)
         payload = b"".join(partial.chunks[i] for i in range(count))
-        if len(payload) != total or hashlib.sha256(payload).digest() != digest:
+        if hashlib.sha256(payload).digest() != digest:
             raise FrameError("reassembled message does not match its length and sha256")
         return Reassembled(digest, payload)
 
-    def _discard(self, sender: Hashable, digest: bytes) -> None:
-        sets = self._partial.get(sender)
-        if sets is None:
+    def _open(self, owner: Hashable, key: tuple[Hashable, bytes],
+              partial: _Partial) -> _Partial:
+        mine = self._by_quota.setdefault(owner, OrderedDict())
+        while len(mine) >= self.max_partial:
+            self._discard(next(iter(mine)))  # the sender's own oldest goes
+            mine = self._by_quota.setdefault(owner, OrderedDict())
+        if self._charged.get(owner, 0) + PARTIAL_OVERHEAD > self.max_sender_bytes:
+            raise FrameError(f"the sender's reassembly quota ({self.max_sender_bytes} bytes) "
+                             "is used up")
+        mine[key] = None
+        self._partial[key] = (owner, partial)
+        self._expiry[key] = partial.created
+        self._charged[owner] = self._charged.get(owner, 0) + PARTIAL_OVERHEAD
+        self._charged_total += PARTIAL_OVERHEAD
+        return partial
+
+    def _discard(self, key: tuple[Hashable, bytes]) -> None:
+        entry = self._partial.pop(key, None)
+        if entry is None:
             return
-        partial = sets.pop(digest, None)
-        if partial is not None:
-            self._buffered -= partial.size
-        if not sets:
-            del self._partial[sender]
+        owner, partial = entry
+        self._expiry.pop(key, None)
+        self._buffered -= partial.size
+        self._charged_total -= partial.charged
+        self._charged[owner] -= partial.charged
+        mine = self._by_quota[owner]
+        del mine[key]
+        if not mine:
+            del self._by_quota[owner], self._charged[owner]
 
     def _expire(self, now: float) -> None:
-        for sender in list(self._partial):
-            for digest, partial in list(self._partial[sender].items()):
-                if now - partial.created > self.ttl:
-                    self._discard(sender, digest)
+        expiry = self._expiry
+        while expiry:
+            key, created = next(iter(expiry.items()))
+            if now - created <= self.ttl:
+                return
+            self._discard(key)
