@@ -72,3 +72,17 @@ def uniform_below(source: RandomSource, bound: int, n: int) -> U64:
         out[pending[ok]] = w[ok] % b
         pending = pending[~ok]
     return out
+
+
+def secure_normal(source: RandomSource, n: int) -> npt.NDArray[np.float64]:
+    """``n`` standard normal floats from ``source`` (Box-Muller on 53-bit uniforms), each
+    the sum of four draws over 2 (Holohan & Braghin 2021, the remedy Opacus' ``secure_mode``
+    uses against floating-point attacks on the Gaussian mechanism)."""
+    m = 4 * n
+    pairs = (m + 1) // 2
+    words = uniform_words(source, 2 * pairs)
+    u = ((words >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # in (0, 1)
+    radius = np.sqrt(-2.0 * np.log(u[:pairs]))
+    angle = 2.0 * np.pi * u[pairs:]
+    normals = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:m]
+    return normals.reshape(4, n).sum(axis=0) / 2.0

@@ -90,6 +90,10 @@ class RoundTask:
     """Distributed DP: the round's integer encoding (its public rotation included)."""
     max_units: int | None = None
     """Distributed DP: the public bound on a site's sampled units the modulus was sized for."""
+    target_quantile: float | None = None
+    count_stddev: float | None = None
+    """Site DP with private adaptive clipping (Andrew et al. 2021): the clip's target
+    quantile and the noise of the clip count (accounted jointly, dp.budget.GaussianRound)."""
 
     @property
     def bits(self) -> int:
@@ -140,7 +144,8 @@ class RoundTask:
             noise_multiplier=_float(body, "noise_multiplier"),
             clip_norm=_float(body, "clip_norm", low_open=True),
             sample_rate=_float(body, "sample_rate", 0, 1, low_open=True),
-            steps=_int(body, "steps", 1, 1 << 20), params=params, max_units=max_units)
+            steps=_int(body, "steps", 1, 1 << 20), params=params, max_units=max_units,
+            **_adaptive(body))
 
 
 def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: int, *,
@@ -154,7 +159,8 @@ def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: i
     if isinstance(plan, SiteDpPlan):
         return replace(task, noise_multiplier=plan.noise_multiplier,
                         clip_norm=plan.clip_norm, sample_rate=plan.sample_rate,
-                        steps=plan.steps)
+                        steps=plan.steps, target_quantile=plan.target_quantile,
+                        count_stddev=plan.count_stddev)
     if isinstance(plan, DistributedPlan):
         return replace(task, params=plan.codec(s.seed, round_number).params,
                         sample_rate=plan.sample_rate, max_units=max_units)
@@ -188,7 +194,9 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
     if task.mode == "site":
         delta = trainer.site_dp_update(
             model, layout, noise_multiplier=task.noise_multiplier, clip_norm=task.clip_norm,
-            sample_rate=task.sample_rate, steps=task.steps, lr=task.lr, unit=task.unit)
+            sample_rate=task.sample_rate, steps=task.steps, lr=task.lr, unit=task.unit,
+            **({} if task.count_stddev is None else {
+                "target_quantile": task.target_quantile, "count_stddev": task.count_stddev}))
         weight = 1  # uniform: a site's count is not protected in site mode
     else:
         delta = trainer.fedavg_update(model, layout, epochs=task.local_epochs, lr=task.lr,
@@ -244,6 +252,17 @@ def scaler_from_sum(total: U64, num_features: int, sites: int) -> Scaler:
 def _int(body: Mapping[str, Any], key: str, low: int, high: int) -> int:
     value = body.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+def _adaptive(body: Mapping[str, Any]) -> dict[str, float]:
+    """Adaptive clipping's two fields: both or neither."""
+    if body.get("target_quantile") is None and body.get("count_stddev") is None:
+        return {}
+    quantile = _float(body, "target_quantile", 0, 1, low_open=True)
+    if quantile >= 1:
+        raise TaskError("task field 'target_quantile' must be below 1")
+    return {"target_quantile": quantile,
+            "count_stddev": _float(body, "count_stddev", low_open=True)}
+
+
         raise TaskError(f"task field {key!r} must be an integer in [{low}, {high}]")
     return value
 

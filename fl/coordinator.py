@@ -3,13 +3,15 @@
 Per round (McMahan et al. 2017, FedAvg, with the privacy modes of docs/privacy.md):
 
 1. draw the cohort (seeded: public) and ask the budget whether the round fits; the round
-   that would exceed it is not run and training stops (docs/architecture.md section 6);
+   that would exceed it is not run and training stops (docs/architecture.md section 6).
+   Otherwise its cost is spent and checkpointed *before* aggregation (write-ahead: a crash
+   after unmasking never leaves a released round uncounted);
 2. every cohort site computes its update and encodes it with its sample count
    (:mod:`fl.codec`); only that vector goes to secure aggregation (:mod:`fl.aggregation`);
 3. if the protocol aborts (fewer than ``threshold`` sites survived) the round is retried with
-   fresh inputs: nothing was released, so nothing is spent;
-4. decode the sum, average, update the global model, spend the round's privacy event,
-   evaluate on the held-out set, write a checkpoint.
+   fresh inputs: nothing was released, so the one charge covers the retries;
+4. decode the sum, average, update the global model, evaluate on the held-out set, write
+   a checkpoint.
 
 In simulation the coordinator can also see every site's encoded input (they live in this
 process), and with ``verify`` it checks each aggregate against the plaintext modular sum of
@@ -31,7 +33,14 @@ from dp.budget import PrivacyBudget
 from fl import checkpoint as ckpt
 from fl.aggregation import AggregateOutcome, Aggregator
 from fl.contribution import Decoder, RoundTask, decoder, round_task, site_input
-from fl.privacy import DistributedPlan, Plan, event_to_json, restore_budget
+from fl.privacy import (
+    DistributedPlan,
+    Plan,
+    event_to_json,
+    make_budget,
+    release_record,
+    restore_budget,
+)
 from fl.settings import TrainSettings
 from fl.site import Site
 from fl.vector import ParameterLayout
@@ -126,8 +135,8 @@ class Coordinator:
         self.round = 0
         self.stopped: str | None = None
         self.budget: PrivacyBudget | None = None
-        if plan.mode != "none" and settings.epsilon is not None:
-            self.budget = PrivacyBudget(settings.epsilon, settings.delta)
+        if plan.mode != "none":  # always accounted; capped only by --epsilon
+            self.budget = make_budget(settings.epsilon, settings.delta, settings.accountant)
         cohort = settings.cohort_size
         self.secagg = Config(num_clients=cohort, dim=1, bits=64)
         self.threshold = int(self.secagg.threshold or cohort)
@@ -141,7 +150,8 @@ class Coordinator:
         self.events = list(saved.events)
         self.stopped = saved.stopped
         if self.budget is not None:
-            self.budget = restore_budget(self.budget.epsilon, self.budget.delta, self.events)
+            self.budget = restore_budget(self.settings.epsilon, self.settings.delta,
+                                         self.events, self.settings.accountant)
 
     def save(self) -> None:
         if self.settings.checkpoint is None:
@@ -180,6 +190,13 @@ class Coordinator:
             return False
         started = time.perf_counter()
         cohort = self._cohort(r)
+        spent_before = self.budget.spent[0] if self.budget is not None else None
+        if self.budget is not None and event is not None:
+            # Write-ahead: the round's cost is on record (checkpoint) before any sum can be
+            # released; a crash after unmasking cannot leave it uncounted.
+            self.budget.spend(event)
+            self.events.append(event_to_json(event))
+            self.save()
         done = self._aggregate(r, cohort)
         outcome, config, inputs = done.outcome, done.config, done.inputs
         correct = None
@@ -199,9 +216,6 @@ class Coordinator:
         update, count = done.decode(outcome.total, len(outcome.included))
         vector = self.layout.to_vector(self.model) + s.server_lr * update
         self.layout.load(self.model, vector)
-        if self.budget is not None and event is not None:
-            self.budget.spend(event)
-            self.events.append(event_to_json(event))
         epsilon, delta = self.budget.spent if self.budget is not None else (None, None)
         acc, loss = evaluate(self.model, *self.test) if self.test is not None else (None, None)
         row = {"round": r, "accuracy": acc, "loss": loss, "epsilon": epsilon, "delta": delta,
@@ -210,7 +224,9 @@ class Coordinator:
                "attempts": done.attempts, "aggregate_correct": correct,
                "count": count, "seconds": time.perf_counter() - started,
                "bytes_per_site": (int(np.median(list(outcome.bytes_sent.values())))
-                                  if outcome.bytes_sent else 0)}
+                                  if outcome.bytes_sent else 0),
+               "release": release_record(self.plan, r, sorted(outcome.included), event,
+                                         spent_before, epsilon, done.attempts)}
         self.history.append(row)
         self.round = r
         self.save()

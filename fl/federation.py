@@ -19,13 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from dp.audit import run_json
+from dp.budget import event_from_json
 from fl import checkpoint as ckpt
 from fl.aggregation import Aggregator, Tap, open_aggregator
 from fl.contribution import scaler_from_sum, scaler_input
 from fl.coordinator import Coordinator, RoundCapture, evaluate
 from fl.data import Table, dirichlet_split, load_csv, load_dataset, split_patients
 from fl.models import make_model
-from fl.privacy import NoPrivacy, Plan, distributed_plan, site_plan
+from fl.privacy import DEFAULT_MAX_UNITS, NoPrivacy, Plan, distributed_plan, schedule, site_plan
 from fl.settings import TrainSettings
 from fl.site import Scaler, Site
 from fl.vector import ParameterLayout
@@ -55,8 +57,11 @@ def load_split(settings: TrainSettings) -> Split:
 
 
 def uses_scaler(settings: TrainSettings, table: Table) -> bool:
+    """Whether to scale with an exact secure sum of feature statistics. Never by default in
+    the DP modes: that sum is not covered by epsilon (``--scaling secure`` with ``--dp`` is
+    refused by :class:`TrainSettings`); use pre-scaled data there."""
     if settings.scaling == "auto":
-        return not table.standardized
+        return not table.standardized and settings.dp == "none"
     return settings.scaling == "secure"
 
 
@@ -71,22 +76,18 @@ def secure_scaler(sites: dict[int, Site], aggregator: Aggregator) -> Scaler:
 
 def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim: int,
               threshold: int, *, max_units: int | None = None) -> Plan:
-    """The privacy plan. Distributed DP sizes the modulus for the largest site: its unit
-    count comes from ``sites`` (simulation) or ``max_units`` (a public bound the federation
-    agrees on when the sites are other processes)."""
+    """The privacy plan. Distributed DP sizes the modulus for a *public* bound on the units
+    a site sums (``max_units``, ``--max-units``, else :data:`fl.privacy.DEFAULT_MAX_UNITS`),
+    never for a site's actual patient count: ``bits`` is published. ``sites`` is unused."""
     if settings.dp == "site":
         return site_plan(epsilon=settings.epsilon, delta=settings.delta,
                          sample_rate=settings.sample_rate, steps=settings.steps_per_round,
                          rounds=settings.rounds, clip_norm=settings.clip_norm,
-                         noise_multiplier=settings.noise_multiplier)
+                         noise_multiplier=settings.noise_multiplier,
+                         accountant=settings.accountant, target_quantile=settings.adaptive_clip,
+                         count_stddev=settings.clip_count_stddev)
     if settings.dp == "distributed":
-        if max_units is None:
-            if not sites:
-                raise ValueError("distributed DP needs a bound on the units per site "
-                                 "(--max-units)")
-            max_units = max((s.num_patients if settings.unit == "patient" else s.num_records)
-                            for s in sites.values())
-        units = max_units
+        units = max_units or settings.max_units or DEFAULT_MAX_UNITS
         return distributed_plan(model_dim=model_dim, epsilon=settings.epsilon,
                                 delta=settings.delta, sample_rate=settings.sample_rate,
                                 rounds=settings.rounds, clip_norm=settings.clip_norm,
@@ -94,6 +95,41 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
                                 max_units_per_site=units,
                                 noise_multiplier=settings.noise_multiplier)
     return NoPrivacy()
+
+
+def federation_plan(settings: TrainSettings, num_features: int, num_classes: int
+                    ) -> tuple[int, int, Plan]:
+    """``(model parameters, secagg threshold, privacy plan)`` of a run: what ``secagg train
+    --plan`` prints and what the run uses."""
+    model = make_model(settings.model, num_features, num_classes, settings.seed)
+    dim = ParameterLayout.of(model).size
+    threshold = int(Config(num_clients=settings.cohort_size, dim=1).threshold or 2)
+    return dim, threshold, make_plan(settings, None, dim, threshold)
+
+
+def plan_warnings(settings: TrainSettings, split: Split) -> list[str]:
+    from dp.accounting import check_delta
+
+    if settings.dp == "none":
+        return []
+    units = split.train.num_patients if settings.unit == "patient" else len(split.train)
+    warning = check_delta(settings.delta, units)
+    return [warning] if warning else []
+
+
+def privacy_plan(settings: TrainSettings) -> dict[str, Any]:
+    """The run's privacy plan without training (``secagg train --plan``): mode, mechanism,
+    noise, thresholds, the rounds the budget affords and epsilon after each round."""
+    split = load_split(settings)
+    dim, threshold, plan = federation_plan(settings, split.train.num_features,
+                                           split.train.num_classes)
+    out = schedule(plan, rounds=settings.rounds, epsilon=settings.epsilon,
+                   delta=settings.delta, accountant=settings.accountant, threshold=threshold)
+    out.update(description=plan.describe(), model_parameters=dim, sites=settings.sites,
+               cohort=settings.cohort_size, warnings=plan_warnings(settings, split),
+               feature_scaling=("exact secure sum (no DP: --dp none)"
+                                if uses_scaler(settings, split.train) else "none"))
+    return out
 
 
 def tensors(table: Table, scaler: Scaler | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +164,8 @@ def report(settings: TrainSettings, plan: Plan, threshold: int, dim: int,
     final = coordinator.history[-1] if coordinator.history else {}
     return {"settings": {k: v for k, v in vars(settings).items()},
             "privacy": plan.describe(), "threshold": threshold, "model_parameters": dim,
+            "releases": [row["release"] for row in coordinator.history if "release" in row],
+            "dp_events": run_json([event_from_json(e) for e in coordinator.events]),
             "rounds": coordinator.history, "stopped": coordinator.stopped,
             "final_accuracy": final.get("accuracy"), "final_epsilon": final.get("epsilon"),
             "model": coordinator.layout.to_vector(model).tolist()}
@@ -147,16 +185,13 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
             scaler = Scaler(np.asarray(saved.scaler["mean"]), np.asarray(saved.scaler["std"]))
         elif uses_scaler(settings, split.train):
             scaler = secure_scaler(raw_sites, aggregator)
-            if settings.dp != "none":
-                say("note: feature scaling statistics come from an exact secure sum that the "
-                    "privacy budget does not cover; use --scaling none or pre-scaled data for "
-                    "a guarantee that covers every release")
         sites = {cid: Site(cid, s.table, scaler) for cid, s in raw_sites.items()}
         model = make_model(settings.model, split.train.num_features, split.train.num_classes,
                            settings.seed)
-        dim = ParameterLayout.of(model).size
-        threshold = int(Config(num_clients=settings.cohort_size, dim=1).threshold or 2)
-        plan = make_plan(settings, sites, dim, threshold)
+        dim, threshold, plan = federation_plan(settings, split.train.num_features,
+                                               split.train.num_classes)
+        for warning in plan_warnings(settings, split):
+            say(f"warning: {warning}")
         say(f"{settings.sites} sites ({', '.join(str(len(s.table)) for s in sites.values())} "
             f"records), test {len(split.test)} records, model {settings.model} ({dim} "
             f"parameters), broker {aggregator.name}, threshold {threshold}")

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dp.budget import GaussianRound, PrivacyBudget, RdpRound
-from dp.distributed import calibrate, choose_bits, noise_for_budget, round_rdp
+from dp.audit import distributed_event
+from dp.budget import GaussianRound, PrivacyBudget, RdpRound, event_from_json
+from dp.budget import event_to_json as event_to_json  # re-exported for checkpoints
+from dp.distributed import calibrate, choose_bits, noise_for_budget
 from dp.encoding import EncodingParams
+from dp.policy import Charge, Ledger, PolicyRefused, Proposal, SitePolicy
 from fl.codec import DistributedCodec
 
 Event = GaussianRound | RdpRound
@@ -41,19 +45,29 @@ class NoPrivacy:
 
 @dataclass(frozen=True)
 class SiteDpPlan:
+    """``noise_multiplier`` is the update's; with adaptive clipping (``count_stddev`` set) the
+    step's effective multiplier (update and count together) is lower (Andrew et al. Thm. 1)."""
+
     noise_multiplier: float
     sample_rate: float
     steps: int
     clip_norm: float
     mode: str = "site"
+    count_stddev: float | None = None
+    target_quantile: float | None = None
 
     def event(self) -> Event:
-        return GaussianRound(self.noise_multiplier, self.sample_rate, self.steps)
+        return GaussianRound(self.noise_multiplier, self.sample_rate, self.steps,
+                             self.count_stddev)
 
     def describe(self) -> str:
-        return (f"site DP-SGD: noise multiplier {self.noise_multiplier:.3f}, clip "
-                f"{self.clip_norm}, patient sample rate {self.sample_rate}, {self.steps} steps "
-                "per round")
+        z = self.event().effective_noise_multiplier
+        adaptive = ("" if self.count_stddev is None else
+                    f", adaptive clipping to the {self.target_quantile:g} quantile (count "
+                    f"noise {self.count_stddev:g}; effective noise multiplier {z:.3f})")
+        return (f"site DP-SGD (sampled Gaussian): noise multiplier "
+                f"{self.noise_multiplier:.3f}, clip {self.clip_norm}, patient sample rate "
+                f"{self.sample_rate}, {self.steps} steps per round{adaptive}")
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,7 @@ class DistributedPlan:
     mode: str = "distributed"
 
     def event(self) -> Event:
-        return RdpRound.from_array(round_rdp(self.params, self.sample_rate), "ddg")
+        return distributed_event(self.params, self.sample_rate)
 
     def codec(self, seed: int, round_number: int) -> DistributedCodec:
         """The round's codec; a fresh public rotation per round (KLS 2021, Algorithm 1)."""
@@ -74,24 +88,42 @@ class DistributedPlan:
     def describe(self) -> str:
         p = self.params
         z = math.sqrt(p.threshold) * p.noise_stddev / p.clip_norm
-        return (f"distributed discrete Gaussian: central noise multiplier {z:.3f} (per-site "
+        return (f"distributed discrete Gaussian (secure sum): central noise multiplier {z:.3f} "
+                f"(per-site "
                 f"stddev {p.noise_stddev:.4g}, any {p.threshold} sites carry it), clip "
                 f"{p.clip_norm}, patient sample rate {self.sample_rate}, {p.bits} bits")
 
 
 Plan = NoPrivacy | SiteDpPlan | DistributedPlan
 
+#: The public bound on the units (patients) one site sums in a distributed round when the
+#: federation gives none (``--max-units``): the modulus is sized for it, never for a site's
+#: real patient count (``bits`` is published). A site that samples more refuses the round.
+DEFAULT_MAX_UNITS = 100_000
+
 
 def site_plan(*, epsilon: float | None, delta: float, sample_rate: float, steps: int,
-              rounds: int, clip_norm: float, noise_multiplier: float | None) -> SiteDpPlan:
-    """Smallest noise multiplier whose ``rounds * steps`` steps fit in epsilon (or the given)."""
-    from dp.accounting import noise_multiplier_for
+              rounds: int, clip_norm: float, noise_multiplier: float | None,
+              accountant: str = "rdp", target_quantile: float | None = None,
+              count_stddev: float | None = None) -> SiteDpPlan:
+    """Smallest noise multiplier whose ``rounds * steps`` steps fit in epsilon (or the given).
+
+    With adaptive clipping (``target_quantile``) that multiplier is the *effective* one of
+    update and count together; the update gets ``adaptive_clip_update_noise`` of it.
+    """
+    from dp.accounting import adaptive_clip_update_noise, noise_multiplier_for
 
     if noise_multiplier is None:
         if epsilon is None:
             raise ValueError("site DP needs --epsilon (or --noise-multiplier)")
-        noise_multiplier = noise_multiplier_for(epsilon, delta, sample_rate, rounds * steps)
-    return SiteDpPlan(noise_multiplier, sample_rate, steps, clip_norm)
+        noise_multiplier = noise_multiplier_for(epsilon, delta, sample_rate, rounds * steps,
+                                                accountant)
+    if target_quantile is None:
+        return SiteDpPlan(noise_multiplier, sample_rate, steps, clip_norm)
+    sigma_b = count_stddev if count_stddev is not None else 10.0 * noise_multiplier
+    update = adaptive_clip_update_noise(noise_multiplier, sigma_b)
+    return SiteDpPlan(update, sample_rate, steps, clip_norm, count_stddev=sigma_b,
+                      target_quantile=target_quantile)
 
 
 def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
@@ -122,23 +154,191 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
 
 
 # --- budget persistence (checkpoints) ------------------------------------------------------
-def event_to_json(event: Event) -> dict[str, Any]:
-    if isinstance(event, GaussianRound):
-        return {"kind": "gaussian", "noise_multiplier": event.noise_multiplier,
-                "sample_rate": event.sample_rate, "steps": event.steps}
-    return {"kind": "rdp", "label": event.label, "rdp_curve": list(event.rdp_curve)}
-
-
-def event_from_json(data: dict[str, Any]) -> Event:
-    if data["kind"] == "gaussian":
-        return GaussianRound(float(data["noise_multiplier"]), float(data["sample_rate"]),
-                             int(data["steps"]))
-    return RdpRound(tuple(float(x) for x in data["rdp_curve"]), str(data["label"]))
-
-
-def restore_budget(epsilon: float, delta: float, events: list[dict[str, Any]]) -> PrivacyBudget:
+def restore_budget(epsilon: float | None, delta: float, events: list[dict[str, Any]],
+                   accountant: str = "rdp") -> PrivacyBudget:
     """A budget with ``events`` already spent (in order), as saved in a checkpoint."""
-    budget = PrivacyBudget(epsilon, delta)
+    budget = make_budget(epsilon, delta, accountant)
     for data in events:
         budget.spend(event_from_json(data))
     return budget
+
+
+def make_budget(epsilon: float | None, delta: float, accountant: str = "rdp") -> PrivacyBudget:
+    """The run's budget; without ``epsilon`` (a fixed noise multiplier) it has no cap but
+    still accounts, so every round reports its epsilon."""
+    return PrivacyBudget(sys.float_info.max if epsilon is None else epsilon, delta, accountant)
+
+
+# --- the privacy plan: what a run will release, computed by the code the run uses -----------
+def mechanism_of(plan: Plan) -> str:
+    if isinstance(plan, SiteDpPlan):
+        return "sampled Gaussian (Opacus DP-SGD at each site)" + (
+            " with adaptive clipping" if plan.count_stddev is not None else "")
+    if isinstance(plan, DistributedPlan):
+        return {"dgauss": "distributed discrete Gaussian",
+                "skellam": "distributed Skellam"}[plan.params.mechanism] + " (secure sum)"
+    return "none: exact secure sum"
+
+
+def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
+             accountant: str = "rdp", threshold: int, max_affordable: int = 100_000
+             ) -> dict[str, Any]:
+    """The privacy plan of a run: the budget the coordinator keeps (:func:`make_budget`),
+    spent round by round with the plan's event exactly as :class:`fl.coordinator.Coordinator`
+    does, until ``rounds`` or the budget stops it. ``secagg train --plan`` prints it; the
+    run follows it (tests/fl/test_site_policy.py)."""
+    out: dict[str, Any] = {"mode": plan.mode, "mechanism": mechanism_of(plan),
+                           "accountant": accountant, "delta": delta, "epsilon_budget": epsilon,
+                           "secagg_threshold": threshold, "rounds_requested": rounds}
+    event = plan.event()
+    if isinstance(plan, SiteDpPlan):
+        out.update(noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate,
+                   steps_per_round=plan.steps, clip_norm=plan.clip_norm,
+                   effective_noise_multiplier=plan.event().effective_noise_multiplier,
+                   count_stddev=plan.count_stddev, noise_added_by="each site, every step")
+    elif isinstance(plan, DistributedPlan):
+        from dp.distributed import effective_noise_multiplier
+
+        p = plan.params
+        out.update(noise_multiplier=effective_noise_multiplier(p),
+                   per_site_noise_stddev=p.noise_stddev, calibration_threshold=p.threshold,
+                   sample_rate=plan.sample_rate, steps_per_round=1, clip_norm=p.clip_norm,
+                   bits=p.bits, scale=p.scale, noise_added_by="each site, a share")
+    if event is None:
+        out.update(rounds_run=rounds, rounds_affordable=None, epsilon_after=[None] * rounds,
+                   epsilon_final=None)
+        return out
+    budget = make_budget(epsilon, delta, accountant)
+    after: list[float] = []
+    while len(after) < rounds and budget.can_run(event):
+        after.append(budget.spend(event)[0])
+    out.update(rounds_run=len(after), epsilon_after=after,
+               epsilon_final=after[-1] if after else 0.0,
+               rounds_affordable=_affordable(event, epsilon, delta, accountant, len(after),
+                                             rounds, max_affordable))
+    return out
+
+
+def _affordable(event: Event, epsilon: float | None, delta: float, accountant: str,
+                run: int, rounds: int, cap: int) -> int | None:
+    """Rounds the budget affords in all (None: no epsilon budget, or more than ``cap``)."""
+    from dp.accounting import rdp_to_epsilon
+
+    if epsilon is None:
+        return None
+    if run < rounds:
+        return run
+    if accountant != "rdp":
+        return None if run >= cap else run
+
+    def fits(r: int) -> bool:
+        return rdp_to_epsilon(event.rdp() * r, delta) <= epsilon
+
+    lo, hi = run, max(run * 2, 1)
+    while hi <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > cap:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def release_record(plan: Plan, round_number: int, included: list[int], event: Event | None,
+                   epsilon_before: float | None, epsilon_after: float | None,
+                   attempts: int) -> dict[str, Any]:
+    """One line of the audit trail: what was released, to whom, how, and at what cost."""
+    from dp.audit import event_json
+
+    record: dict[str, Any] = {
+        "round": round_number, "to": "the coordinator (and whoever it shares the model with)",
+        "what": ("the sum over the included sites of their updates and unit counts"
+                 if plan.mode != "site" else
+                 "the sum of the included sites' DP-SGD model updates and the number of sites"),
+        "included": included, "mode": plan.mode, "mechanism": mechanism_of(plan),
+        "attempts": attempts}
+    if isinstance(plan, SiteDpPlan):
+        record.update(noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate,
+                      steps=plan.steps, count_stddev=plan.count_stddev)
+    elif isinstance(plan, DistributedPlan):
+        record.update(per_site_noise_stddev=plan.params.noise_stddev,
+                      calibration_threshold=plan.params.threshold,
+                      sample_rate=plan.sample_rate)
+    if event is not None and epsilon_after is not None:
+        record.update(epsilon_charged=epsilon_after - (epsilon_before or 0.0),
+                      epsilon_after=epsilon_after, dp_event=event_json(event))
+    return record
+
+
+# --- the site's side: its own policy and ledger (docs/architecture.md section 9) -----------
+def site_proposal(task: Any, *, secagg_threshold: int, label: str = "") -> Proposal:
+    """What a round's task (:class:`fl.contribution.RoundTask`, or None for the feature
+    statistics' exact sum) asks this site to release, as its policy sees it."""
+    if task is None:
+        return Proposal.exact("scaler", secagg_threshold=secagg_threshold, label=label)
+    if task.mode == "site":
+        return Proposal.site_dp(noise_multiplier=task.noise_multiplier,
+                                sample_rate=task.sample_rate, steps=task.steps,
+                                clip_norm=task.clip_norm, secagg_threshold=secagg_threshold,
+                                count_stddev=getattr(task, "count_stddev", None), label=label)
+    if task.mode == "distributed":
+        return Proposal.distributed(task.params, sample_rate=task.sample_rate,
+                                    secagg_threshold=secagg_threshold, label=label)
+    return Proposal.exact("train", secagg_threshold=secagg_threshold, label=label)
+
+
+class SiteGuard:
+    """A site process's privacy gate: every release is checked against the operator's
+    policy and charged to the site's ledger *before* the input is computed (write-ahead).
+
+    The site role calls :meth:`admit` before computing its input (a refusal is a
+    :class:`dp.policy.PolicyRefused` naming the rule: the site sits the round out), and
+    :meth:`not_sent` when the round moved on before the site sent anything (the only case a
+    charge is withdrawn). ``num_units`` (the site's patients) only feeds the delta warning.
+    """
+
+    def __init__(self, ledger: Ledger, log: Any = None, num_units: int | None = None) -> None:
+        from dp.accounting import check_delta
+
+        self.ledger = ledger
+        self.log = log or (lambda text: None)
+        self.pending: dict[Any, tuple[Charge, int]] = {}
+        warning = check_delta(ledger.policy.delta, num_units) if num_units else None
+        if warning:
+            self.log(f"warning: {warning}")
+
+    def admit(self, task: Any, *, secagg_threshold: int, label: str, key: Any = None
+              ) -> Charge:
+        """Check and charge the round (raises :class:`dp.policy.PolicyRefused`); ``key``
+        (the announcement's) lets :meth:`check_go` and :meth:`not_sent` find the charge."""
+        charge = self.ledger.charge(site_proposal(task, secagg_threshold=secagg_threshold,
+                                                  label=label))
+        if key is not None:
+            self.pending = {key: (charge, secagg_threshold)}
+        if charge.event is not None:
+            self.log(f"{label}: charged to this site's ledger, epsilon now "
+                     f"{charge.epsilon_after:.4g}"
+                     + (f" of {self.ledger.policy.epsilon:g}"
+                        if self.ledger.policy.epsilon is not None else ""))
+        return charge
+
+    def check_go(self, key: Any, threshold: int) -> None:
+        """The round's final secure-aggregation threshold must be the one admitted (a
+        coordinator lowering it at ``go`` would decode from fewer sites than calibrated)."""
+        _, admitted = self.pending.get(key, (None, threshold))
+        if threshold < admitted:
+            raise PolicyRefused("min_threshold", f"the round starts with threshold "
+                                f"{threshold}, below the {admitted} it was admitted with")
+
+    def not_sent(self, key: Any, reason: str) -> None:
+        """The input of ``key``'s round never left the site: withdraw its charge."""
+        entry = self.pending.pop(key, None)
+        if entry is not None:
+            self.ledger.withdraw(entry[0], reason)
+
+
+def open_site_guard(*, policy: SitePolicy, ledger_path: str, log: Any = None,
+                    num_units: int | None = None) -> SiteGuard:
+    """The site role's guard over the ledger at ``ledger_path`` (created if absent)."""
+    return SiteGuard(Ledger.open(ledger_path, policy), log, num_units)

@@ -47,6 +47,10 @@ class TrainSettings:
     checkpoint: str | None = None
     resume: bool = False
     verify: bool = True
+    accountant: str = "rdp"
+    max_units: int | None = None
+    adaptive_clip: float | None = None
+    clip_count_stddev: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -58,6 +62,26 @@ class TrainSettings:
             problems.append(f"--dp {self.dp}: use one of {', '.join(DP_MODES)}")
         if self.dp != "none" and self.epsilon is None and self.noise_multiplier is None:
             problems.append(f"--dp {self.dp} needs --epsilon (the total budget per patient)")
+        if self.dp == "none" and (self.epsilon is not None or self.noise_multiplier is not None
+                                  or self.adaptive_clip is not None):
+            problems.append("--epsilon/--noise-multiplier/--adaptive-clip without --dp would "
+                            "train without privacy: add --dp site or --dp distributed")
+        if self.accountant not in ("rdp", "prv"):
+            problems.append(f"--accountant {self.accountant}: use rdp or prv")
+        elif self.accountant == "prv" and self.dp == "distributed":
+            problems.append("--accountant prv composes only the sampled Gaussian (--dp site); "
+                            "distributed rounds are accounted with rdp")
+        if self.adaptive_clip is not None and not 0 < self.adaptive_clip < 1:
+            problems.append(f"--adaptive-clip {self.adaptive_clip}: a quantile in (0, 1)")
+        if self.adaptive_clip is not None and self.dp == "distributed":
+            problems.append("--adaptive-clip is available with --dp site")
+        if self.clip_count_stddev is not None and not self.clip_count_stddev > 0:
+            problems.append(f"--clip-count-stddev {self.clip_count_stddev}: need > 0")
+        if self.max_units is not None and self.max_units < 1:
+            problems.append(f"--max-units {self.max_units}: need at least 1")
+        if self.dp != "none" and self.scaling == "secure":
+            problems.append("--scaling secure releases exact feature sums outside the privacy "
+                            "budget: with --dp use pre-scaled data or --scaling none")
         if self.epsilon is not None and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
             problems.append(f"--epsilon {self.epsilon}: need a positive number")
         if not 0 < self.delta < 1:

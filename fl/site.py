@@ -93,8 +93,11 @@ class Site:
 
     def site_dp_update(self, model: torch.nn.Module, layout: ParameterLayout, *,
                        noise_multiplier: float, clip_norm: float, sample_rate: float,
-                       steps: int, lr: float, unit: str = "patient") -> F64:
-        """``w_local - w_global`` after ``steps`` DP-SGD steps (Poisson-sampled patients)."""
+                       steps: int, lr: float, unit: str = "patient",
+                       target_quantile: float | None = None,
+                       count_stddev: float | None = None) -> F64:
+        """``w_local - w_global`` after ``steps`` DP-SGD steps (Poisson-sampled patients);
+        with ``target_quantile``/``count_stddev``, private adaptive clipping per step."""
         from torch.utils.data import TensorDataset
 
         from dp.opacus_glue import SitePrivacyEngine
@@ -106,7 +109,8 @@ class Site:
             local, optimizer, TensorDataset(self.x, self.y),
             loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"),
             noise_multiplier=noise_multiplier, max_grad_norm=clip_norm,
-            sample_rate=sample_rate, patient_ids=self.patient_ids.tolist(), unit=unit)
+            sample_rate=sample_rate, patient_ids=self.patient_ids.tolist(), unit=unit,
+            target_quantile=target_quantile, count_stddev=count_stddev)
         with warnings.catch_warnings():  # inputs need no grad; Opacus' hook warns about it
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(steps):

@@ -88,8 +88,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout", type=float, default=1800.0, metavar="SECONDS",
                    help="site: exit after this long without word from the coordinator")
     p.add_argument("--max-units", type=int, metavar="N",
-                   help="coordinator, --dp distributed with --csv: public bound on the "
-                        "patients (records) at the largest site")
+                   help="--dp distributed: public bound on the patients (records) a site "
+                        "sums in a round; the modulus is sized for it (default 100000)")
     p.add_argument("--insecure-verify", action="store_true",
                    help="TESTING ONLY, defeats secure aggregation: sites also send their "
                         "input in the clear so the coordinator can verify each aggregate "
@@ -104,7 +104,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dp", choices=DP_MODES, default=None,
                    help="privacy mode (default none); a site refuses rounds of another mode "
                         "when given")
-    p.add_argument("--epsilon", type=float, metavar="E", help="total privacy budget")
+    p.add_argument("--epsilon", type=float, metavar="E",
+                   help="total privacy budget per patient (a site: its own budget)")
     p.add_argument("--delta", type=float, default=d.delta, metavar="D",
                    help=f"delta (default {d.delta:g})")
     p.add_argument("--unit", choices=("patient", "record"), default=d.unit,
@@ -135,7 +136,41 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sample-rate", type=float, default=d.sample_rate,
                    help=f"DP: patient sampling rate per step (default {d.sample_rate})")
     p.add_argument("--noise-multiplier", type=float, metavar="Z",
-                   help="DP: fix the noise instead of calibrating it to --epsilon/--rounds")
+                   help="DP: fix the noise instead of calibrating it to --epsilon/--rounds "
+                        "(epsilon is still accounted and reported)")
+    p.add_argument("--accountant", choices=("rdp", "prv"), default=d.accountant,
+                   help="rdp (default) or prv (tighter; --dp site, the sampled Gaussian)")
+    p.add_argument("--adaptive-clip", type=float, metavar="QUANTILE",
+                   help="--dp site: private adaptive clipping (Andrew et al. 2021) toward "
+                        "this quantile of patient gradient norms, accounted jointly")
+    p.add_argument("--clip-count-stddev", type=float, metavar="S",
+                   help="--adaptive-clip: noise stddev of the clip count (default 10 x "
+                        "the noise multiplier)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the privacy plan (mode, mechanism, noise, threshold, epsilon "
+                        "after each round) computed by the code the run uses, and exit")
+    p.add_argument("--json", action="store_true", help="--plan: print it as one JSON object")
+    site = p.add_argument_group(
+        "site privacy policy (--role site; set by the site's operator, never the "
+        "coordinator; with --dp the site takes part only in that mode, and --epsilon/--delta "
+        "are its own budget)")
+    site.add_argument("--policy", metavar="POLICY.json",
+                      help="the site's policy file (dp.policy.SitePolicy fields); the flags "
+                           "below override it")
+    site.add_argument("--ledger", metavar="PATH",
+                      help="the site's persistent privacy ledger (default "
+                           "./secagg-ledger-<federation>-site-<id>.json)")
+    site.add_argument("--min-noise-multiplier", type=float, metavar="Z",
+                      help="refuse rounds whose noise multiplier is below Z")
+    site.add_argument("--min-threshold", type=int, metavar="T",
+                      help="refuse rounds decodable from, or calibrated to, fewer than T "
+                           "sites (default 2)")
+    site.add_argument("--max-sample-rate", type=float, metavar="Q",
+                      help="refuse rounds that sample patients at a rate above Q")
+    site.add_argument("--max-steps", type=int, metavar="N",
+                      help="refuse site-mode rounds of more than N DP-SGD steps")
+    site.add_argument("--max-releases", type=int, metavar="N",
+                      help="take part in at most N releases in all (the ledger counts them)")
     p.add_argument("--cohort", type=int, metavar="K", help="sites per round (default all)")
     p.add_argument("--scaling", choices=SCALING, default=d.scaling,
                    help="feature scaling: secure sum of statistics, none, or auto")
@@ -154,15 +189,74 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     return TrainSettings(
         sites=max(2, len(ids)), rounds=rounds, dataset=args.dataset, csv=args.csv,
         patient_column=args.patient_column, label_column=args.label_column,
-        # A site's --dp only names the mode it accepts; the coordinator's plan rules.
+        # A site's --dp/--epsilon/--delta are its policy (site_policy_from_args).
         dp=(args.dp or "none") if args.role != "site" else "none",
-        epsilon=args.epsilon, delta=args.delta, unit=args.unit, drop_rate=args.drop_rate,
+        epsilon=args.epsilon if args.role != "site" else None,
+        delta=args.delta, unit=args.unit, drop_rate=args.drop_rate,
         broker=args.broker, seed=args.seed, local_epochs=args.local_epochs,
         fedprox_mu=args.fedprox_mu, lr=args.lr, server_lr=args.server_lr,
         batch_size=args.batch_size, model=args.model, alpha=args.alpha,
         clip_norm=args.clip_norm, sample_rate=args.sample_rate,
-        noise_multiplier=args.noise_multiplier, cohort=args.cohort, scaling=args.scaling,
-        checkpoint=args.checkpoint, resume=args.resume)
+        noise_multiplier=args.noise_multiplier if args.role != "site" else None,
+        cohort=args.cohort, scaling=args.scaling,
+        checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
+        max_units=args.max_units, adaptive_clip=args.adaptive_clip,
+        clip_count_stddev=args.clip_count_stddev)
+
+
+def site_policy_from_args(args: argparse.Namespace) -> Any:
+    """The site operator's :class:`dp.policy.SitePolicy`: ``--policy`` then the flags."""
+    from dataclasses import replace
+
+    from dp.policy import SitePolicy
+
+    policy = SitePolicy.load(args.policy) if args.policy else SitePolicy()
+    changes: dict[str, Any] = {}
+    if args.dp is not None:
+        changes["modes"] = (args.dp,)
+    if args.epsilon is not None:
+        changes["epsilon"] = args.epsilon
+    if args.delta != TrainSettings().delta or not args.policy:
+        changes["delta"] = args.delta
+    for flag in ("min_noise_multiplier", "min_threshold", "max_sample_rate", "max_steps",
+                 "max_releases"):
+        if getattr(args, flag) is not None:
+            changes[flag] = getattr(args, flag)
+    return replace(policy, **changes)
+
+
+def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
+    """``--plan``: the run's privacy plan, from the functions the run itself calls."""
+    from fl.data import DataError
+    from fl.federation import privacy_plan
+
+    try:
+        plan = privacy_plan(settings)
+    except (DataError, ValueError) as exc:
+        print(f"secagg train: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan))
+        return 0
+    print(f"privacy plan: {plan['description']}")
+    print(f"  mode {plan['mode']}, mechanism {plan['mechanism']}, accountant "
+          f"{plan['accountant']}, delta {plan['delta']:g}, secagg threshold "
+          f"{plan['secagg_threshold']} of {plan['cohort']} sites, feature scaling "
+          f"{plan['feature_scaling']}")
+    eps = plan["epsilon_after"]
+    if plan["mode"] == "none":
+        print(f"  {plan['rounds_run']} rounds, no differential privacy")
+    else:
+        budget = plan["epsilon_budget"]
+        print(f"  {plan['rounds_run']} of {plan['rounds_requested']} rounds run"
+              + (f" (budget epsilon {budget:g} affords "
+                 f"{plan['rounds_affordable'] or 'more than 100000'})" if budget else ""))
+        for r, e in enumerate(eps, 1):
+            if r <= 3 or r > len(eps) - 3 or r % max(1, len(eps) // 10) == 0:
+                print(f"  after round {r:4d}: epsilon {e:.4f}")
+    for warning in plan["warnings"]:
+        print(f"  warning: {warning}")
+    return 0
 
 
 def broker_settings(args: argparse.Namespace, user: str) -> Any:
@@ -206,13 +300,15 @@ def _torch_missing() -> bool:
 def run(args: argparse.Namespace) -> int:
     if _torch_missing():
         return 2
-    if args.role != "all":
+    if args.role != "all" and not (args.plan and args.role == "coordinator"):
         return run_remote(args)
     try:
         settings = settings_from_args(args)
         from fl.aggregation import check_broker
 
         check_broker(settings.broker)
+        if args.plan:
+            return print_plan(args, settings)
         for path in (args.report, args.plot):
             if path is not None and not Path(path).resolve().parent.is_dir():
                 raise ValueError(f"{path}: its directory does not exist")
@@ -314,7 +410,8 @@ def run_remote(args: argparse.Namespace) -> int:
     from transport.drivers import TransportError
     from transport.link import LinkLost
 
-    options = RemoteOptions(site_ids=ids, broker=broker, federation=args.federation,
+    labels = tuple(v.strip() for v in args.labels.split(",")) if args.labels else None
+    options = RemoteOptions(site_ids=ids, federation=args.federation, labels=labels,
                             eval_csv=args.eval_csv, join_timeout=args.join_timeout,
                             ready_timeout=args.ready_timeout, stage_timeout=args.stage_timeout,
                             max_units=args.max_units, insecure_verify=args.insecure_verify)
