@@ -3,8 +3,13 @@
 Given a noise multiplier, print how many rounds (steps of the sampled Gaussian mechanism)
 the budget affords -- the largest R whose epsilon is at most E. Given rounds, print the
 smallest noise multiplier that fits. ``--json`` prints exactly one JSON object with
-``epsilon``, ``delta``, ``sample_rate``, ``noise_multiplier``, ``rounds``, ``accountant``.
-Bad input: a message saying what to change on stderr, exit code 2.
+``epsilon``, ``delta``, ``sample_rate``, ``noise_multiplier``, ``rounds``, ``accountant``
+and ``mechanism``. Bad input: a message saying what to change on stderr, exit code 2.
+
+It models one mechanism, the Poisson-sampled Gaussian (one step = one round), and says so:
+that is ``--dp site`` with one DP-SGD step per round. A training run's own plan -- its mode
+(distributed discrete Gaussian included), its steps per round and its threshold -- comes
+from ``secagg train ... --plan``, computed by the code the run uses.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import json
 import math
 import sys
 from typing import Any
+
+MECHANISM = ("Poisson-sampled Gaussian, one step per round (--dp site with one DP-SGD step "
+             "per round)")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -77,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "epsilon": args.epsilon, "delta": args.delta, "sample_rate": args.sample_rate,
         "noise_multiplier": z, "rounds": rounds, "accountant": args.accountant,
+        "mechanism": MECHANISM,
     }
     if args.json:
         print(json.dumps(result))
@@ -88,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{rounds} rounds at sample rate {args.sample_rate:g} within "
               f"(epsilon={args.epsilon:g}, delta={args.delta:g}) need noise multiplier "
               f">= {z:.4f} (epsilon spent {spent:.4g}, {args.accountant} accountant)")
+    if not args.json:
+        print(f"({MECHANISM}; for a training run's own plan, any --dp mode, use "
+              "`secagg train ... --plan`)")
     if rounds == 0:
         print("secagg budget: not even one round fits; raise --noise-multiplier or --epsilon, "
               "or lower --sample-rate", file=sys.stderr)

@@ -41,7 +41,8 @@ def test_rounds_for_a_noise_multiplier_json(capsys: pytest.CaptureFixture[str]) 
     assert rc == 0
     result = json.loads(out)
     assert set(result) == {"epsilon", "delta", "sample_rate", "noise_multiplier", "rounds",
-                           "accountant"}
+                           "accountant", "mechanism"}
+    assert result["mechanism"].startswith("Poisson-sampled Gaussian")
     r = result["rounds"]
     assert gaussian_epsilon(1.1, 0.01, r, 1e-5) <= 3.0 < gaussian_epsilon(1.1, 0.01, r + 1, 1e-5)
 
