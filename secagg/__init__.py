@@ -12,29 +12,41 @@ The state machines ``Client`` and ``Server`` are for embedding the protocol in a
 from .client import Client
 from .config import Config, required_bits
 from .crypto import SigningKey
-from .errors import DecodeError, ProtocolAbort, ProtocolError, SecAggError
+from .errors import (
+    CryptoError,
+    DecodeError,
+    ProtocolAbort,
+    ProtocolError,
+    SecAggError,
+    ShamirError,
+    StaleSnapshot,
+)
 from .graph import GraphParameters, secagg_plus_parameters
 from .messages import decode, encode
 from .server import AggregateResult, Server
 from .simulate import SimulationResult, simulate
-from .stage import Stage
+from .stage import Stage, round_stages
 
 __all__ = [
     "AggregateResult",
     "Client",
     "Config",
+    "CryptoError",
     "DecodeError",
     "GraphParameters",
     "ProtocolAbort",
     "ProtocolError",
     "SecAggError",
     "Server",
+    "ShamirError",
     "SigningKey",
     "SimulationResult",
     "Stage",
+    "StaleSnapshot",
     "decode",
     "encode",
     "required_bits",
+    "round_stages",
     "secagg_plus_parameters",
     "simulate",
 ]

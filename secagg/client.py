@@ -3,6 +3,11 @@ Bell et al. 2020 when the graph is sparse).
 
 Sans-IO: ``advertise()`` returns the first message, ``handle(message)`` consumes one server
 message (object or wire bytes) and returns the reply. The caller owns time and sockets.
+``snapshot()`` / ``Client.restore`` carry a round across process restarts (secagg/resume.py).
+
+The state is one record per stage (``_Shared``, ``_Masked``, ``_Checked``, ...): each holds
+exactly the data that stage has, so nothing is an ``Optional`` guarded by an assert.
+``CLIENT_ACCEPTS`` (module-level data) says which server message each stage accepts.
 
 Rejections and aborts (docs/protocol.md section 7):
 
@@ -11,19 +16,20 @@ Rejections and aborts (docs/protocol.md section 7):
 * the exact same server message again (QoS 1 redelivery): the same reply again;
 * anything else that is wrong (another session or stage, too few peers, inconsistent
   lists, duplicated or small-order keys, bad signatures or AEAD tags, an unmasking request
-  that names a peer as both survived and dropped, or this client as dropped):
-  ``ProtocolAbort``; the client erases its secrets and answers nothing more.
+  that names a peer as both survived and dropped, or this client as dropped, or that would
+  isolate survivors of a sparse graph): ``ProtocolAbort``; the client wipes its secrets and
+  answers nothing more.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from .config import Config
 from .crypto import (
@@ -34,21 +40,19 @@ from .crypto import (
     dtype_for_bits,
     load_public_key,
     open_sealed,
-    pair_label,
     pairwise_mask_key,
     seal,
     self_mask_commitment,
     self_mask_key,
     sha256,
     share_key,
-    transcript,
     u32,
     verify_signature,
 )
-from .errors import ProtocolAbort, ProtocolError
+from .errors import ProtocolAbort, ProtocolError, ShamirError
+from .graph import survivor_graph_problem
 from .messages import (
     SHARE_PLAINTEXT_BYTES,
-    SIGNED_TAGS,
     AdvertiseKeys,
     Ciphertexts,
     ClientMessage,
@@ -61,36 +65,36 @@ from .messages import (
     SurvivorList,
     UnmaskingShares,
     UnmaskRequest,
-    decode,
+    client_message_limit,
+    decode_server_message,
     encode,
     peers_digest,
-    signed_payload,
 )
 from .session import derive_session_id, normalize_roster, session_graph
-from .shamir import SHARE_BYTES, ShamirError, decode_share, split_many
+from .shamir import SHARE_BYTES, decode_share, split_many
 from .stage import Stage
+from .transcripts import (
+    advertisement_digest,
+    advertisement_transcript,
+    client_message_transcript,
+    key_set_digest,
+    share_associated_data,
+    survivors_transcript,
+)
 
+# Which server message each client stage accepts, by (stage of the last message the client
+# sent, malicious mode). docs/protocol.md table 3.2b; anything else is an abort (P8).
+CLIENT_ACCEPTS: Mapping[tuple[Stage, bool], type] = {
+    (Stage.ADVERTISE_KEYS, False): KeyList,
+    (Stage.ADVERTISE_KEYS, True): KeyList,
+    (Stage.SHARE_KEYS, False): Ciphertexts,
+    (Stage.SHARE_KEYS, True): Ciphertexts,
+    (Stage.MASKED_INPUT, False): UnmaskRequest,
+    (Stage.MASKED_INPUT, True): SurvivorList,
+    (Stage.CONSISTENCY_CHECK, True): UnmaskRequest,
+}
 
-def advertisement_transcript(session_id: bytes, client_id: int, entry: KeyEntry) -> bytes:
-    payload = entry.encryption_key + entry.masking_key + entry.self_mask_commitment
-    return transcript(b"advertise", session_id, Stage.ADVERTISE_KEYS, client_id, payload)
-
-
-def survivors_transcript(session_id: bytes, signer: int, survivors: Iterable[int]) -> bytes:
-    payload = b"".join(u32(c) for c in sorted(survivors))
-    return transcript(b"survivors", session_id, Stage.CONSISTENCY_CHECK, signer, payload)
-
-
-_Signable = TypeVar("_Signable", ShareKeys, MaskedInput, UnmaskingShares)
-
-
-def client_message_transcript(message: ShareKeys | MaskedInput | UnmaskingShares) -> bytes:
-    return transcript(SIGNED_TAGS[type(message)], message.session_id, message.stage,
-                      message.client_id, signed_payload(message))
-
-
-def share_associated_data(session_id: bytes, sender: int, recipient: int) -> bytes:
-    return pair_label(b"share-ciphertext", session_id, Stage.SHARE_KEYS, sender, recipient)
+_PAIR = 2 * SHARE_BYTES  # one peer's two shares, masking key then seed
 
 
 def check_input(vector: object, config: Config, who: str = "input") -> np.ndarray:
@@ -117,28 +121,124 @@ def _reencode(message: object, stage: Stage, client_id: int | None = None) -> by
                             stage=stage, client_id=client_id) from None
 
 
-@dataclass
-class _Received:
-    masking_key_share: bytes
-    self_mask_share: bytes
+def _wipe(buffer: bytearray | np.ndarray) -> None:
+    if isinstance(buffer, np.ndarray):
+        buffer.fill(0)
+    else:
+        memoryview(buffer)[:] = bytes(len(buffer))
+
+
+# --- per-stage records ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _Secrets:
+    """The client's own secrets, in buffers wiped in place by ``_erase`` (docs/protocol.md
+    section 7.1 says what that does and does not guarantee)."""
+
+    encryption: bytearray  # c_u, 32 bytes
+    masking: bytearray  # s_u, 32 bytes
+    seed: bytearray  # b_u, 32 bytes
+    input: np.ndarray  # x_u, then y_u (masked in place)
+
+    def key(self, which: bytearray) -> X25519PrivateKey:
+        return X25519PrivateKey.from_private_bytes(which)
+
+
+@dataclass(frozen=True, eq=False)
+class _Advertised:
+    """Sent ``AdvertiseKeys``; waits for the ``KeyList``."""
+
+    stage = Stage.ADVERTISE_KEYS
+
+
+@dataclass(frozen=True, eq=False)
+class _Shared:
+    """Sent ``ShareKeys``; waits for the ``Ciphertexts``."""
+
+    keys: Mapping[int, KeyEntry]  # KL(u), own entry included
+    key_set: bytes  # key_set_digest(KL(u)): binds every later signature to this round
+    adverts: Mapping[int, bytes]  # advertisement digest of every member of KL(u)
+    loaded: Mapping[bytes, X25519PublicKey]  # checked public keys of KL(u)
+    own_shares: bytearray  # u's own share of s_u and of b_u
+    secrets: bytearray  # X25519(c_u, C_v) for each peer, 32 bytes each, in ``order``
+    order: Mapping[int, int]  # peer -> offset in ``secrets``
+    stage = Stage.SHARE_KEYS
+
+
+@dataclass(frozen=True, eq=False)
+class _Masked:
+    """Sent ``MaskedInput``; waits for the ``UnmaskRequest`` (or ``SurvivorList``)."""
+
+    shared: _Shared
+    peers: frozenset[int]  # F(u)
+    received: bytearray  # each peer's two shares for u, 66 bytes each, in ``index``
+    index: Mapping[int, int]  # peer -> offset in ``received``
+    stage = Stage.MASKED_INPUT
+
+
+@dataclass(frozen=True, eq=False)
+class _Checked:
+    """Sent ``ConsistencySignature`` over ``survivors`` (malicious); waits for the request."""
+
+    masked: _Masked
+    survivors: tuple[int, ...]
+    stage = Stage.CONSISTENCY_CHECK
+
+
+@dataclass(frozen=True, eq=False)
+class _Finished:
+    """Sent ``UnmaskingShares``: done; answers only redeliveries."""
+
+    stage = Stage.UNMASKING
+
+
+@dataclass(frozen=True, eq=False)
+class _Aborted:
+    error: ProtocolAbort
+    stage: Stage
+
+
+_State = _Advertised | _Shared | _Masked | _Checked | _Finished | _Aborted
+_Signable = TypeVar("_Signable", ShareKeys, MaskedInput, UnmaskingShares)
 
 
 class Client:
     """One site's side of a secure aggregation round.
 
-    ``context`` must be the same bytes for every party of the round and should name the
-    round (e.g. federation, round number, model hash); the session id is derived from it.
-    In ``malicious`` mode the client needs its Ed25519 ``signing_key`` and the
-    ``verify_keys`` (client id -> 32-byte Ed25519 public key) of its peers.
+    ``context`` must be the same bytes for every party of the round; it binds application
+    data (e.g. the model's hash) into the session id. Freshness does not depend on it: every
+    signature and ciphertext after the advertisement binds this round's fresh keys
+    (secagg/transcripts.py). In ``malicious`` mode the client needs its Ed25519
+    ``signing_key`` and the ``verify_keys`` (client id -> 32-byte Ed25519 public key) of its
+    peers.
     """
 
     def __init__(self, config: Config, client_id: int, input_vector: object, *,
                  roster: Iterable[int] | None = None, context: bytes = b"",
                  signing_key: SigningKey | None = None,
                  verify_keys: Mapping[int, bytes] | None = None) -> None:
+        self._setup(config, client_id, roster, context, signing_key, verify_keys)
+        encryption, masking = bytearray(32), bytearray(32)
+        for buffer in (encryption, masking):
+            fresh = X25519PrivateKey.generate().private_bytes_raw()
+            buffer[:] = fresh
+        seed = bytearray(os.urandom(32))
+        self._secrets = _Secrets(encryption, masking, seed, check_input(input_vector, config))
+        self._wipeable: list[bytearray | np.ndarray] = [encryption, masking, seed,
+                                                        self._secrets.input]
+        self._advertisement = self._build_advertisement()
+        self._state: _State = _Advertised()
+        self._answered: dict[bytes, ClientMessage] = {}  # digest of server message -> reply
+        self.revealed: dict[int, str] = {}  # peer -> "self_mask" | "masking_key"
+
+    def _setup(self, config: Config, client_id: int, roster: Iterable[int] | None,
+               context: bytes, signing_key: SigningKey | None,
+               verify_keys: Mapping[int, bytes] | None) -> None:
         self.config = config
         self.roster = normalize_roster(config, roster)
-        if client_id not in self.roster:
+        self._members = frozenset(self.roster)
+        if client_id not in self._members:
             raise ValueError(f"client_id={client_id} is not in the roster")
         self.client_id = client_id
         self.session_id = derive_session_id(config, self.roster, context)
@@ -153,170 +253,127 @@ class Client:
                 raise ValueError(f"verify_keys lacks the neighbours {missing[:10]}")
         self._signing_key = signing_key
         self._verify_keys = dict(verify_keys or {})
-        self._input: np.ndarray | None = check_input(input_vector, config)
-        self._encryption: KeyPair | None = KeyPair()
-        self._masking: KeyPair | None = KeyPair()
-        self._seed = os.urandom(32)
-        self._stage = Stage.ADVERTISE_KEYS
-        self._done = False
-        self._aborted: ProtocolAbort | None = None
-        self._advertisement: AdvertiseKeys | None = None
-        self._answered: dict[bytes, ClientMessage] = {}  # digest of server message -> reply
-        self._keys: dict[int, KeyEntry] = {}
-        self._shared_secrets: dict[int, bytes] = {}
-        self._loaded: dict[bytes, X25519PublicKey] = {}
-        self._own_shares: _Received | None = None
-        self._received: dict[int, _Received] = {}
-        self._survivor_list: tuple[int, ...] | None = None
-        self.revealed: dict[int, str] = {}  # peer -> "self_mask" | "masking_key"
-        self.advertise()
+
+    def _build_advertisement(self) -> AdvertiseKeys:
+        secrets = self._secrets
+        commitment = self_mask_commitment(bytes(secrets.seed), self.session_id, self.client_id)
+        entry = KeyEntry(KeyPair(secrets.key(secrets.encryption)).public,
+                         KeyPair(secrets.key(secrets.masking)).public, commitment)
+        signature = b""
+        if self._signing_key is not None and self.config.malicious:
+            signature = self._signing_key.sign(
+                advertisement_transcript(self.session_id, self.client_id, entry))
+        return AdvertiseKeys(self.session_id, self.client_id, entry.encryption_key,
+                             entry.masking_key, commitment, signature)
 
     # --- state ----------------------------------------------------------------------------
 
     @property
     def stage(self) -> Stage:
         """The stage of the last message this client sent (ADVERTISE_KEYS before any)."""
-        return self._stage
+        return self._state.stage
 
     @property
     def done(self) -> bool:
-        return self._done
+        return isinstance(self._state, _Finished)
 
     @property
     def aborted(self) -> ProtocolAbort | None:
-        return self._aborted
+        return self._state.error if isinstance(self._state, _Aborted) else None
 
     @property
     def own_entry(self) -> KeyEntry:
-        advert = self.advertise()
+        advert = self._advertisement
         return KeyEntry(advert.encryption_key, advert.masking_key,
                         advert.self_mask_commitment, advert.signature)
 
+    def max_message_bytes(self) -> int:
+        """An upper bound on a valid server message to this client (for transports)."""
+        return client_message_limit(len(self.roster))
+
     def _abort(self, reason: str) -> ProtocolAbort:
-        error = ProtocolAbort(f"client {self.client_id} aborted in {self._stage.label}: "
-                              f"{reason}", stage=self._stage, client_id=self.client_id)
-        self._aborted = error
+        stage = self._state.stage
+        error = ProtocolAbort(f"client {self.client_id} aborted in {stage.label}: "
+                              f"{reason}", stage=stage, client_id=self.client_id)
+        self._state = _Aborted(error, stage)
         self._answered = {}
         self._erase()
         return error
 
-    def _keys_of(self, pair: KeyPair | None) -> KeyPair:
-        if pair is None:
-            raise ProtocolError(f"client {self.client_id} has erased its keys",
-                                stage=self._stage, client_id=self.client_id)
-        return pair
-
     def _erase(self) -> None:
-        """Forget every secret an attacker could still ask for (after an abort, or once
-        the round is done: what was revealed stays in the cached replies only)."""
-        self._seed = b""
-        self._input = None
-        self._received = {}
-        self._shared_secrets = {}
-        self._loaded = {}
-        self._own_shares = None
-        self._encryption = None
-        self._masking = None
+        """Overwrite with zeros every buffer that held a secret of this round: the private
+        keys, the seed, the (masked) input, the X25519 share-key secrets, its own shares and
+        those it received. What was revealed stays in the cached replies only."""
+        for buffer in self._wipeable:
+            _wipe(buffer)
+        self._wipeable = []
 
-    def _signed(self, message: _Signable) -> _Signable:
-        """In malicious mode every client message is signed, so neither the broker nor the
-        server can alter it unnoticed (docs/architecture.md section 5)."""
+    def _hold(self, buffer: bytearray) -> bytearray:
+        self._wipeable.append(buffer)
+        return buffer
+
+    def _signed(self, message: _Signable, key_set: bytes) -> _Signable:
+        """In malicious mode every client message is signed, bound to this round's key set,
+        so neither the broker nor the server can alter or replay it (section 5.7)."""
         if not self.config.malicious or self._signing_key is None:
             return message
-        signature = self._signing_key.sign(client_message_transcript(message))
+        signature = self._signing_key.sign(client_message_transcript(message, key_set))
         return replace(message, signature=signature)
 
     # --- stage advertise_keys -------------------------------------------------------------
 
     def advertise(self) -> AdvertiseKeys:
         """Round 0: the client's public keys (the same message every time it is asked)."""
-        if self._advertisement is None:
-            commitment = self_mask_commitment(self._seed, self.session_id, self.client_id)
-            entry = KeyEntry(self._keys_of(self._encryption).public,
-                             self._keys_of(self._masking).public, commitment)
-            signature = b""
-            if self._signing_key is not None and self.config.malicious:
-                signature = self._signing_key.sign(
-                    advertisement_transcript(self.session_id, self.client_id, entry))
-            self._advertisement = AdvertiseKeys(
-                self.session_id, self.client_id, entry.encryption_key, entry.masking_key,
-                commitment, signature)
         return self._advertisement
 
     # --- dispatch -------------------------------------------------------------------------
 
     def handle(self, message: ServerMessage | bytes | bytearray | memoryview) -> ClientMessage:
         """Consume one server message and return this client's reply."""
+        stage = self._state.stage
         if isinstance(message, (bytes, bytearray, memoryview)):
             raw = bytes(message)
-            decoded = decode(raw, max_bytes=self.max_message_bytes())
-            if isinstance(decoded, (AdvertiseKeys, ShareKeys, MaskedInput,
-                                    ConsistencySignature, UnmaskingShares)):
-                raise ProtocolError("a client message was delivered to a client",
-                                    stage=self._stage, client_id=self.client_id)
-            msg: ServerMessage = decoded
+        elif isinstance(message, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest)):
+            raw = _reencode(message, stage, self.client_id)
         else:
-            if not isinstance(message, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest)):
-                raise ProtocolError(f"{type(message).__name__} is not a server message",
-                                    stage=self._stage, client_id=self.client_id)
-            raw = _reencode(message, self._stage, self.client_id)
-            checked = decode(raw, max_bytes=self.max_message_bytes())
-            assert isinstance(checked, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest))
-            msg = checked
+            raise ProtocolError(f"{type(message).__name__} is not a server message",
+                                stage=stage, client_id=self.client_id)
+        try:
+            msg = decode_server_message(raw, len(self.roster))
+        except ProtocolError as exc:
+            raise ProtocolError(str(exc), stage=stage, client_id=self.client_id) from None
         if msg.recipient != self.client_id:
             raise ProtocolError(
                 f"message for client {msg.recipient} delivered to client {self.client_id}",
-                stage=self._stage, client_id=self.client_id)
-        if self._aborted is not None:
-            raise ProtocolError(f"client {self.client_id} has aborted: {self._aborted}",
-                                stage=self._stage, client_id=self.client_id)
+                stage=stage, client_id=self.client_id)
+        if isinstance(self._state, _Aborted):
+            raise ProtocolError(f"client {self.client_id} has aborted: {self._state.error}",
+                                stage=stage, client_id=self.client_id)
         digest = sha256(raw)
         if digest in self._answered:
             return self._answered[digest]  # a redelivered message gets the same answer
-        if self._done:
+        if isinstance(self._state, _Finished):
             raise ProtocolError(f"client {self.client_id} has finished the round",
-                                stage=self._stage, client_id=self.client_id)
+                                stage=stage, client_id=self.client_id)
         if msg.session_id != self.session_id:
             raise self._abort("the message belongs to another session")
-        reply = self._dispatch(msg)
-        self._answered[digest] = reply
-        if self._done:
-            self._erase()
-        return reply
-
-    def max_message_bytes(self) -> int:
-        """An upper bound on a valid server message to this client (for transports)."""
-        n = len(self.roster)
-        return 4096 + n * (4 * 32 + 64 + 160) + 64 * n
-
-    def _dispatch(self, msg: ServerMessage) -> ClientMessage:
-        expected: dict[Stage, type] = {
-            Stage.ADVERTISE_KEYS: KeyList,
-            Stage.SHARE_KEYS: Ciphertexts,
-            Stage.MASKED_INPUT: SurvivorList if self.config.malicious else UnmaskRequest,
-            Stage.CONSISTENCY_CHECK: UnmaskRequest,
-        }
-        want = expected.get(self._stage)
-        if want is None or not isinstance(msg, want):
+        want = CLIENT_ACCEPTS.get((stage, self.config.malicious))
+        if want is None or type(msg) is not want:
             raise self._abort(f"{type(msg).__name__} is not the next message after "
-                              f"{self._stage.label}")
+                              f"{stage.label}")
         try:
-            if isinstance(msg, KeyList):
-                return self._on_key_list(msg)
-            if isinstance(msg, Ciphertexts):
-                return self._on_ciphertexts(msg)
-            if isinstance(msg, SurvivorList):
-                return self._on_survivor_list(msg)
-            assert isinstance(msg, UnmaskRequest)
-            return self._on_unmask_request(msg)
+            reply = _HANDLERS[want](self, msg)
         except (CryptoError, ShamirError) as exc:
             raise self._abort(str(exc)) from None
+        self._answered[digest] = reply
+        if isinstance(self._state, _Finished):
+            self._erase()
+        return reply
 
     # --- stage share_keys -----------------------------------------------------------------
 
     def _on_key_list(self, msg: KeyList) -> ShareKeys:
-        t = self.config.threshold
-        assert t is not None
+        t = self.config.threshold or 0
         keys = dict(msg.keys)
         outside = sorted(set(keys) - self.neighborhood)
         if outside:
@@ -341,91 +398,94 @@ class Client:
                 seen.add(key)
             if len(entry.self_mask_commitment) != 32:
                 raise self._abort(f"client {cid}'s commitment is malformed")
-            if self.config.malicious and not verify_signature(
-                    self._verify_keys.get(cid, b""), entry.signature,
-                    advertisement_transcript(self.session_id, cid, entry)):
-                raise self._abort(f"client {cid}'s key advertisement signature is invalid")
+            if self.config.malicious:
+                try:
+                    verify_signature(self._verify_keys.get(cid, b""), entry.signature,
+                                     advertisement_transcript(self.session_id, cid, entry))
+                except CryptoError as exc:
+                    raise self._abort(f"client {cid}'s key advertisement signature is "
+                                      f"invalid: {exc}") from None
+        sid, me = self.session_id, self.client_id
+        adverts = {cid: advertisement_digest(sid, cid, e) for cid, e in keys.items()}
         holders = sorted(keys)
+        secrets = self._secrets
         masking_shares, seed_shares = split_many(
-            [self._keys_of(self._masking).private_bytes(), self._seed], holders, t)
+            [bytes(secrets.masking), bytes(secrets.seed)], holders, t)
+        encryption = KeyPair(secrets.key(secrets.encryption))
+        peers = [p for p in holders if p != me]
+        pair_secrets = self._hold(bytearray(32 * len(peers)))
         ciphertexts = {}
-        secrets: dict[int, bytes] = {}
-        for peer in holders:
-            if peer == self.client_id:
-                continue
+        for i, peer in enumerate(peers):
             peer_key = keys[peer].encryption_key
-            secret = secrets[peer] = self._keys_of(self._encryption).exchange(loaded[peer_key])
-            key = share_key(secret, self.session_id, self.client_id, peer,
-                            self._keys_of(self._encryption).public, peer_key)
-            plaintext = (u32(self.client_id) + u32(peer) + masking_shares[peer]
-                         + seed_shares[peer])
-            ciphertexts[peer] = seal(key, plaintext,
-                                     share_associated_data(self.session_id, self.client_id,
-                                                           peer))
-        self._keys = keys
-        self._loaded = loaded
-        self._shared_secrets = secrets  # X25519 is symmetric: reused to open the replies
-        self._own_shares = _Received(masking_shares[self.client_id],
-                                     seed_shares[self.client_id])
-        self._stage = Stage.SHARE_KEYS
-        return self._signed(ShareKeys(self.session_id, self.client_id, ciphertexts))
+            secret = encryption.exchange(loaded[peer_key])
+            pair_secrets[32 * i:32 * i + 32] = secret  # reused to open the replies
+            key = share_key(secret, sid, me, peer, encryption.public, peer_key)
+            plaintext = u32(me) + u32(peer) + masking_shares[peer] + seed_shares[peer]
+            ciphertexts[peer] = seal(key, plaintext, share_associated_data(
+                sid, me, peer, adverts[me], adverts[peer]))
+        own = self._hold(bytearray(masking_shares[me] + seed_shares[me]))
+        key_set = key_set_digest(sid, keys)
+        self._state = _Shared(keys, key_set, adverts, loaded, own, pair_secrets,
+                              {p: 32 * i for i, p in enumerate(peers)})
+        return self._signed(ShareKeys(sid, me, ciphertexts), key_set)
 
     # --- stage masked_input ---------------------------------------------------------------
 
     def _on_ciphertexts(self, msg: Ciphertexts) -> MaskedInput:
-        t = self.config.threshold
-        assert t is not None and self._input is not None
+        state = self._state
+        assert isinstance(state, _Shared)  # guaranteed by CLIENT_ACCEPTS
+        t = self.config.threshold or 0
+        sid, me = self.session_id, self.client_id
         senders = set(msg.ciphertexts)
-        if self.client_id in senders:
+        if me in senders:
             raise self._abort("the server forwarded a ciphertext from this client to itself")
-        unknown = sorted(senders - set(self._keys))
+        unknown = sorted(senders - set(state.keys))
         if unknown:
             raise self._abort(f"ciphertexts from clients not in the key list: {unknown[:10]}")
         if len(senders) + 1 < t:
             raise self._abort(f"only {len(senders) + 1} clients shared keys; the threshold "
                               f"is {t}")
-        received: dict[int, _Received] = {}
-        for sender in sorted(senders):
-            peer_key = self._keys[sender].encryption_key
-            key = share_key(self._shared_secrets[sender], self.session_id, sender,
-                            self.client_id, peer_key, self._keys_of(self._encryption).public)
+        own_public = self._advertisement.encryption_key
+        order = sorted(senders)
+        received = self._hold(bytearray(_PAIR * len(order)))
+        for i, sender in enumerate(order):
+            peer_key = state.keys[sender].encryption_key
+            offset = state.order[sender]
+            key = share_key(bytes(state.secrets[offset:offset + 32]), sid, sender, me,
+                            peer_key, own_public)
             try:
-                plaintext = open_sealed(key, msg.ciphertexts[sender],
-                                        share_associated_data(self.session_id, sender,
-                                                              self.client_id))
+                plaintext = open_sealed(key, msg.ciphertexts[sender], share_associated_data(
+                    sid, sender, me, state.adverts[sender], state.adverts[me]))
             except CryptoError:
                 raise self._abort(f"the share ciphertext from client {sender} failed its "
                                   "AEAD check") from None
             if (len(plaintext) != SHARE_PLAINTEXT_BYTES or plaintext[:4] != u32(sender)
-                    or plaintext[4:8] != u32(self.client_id)):
+                    or plaintext[4:8] != u32(me)):
                 raise self._abort(f"the shares from client {sender} name the wrong clients")
-            masking_share = plaintext[8:8 + SHARE_BYTES]
-            seed_share = plaintext[8 + SHARE_BYTES:]
-            decode_share(masking_share)
-            decode_share(seed_share)
-            received[sender] = _Received(masking_share, seed_share)
-        masked = self._mask_input(sorted(senders))
-        self._input = None  # masked in place: the plaintext input is gone from memory
-        self._received = received
-        self._stage = Stage.MASKED_INPUT
-        return self._signed(MaskedInput(self.session_id, self.client_id, self.config.bits,
-                                        self.config.dim, masked, peers_digest(senders)))
+            decode_share(plaintext[8:8 + SHARE_BYTES])
+            decode_share(plaintext[8 + SHARE_BYTES:])
+            received[_PAIR * i:_PAIR * i + _PAIR] = plaintext[8:]
+        masked = self._mask_input(state, order)
+        self._state = _Masked(state, frozenset(senders), received,
+                              {p: _PAIR * i for i, p in enumerate(order)})
+        return self._signed(MaskedInput(sid, me, self.config.bits, self.config.dim, masked,
+                                        peers_digest(senders)), state.key_set)
 
-    def _mask_input(self, peers: list[int]) -> bytes:
+    def _mask_input(self, state: _Shared, peers: list[int]) -> bytes:
         """y = x + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)."""
-        assert self._input is not None
         cfg = self.config
+        secrets = self._secrets
         masker = Masker(cfg.dim, cfg.bits)
-        y = self._input  # this client's private copy (check_input), masked in place
-        masker.add(y, self_mask_key(self._seed, self.session_id, self.client_id,
-                                    cfg.shape_tag))
-        masking = self._keys_of(self._masking)
-        own, session, shape = masking.public, self.session_id, cfg.shape_tag
+        y = secrets.input  # this client's private copy (check_input), masked in place
+        session, shape, me = self.session_id, cfg.shape_tag, self.client_id
+        masker.add(y, self_mask_key(bytes(secrets.seed), session, me, shape))
+        masking = KeyPair(secrets.key(secrets.masking))
+        own = self._advertisement.masking_key
         for peer in peers:
-            peer_key = self._keys[peer].masking_key
-            key = pairwise_mask_key(masking.exchange(self._loaded[peer_key]), session,
-                                    self.client_id, peer, own, peer_key, shape)
-            if self.client_id < peer:
+            peer_key = state.keys[peer].masking_key
+            key = pairwise_mask_key(masking.exchange(state.loaded[peer_key]), session,
+                                    me, peer, own, peer_key, shape)
+            if me < peer:
                 masker.add(y, key)
             else:
                 masker.subtract(y, key)
@@ -436,75 +496,91 @@ class Client:
 
     # --- stage consistency_check (malicious) ---------------------------------------------
 
-    def _peers_and_self(self) -> set[int]:
-        return set(self._received) | {self.client_id}
-
     def _on_survivor_list(self, msg: SurvivorList) -> ConsistencySignature:
-        t = self.config.threshold
-        assert t is not None and self._signing_key is not None
+        state = self._state
+        assert isinstance(state, _Masked) and self._signing_key is not None
+        t = self.config.threshold or 0
+        me = self.client_id
         survivors = set(msg.survivors)
-        if self.client_id not in survivors:
+        if me not in survivors:
             raise self._abort("the survivor list omits this client")
         mine = survivors & self.neighborhood
-        strangers = sorted(mine - self._peers_and_self())
+        strangers = sorted(mine - state.peers - {me})
         if strangers:
             raise self._abort(f"the survivor list names clients that never shared keys with "
                               f"this client: {strangers[:10]}")
         if len(mine) < t:
             raise self._abort(f"only {len(mine)} of this client's holders survived; the "
                               f"threshold is {t}")
-        signature = self._signing_key.sign(
-            survivors_transcript(self.session_id, self.client_id, msg.survivors))
-        self._survivor_list = tuple(sorted(survivors))
-        self._stage = Stage.CONSISTENCY_CHECK
-        return ConsistencySignature(self.session_id, self.client_id, signature)
+        signature = self._signing_key.sign(survivors_transcript(
+            self.session_id, me, msg.survivors, state.shared.adverts[me]))
+        self._state = _Checked(state, tuple(sorted(survivors)))
+        return ConsistencySignature(self.session_id, me, signature)
 
     # --- stage unmasking ------------------------------------------------------------------
 
     def _on_unmask_request(self, msg: UnmaskRequest) -> UnmaskingShares:
-        t = self.config.threshold
-        assert t is not None and self._own_shares is not None
-        survivors, dropped = set(msg.survivors), set(msg.dropped)
-        both = sorted(survivors & dropped)
+        state = self._state
+        checked = state if isinstance(state, _Checked) else None
+        masked = state.masked if isinstance(state, _Checked) else state
+        assert isinstance(masked, _Masked)
+        t = self.config.threshold or 0
+        me = self.client_id
+        listed, dropped = set(msg.survivors), set(msg.dropped)
+        peers = masked.peers | {me}
+        survivors = listed & peers
+        both = sorted(listed & dropped)
         if both:
             raise self._abort(f"the unmasking request names {both[:10]} as both survived and "
                               "dropped; answering would reveal both of their secrets")
-        if self.client_id in dropped:
+        if me in dropped:
             raise self._abort("the unmasking request names this client as dropped")
-        if self.client_id not in survivors:
+        if me not in listed:
             raise self._abort("the unmasking request does not name this client as a survivor")
-        peers = self._peers_and_self()
+        strangers = sorted((listed | dropped) - self._members)
+        if strangers:
+            raise self._abort(f"the unmasking request names clients outside the roster: "
+                              f"{strangers[:10]}")
         if survivors | dropped != peers:
             raise self._abort("the unmasking request is inconsistent with the clients that "
                               "shared keys with this client")
         if len(survivors) < t:
             raise self._abort(f"only {len(survivors)} of this client's holders survived; the "
                               f"threshold is {t}")
-        if self.config.malicious:
-            self._check_consistency(msg, survivors, peers, t)
+        if checked is not None:
+            self._check_consistency(msg, checked, survivors, t)
         elif msg.signatures:
             raise self._abort("signatures in an unmasking request of a semi-honest round")
+        if dropped and not self.graph.is_complete:
+            problem = survivor_graph_problem(self.graph, listed, t)
+            if problem is not None:
+                raise self._abort(f"revealing the masking keys of dropped peers "
+                                  f"{sorted(dropped)[:10]} would {problem}")
         for peer in survivors:
             if self.revealed.get(peer, "self_mask") != "self_mask":
                 raise self._abort(f"client {peer}'s masking-key share was already revealed")
         for peer in dropped:
             if self.revealed.get(peer, "masking_key") != "masking_key":
                 raise self._abort(f"client {peer}'s self-mask share was already revealed")
-        shares = dict(self._received)
-        shares[self.client_id] = self._own_shares
-        seed_shares = {p: shares[p].self_mask_share for p in survivors}
-        key_shares = {p: shares[p].masking_key_share for p in dropped}
+        seed_shares = {p: self._share_of(masked, p, seed=True) for p in survivors}
+        key_shares = {p: self._share_of(masked, p, seed=False) for p in dropped}
         self.revealed.update({p: "self_mask" for p in survivors})
         self.revealed.update({p: "masking_key" for p in dropped})
-        self._stage = Stage.UNMASKING
-        self._done = True
-        return self._signed(UnmaskingShares(self.session_id, self.client_id, seed_shares,
-                                            key_shares))
+        self._state = _Finished()
+        return self._signed(UnmaskingShares(self.session_id, me, seed_shares, key_shares),
+                            masked.shared.key_set)
 
-    def _check_consistency(self, msg: UnmaskRequest, survivors: set[int], peers: set[int],
+    def _share_of(self, masked: _Masked, peer: int, *, seed: bool) -> bytes:
+        if peer == self.client_id:
+            pair, offset = masked.shared.own_shares, 0
+        else:
+            pair, offset = masked.received, masked.index[peer]
+        start = offset + (SHARE_BYTES if seed else 0)
+        return bytes(pair[start:start + SHARE_BYTES])
+
+    def _check_consistency(self, msg: UnmaskRequest, checked: _Checked, survivors: set[int],
                            t: int) -> None:
-        assert self._survivor_list is not None
-        if survivors != set(self._survivor_list) & peers:
+        if set(msg.survivors) != set(checked.survivors):
             raise self._abort("the unmasking request's survivors differ from the survivor "
                               "list this client signed")
         signers = set(msg.signatures)
@@ -512,12 +588,46 @@ class Client:
         if strangers:
             raise self._abort(f"consistency signatures from clients outside the survivors: "
                               f"{strangers[:10]}")
+        adverts = checked.masked.shared.adverts
         for signer, signature in msg.signatures.items():
-            if not verify_signature(self._verify_keys.get(signer, b""), signature,
-                                    survivors_transcript(self.session_id, signer,
-                                                         self._survivor_list)):
+            try:
+                verify_signature(self._verify_keys.get(signer, b""), signature,
+                                 survivors_transcript(self.session_id, signer,
+                                                      checked.survivors, adverts[signer]))
+            except CryptoError:
                 raise self._abort(f"client {signer}'s signature over the survivor list is "
-                                  "invalid")
+                                  "invalid") from None
         if len(signers) < t:
             raise self._abort(f"only {len(signers)} consistency signatures; the threshold is "
                               f"{t}")
+
+    # --- resuming (secagg/resume.py) -----------------------------------------------------
+
+    def snapshot(self, key: bytes = b"") -> bytes:
+        """This client's whole state as bytes, **secrets included**, authenticated with
+        HMAC-SHA256 under ``key``: node-local, never to be sent to anyone. See
+        ``secagg.resume``."""
+        from .resume import snapshot
+
+        return snapshot(self, key)
+
+    @classmethod
+    def restore(cls, data: bytes, *, config: Config, client_id: int, context: bytes = b"",
+                roster: Iterable[int] | None = None, signing_key: SigningKey | None = None,
+                verify_keys: Mapping[int, bytes] | None = None, key: bytes = b"") -> Client:
+        """The client ``snapshot()`` saved; raises ``StaleSnapshot`` for a snapshot of
+        another session (config, roster, context) or client, under another ``key``, or
+        corrupted or truncated bytes."""
+        from .resume import restore
+
+        return restore(cls, data, config=config, client_id=client_id, context=context,
+                       roster=roster, signing_key=signing_key, verify_keys=verify_keys,
+                       key=key)
+
+
+_HANDLERS: Mapping[type, Callable[[Client, object], ClientMessage]] = {
+    KeyList: Client._on_key_list,  # type: ignore[dict-item]
+    Ciphertexts: Client._on_ciphertexts,  # type: ignore[dict-item]
+    SurvivorList: Client._on_survivor_list,  # type: ignore[dict-item]
+    UnmaskRequest: Client._on_unmask_request,  # type: ignore[dict-item]
+}

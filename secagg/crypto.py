@@ -5,8 +5,8 @@
 * AES-256-GCM for the share ciphertexts, with associated data binding session, stage,
   sender and recipient.
 * AES-128-CTR keystream as the mask PRG (``Masker``), written into preallocated buffers.
-* Ed25519 signatures over transcripts the code builds itself (domain tag, fixed header,
-  SHA-256 of the payload), never over a re-encoding of a received message.
+* Ed25519 signatures over transcripts the code builds itself (``secagg.transcripts``),
+  never over a re-encoding of a received message.
 
 Labels and layouts are normative: docs/protocol.md section 5.
 """
@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from .errors import CryptoError as CryptoError  # re-exported
 from .stage import Stage
 
 PROTOCOL = b"secagg/v1"
@@ -45,10 +46,6 @@ _SMALL_ORDER_U = frozenset({
     0x00B8495F16056286FDB1329CEB8D09DA6AC49FF1FAE35616AEB8413B7C7AEBE0,
     0x57119FD0DD4E22D8868E1C58C45C44045BEF839C55B1D0B1248C50A3BC959C5F,
 })
-
-
-class CryptoError(ValueError):
-    """A key, ciphertext or signature failed validation."""
 
 
 def sha256(*parts: bytes) -> bytes:
@@ -242,12 +239,6 @@ class Masker:
 # --- signatures -----------------------------------------------------------------------------
 
 
-def transcript(tag: bytes, session_id: bytes, stage: Stage, signer: int, payload: bytes) -> bytes:
-    """What is signed: domain tag, fixed header, SHA-256 of the payload."""
-    return b"|".join([PROTOCOL, b"sig", tag, session_id, bytes([stage.value]), u32(signer),
-                      sha256(payload)])
-
-
 class SigningKey:
     """A client's long-term Ed25519 identity key (malicious mode)."""
 
@@ -277,11 +268,14 @@ class SigningKey:
         return self._key.sign(message)
 
 
-def verify_signature(verify_key: bytes, signature: bytes, message: bytes) -> bool:
-    if len(verify_key) != KEY_BYTES or len(signature) != SIGNATURE_BYTES:
-        return False
+def verify_signature(verify_key: bytes, signature: bytes, message: bytes) -> None:
+    """Raise ``CryptoError`` unless ``signature`` is a valid Ed25519 signature of ``message``
+    under ``verify_key`` (a missing or malformed key or signature is invalid too)."""
+    if len(verify_key) != KEY_BYTES:
+        raise CryptoError(f"no valid verification key ({KEY_BYTES} bytes) for the signer")
+    if len(signature) != SIGNATURE_BYTES:
+        raise CryptoError(f"a signature is {SIGNATURE_BYTES} bytes, got {len(signature)}")
     try:
         Ed25519PublicKey.from_public_bytes(verify_key).verify(signature, message)
     except (InvalidSignature, ValueError):
-        return False
-    return True
+        raise CryptoError("the Ed25519 signature does not verify") from None

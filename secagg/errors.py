@@ -10,7 +10,10 @@
                    and answers nothing more.
 
 ``ProtocolAbort`` subclasses ``ProtocolError`` so that ``except ProtocolError`` catches every
-protocol failure.
+protocol failure. ``CryptoError`` (a key, ciphertext or signature failed validation),
+``ShamirError`` (bad sharing parameters or shares) and ``ProtocolError`` share one root,
+``SecAggError``: ``except SecAggError`` catches everything the package raises on bad input
+(bad configuration is ``ValueError``).
 """
 
 from __future__ import annotations
@@ -36,3 +39,16 @@ class DecodeError(ProtocolError):
 
 class ProtocolAbort(ProtocolError):
     """The round was aborted; the state machine that raised it will do nothing more."""
+
+
+class CryptoError(SecAggError, ValueError):
+    """A key, ciphertext or signature failed validation."""
+
+
+class ShamirError(SecAggError, ValueError):
+    """Invalid sharing parameters or shares."""
+
+
+class StaleSnapshot(ProtocolError):
+    """``Client.restore`` refused a snapshot: another session (config, roster or context),
+    another client, a wrong key, or bytes that are corrupted or truncated."""

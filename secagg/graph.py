@@ -135,6 +135,40 @@ def _closed_neighborhood(graph: Graph, client_id: int) -> frozenset[int]:
     return frozenset([client_id, *(ring[q] for q in near)])
 
 
+def survivor_graph_problem(graph: Graph, survivors: Iterable[int], threshold: int
+                           ) -> str | None:
+    """Why revealing dropped clients' masking keys would be unsafe on this sparse graph,
+    or ``None`` (docs/protocol.md section 4.6). Removing the dropouts' masks leaves the
+    server with the sum of each connected part of the survivor graph, so the survivors must
+    stay connected, and every survivor must keep at least ``threshold`` surviving graph
+    neighbours: while fewer than ``threshold`` of its holders are corrupt, one of them is
+    honest and their pairwise mask keeps its input hidden even from colluders."""
+    alive = set(survivors)
+    outside = sorted(alive - set(graph.clients))
+    if outside:
+        return f"rely on a survivor list naming clients outside the roster: {outside[:10]}"
+    if graph.is_complete or not alive:
+        return None
+    neighbours = {s: graph.closed_neighborhood(s) & alive for s in alive}
+    for s in sorted(alive):
+        if len(neighbours[s]) - 1 < threshold:
+            return (f"leave client {s} with {len(neighbours[s]) - 1} surviving graph "
+                    f"neighbours, fewer than the threshold {threshold}: its input would be "
+                    "exposed to the server and the corrupt ones among them")
+    start = min(alive)
+    seen = {start}
+    frontier = [start]
+    while frontier:
+        for peer in neighbours[frontier.pop()]:
+            if peer not in seen:
+                seen.add(peer)
+                frontier.append(peer)
+    if len(seen) != len(alive):
+        return (f"split the {len(alive)} survivors into disconnected parts (one of "
+                f"{len(seen)} clients): the server would learn the sum of each part")
+    return None
+
+
 # ---------------------------------------------------------------------------------------
 # Parameter selection (Bell et al. 2020, section 3; Google fcp HararyGraphParameterFinder)
 # ---------------------------------------------------------------------------------------

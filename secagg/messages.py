@@ -228,176 +228,267 @@ def encode(message: Message) -> bytes:
 
 
 # --- decoding ------------------------------------------------------------------------------
+#
+# The decoder reads the msgpack subset of section 6 directly from the bytes: every header is
+# checked (type, minimal form, count against the bytes left and the limit for the kind)
+# before anything is allocated, so a hostile message costs at most a small multiple of its
+# size and time linear in it. It accepts only the canonical encoding, so one message has
+# one byte string (no re-encoding to compare).
 
 
 def _fail(what: str) -> DecodeError:
     return DecodeError(f"malformed message: {what}")
 
 
-def _client_id(value: object, what: str) -> int:
-    if type(value) is not int or not 1 <= value <= MAX_CLIENT_ID:
-        raise _fail(f"{what} must be a client id in 1..{MAX_CLIENT_ID}")
-    return value
+_UINT = {0xCC: (1, 1 << 7), 0xCD: (2, 1 << 8), 0xCE: (4, 1 << 16), 0xCF: (8, 1 << 32)}
+_BIN = {0xC4: (1, 0), 0xC5: (2, 1 << 8), 0xC6: (4, 1 << 16)}
+_ARRAY = {0xDC: (2, 16), 0xDD: (4, 1 << 16)}
+_MAP = {0xDE: (2, 16), 0xDF: (4, 1 << 16)}
 
 
-def _blob(value: object, length: int | None, what: str) -> bytes:
-    if type(value) is not bytes:
-        raise _fail(f"{what} must be bytes")
-    if length is not None and len(value) != length:
-        raise _fail(f"{what} must be {length} bytes, got {len(value)}")
-    return value
+class _Reader:
+    """A cursor over one message's bytes that accepts only canonical msgpack."""
+
+    __slots__ = ("data", "pos")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def _take(self, size: int, what: str) -> int:
+        start = self.pos
+        if start + size > len(self.data):
+            raise _fail(f"truncated at {what}")
+        self.pos = start + size
+        return start
+
+    def _length(self, table: dict[int, tuple[int, int]], lead: int, what: str) -> int:
+        size, smallest = table[lead]
+        start = self._take(size, what)
+        value = int.from_bytes(self.data[start:start + size], "big")
+        if value < smallest:
+            raise _fail(f"{what} is not in canonical form (a wider length than needed)")
+        return value
+
+    def uint(self, what: str) -> int:
+        lead = self.data[self._take(1, what)]
+        if lead < 0x80:
+            return lead
+        if lead not in _UINT:
+            raise _fail(f"{what} must be a non-negative integer")
+        return self._length(_UINT, lead, what)
+
+    def bin(self, what: str, length: int | None = None, *, limit: int = 1 << 62) -> bytes:
+        lead = self.data[self._take(1, what)]
+        if lead not in _BIN:
+            raise _fail(f"{what} must be bytes")
+        size = self._length(_BIN, lead, what)
+        if length is not None and size != length:
+            raise _fail(f"{what} must be {length} bytes, got {size}")
+        if size > limit:
+            raise _fail(f"{what} has {size} bytes, more than {limit}")
+        start = self._take(size, what)
+        return self.data[start:start + size]
+
+    def _count(self, table: dict[int, tuple[int, int]], low: int, high: int, what: str,
+               kind: str, limit: int, entry_bytes: int) -> int:
+        lead = self.data[self._take(1, what)]
+        if low <= lead < high:
+            count = lead - low
+        elif lead in table:
+            count = self._length(table, lead, what)
+        else:
+            raise _fail(f"{what} must be {kind}")
+        if count > limit:
+            raise _fail(f"{what} has {count} entries, more than {limit}")
+        if count * entry_bytes > len(self.data) - self.pos:
+            raise _fail(f"{what} claims {count} entries but the message is too short")
+        return count
+
+    def array(self, what: str, limit: int, entry_bytes: int = 1) -> int:
+        return self._count(_ARRAY, 0x90, 0xA0, what, "an array", limit, entry_bytes)
+
+    def map(self, what: str, limit: int, entry_bytes: int = 2) -> int:
+        return self._count(_MAP, 0x80, 0x90, what, "a map of client id to value", limit,
+                           entry_bytes)
+
+    def client_id(self, what: str) -> int:
+        value = self.uint(what)
+        if not 1 <= value <= MAX_CLIENT_ID:
+            raise _fail(f"{what} must be a client id in 1..{MAX_CLIENT_ID}")
+        return value
+
+    def signature(self, what: str) -> bytes:
+        sig = self.bin(what, limit=SIGNATURE_BYTES)
+        if len(sig) not in (0, SIGNATURE_BYTES):
+            raise _fail(f"{what} must be empty or {SIGNATURE_BYTES} bytes")
+        return sig
+
+    def blob_map(self, length: int, what: str, limit: int) -> dict[int, bytes]:
+        """A map id -> bin of exactly ``length`` bytes, ids strictly ascending."""
+        count = self.map(what, limit, 2 + length)
+        out: dict[int, bytes] = {}
+        header = _bin_header(length)
+        span = len(header) + length
+        data, pos, last = self.data, self.pos, 0
+        # one tight loop: this runs for every entry of every share list (n^2 per round)
+        for _ in range(count):
+            lead = data[pos] if pos < len(data) else -1
+            if 0 < lead < 0x80:
+                key, pos = lead, pos + 1
+            elif lead in (0xCC, 0xCD, 0xCE):
+                self.pos = pos
+                key = self.client_id(f"{what} key")
+                pos = self.pos
+            else:
+                raise _fail(f"{what} key must be a client id in 1..{MAX_CLIENT_ID}")
+            if key <= last:
+                raise _fail(f"{what} repeats a key or is not sorted by id (canonical form)")
+            last = key
+            if data[pos:pos + len(header)] != header or pos + span > len(data):
+                raise _fail(f"{what} value must be {length} bytes")
+            out[key] = data[pos + len(header):pos + span]
+            pos += span
+        self.pos = pos
+        return out
+
+    def id_list(self, what: str, limit: int) -> tuple[int, ...]:
+        count = self.array(what, limit)
+        ids = []
+        last = 0
+        for _ in range(count):
+            value = self.client_id(what)
+            if value <= last:
+                raise _fail(f"{what} must be sorted and must not repeat a client id")
+            last = value
+            ids.append(value)
+        return tuple(ids)
 
 
-def _signature(value: object, what: str) -> bytes:
-    sig = _blob(value, None, what)
-    if len(sig) not in (0, SIGNATURE_BYTES):
-        raise _fail(f"{what} must be empty or {SIGNATURE_BYTES} bytes")
-    return sig
-
-
-def _blob_map(value: object, length: int, what: str, limit: int) -> dict[int, bytes]:
-    if type(value) is not dict:
-        raise _fail(f"{what} must be a map of client id to bytes")
-    if len(value) > limit:
-        raise _fail(f"{what} has {len(value)} entries, more than {limit}")
-    # one flat loop: this runs for every entry of every share list (n^2 per round)
-    for key, blob in value.items():
-        if type(key) is not int or not 1 <= key <= MAX_CLIENT_ID:
-            raise _fail(f"{what} key must be a client id in 1..{MAX_CLIENT_ID}")
-        if type(blob) is not bytes or len(blob) != length:
-            raise _fail(f"{what} value must be {length} bytes")
-    return value
-
-
-def _id_list(value: object, what: str, limit: int) -> tuple[int, ...]:
-    if type(value) is not list:
-        raise _fail(f"{what} must be a list of client ids")
-    if len(value) > limit:
-        raise _fail(f"{what} has {len(value)} entries, more than {limit}")
-    ids = tuple(_client_id(v, what) for v in value)
-    if len(set(ids)) != len(ids):
-        raise _fail(f"{what} repeats a client id")
-    if list(ids) != sorted(ids):
-        raise _fail(f"{what} must be sorted")
-    return ids
+def _bin_header(length: int) -> bytes:
+    """The canonical msgpack header of a bin of ``length`` bytes."""
+    if length < 1 << 8:
+        return bytes([0xC4, length])
+    if length < 1 << 16:
+        return b"\xc5" + length.to_bytes(2, "big")
+    return b"\xc6" + length.to_bytes(4, "big")
 
 
 _ARITY = {1: 8, 2: 6, 3: 9, 4: 5, 5: 7, 11: 5, 12: 5, 13: 5, 14: 7}
+_KEY_ENTRY_BYTES = 1 + 3 * (2 + KEY_BYTES) + 2  # the smallest valid key-list entry
 
 
-def decode(data: bytes, *, max_bytes: int = 1 << 31, max_entries: int = 1 << 20) -> Message:
-    """Parse and validate wire bytes; raises ``DecodeError`` on anything malformed."""
+def client_message_limit(num_clients: int) -> int:
+    """The largest valid server message to a client of a round of ``num_clients`` clients:
+    the bound ``Client.max_message_bytes`` returns and its decoder enforces."""
+    return 4096 + num_clients * (4 * 32 + 64 + 160) + 64 * num_clients
+
+
+def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 31,
+           max_entries: int = 1 << 20, max_vector_bytes: int = 1 << 34,
+           kinds: frozenset[int] | None = None) -> Message:
+    """Parse and validate wire bytes; raises ``DecodeError`` on anything malformed.
+
+    ``max_entries`` bounds every map and list, ``max_vector_bytes`` the masked vector,
+    ``kinds`` the message kinds accepted (e.g. ``SERVER_KINDS`` at a client); all are
+    checked before the part they bound is read."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise _fail("expected bytes")
     if len(data) > max_bytes:
         raise _fail(f"{len(data)} bytes is more than the {max_bytes} this round allows")
-    raw = bytes(data)
-    try:
-        obj = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False,
-                              object_pairs_hook=_unique_map)
-    except DecodeError:
-        raise
-    except Exception as exc:  # msgpack raises many types on garbage; all mean "malformed"
-        raise _fail(f"not msgpack ({type(exc).__name__})") from None
-    message = _build(obj, max_entries)
-    # One message, one encoding: duplicate detection by digest and signatures over what
-    # the code builds itself both rely on it.
-    if encode(message) != raw:
-        raise _fail("not in canonical form (maps sorted by id, minimal integers)")
+    reader = _Reader(bytes(data))
+    count = reader.array("the envelope [magic, kind, session, party, ...]", 9)
+    if count < 4:
+        raise _fail("expected an array [magic, kind, session, party, ...]")
+    if reader.bin("magic", limit=len(MAGIC)) != MAGIC:
+        raise _fail("wrong magic (not a secagg v1 message)")
+    kind = reader.uint("kind")
+    if kind not in _ARITY:
+        raise _fail(f"unknown message kind {kind!r}")
+    if kinds is not None and kind not in kinds:
+        side = "server" if kind in SERVER_KINDS else "client"
+        raise _fail(f"a {side} message (kind {kind}) is not accepted here")
+    if count != _ARITY[kind]:
+        raise _fail(f"kind {kind} has {_ARITY[kind]} fields, got {count}")
+    session = reader.bin("session id", SESSION_BYTES)
+    party = reader.client_id("client id")
+    message = _build(reader, kind, session, party, max_entries, max_vector_bytes)
+    if reader.pos != len(reader.data):
+        raise _fail("trailing bytes after the message")
     return message
 
 
-def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise _fail("a map repeats a key")
-    return out
+def decode_server_message(data: bytes | bytearray | memoryview, num_clients: int
+                          ) -> ServerMessage:
+    """A server message to a client of a round of ``num_clients`` clients, decoded with
+    that round's limits (size, entries)."""
+    message = decode(data, max_bytes=client_message_limit(num_clients),
+                     max_entries=num_clients, max_vector_bytes=0, kinds=SERVER_KINDS)
+    assert isinstance(message, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest))
+    return message
 
 
-def _build(obj: Any, max_entries: int) -> Message:
-    if type(obj) is not list or len(obj) < 4:
-        raise _fail("expected an array [magic, kind, session, party, ...]")
-    if obj[0] != MAGIC:
-        raise _fail("wrong magic (not a secagg v1 message)")
-    kind = obj[1]
-    if type(kind) is not int or kind not in _ARITY:
-        raise _fail(f"unknown message kind {kind!r}")
-    if len(obj) != _ARITY[kind]:
-        raise _fail(f"kind {kind} has {_ARITY[kind]} fields, got {len(obj)}")
-    session = _blob(obj[2], SESSION_BYTES, "session id")
-    party = _client_id(obj[3], "client id")
-    f = obj[4:]
+def _build(r: _Reader, kind: int, session: bytes, party: int, max_entries: int,
+           max_vector: int) -> Message:
     if kind == 1:
-        return AdvertiseKeys(session, party, _blob(f[0], KEY_BYTES, "encryption key"),
-                             _blob(f[1], KEY_BYTES, "masking key"),
-                             _blob(f[2], 32, "self-mask commitment"),
-                             _signature(f[3], "signature"))
+        return AdvertiseKeys(session, party, r.bin("encryption key", KEY_BYTES),
+                             r.bin("masking key", KEY_BYTES), r.bin("self-mask commitment", 32),
+                             r.signature("signature"))
     if kind == 2:
-        return ShareKeys(session, party,
-                         _blob_map(f[0], CIPHERTEXT_BYTES, "ciphertexts", max_entries),
-                         _signature(f[1], "signature"))
+        return ShareKeys(session, party, r.blob_map(CIPHERTEXT_BYTES, "ciphertexts",
+                                                    max_entries), r.signature("signature"))
     if kind == 3:
-        bits, dim, masked, digest, signature = f
-        if type(bits) is not int or not 8 <= bits <= 64:
+        bits = r.uint("bits")
+        if not 8 <= bits <= 64:
             raise _fail("bits must be in 8..64")
-        if type(dim) is not int or dim < 1:
+        dim = r.uint("dim")
+        if dim < 1:
             raise _fail("dim must be a positive integer")
         from .crypto import dtype_for_bits
 
-        blob = _blob(masked, dim * dtype_for_bits(bits).itemsize, "masked vector")
-        return MaskedInput(session, party, bits, dim, blob, _blob(digest, 32, "peers digest"),
-                           _signature(signature, "signature"))
+        size = dim * dtype_for_bits(bits).itemsize
+        if size > max_vector:
+            raise _fail(f"a masked vector of {size} bytes is more than the {max_vector} this "
+                        "round allows")
+        blob = r.bin("masked vector", size)
+        return MaskedInput(session, party, bits, dim, blob, r.bin("peers digest", 32),
+                           r.signature("signature"))
     if kind == 4:
-        return ConsistencySignature(session, party, _blob(f[0], SIGNATURE_BYTES, "signature"))
+        return ConsistencySignature(session, party, r.bin("signature", SIGNATURE_BYTES))
     if kind == 5:
         return UnmaskingShares(
-            session, party, _blob_map(f[0], SHARE_BYTES, "self-mask shares", max_entries),
-            _blob_map(f[1], SHARE_BYTES, "masking-key shares", max_entries),
-            _signature(f[2], "signature"))
+            session, party, r.blob_map(SHARE_BYTES, "self-mask shares", max_entries),
+            r.blob_map(SHARE_BYTES, "masking-key shares", max_entries),
+            r.signature("signature"))
     if kind == 11:
-        if type(f[0]) is not dict or len(f[0]) > max_entries:
-            raise _fail("key list must be a map of client id to key entry")
+        count = r.map("key list", max_entries, _KEY_ENTRY_BYTES)
         keys = {}
-        for cid, entry in f[0].items():
-            if type(entry) is not list or len(entry) != 4:
+        last = 0
+        for _ in range(count):
+            cid = r.client_id("key list id")
+            if cid <= last:
+                raise _fail("key list repeats a key or is not sorted by id (canonical form)")
+            last = cid
+            if r.array("a key entry", 4, 2) != 4:
                 raise _fail("a key entry is [encryption key, masking key, commitment, sig]")
-            keys[_client_id(cid, "key list id")] = KeyEntry(
-                _blob(entry[0], KEY_BYTES, "encryption key"),
-                _blob(entry[1], KEY_BYTES, "masking key"),
-                _blob(entry[2], 32, "self-mask commitment"),
-                _signature(entry[3], "signature"))
+            keys[cid] = KeyEntry(r.bin("encryption key", KEY_BYTES),
+                                 r.bin("masking key", KEY_BYTES),
+                                 r.bin("self-mask commitment", 32), r.signature("signature"))
         return KeyList(session, party, keys)
     if kind == 12:
         return Ciphertexts(session, party,
-                           _blob_map(f[0], CIPHERTEXT_BYTES, "ciphertexts", max_entries))
+                           r.blob_map(CIPHERTEXT_BYTES, "ciphertexts", max_entries))
     if kind == 13:
-        return SurvivorList(session, party, _id_list(f[0], "survivors", max_entries))
-    return UnmaskRequest(session, party, _id_list(f[0], "survivors", max_entries),
-                         _id_list(f[1], "dropped", max_entries),
-                         _blob_map(f[2], SIGNATURE_BYTES, "signatures", max_entries))
+        return SurvivorList(session, party, r.id_list("survivors", max_entries))
+    return UnmaskRequest(session, party, r.id_list("survivors", max_entries),
+                         r.id_list("dropped", max_entries),
+                         r.blob_map(SIGNATURE_BYTES, "signatures", max_entries))
 
 
 def peers_digest(peers: Iterable[int]) -> bytes:
     """SHA-256 naming the set of peers a client masked with (ids ascending)."""
     return hashlib.sha256(b"secagg/v1|peers|" + b"".join(
         struct.pack(">I", p) for p in sorted(peers))).digest()
-
-
-def signed_payload(message: ShareKeys | MaskedInput | UnmaskingShares) -> bytes:
-    """The bytes a client signs (malicious mode) for its share_keys, masked_input and
-    unmasking messages: built from the fields, never a re-encoding (section 5.7)."""
-    if isinstance(message, ShareKeys):
-        return b"".join(struct.pack(">I", r) + ct for r, ct in message.ciphertexts.items())
-    if isinstance(message, MaskedInput):
-        return (struct.pack(">BQ", message.bits, message.dim) + message.peers_digest
-                + message.masked)
-    seeds = b"".join(struct.pack(">I", o) + s for o, s in message.self_mask_shares.items())
-    keys = b"".join(struct.pack(">I", o) + s for o, s in message.masking_key_shares.items())
-    return b"s" + struct.pack(">I", len(message.self_mask_shares)) + seeds + b"k" + keys
-
-
-SIGNED_TAGS = {ShareKeys: b"share-keys", MaskedInput: b"masked-input",
-               UnmaskingShares: b"unmasking"}
 
 
 def sender_of(message: ClientMessage) -> int:

@@ -21,11 +21,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .client import (
-    advertisement_transcript,
-    client_message_transcript,
-    survivors_transcript,
-)
 from .config import Config
 from .crypto import (
     CryptoError,
@@ -39,6 +34,7 @@ from .crypto import (
 )
 from .errors import ProtocolAbort, ProtocolError
 from .messages import (
+    CLIENT_KINDS,
     AdvertiseKeys,
     Ciphertexts,
     ClientMessage,
@@ -60,6 +56,14 @@ from .shamir import (
     PRIME,
 )
 from .stage import Stage
+from .transcripts import (
+    advertisement_digest,
+    advertisement_transcript,
+    client_message_transcript,
+    key_set_digest,
+    payload_digest,
+    survivors_transcript,
+)
 from .unmasking import (
     MaskJob,
     balance,
@@ -76,13 +80,17 @@ class AggregateResult:
     ``total``: the sum of the included inputs mod 2**bits (uint64).
     ``included``: ids whose masked input is in the sum.
     ``dropped``: id -> the first stage in which the client sent nothing.
-    ``corrupt_shares``: holder id -> ids of clients whose secret it sent a wrong share of.
+    ``corrupt_shares``: holder id -> ids of clients whose secret it sent a wrong share of,
+    named only when attributable (docs/protocol.md section 8, step 5).
+    ``unattributable``: ids of clients whose secret was reconstructed and verified although
+    its shares were inconsistent beyond what can be attributed to anyone.
     """
 
     total: np.ndarray
     included: frozenset[int]
     dropped: Mapping[int, Stage] = field(default_factory=dict)
     corrupt_shares: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    unattributable: frozenset[int] = frozenset()
 
 
 class Server:
@@ -103,6 +111,7 @@ class Server:
                              "public key)")
         self._verify_keys = dict(verify_keys or {})
         self._threshold: int = config.threshold or 0
+        self._vector_bytes = config.dim * dtype_for_bits(config.bits).itemsize
         self._stage = Stage.ADVERTISE_KEYS
         self._expected: set[int] = set(self.roster)
         self._inbox: dict[int, ClientMessage] = {}
@@ -114,6 +123,8 @@ class Server:
         self._adverts: dict[int, AdvertiseKeys] = {}
         self._key_owner: dict[bytes, int] = {}
         self._key_lists: dict[int, frozenset[int]] = {}
+        self._key_sets: dict[int, bytes] = {}  # key_set_digest of each client's key list
+        self._advert_digests: dict[int, bytes] = {}
         self._share_keys: dict[int, ShareKeys] = {}
         self._forwarded: dict[int, frozenset[int]] = {}
         self._sum = np.zeros(config.dim, dtype=dtype_for_bits(config.bits))
@@ -124,6 +135,7 @@ class Server:
         self._key_shares: dict[int, dict[int, int]] = {}
         self.result: AggregateResult | None = None
         self._suspects: set[int] = set()
+        self._unattributable: set[int] = set()
         self.aborted: ProtocolAbort | None = None
 
     # --- state ----------------------------------------------------------------------------
@@ -148,8 +160,7 @@ class Server:
 
     def max_message_bytes(self) -> int:
         """An upper bound on a valid client message this round (for transports)."""
-        width = dtype_for_bits(self.config.bits).itemsize
-        return 1024 + self.config.dim * width + len(self.roster) * 128
+        return 1024 + self._vector_bytes + len(self.roster) * 128
 
     # --- receiving ------------------------------------------------------------------------
 
@@ -160,37 +171,36 @@ class Server:
                              client_id=client_id)
 
     def receive(self, client_id: int,
-                message: ClientMessage | bytes | bytearray | memoryview) -> bool:
+                message: ClientMessage | bytes | bytearray | memoryview, *,
+                digest: bytes | None = None) -> bool:
         """Accept one message from ``client_id`` (the transport-authenticated sender).
 
         Returns ``True`` for a new message, ``False`` for a redelivery of one already
         accepted (this stage's or the previous stage's); raises ``ProtocolError`` when the
-        message is rejected."""
+        message is rejected. ``digest``: the SHA-256 of the wire bytes when the transport
+        already computed it (so the frame is hashed once)."""
         if self.aborted is not None:
             raise self._reject(client_id, f"the round was aborted: {self.aborted}")
         if isinstance(message, (bytes, bytearray, memoryview)):
             raw = bytes(message)
-            try:
-                msg = decode(raw, max_bytes=self.max_message_bytes())
-            except ProtocolError as exc:
-                raise self._reject(client_id, str(exc)) from None
-            if isinstance(msg, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest)):
-                raise self._reject(client_id, "a server message was sent to the server")
-        else:
-            if not isinstance(message, (AdvertiseKeys, ShareKeys, MaskedInput,
-                                        ConsistencySignature, UnmaskingShares)):
-                raise self._reject(client_id, f"{type(message).__name__} is not a client "
-                                   "message")
+        elif isinstance(message, (AdvertiseKeys, ShareKeys, MaskedInput, ConsistencySignature,
+                                  UnmaskingShares)):
             try:  # objects get exactly the validation wire bytes get
                 raw = encode(message)
-                decoded = decode(raw, max_bytes=self.max_message_bytes())
-            except ProtocolError as exc:
-                raise self._reject(client_id, str(exc)) from None
             except Exception as exc:  # a hand-built object with wrong field types
                 raise self._reject(client_id, f"malformed {type(message).__name__} object: "
                                               f"{exc}") from None
-            assert not isinstance(decoded, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest))
-            msg = decoded
+            digest = None
+        else:
+            raise self._reject(client_id, f"{type(message).__name__} is not a client message")
+        try:
+            msg = decode(raw, max_bytes=self.max_message_bytes(),
+                         max_entries=len(self.roster), max_vector_bytes=self._vector_bytes,
+                         kinds=CLIENT_KINDS)
+        except ProtocolError as exc:
+            raise self._reject(client_id, str(exc)) from None
+        assert isinstance(msg, (AdvertiseKeys, ShareKeys, MaskedInput, ConsistencySignature,
+                                UnmaskingShares))
         if client_id not in self._members:
             raise self._reject(client_id, "the sender is not in the roster")
         if msg.client_id != client_id:
@@ -198,7 +208,8 @@ class Server:
                                           f"{msg.client_id}")
         if msg.session_id != self.session_id:
             raise self._reject(client_id, "the message belongs to another session")
-        digest = sha256(raw)
+        if digest is None or len(digest) != 32:
+            digest = sha256(raw)
         if self._digests.get(client_id) == digest and client_id in self._inbox:
             return False  # redelivery of an accepted message
         if self._previous_digests.get(client_id) == digest:
@@ -216,6 +227,8 @@ class Server:
         self._inbox[client_id] = msg
         self._digests[client_id] = digest
         if isinstance(msg, AdvertiseKeys):
+            self._advert_digests[client_id] = advertisement_digest(
+                self.session_id, client_id, _entry(msg))
             self._key_owner[msg.encryption_key] = client_id
             self._key_owner[msg.masking_key] = client_id
         if isinstance(msg, MaskedInput):
@@ -236,10 +249,14 @@ class Server:
                 if key in self._key_owner:
                     raise self._reject(cid, "duplicates a public key of client "
                                             f"{self._key_owner[key]}")
-            if cfg.malicious and not verify_signature(
-                    self._verify_keys.get(cid, b""), msg.signature,
-                    advertisement_transcript(self.session_id, cid, _entry(msg))):
-                raise self._reject(cid, "the advertisement signature is invalid")
+            if cfg.malicious:
+                try:
+                    verify_signature(self._verify_keys.get(cid, b""), msg.signature,
+                                     advertisement_transcript(self.session_id, cid,
+                                                              _entry(msg)))
+                except CryptoError as exc:
+                    raise self._reject(cid, f"the advertisement signature is invalid: "
+                                            f"{exc}") from None
         elif isinstance(msg, ShareKeys):
             if set(msg.ciphertexts) != self._key_lists[cid] - {cid}:
                 raise self._reject(cid, "ciphertexts must address exactly the other clients "
@@ -249,7 +266,7 @@ class Server:
             if msg.bits != cfg.bits or msg.dim != cfg.dim:
                 raise self._reject(cid, f"masked input has bits={msg.bits}, dim={msg.dim}; "
                                         f"the round uses bits={cfg.bits}, dim={cfg.dim}")
-            if len(msg.masked) != cfg.dim * self._sum.dtype.itemsize:
+            if len(msg.masked) != self._vector_bytes:
                 raise self._reject(cid, "masked input has the wrong length")
             width = 8 * self._sum.dtype.itemsize
             if cfg.bits < width and int(msg.vector().max()) >> cfg.bits:
@@ -259,10 +276,13 @@ class Server:
                                         "forwarded (the ciphertext list was altered)")
             self._check_signature(cid, msg)
         elif isinstance(msg, ConsistencySignature):
-            if not verify_signature(self._verify_keys.get(cid, b""), msg.signature,
-                                    survivors_transcript(self.session_id, cid,
-                                                         self._survivors)):
-                raise self._reject(cid, "the survivor-list signature is invalid")
+            try:
+                verify_signature(self._verify_keys.get(cid, b""), msg.signature,
+                                 survivors_transcript(self.session_id, cid, self._survivors,
+                                                      self._advert_digests[cid]))
+            except CryptoError as exc:
+                raise self._reject(cid, f"the survivor-list signature is invalid: "
+                                        f"{exc}") from None
         else:
             assert isinstance(msg, UnmaskingShares)
             survivors, dropped = self._requests[cid]
@@ -276,9 +296,13 @@ class Server:
     def _check_signature(self, cid: int, msg: ShareKeys | MaskedInput | UnmaskingShares
                          ) -> None:
         if self.config.malicious:
-            if not verify_signature(self._verify_keys.get(cid, b""), msg.signature,
-                                    client_message_transcript(msg)):
-                raise self._reject(cid, f"the {msg.stage.label} signature is invalid")
+            try:
+                verify_signature(self._verify_keys.get(cid, b""), msg.signature,
+                                 client_message_transcript(msg, self._key_sets[cid],
+                                                           payload_digest(msg)))
+            except CryptoError as exc:
+                raise self._reject(cid, f"the {msg.stage.label} signature is invalid (another "
+                                        f"round's, or altered): {exc}") from None
         elif msg.signature:
             raise self._reject(cid, "a signature in a semi-honest round")
 
@@ -314,14 +338,7 @@ class Server:
         if len(responders) < t:
             raise self._abort(f"only {len(responders)} clients responded; the threshold "
                               f"is {t}")
-        handlers: dict[Stage, Callable[[set[int]], dict[int, ServerMessage]]] = {
-            Stage.ADVERTISE_KEYS: self._after_advertise,
-            Stage.SHARE_KEYS: self._after_share_keys,
-            Stage.MASKED_INPUT: self._after_masked_input,
-            Stage.CONSISTENCY_CHECK: self._after_consistency,
-            Stage.UNMASKING: self._after_unmasking,
-        }
-        out = handlers[self._stage](responders)
+        out = SERVER_HANDLERS[self._stage](self, responders)
         if self.result is None and len(out) < t:
             raise self._abort(f"only {len(out)} clients can continue; the threshold is {t}")
         return out
@@ -335,13 +352,18 @@ class Server:
                          if isinstance(msg, AdvertiseKeys)}
         entries = {cid: _entry(advert) for cid, advert in self._adverts.items()}
         out: dict[int, ServerMessage] = {}
+        digests: dict[frozenset[int], bytes] = {}  # one key list for all: complete graph
         for cid in sorted(u1):
-            holders = self.graph.closed_neighborhood(cid) & u1
+            holders = frozenset(self.graph.closed_neighborhood(cid) & u1)
             if len(holders) < t:
                 self._skip(cid, Stage.SHARE_KEYS)  # it would abort: too few holders
                 continue
-            self._key_lists[cid] = frozenset(holders)
-            out[cid] = KeyList(self.session_id, cid, {h: entries[h] for h in holders})
+            self._key_lists[cid] = holders
+            keys = {h: entries[h] for h in holders}
+            if holders not in digests:
+                digests[holders] = key_set_digest(self.session_id, keys)
+            self._key_sets[cid] = digests[holders]
+            out[cid] = KeyList(self.session_id, cid, keys)
         self._open(Stage.SHARE_KEYS, out)
         return out
 
@@ -370,6 +392,7 @@ class Server:
 
     def _after_masked_input(self, u3: set[int]) -> dict[int, ServerMessage]:
         self._survivors = frozenset(u3)
+        everyone = tuple(sorted(u3))  # the whole U3: clients check the survivor graph
         out: dict[int, ServerMessage] = {}
         if self.config.malicious:
             ordered = tuple(sorted(u3))
@@ -382,13 +405,13 @@ class Server:
                 self._skip(cid, Stage.UNMASKING)
                 continue
             self._requests[cid] = (survivors, dropped)
-            out[cid] = UnmaskRequest(self.session_id, cid, tuple(sorted(survivors)),
-                                     tuple(sorted(dropped)))
+            out[cid] = UnmaskRequest(self.session_id, cid, everyone, tuple(sorted(dropped)))
         self._open(Stage.UNMASKING, out)
         return out
 
     def _after_consistency(self, u4: set[int]) -> dict[int, ServerMessage]:
         t = self._threshold
+        everyone = tuple(sorted(self._survivors))
         signatures = {cid: msg.signature for cid, msg in self._inbox.items()
                       if isinstance(msg, ConsistencySignature)}
         out: dict[int, ServerMessage] = {}
@@ -399,8 +422,8 @@ class Server:
                 self._skip(cid, Stage.UNMASKING)
                 continue
             self._requests[cid] = (survivors, dropped)
-            out[cid] = UnmaskRequest(self.session_id, cid, tuple(sorted(survivors)),
-                                     tuple(sorted(dropped)), mine)
+            out[cid] = UnmaskRequest(self.session_id, cid, everyone, tuple(sorted(dropped)),
+                                     mine)
         self._open(Stage.UNMASKING, out)
         return out
 
@@ -451,14 +474,15 @@ class Server:
         total = self._unmask(seeds, private_keys)
         self.result = AggregateResult(
             total=total, included=frozenset(survivors), dropped=dict(self.dropped),
-            corrupt_shares={h: frozenset(o) for h, o in corrupt.items()})
+            corrupt_shares={h: frozenset(o) for h, o in corrupt.items()},
+            unattributable=frozenset(self._unattributable))
         self._open(Stage.UNMASKING, ())
         return {}
 
     def _reconstruct(self, owner: int, shares: dict[int, int],
                      check: Callable[[bytes], bool], corrupt: dict[int, set[int]]) -> bytes:
         secret = reconstruct_verified(owner, shares, self._threshold, check, self._suspects,
-                                      corrupt)
+                                      corrupt, self._unattributable)
         if secret is None:
             raise self._abort(f"the shares of client {owner}'s secret are inconsistent and "
                               f"no {self._threshold} of them reconstruct the committed value")
@@ -504,3 +528,13 @@ class Server:
 def _entry(msg: AdvertiseKeys) -> KeyEntry:
     return KeyEntry(msg.encryption_key, msg.masking_key, msg.self_mask_commitment,
                     msg.signature)
+
+
+# Which handler closes each collecting stage (docs/protocol.md table 3.3b).
+SERVER_HANDLERS: Mapping[Stage, Callable[[Server, set[int]], dict[int, ServerMessage]]] = {
+    Stage.ADVERTISE_KEYS: Server._after_advertise,
+    Stage.SHARE_KEYS: Server._after_share_keys,
+    Stage.MASKED_INPUT: Server._after_masked_input,
+    Stage.CONSISTENCY_CHECK: Server._after_consistency,
+    Stage.UNMASKING: Server._after_unmasking,
+}

@@ -20,13 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from .errors import ShamirError as ShamirError  # re-exported
+
 PRIME = (1 << 256) + 297
 SHARE_BYTES = 33
 SECRET_BYTES = 32
-
-
-class ShamirError(ValueError):
-    """Invalid sharing parameters or shares."""
 
 
 def _random_field_elements(count: int) -> list[int]:

@@ -18,7 +18,7 @@ from .crypto import SigningKey
 from .errors import ProtocolAbort, ProtocolError
 from .messages import encode
 from .server import Server
-from .stage import Stage
+from .stage import Stage, round_stages
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,7 @@ class SimulationResult:
     bytes_received: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
     client_aborts: Mapping[int, str] = field(default_factory=dict)
     corrupt_shares: Mapping[int, frozenset[int]] = field(default_factory=dict)
-
-
-def _stages(config: Config) -> list[Stage]:
-    stages = [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT]
-    if config.malicious:
-        stages.append(Stage.CONSISTENCY_CHECK)
-    stages.append(Stage.UNMASKING)
-    return stages
+    unattributable: frozenset[int] = frozenset()
 
 
 def _parse_drop(drop: Mapping[int, Stage | str] | None, ids: set[int]) -> dict[int, Stage]:
@@ -100,7 +93,7 @@ def simulate(config: Config, inputs: Mapping[int, object],
         # a drop at consistency_check in a semi-honest round means "from unmasking on"
         return stage >= at
 
-    for stage in _stages(config):
+    for stage in round_stages(config):
         started = time.perf_counter()
         if stage is Stage.ADVERTISE_KEYS:
             replies = {cid: encode(clients[cid].advertise()) for cid in roster
@@ -134,4 +127,5 @@ def simulate(config: Config, inputs: Mapping[int, object],
         dropped.setdefault(cid, stage)
     return SimulationResult(total=result.total, included=result.included, dropped=dropped,
                             seconds=seconds, bytes_sent=sent, bytes_received=received,
-                            client_aborts=aborts, corrupt_shares=result.corrupt_shares)
+                            client_aborts=aborts, corrupt_shares=result.corrupt_shares,
+                            unattributable=result.unattributable)

@@ -7,6 +7,12 @@ The order is the protocol order; ``Stage.CONSISTENCY_CHECK`` only happens in
 from __future__ import annotations
 
 import enum
+from typing import Protocol
+
+
+class _HasMalicious(Protocol):
+    @property
+    def malicious(self) -> bool: ...
 
 
 class Stage(enum.IntEnum):
@@ -32,3 +38,13 @@ class Stage(enum.IntEnum):
         except KeyError:
             names = ", ".join(s.label for s in cls)
             raise ValueError(f"unknown stage {text!r}: use one of {names}") from None
+
+
+def round_stages(malicious: bool | _HasMalicious) -> tuple[Stage, ...]:
+    """The stages of one round, in order: the one definition of the round schedule that
+    ``simulate``, the transport drivers and ``fl`` use. Takes a ``Config`` (or its
+    ``malicious`` flag): ``CONSISTENCY_CHECK`` is in the schedule only in malicious mode."""
+    flag = malicious if isinstance(malicious, bool) else malicious.malicious
+    if flag:
+        return tuple(Stage)
+    return tuple(s for s in Stage if s is not Stage.CONSISTENCY_CHECK)

@@ -31,14 +31,22 @@ from .shamir import (
 
 def reconstruct_verified(owner: int, shares: dict[int, int], t: int,
                          check: Callable[[bytes], bool], suspects: set[int],
-                         corrupt: dict[int, set[int]]) -> bytes | None:
+                         corrupt: dict[int, set[int]], unattributable: set[int]) -> bytes | None:
     """Reconstruct one secret and verify it with ``check``; ``None`` when impossible.
 
-    The first ``t`` non-suspect shares usually verify; every suspect whose share is off
-    the verified polynomial is then named in ``corrupt``. Otherwise the shares are decoded
-    as a Reed-Solomon codeword (Gao), which corrects up to (m - t) / 2 wrong shares and
-    names their holders; beyond that, random t-subsets are tried against the check."""
+    The first ``t`` non-suspect shares usually verify. Otherwise the shares are decoded as
+    a Reed-Solomon codeword (Gao), which corrects up to (m - t) / 2 wrong shares; beyond
+    that, random t-subsets are tried against the check.
+
+    Blame only what is attributable (docs/architecture.md section 9): the holders whose
+    shares are off the verified polynomial are named in ``corrupt`` only when they are at
+    most (m - t) / 2, the unique-decoding radius; naming an honest holder then takes more
+    than (m - t) / 2 + 1 colluding holders of this secret (docs/protocol.md section 8).
+    A verified secret whose shares disagree more is put in ``unattributable``, naming
+    nobody."""
     holders = sorted(shares)
+    radius = (len(holders) - t) // 2
+    flagged = any(h in suspects for h in holders)
     clean = [h for h in holders if h not in suspects]
 
     def verified(value: int) -> bytes | None:
@@ -50,22 +58,29 @@ def reconstruct_verified(owner: int, shares: dict[int, int], t: int,
         except (ValueError, CryptoError):
             return None
 
-    if len(clean) < t:  # too many suspects to skip: try the lowest ids, check the rest
+    def attribute(base: tuple[int, ...]) -> None:
+        others = [h for h in holders if h not in base]
+        off = {h for h, value in zip(others, extrapolate(shares, base, others), strict=True)
+               if value != shares[h]}
+        if len(off) > radius:
+            unattributable.add(owner)
+            return
+        for holder in off:
+            corrupt.setdefault(holder, set()).add(owner)
+
+    if len(clean) < t:  # too many suspects to skip: try the lowest ids
         clean = holders
-    if len(clean) >= t:
-        base = tuple(clean[:t])
-        first = verified(reconstruct_value({x: shares[x] for x in base}, t))
-        if first is not None:
-            named = [h for h in holders if h in suspects and h not in base]
-            for holder, value in zip(named, extrapolate(shares, base, named), strict=True):
-                if value != shares[holder]:
-                    corrupt.setdefault(holder, set()).add(owner)
-            return first
+    base = tuple(clean[:t])
+    first = verified(reconstruct_value({x: shares[x] for x in base}, t))
+    if first is not None:
+        if flagged:
+            attribute(base)
+        return first
     decoded = decode_with_errors(shares, t)
     if decoded is not None:
         secret = verified(decoded[0])
         if secret is not None:
-            for holder in decoded[1]:
+            for holder in decoded[1]:  # within the radius by construction
                 corrupt.setdefault(holder, set()).add(owner)
             return secret
     rng = random.Random(owner)  # which subsets to try is not secret
@@ -73,7 +88,7 @@ def reconstruct_verified(owner: int, shares: dict[int, int], t: int,
         subset = tuple(sorted(rng.sample(holders, t)))
         secret = verified(reconstruct_value({x: shares[x] for x in subset}, t))
         if secret is not None:
-            blame(owner, shares, subset, corrupt)
+            attribute(subset)
             return secret
     return None
 
@@ -102,15 +117,6 @@ def screen_shares(sharesets: list[dict[int, int]], t: int) -> set[int]:
         else:  # beyond the decoding radius: check every share of this group one by one
             suspects |= set(holders)
     return suspects
-
-
-def blame(owner: int, shares: dict[int, int], subset: tuple[int, ...],
-          corrupt: dict[int, set[int]]) -> None:
-    """Name every holder whose share is off the polynomial through ``subset``."""
-    others = [h for h in sorted(shares) if h not in subset]
-    for holder, value in zip(others, extrapolate(shares, subset, others), strict=True):
-        if value != shares[holder]:
-            corrupt.setdefault(holder, set()).add(owner)
 
 
 MaskJob = tuple[str, int, bytes, tuple[tuple[int, bytes], ...]]

@@ -216,10 +216,9 @@ def server_state(server: Server) -> tuple[object, ...]:
 
 def client_state(client: Client) -> tuple[object, ...]:
     """Everything a rejected (not aborting) message must leave unchanged on a client."""
-    answered = getattr(client, "_answered", {})
-    return (client.stage, client.aborted, client.done, dict(client.revealed),
-            tuple(sorted(answered)), tuple(sorted(getattr(client, "_keys", {}))),
-            tuple(sorted(getattr(client, "_received", {}))))
+    if client.aborted is not None:  # an aborted client keeps no secrets to compare
+        return (client.stage, str(client.aborted), dict(client.revealed))
+    return (client.stage, client.done, dict(client.revealed), client.snapshot())
 
 
 # --- wire-level tampering -----------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Corrupted unmasking shares are named even beyond Reed-Solomon's decoding radius, and
-the aggregate stays exact while t honest shares of every secret remain."""
+"""Corrupted unmasking shares are named when attributable (inside Reed-Solomon's decoding
+radius), reported as unattributable beyond it, and the aggregate stays exact while t
+honest shares of every secret remain."""
 
 from __future__ import annotations
 
@@ -40,16 +41,23 @@ def _round(n: int, t: int, silent: set[int], corrupt: dict[int, set[int]]
     return server, inputs
 
 
-@pytest.mark.parametrize(("n", "t", "silent", "corrupt"), [
-    (5, 3, {5}, {4: {1}}),                    # 4 shares, t = 3: no decoding radius at all
-    (10, 6, set(), {8: {2}, 9: {2}, 10: {2}}),  # 3 wrong of 10, radius (10 - 6) // 2 = 2
-    (9, 5, set(), {2: {1, 3}, 9: {4}}),       # within the radius: Gao names them
+@pytest.mark.parametrize(("n", "t", "silent", "corrupt", "named", "unattributable"), [
+    # 4 shares, t = 3: no decoding radius at all, so nobody can be named
+    (5, 3, {5}, {4: {1}}, {}, {1}),
+    # 3 wrong of 10, radius (10 - 6) // 2 = 2: beyond it, unattributable
+    (10, 6, set(), {8: {2}, 9: {2}, 10: {2}}, {}, {2}),
+    # within the radius: Gao names them
+    (9, 5, set(), {2: {1, 3}, 9: {4}}, {2: {1, 3}, 9: {4}}, set()),
+    # 2 wrong of 10 (radius 2), one of them among the lowest ids: named
+    (10, 6, set(), {1: {5}, 7: {5}}, {1: {5}, 7: {5}}, set()),
 ])
-def test_every_corrupted_share_is_named_and_the_sum_stays_exact(
-        n: int, t: int, silent: set[int], corrupt: dict[int, set[int]]) -> None:
+def test_corrupted_shares_are_named_only_when_attributable_and_the_sum_stays_exact(
+        n: int, t: int, silent: set[int], corrupt: dict[int, set[int]],
+        named: dict[int, set[int]], unattributable: set[int]) -> None:
     server, inputs = _round(n, t, silent, corrupt)
     result = server.result
     assert result is not None
     expected = sum(inputs[i].astype(object) for i in result.included)
     assert result.total.tolist() == [int(v) % 2**32 for v in expected]
-    assert {h: set(o) for h, o in result.corrupt_shares.items()} == corrupt
+    assert {h: set(o) for h, o in result.corrupt_shares.items()} == named
+    assert set(result.unattributable) == unattributable

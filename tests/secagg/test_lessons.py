@@ -8,7 +8,14 @@ import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from secagg import Client, Config, ProtocolAbort, Server, Stage, required_bits, simulate
-from secagg.crypto import dtype_for_bits, hkdf, pair_label, pairwise_mask_key, self_mask_key
+from secagg.crypto import (
+    KeyPair,
+    dtype_for_bits,
+    hkdf,
+    pair_label,
+    pairwise_mask_key,
+    self_mask_key,
+)
 from secagg.messages import Ciphertexts, KeyList, MaskedInput, decode, encode
 from secagg.shamir import PRIME, SHARE_BYTES, reconstruct, split
 
@@ -56,13 +63,14 @@ def test_masks_are_aes_ctr_keystream_of_a_128_bit_key_not_mersenne_twister() -> 
         enc = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
         return np.frombuffer(enc.update(bytes(64 * 4)), dtype="<u4")
 
-    seed = client._seed  # white-box: the self-mask seed the client committed to
+    seed = bytes(client._secrets.seed)  # white-box: the self-mask seed the client committed to
     expected = inputs[1].astype(np.uint32) + keystream(
         self_mask_key(seed, session, 1, config.shape_tag))
     own = client.advertise().masking_key
     for peer in (2, 3):
         peer_pk = clients[peer].advertise().masking_key
-        secret = clients[1]._keys_of(clients[1]._masking).exchange(peer_pk)
+        secrets = clients[1]._secrets
+        secret = KeyPair(secrets.key(secrets.masking)).exchange(peer_pk)
         key = pairwise_mask_key(secret, session, 1, peer, own, peer_pk, config.shape_tag)
         expected = expected + keystream(key)  # client 1 < peer: +mask
     assert np.array_equal(masked[1].vector(), expected.astype(np.uint32))

@@ -20,12 +20,6 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from secagg import Client, Config, Server, Stage, crypto, messages, shamir
-from secagg.client import (
-    advertisement_transcript,
-    client_message_transcript,
-    share_associated_data,
-    survivors_transcript,
-)
 from secagg.crypto import KeyPair, Masker, SigningKey
 from secagg.graph import Graph, _keystream_permutation, harary_neighbors
 from secagg.messages import (
@@ -38,6 +32,14 @@ from secagg.messages import (
     peers_digest,
 )
 from secagg.session import derive_session_id, normalize_roster, session_graph
+from secagg.transcripts import (
+    advertisement_digest,
+    advertisement_transcript,
+    client_message_transcript,
+    key_set_digest,
+    share_associated_data,
+    survivors_transcript,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 TEXT = DOC.read_text(encoding="utf-8")
@@ -91,9 +93,22 @@ def _label(tag: bytes, sid: bytes, stage: int, a: int, b: int, *extra: bytes) ->
     return b"|".join([P, tag, sid, bytes([stage]), _u32(a), _u32(b), *extra])
 
 
-def _transcript(tag: bytes, sid: bytes, stage: int, signer: int, payload: bytes) -> bytes:
+def _transcript(tag: bytes, sid: bytes, stage: int, signer: int, payload: bytes,
+                binding: bytes = b"") -> bytes:
     return b"|".join([P, b"sig", tag, sid, bytes([stage]), _u32(signer),
-                      hashlib.sha256(payload).digest()])
+                      *([binding] if binding else []), hashlib.sha256(payload).digest()])
+
+
+def _advert(sid: bytes, u: int, entry: KeyEntry) -> bytes:
+    """A_u of section 5.7."""
+    return hashlib.sha256(P + b"|advert|" + sid + _u32(u) + entry.encryption_key
+                          + entry.masking_key + entry.self_mask_commitment).digest()
+
+
+def _key_set(sid: bytes, keys: dict[int, KeyEntry]) -> bytes:
+    """K(KL) of section 5.7."""
+    return hashlib.sha256(P + b"|key-set|" + sid + b"".join(
+        _u32(v) + _advert(sid, v, keys[v]) for v in sorted(keys))).digest()
 
 
 def _aes_ctr(key: bytes, nbytes: int) -> bytes:
@@ -201,12 +216,14 @@ def test_label_table_matches_derivations() -> None:
     b = KeyPair.from_private_bytes(b"\x06" * 32)
     ss = a.exchange(b.public)
     seed = b"\x42" * 32
+    A9 = _advert(SID, 9, KeyEntry(a.public, b.public, b"\x01" * 32))
+    A4 = _advert(SID, 4, KeyEntry(b.public, a.public, b"\x02" * 32))
     rebuilt = {
         ("share-key", 1): (_hkdf(ss, SID, _label(b"share-key", SID, 1, 9, 4, a.public,
                                                    b.public)),
                            crypto.share_key(ss, SID, 9, 4, a.public, b.public)),
-        ("share-ciphertext", 1): (_label(b"share-ciphertext", SID, 1, 9, 4),
-                                  share_associated_data(SID, 9, 4)),
+        ("share-ciphertext", 1): (_label(b"share-ciphertext", SID, 1, 9, 4, A9, A4),
+                                  share_associated_data(SID, 9, 4, A9, A4)),
         ("pairwise-mask", 2): (_hkdf(ss, SID, _label(b"pairwise-mask", SID, 2, 4, 9, b.public,
                                                        a.public, SHAPE), 16),
                                crypto.pairwise_mask_key(ss, SID, 9, 4, a.public, b.public,
@@ -225,7 +242,7 @@ def test_label_table_matches_derivations() -> None:
     assert crypto.pairwise_mask_key(ss, SID, 4, 9, b.public, a.public, SHAPE) == \
         rebuilt[("pairwise-mask", 2)][1]
     assert crypto.share_key(ss, SID, 4, 9, b.public, a.public) != rebuilt[("share-key", 1)][1]
-    assert len(share_associated_data(SID, 9, 4)) == 71
+    assert len(share_associated_data(SID, 9, 4, A9, A4)) == 71 + 66
 
 
 def test_transcript_table() -> None:
@@ -233,24 +250,30 @@ def test_transcript_table() -> None:
     assert {(r[0], int(r[1])) for r in rows} == {
         ("advertise", 0), ("survivors", 3), ("share-keys", 1), ("masked-input", 2),
         ("unmasking", 4)}
+    keys = {7: KeyEntry(b"\x01" * 32, b"\x02" * 32, b"\x03" * 32),
+            2: KeyEntry(b"\x04" * 32, b"\x05" * 32, b"\x06" * 32)}
+    ks = _key_set(SID, keys)
+    assert key_set_digest(SID, keys) == ks
+    assert advertisement_digest(SID, 7, keys[7]) == _advert(SID, 7, keys[7])
     shares = ShareKeys(SID, 7, {9: b"\x05" * 90, 2: b"\x06" * 90})
-    assert client_message_transcript(shares) == _transcript(
-        b"share-keys", SID, 1, 7, _u32(2) + b"\x06" * 90 + _u32(9) + b"\x05" * 90)
+    assert client_message_transcript(shares, ks) == _transcript(
+        b"share-keys", SID, 1, 7, _u32(2) + b"\x06" * 90 + _u32(9) + b"\x05" * 90, ks)
     masked = MaskedInput(SID, 7, 16, 3, b"\x01" * 6, b"\x02" * 32)
-    assert client_message_transcript(masked) == _transcript(
+    assert client_message_transcript(masked, ks) == _transcript(
         b"masked-input", SID, 2, 7, bytes([16]) + (3).to_bytes(8, "big") + b"\x02" * 32
-        + b"\x01" * 6)
+        + b"\x01" * 6, ks)
     unmask = UnmaskingShares(SID, 7, {3: b"\x07" * 33}, {4: b"\x08" * 33, 1: b"\x09" * 33})
-    assert client_message_transcript(unmask) == _transcript(
+    assert client_message_transcript(unmask, ks) == _transcript(
         b"unmasking", SID, 4, 7, b"s" + _u32(1) + _u32(3) + b"\x07" * 33 + b"k" + _u32(1)
-        + b"\x09" * 33 + _u32(4) + b"\x08" * 33)
+        + b"\x09" * 33 + _u32(4) + b"\x08" * 33, ks)
     assert peers_digest([9, 2]) == hashlib.sha256(
         b"secagg/v1|peers|" + _u32(2) + _u32(9)).digest()
     entry = KeyEntry(b"\x01" * 32, b"\x02" * 32, b"\x03" * 32)
     assert advertisement_transcript(SID, 7, entry) == _transcript(
         b"advertise", SID, 0, 7, b"\x01" * 32 + b"\x02" * 32 + b"\x03" * 32)
-    assert survivors_transcript(SID, 7, [9, 2, 7]) == _transcript(
-        b"survivors", SID, 3, 7, _u32(2) + _u32(7) + _u32(9))
+    a7 = _advert(SID, 7, keys[7])
+    assert survivors_transcript(SID, 7, [9, 2, 7], a7) == _transcript(
+        b"survivors", SID, 3, 7, _u32(2) + _u32(7) + _u32(9), a7)
 
 
 def test_small_order_list() -> None:
@@ -327,7 +350,11 @@ def test_vectors() -> None:
     seed = b"\x11" * 32
     commit = crypto.self_mask_commitment(seed, sid1, 3)
     signer = SigningKey(Ed25519PrivateKey.from_private_bytes(b"\x09" * 32))
-    adv = advertisement_transcript(sid1, 3, KeyEntry(k1.public, k2.public, commit))
+    entry3 = KeyEntry(k1.public, k2.public, commit)
+    adv = advertisement_transcript(sid1, 3, entry3)
+    a3 = _advert(sid1, 3, entry3)
+    a7 = _advert(sid1, 7, KeyEntry(k2.public, k1.public, crypto.self_mask_commitment(
+        seed, sid1, 7)))
     computed = {
         "cfg1": cfg1.encode(),
         "shape_tag1": cfg1.shape_tag,
@@ -339,14 +366,15 @@ def test_vectors() -> None:
         "pk_02": k2.public,
         "x25519_01_02": ss,
         "share_key_3_to_7": crypto.share_key(ss, sid1, 3, 7, k1.public, k2.public),
-        "share_ad_3_to_7": share_associated_data(sid1, 3, 7),
+        "advert_digest_3": a3,
+        "share_ad_3_to_7": share_associated_data(sid1, 3, 7, a3, a7),
         "pairwise_key_3_7": crypto.pairwise_mask_key(ss, sid1, 3, 7, k1.public, k2.public,
                                                      cfg1.shape_tag),
         "self_mask_key_3": crypto.self_mask_key(seed, sid1, 3, cfg1.shape_tag),
         "commit_3": commit,
         "advertise_transcript_3": adv,
         "advertise_signature_3": signer.sign(adv),
-        "survivors_transcript_3": survivors_transcript(sid1, 3, [3, 7, 11]),
+        "survivors_transcript_3": survivors_transcript(sid1, 3, [3, 7, 11], a3),
     }
     assert set(v) == set(computed)
     for name, value in computed.items():

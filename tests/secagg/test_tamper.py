@@ -12,6 +12,7 @@ A tampered message must end in exactly one of:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -32,12 +33,10 @@ from harness import (
 
 from secagg import Config, ProtocolAbort, ProtocolError, SigningKey, Stage, encode
 from secagg import decode as _decode
-from secagg.client import survivors_transcript
 from secagg.crypto import (
     Masker,
     pairwise_mask_key,
     self_mask_key,
-    transcript,
 )
 from secagg.messages import (
     AdvertiseKeys,
@@ -52,8 +51,16 @@ from secagg.messages import (
     UnmaskRequest,
 )
 from secagg.shamir import PRIME, SHARE_BYTES
+from secagg.transcripts import survivors_transcript as _survivors_transcript
+from secagg.transcripts import transcript
 
 MODES = ["semi-honest", "malicious"]
+
+
+def survivors_transcript(rnd: Round, session: bytes, signer: int, survivors: Any) -> bytes:
+    """The survivor transcript ``signer`` signs in ``rnd`` (bound to its advertisement)."""
+    return _survivors_transcript(session, signer, survivors,
+                                 rnd.server._advert_digests[signer])
 
 
 def decode(data: bytes) -> Any:
@@ -627,7 +634,7 @@ def test_undecodable_consistency_signature_rejected(how: str) -> None:
 def test_consistency_signature_from_wrong_key_rejected() -> None:
     rnd, msg = _at_consistency()
     survivors = sorted(rnd.server._survivors)
-    forged = rnd.signing[3].sign(survivors_transcript(rnd.server.session_id, VICTIM,
+    forged = rnd.signing[3].sign(survivors_transcript(rnd, rnd.server.session_id, VICTIM,
                                                       survivors))
     assert_server_rejects(rnd, VICTIM, encode(replace(msg, signature=forged)))
 
@@ -641,7 +648,7 @@ def test_consistency_signature_of_another_signer_rejected() -> None:
 def test_consistency_signature_over_another_survivor_list_rejected() -> None:
     rnd, msg = _at_consistency()
     survivors = sorted(rnd.server._survivors)[1:]
-    forged = rnd.signing[VICTIM].sign(survivors_transcript(rnd.server.session_id, VICTIM,
+    forged = rnd.signing[VICTIM].sign(survivors_transcript(rnd, rnd.server.session_id, VICTIM,
                                                            survivors))
     assert_server_rejects(rnd, VICTIM, encode(replace(msg, signature=forged)))
 
@@ -649,11 +656,12 @@ def test_consistency_signature_over_another_survivor_list_rejected() -> None:
 def test_consistency_signature_replayed_from_another_session_or_stage_rejected() -> None:
     rnd, msg = _at_consistency()
     survivors = sorted(rnd.server._survivors)
-    other_session = rnd.signing[VICTIM].sign(survivors_transcript(b"\x07" * 32, VICTIM,
+    other_session = rnd.signing[VICTIM].sign(survivors_transcript(rnd, b"\x07" * 32, VICTIM,
                                                                   survivors))
     payload = b"".join(c.to_bytes(4, "big") for c in survivors)
     other_stage = rnd.signing[VICTIM].sign(transcript(
-        b"survivors", rnd.server.session_id, Stage.ADVERTISE_KEYS, VICTIM, payload))
+        b"survivors", rnd.server.session_id, Stage.ADVERTISE_KEYS, VICTIM,
+        hashlib.sha256(payload).digest(), rnd.server._advert_digests[VICTIM]))
     for signature in (other_session, other_stage):
         before = server_state(rnd.server)
         with pytest.raises(ProtocolError) as info:
@@ -909,6 +917,7 @@ def test_key_list_naming_client_outside_neighbourhood_aborts(security: str) -> N
     keys = dict(msg.keys)
     keys[N + 1] = replace(keys[3], encryption_key=keys[3].masking_key,
                           masking_key=keys[3].encryption_key)
+    del keys[3]  # n entries: a list longer than the roster is a DecodeError (6.2)
     assert_client_aborts(rnd, VICTIM, encode(replace(msg, keys=keys)))
     # SecAgg+: a roster member that is not a graph neighbour
     rnd = make_round(security, n=9, neighbors=5 if security == "semi-honest" else 7)
@@ -1345,20 +1354,20 @@ def test_unmask_request_with_bad_consistency_signatures_aborts(how: str) -> None
     if how == "bitflip":
         sigs[3] = flip(sigs[3], 7)
     elif how == "wrong_key":
-        sigs[3] = rnd.signing[4].sign(survivors_transcript(session, 3, survivors))
+        sigs[3] = rnd.signing[4].sign(survivors_transcript(rnd, session, 3, survivors))
     elif how == "other_signer":
         sigs[3] = sigs[4]
     elif how == "below_threshold":
         sigs = dict(sorted(sigs.items())[: t - 1])
     elif how == "signer_not_survivor":
-        sigs[DROPPED] = rnd.signing[DROPPED].sign(survivors_transcript(session, DROPPED,
+        sigs[DROPPED] = rnd.signing[DROPPED].sign(survivors_transcript(rnd, session, DROPPED,
                                                                        survivors))
     elif how == "other_session":
-        sigs[3] = rnd.signing[3].sign(survivors_transcript(b"\x02" * 32, 3, survivors))
+        sigs[3] = rnd.signing[3].sign(survivors_transcript(rnd, b"\x02" * 32, 3, survivors))
     elif how == "none":
         sigs = {}
     else:
-        sigs[3] = rnd.signing[3].sign(survivors_transcript(session, 3, survivors[1:]))
+        sigs[3] = rnd.signing[3].sign(survivors_transcript(rnd, session, 3, survivors[1:]))
     assert_client_aborts(rnd, VICTIM, encode(replace(msg, signatures=sigs)))
 
 

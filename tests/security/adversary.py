@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 
 from secagg import Client, Config, ProtocolAbort, ProtocolError, SigningKey
-from secagg.client import share_associated_data, survivors_transcript
 from secagg.crypto import (
     CryptoError,
     KeyPair,
@@ -60,6 +59,11 @@ from secagg.messages import (
 )
 from secagg.session import derive_session_id, normalize_roster
 from secagg.shamir import PRIME, SHARE_BYTES, decode_with_errors, reconstruct_value
+from secagg.transcripts import (
+    advertisement_digest,
+    share_associated_data,
+    survivors_transcript,
+)
 
 ADVERSARIES = (
     "honest-but-curious server",
@@ -111,6 +115,7 @@ class FakePeer:
     encryption: KeyPair
     masking: KeyPair
     seed: bytes = b"\x07" * 32
+    entry: KeyEntry | None = None
 
 
 class Puppeteer:
@@ -221,8 +226,13 @@ class Puppeteer:
         fake = FakePeer(KeyPair(), KeyPair())
         self.fakes[(victim, posing_as)] = fake
         commitment = self_mask_commitment(fake.seed, self.session_id, posing_as)
-        return KeyEntry(fake.encryption.public, fake.masking.public, commitment,
-                        self.adverts[posing_as].signature)
+        fake.entry = KeyEntry(fake.encryption.public, fake.masking.public, commitment,
+                              self.adverts[posing_as].signature)
+        return fake.entry
+
+    def advert_digest(self, cid: int, entry: KeyEntry | None = None) -> bytes:
+        """The advertisement digest of ``cid`` (of ``entry`` if given) in this session."""
+        return advertisement_digest(self.session_id, cid, entry or self.entry(cid))
 
     def ciphertexts(self, cid: int, senders: Iterable[int] | None = None) -> Ciphertexts:
         senders = set(self.share_keys) if senders is None else set(senders)
@@ -241,7 +251,9 @@ class Puppeteer:
             secret = fake.encryption.exchange(c_v)
             k = share_key(secret, self.session_id, posing, victim, fake.encryption.public, c_v)
             plain = u32(posing) + u32(victim) + field_element(1) + field_element(2)
-            cts[posing] = seal(k, plain, share_associated_data(self.session_id, posing, victim))
+            cts[posing] = seal(k, plain, share_associated_data(
+                self.session_id, posing, victim, self.advert_digest(posing, fake.entry),
+                self.advert_digest(victim)))
         return Ciphertexts(self.session_id, victim, cts)
 
     def survivor_list(self, cid: int, survivors: Iterable[int]) -> SurvivorList:
@@ -280,22 +292,21 @@ class Puppeteer:
     def corrupt(self, cid: int) -> None:
         """Client ``cid`` colludes: it gives the server both shares of every peer it holds
         (call after it received its ciphertexts) and its own masking key share."""
-        client = self.clients[cid]
-        for owner, rec in client._received.items():
-            self.leaked_shares["seed"].setdefault(owner, {})[cid] = int.from_bytes(
-                rec.self_mask_share, "big")
+        state = self.clients[cid]._state
+        masked = getattr(state, "masked", state)  # the client's _Masked stage record
+        held = {owner: bytes(masked.received[o:o + 2 * SHARE_BYTES])
+                for owner, o in masked.index.items()}
+        held[cid] = bytes(masked.shared.own_shares)
+        for owner, pair in held.items():
             self.leaked_shares["key"].setdefault(owner, {})[cid] = int.from_bytes(
-                rec.masking_key_share, "big")
-        own = client._own_shares
-        assert own is not None
-        self.leaked_shares["seed"].setdefault(cid, {})[cid] = int.from_bytes(
-            own.self_mask_share, "big")
-        self.leaked_shares["key"].setdefault(cid, {})[cid] = int.from_bytes(
-            own.masking_key_share, "big")
+                pair[:SHARE_BYTES], "big")
+            self.leaked_shares["seed"].setdefault(owner, {})[cid] = int.from_bytes(
+                pair[SHARE_BYTES:], "big")
 
     def corrupt_signature(self, cid: int, survivors: Iterable[int]) -> bytes:
         """A corrupt client signs whatever survivor list the server asks for."""
-        return self.signing[cid].sign(survivors_transcript(self.session_id, cid, survivors))
+        return self.signing[cid].sign(survivors_transcript(self.session_id, cid, survivors,
+                                                           self.advert_digest(cid)))
 
 
 # --- the attacker's best recovery --------------------------------------------------------------
@@ -319,8 +330,9 @@ def _shares_by_owner(p: Puppeteer) -> tuple[dict[int, dict[int, int]], dict[int,
         try:
             secret = fake.encryption.exchange(c_v)
             k = share_key(secret, p.session_id, victim, posing, c_v, fake.encryption.public)
-            plain = open_sealed(k, sk.ciphertexts[posing],
-                                share_associated_data(p.session_id, victim, posing))
+            plain = open_sealed(k, sk.ciphertexts[posing], share_associated_data(
+                p.session_id, victim, posing, p.advert_digest(victim),
+                p.advert_digest(posing, fake.entry)))
         except CryptoError:
             continue
         assert len(plain) == SHARE_PLAINTEXT_BYTES

@@ -1,0 +1,238 @@
+"""Carry a client's round across process restarts: ``Client.snapshot`` / ``Client.restore``.
+
+A driver that rebuilds the client for every server message (e.g. a Flower ``ClientApp``,
+which keeps state between messages as bytes in the node's context) saves
+``client.snapshot(key)`` after each reply and rebuilds with ``Client.restore(data, ...)``
+before handling the next message. The restored client behaves exactly as the original
+would have: same replies, same redelivery cache, same checks.
+
+The snapshot holds the round's **secrets** (both X25519 private keys, the self-mask seed,
+the input or masked input, the shares received): it is node-local and must never be sent
+to the server or anyone else. It is authenticated with HMAC-SHA256 under ``key``: with the
+default empty key the MAC detects corruption and truncation only; with a key the node
+keeps outside the stored state it also detects tampering. ``restore`` refuses
+(``StaleSnapshot``) bytes that fail the MAC, do not parse exactly, belong to another
+session (config, roster, context) or another client id, or whose keys and commitment do
+not match the secrets they carry. A snapshot of an *earlier round with the same context*
+has the same session id and restores, but that client answers no message of the new
+round: every server message it would need binds this round's fresh keys (K2, the share
+ciphertexts' associated data) and it aborts; give each round its own context to have it
+refused at ``restore`` already.
+
+Layout (msgpack array, then a 32-byte MAC): magic ``"SAS1"``, session id, client id,
+state code (0 advertised, 1 shared, 2 masked, 3 checked, 4 finished, 5 aborted), the
+advertisement's wire bytes, the three 32-byte secrets, the input bytes, the key list's wire
+bytes, u's own two shares, F(u), the received shares, the signed survivor list,
+``revealed``, the reply cache, the abort reason and stage.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgpack  # type: ignore[import-untyped]
+import numpy as np
+
+from .config import Config
+from .crypto import KeyPair, SigningKey, dtype_for_bits, load_public_key, self_mask_commitment
+from .errors import ProtocolAbort, ProtocolError, StaleSnapshot
+from .messages import AdvertiseKeys, KeyList, decode, decode_server_message, encode
+from .shamir import SHARE_BYTES
+from .stage import Stage
+from .transcripts import advertisement_digest, key_set_digest
+
+if TYPE_CHECKING:
+    from .client import Client
+
+MAGIC = b"SAS1"
+_MAC_BYTES = 32
+_STATES = ("advertised", "shared", "masked", "checked", "finished", "aborted")
+_REVEALED = ("self_mask", "masking_key")
+
+
+def _mac(key: bytes, body: bytes) -> bytes:
+    return hmac.new(bytes(key), b"secagg/v1|snapshot|" + body, "sha256").digest()
+
+
+def snapshot(client: Client, key: bytes = b"") -> bytes:
+    from .client import _Aborted, _Checked, _Finished, _Masked, _Shared
+
+    state = client._state
+    code = {_Shared: 1, _Masked: 2, _Checked: 3, _Finished: 4, _Aborted: 5}.get(
+        type(state), 0)
+    shared = state if isinstance(state, _Shared) else None
+    masked = state.masked if isinstance(state, _Checked) else (
+        state if isinstance(state, _Masked) else None)
+    if masked is not None:
+        shared = masked.shared
+    live = code < 4
+    secrets = client._secrets
+    keylist = b""
+    own = b""
+    if shared is not None:
+        keylist = encode(KeyList(client.session_id, client.client_id, shared.keys))
+        own = bytes(shared.own_shares)
+    body = msgpack.packb([
+        MAGIC, client.session_id, client.client_id, code, encode(client._advertisement),
+        bytes(secrets.encryption) if live else b"", bytes(secrets.masking) if live else b"",
+        bytes(secrets.seed) if live else b"", secrets.input.tobytes() if live else b"",
+        keylist, own,
+        sorted(masked.peers) if masked is not None else [],
+        bytes(masked.received) if masked is not None else b"",
+        list(state.survivors) if isinstance(state, _Checked) else [],
+        [[p, _REVEALED.index(kind)] for p, kind in sorted(client.revealed.items())],
+        [[digest, encode(reply)] for digest, reply in client._answered.items()],
+        str(state.error) if isinstance(state, _Aborted) else "",
+        int(state.stage) if isinstance(state, _Aborted) else 0,
+    ], use_bin_type=True)
+    return bytes(body) + _mac(key, body)
+
+
+def _refuse(why: str) -> StaleSnapshot:
+    return StaleSnapshot(f"snapshot refused: {why}")
+
+
+def _ids(value: Any, what: str) -> list[int]:
+    if type(value) is not list or any(type(v) is not int for v in value):
+        raise _refuse(f"{what} is not a list of client ids")
+    return list(value)
+
+
+def restore(cls: type[Client], data: bytes, *, config: Config, client_id: int,
+            context: bytes, roster: Iterable[int] | None, signing_key: SigningKey | None,
+            verify_keys: Mapping[int, bytes] | None, key: bytes) -> Client:
+    from .client import (
+        _PAIR,
+        _Aborted,
+        _Advertised,
+        _Checked,
+        _Finished,
+        _Masked,
+        _Secrets,
+        _Shared,
+    )
+
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) <= _MAC_BYTES:
+        raise _refuse("not snapshot bytes (empty or truncated)")
+    raw = bytes(data)
+    body, tag = raw[:-_MAC_BYTES], raw[-_MAC_BYTES:]
+    if not hmac.compare_digest(_mac(key, body), tag):
+        raise _refuse("the MAC does not verify: corrupted, truncated or saved under another "
+                      "key")
+    try:
+        fields = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False,
+                                 max_bin_len=len(body), max_str_len=len(body),
+                                 max_array_len=len(body), max_map_len=0, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several types on garbage
+        raise _refuse(f"not a snapshot ({type(exc).__name__})") from None
+    if type(fields) is not list or len(fields) != 18 or fields[0] != MAGIC:
+        raise _refuse("not a secagg client snapshot")
+    (_, sid, cid, code, advert_raw, enc, mask, seed, vector, keylist, own, peers, received,
+     survivors, revealed, answered, reason, abort_stage) = fields
+    client = cls.__new__(cls)
+    client._setup(config, client_id, roster, context, signing_key, verify_keys)
+    if sid != client.session_id:
+        raise _refuse("it belongs to another session (config, roster or context differ)")
+    if cid != client_id:
+        raise _refuse(f"it belongs to client {cid!r}, not {client_id}")
+    if type(code) is not int or not 0 <= code < len(_STATES):
+        raise _refuse("unknown state")
+    try:
+        advert = decode(advert_raw)
+    except ProtocolError as exc:
+        raise _refuse(f"the advertisement does not decode: {exc}") from None
+    if not isinstance(advert, AdvertiseKeys) or advert.client_id != client_id \
+            or advert.session_id != sid:
+        raise _refuse("the advertisement is not this client's")
+    live = code < 4
+    width = dtype_for_bits(config.bits).itemsize
+    if live:
+        if any(type(b) is not bytes or len(b) != 32 for b in (enc, mask, seed)):
+            raise _refuse("the secrets are malformed")
+        if type(vector) is not bytes or len(vector) != config.dim * width:
+            raise _refuse("the input has the wrong length for this config")
+        secrets = _Secrets(bytearray(enc), bytearray(mask), bytearray(seed),
+                           np.frombuffer(bytearray(vector), dtype=dtype_for_bits(config.bits)))
+        if (KeyPair(secrets.key(secrets.encryption)).public != advert.encryption_key
+                or KeyPair(secrets.key(secrets.masking)).public != advert.masking_key
+                or self_mask_commitment(seed, sid, client_id) != advert.self_mask_commitment):
+            raise _refuse("the secrets do not match the advertisement")
+    else:
+        secrets = _Secrets(bytearray(32), bytearray(32), bytearray(32),
+                           np.zeros(config.dim, dtype=dtype_for_bits(config.bits)))
+    client._secrets = secrets
+    client._wipeable = [secrets.encryption, secrets.masking, secrets.seed, secrets.input]
+    client._advertisement = advert
+    client.revealed = {}
+    if type(revealed) is not list:
+        raise _refuse("revealed is malformed")
+    for item in revealed:
+        if type(item) is not list or len(item) != 2 or item[1] not in (0, 1):
+            raise _refuse("revealed is malformed")
+        client.revealed[int(item[0])] = _REVEALED[item[1]]
+    client._answered = {}
+    if type(answered) is not list:
+        raise _refuse("the reply cache is malformed")
+    for item in answered:
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not bytes:
+            raise _refuse("the reply cache is malformed")
+        try:
+            reply = decode(item[1])
+        except ProtocolError as exc:
+            raise _refuse(f"a cached reply does not decode: {exc}") from None
+        client._answered[item[0]] = reply  # type: ignore[assignment]
+    if code == 0:
+        client._state = _Advertised()
+        return client
+    if code == 5:
+        if type(abort_stage) is not int or abort_stage not in set(Stage):
+            raise _refuse("the abort stage is malformed")
+        stage = Stage(abort_stage)
+        client._state = _Aborted(ProtocolAbort(str(reason), stage=stage, client_id=client_id),
+                                 stage)
+        return client
+    if code == 4:
+        client._state = _Finished()
+        return client
+    try:
+        key_list = decode_server_message(keylist, len(client.roster))
+    except ProtocolError as exc:
+        raise _refuse(f"the key list does not decode: {exc}") from None
+    if not isinstance(key_list, KeyList) or own is None or type(own) is not bytes \
+            or len(own) != 2 * SHARE_BYTES:
+        raise _refuse("the key list or own shares are malformed")
+    keys = dict(key_list.keys)
+    me = client_id
+    peers_of_key_list = [p for p in sorted(keys) if p != me]
+    encryption = KeyPair(secrets.key(secrets.encryption))
+    pair_secrets = bytearray(32 * len(peers_of_key_list))
+    loaded = {}
+    for entry in keys.values():
+        for public in (entry.encryption_key, entry.masking_key):
+            loaded[public] = load_public_key(public)
+    for i, peer in enumerate(peers_of_key_list):
+        pair_secrets[32 * i:32 * i + 32] = encryption.exchange(loaded[keys[peer].encryption_key])
+    own_shares = bytearray(own)
+    client._wipeable += [pair_secrets, own_shares]
+    shared = _Shared(keys, key_set_digest(sid, keys),
+                     {c: advertisement_digest(sid, c, e) for c, e in keys.items()}, loaded,
+                     own_shares, pair_secrets,
+                     {p: 32 * i for i, p in enumerate(peers_of_key_list)})
+    if code == 1:
+        client._state = shared
+        return client
+    order = sorted(_ids(peers, "F(u)"))
+    if not set(order) <= set(peers_of_key_list) or type(received) is not bytes \
+            or len(received) != _PAIR * len(order):
+        raise _refuse("the received shares are malformed")
+    shares = bytearray(received)
+    client._wipeable.append(shares)
+    masked = _Masked(shared, frozenset(order), shares,
+                     {p: _PAIR * i for i, p in enumerate(order)})
+    if code == 2:
+        client._state = masked
+        return client
+    client._state = _Checked(masked, tuple(sorted(_ids(survivors, "survivors"))))
+    return client

@@ -1,0 +1,155 @@
+"""``Client.snapshot`` / ``Client.restore``: a client rebuilt from bytes at every stage
+(as a Flower ClientApp is, per message) finishes the round with the same sum; a snapshot of
+another session, client or key, or corrupted bytes, is refused with ``StaleSnapshot``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from secagg import (
+    Client,
+    Config,
+    ProtocolAbort,
+    ProtocolError,
+    Server,
+    SigningKey,
+    Stage,
+    StaleSnapshot,
+    encode,
+    round_stages,
+)
+
+KEY = b"node-local snapshot key"
+MODES = ["semi-honest", "malicious"]
+
+
+def _parties(security: str, n: int = 5, context: bytes = b"resume"
+             ) -> tuple[Config, Server, dict[int, Client], dict[int, np.ndarray], dict]:
+    config = Config(num_clients=n, dim=16, bits=32, security=security)
+    rng = np.random.default_rng(3)
+    inputs = {i: rng.integers(0, 2**32, 16, dtype=np.uint64) for i in range(1, n + 1)}
+    signing = {i: SigningKey.generate() for i in inputs} if config.malicious else {}
+    verify = {i: k.public for i, k in signing.items()} if config.malicious else None
+    extra = {i: {"signing_key": signing.get(i), "verify_keys": verify} for i in inputs}
+    server = Server(config, context=context, verify_keys=verify)
+    clients = {i: Client(config, i, v, context=context, **extra[i]) for i, v in inputs.items()}
+    return config, server, clients, inputs, extra
+
+
+def _restore(client: Client, config: Config, extra: dict, context: bytes = b"resume"
+             ) -> Client:
+    return Client.restore(client.snapshot(KEY), config=config, client_id=client.client_id,
+                          context=context, key=KEY, **extra[client.client_id])
+
+
+@pytest.mark.parametrize("security", MODES)
+def test_client_restored_before_every_message_gives_the_same_sum(security: str) -> None:
+    config, server, clients, inputs, extra = _parties(security)
+    for cid, client in clients.items():
+        server.receive(cid, encode(client.advertise()))
+    out = server.advance()
+    for _ in round_stages(config)[1:]:
+        for cid, msg in out.items():
+            original = clients[cid]
+            restored = _restore(original, config, extra)  # a fresh process per message
+            assert restored.stage is original.stage
+            assert restored.snapshot(KEY) == original.snapshot(KEY)
+            raw = encode(msg)
+            reply = restored.handle(raw)
+            if original.stage >= Stage.SHARE_KEYS:  # deterministic from here on
+                assert encode(original.handle(raw)) == encode(reply)
+            clients[cid] = restored
+            server.receive(cid, encode(reply))
+        out = server.advance()
+    result = server.result
+    assert result is not None and result.included == frozenset(inputs)
+    expected = sum(v.astype(object) for v in inputs.values())
+    assert result.total.tolist() == [int(x) % 2**32 for x in expected]
+    # a finished client restored from its snapshot still answers a redelivery the same way
+    for client in clients.values():
+        again = _restore(client, config, extra)
+        assert again.done and again.snapshot(KEY) == client.snapshot(KEY)
+
+
+@pytest.mark.parametrize("security", MODES)
+def test_restored_client_answers_a_redelivery_byte_identically(security: str) -> None:
+    config, server, clients, _, extra = _parties(security)
+    for cid, client in clients.items():
+        server.receive(cid, encode(client.advertise()))
+    key_lists = server.advance()
+    first = encode(clients[1].handle(encode(key_lists[1])))  # random shares: cached reply
+    restored = _restore(clients[1], config, extra)
+    assert encode(restored.handle(encode(key_lists[1]))) == first
+
+
+@pytest.mark.parametrize("how", ["context", "client", "config", "key", "truncated", "flipped",
+                                 "empty", "appended", "roster"])
+def test_snapshot_of_another_session_client_or_corrupted_is_refused(how: str) -> None:
+    config, server, clients, _, extra = _parties("semi-honest")
+    for cid, client in clients.items():
+        server.receive(cid, encode(client.advertise()))
+    out = server.advance()
+    clients[2].handle(encode(out[2]))
+    data = clients[2].snapshot(KEY)
+    kwargs = {"config": config, "client_id": 2, "context": b"resume", "key": KEY}
+    if how == "context":
+        kwargs["context"] = b"resume/round-2"
+    elif how == "client":
+        kwargs["client_id"] = 3
+    elif how == "config":
+        kwargs["config"] = Config(num_clients=5, dim=16, bits=31)
+    elif how == "key":
+        kwargs["key"] = b"another node's key"
+    elif how == "truncated":
+        data = data[:-40]
+    elif how == "flipped":
+        data = data[:50] + bytes([data[50] ^ 1]) + data[51:]
+    elif how == "empty":
+        data = b""
+    elif how == "appended":
+        data = data + b"\x00"
+    else:
+        kwargs["roster"] = [1, 2, 3, 4, 6]
+    with pytest.raises(StaleSnapshot) as info:
+        Client.restore(data, **kwargs)  # type: ignore[arg-type]
+    assert isinstance(info.value, ProtocolError)
+
+
+def test_aborted_client_restores_aborted_and_answers_nothing() -> None:
+    config, server, clients, _, extra = _parties("semi-honest")
+    for cid, client in clients.items():
+        server.receive(cid, encode(client.advertise()))
+    out = server.advance()
+    bad = out[1]
+    with pytest.raises(ProtocolAbort):  # the key list of client 2 delivered to client 1
+        clients[1].handle(encode(type(bad)(bad.session_id, 1, {})))
+    restored = _restore(clients[1], config, extra)
+    assert restored.aborted is not None and restored.aborted.stage is Stage.ADVERTISE_KEYS
+    with pytest.raises(ProtocolError):
+        restored.handle(encode(out[1]))
+
+
+def test_snapshot_from_an_earlier_round_with_the_same_context_cannot_answer_this_round() -> None:
+    """Same context, so the session id and the snapshot's binding match; the restored
+    client still aborts on the new round's messages, which bind the new keys."""
+    config, server, clients, _, extra = _parties("malicious")
+    for cid, client in clients.items():
+        server.receive(cid, encode(client.advertise()))
+    server.advance()
+    old = clients[1].snapshot(KEY)
+    config, server2, clients2, _, extra2 = _parties("malicious")
+    extra2[1] = extra[1] | {"verify_keys": extra2[1]["verify_keys"]}
+    for cid, client in clients2.items():
+        server2.receive(cid, encode(client.advertise()))
+    out = server2.advance()
+    stale = Client.restore(old, config=config, client_id=1, context=b"resume", key=KEY,
+                           **extra2[1])
+    with pytest.raises(ProtocolAbort, match="own keys"):
+        stale.handle(encode(out[1]))
+
+
+def test_garbage_is_refused_with_a_typed_error() -> None:
+    config = Config(num_clients=5, dim=16)
+    with pytest.raises(StaleSnapshot):
+        Client.restore(b"\x00" * 100, config=config, client_id=1, context=b"resume")
