@@ -19,12 +19,15 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from secagg import Config, Stage
+
+if TYPE_CHECKING:
+    from transport.drivers import Timeouts
 
 U64 = npt.NDArray[np.uint64]
 BROKER_KINDS = ("embedded", "memory", "mosquitto")
@@ -70,12 +73,16 @@ def check_broker(broker: str) -> str:
                      "or mqtts://host:port")
 
 
-def _timeouts() -> Any:
+def round_timeouts(stage: float = 60.0) -> Timeouts:
+    """The protocol deadlines of every fl round, simulated or across machines (defined
+    once): ``stage`` seconds per stage; a client waits for the round start and gives up on
+    a silent round after a few stages' worth of time. Sites in this process sign off when
+    they drop, and sites in other processes leave a last will, so the deadlines only guard
+    against a wedged broker or a site that hangs."""
     from transport.drivers import Timeouts
 
-    # Sites in this process sign off when they drop (their last will otherwise), so the
-    # deadlines only guard against a wedged broker.
-    return Timeouts(stage=60.0, start=60.0, retry=2.0, answer=10.0, give_up=120.0)
+    return Timeouts(stage=stage, start=max(60.0, stage), retry=2.0, answer=min(10.0, stage),
+                    give_up=max(120.0, 3 * stage))
 
 
 class TransportAggregator:
@@ -84,7 +91,7 @@ class TransportAggregator:
     def __init__(self, name: str, factory: Callable[[], Any]) -> None:
         self.name = name
         self._factory = factory
-        self._timeouts = _timeouts()
+        self._timeouts = round_timeouts()
 
     def aggregate(self, config: Config, inputs: Mapping[int, U64],
                   drop: Mapping[int, Stage]) -> AggregateOutcome:

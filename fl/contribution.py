@@ -104,6 +104,7 @@ class RoundTask:
 
     def to_wire(self) -> dict[str, Any]:
         body = {k: v for k, v in asdict(self).items() if v is not None}
+        body["bits"] = self.bits  # the secagg modulus the site's client is configured with
         if self.params is not None:
             body["params"] = {k: v for k, v in asdict(self.params).items()
                               if k != "encoded_dim"}
@@ -133,6 +134,8 @@ class RoundTask:
             except ValueError as exc:
                 raise TaskError(f"invalid distributed-DP parameters: {exc}") from None
             max_units = _int(body, "max_units", 1, 1 << 40)
+        if _int(body, "bits", 8, 64) != (64 if params is None else params.bits):
+            raise TaskError("task field 'bits' differs from the encoding's modulus")
         return cls(
             mode=mode, round=_int(body, "round", 0, 1 << 31),
             cohort=_int(body, "cohort", 2, 1 << 16),
@@ -249,9 +252,6 @@ def scaler_from_sum(total: U64, num_features: int, sites: int) -> Scaler:
 
 
 # -- task field validation ----------------------------------------------------------------
-def _int(body: Mapping[str, Any], key: str, low: int, high: int) -> int:
-    value = body.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
 def _adaptive(body: Mapping[str, Any]) -> dict[str, float]:
     """Adaptive clipping's two fields: both or neither."""
     if body.get("target_quantile") is None and body.get("count_stddev") is None:
@@ -263,6 +263,9 @@ def _adaptive(body: Mapping[str, Any]) -> dict[str, float]:
             "count_stddev": _float(body, "count_stddev", low_open=True)}
 
 
+def _int(body: Mapping[str, Any], key: str, low: int, high: int) -> int:
+    value = body.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise TaskError(f"task field {key!r} must be an integer in [{low}, {high}]")
     return value
 

@@ -74,6 +74,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "several federations share a broker")
     p.add_argument("--eval-csv", metavar="PATH",
                    help="coordinator with --csv sites: held-out table to evaluate on")
+    p.add_argument("--labels", metavar="A,B,..",
+                   help="coordinator with --csv sites: the federation's label values (sites "
+                        "do not announce theirs)")
     p.add_argument("--password-file", metavar="PATH",
                    help="coordinator/site: MQTT password (else $SECAGG_BROKER_PASSWORD or "
                         "the URL's)")
@@ -304,11 +307,11 @@ def run(args: argparse.Namespace) -> int:
         return run_remote(args)
     try:
         settings = settings_from_args(args)
+        if args.plan:
+            return print_plan(args, settings)
         from fl.aggregation import check_broker
 
         check_broker(settings.broker)
-        if args.plan:
-            return print_plan(args, settings)
         for path in (args.report, args.plot):
             if path is not None and not Path(path).resolve().parent.is_dir():
                 raise ValueError(f"{path}: its directory does not exist")
@@ -356,7 +359,7 @@ def run_remote(args: argparse.Namespace) -> int:
                 raise ValueError(f"{path}: its directory does not exist")
         if args.eval_csv is not None and settings.csv is None:
             raise ValueError("--eval-csv goes with --csv (sites with their own tables)")
-        from fl.wire import FedTopics
+        from fl.remote.messages import FedTopics
 
         FedTopics(args.federation)
         from transport.topics import SERVER_USER, site_name
@@ -379,9 +382,11 @@ def run_remote(args: argparse.Namespace) -> int:
                         format=f"[{tag}] %(levelname)s %(name)s: %(message)s")
     from fl.checkpoint import CheckpointError
     from fl.data import DataError
+    from transport.mqtt import MqttNetwork
 
     if args.role == "site":
-        from fl.remote import SiteData, SiteOptions, SiteProcess, demo_site_data
+        from fl.remote.inputs import SiteData, demo_site_data
+        from fl.remote.site import SiteOptions, SiteProcess
 
         try:
             if settings.csv is not None:
@@ -401,12 +406,12 @@ def run_remote(args: argparse.Namespace) -> int:
         from transport.link import LinkLost
 
         try:
-            return asyncio.run(SiteProcess(data, broker, options, log).run())
+            return asyncio.run(SiteProcess(data, MqttNetwork(broker), options, log).run())
         except LinkLost as exc:
             print(f"secagg train: error: {exc}", file=sys.stderr)
             return 1
 
-    from fl.remote import RemoteOptions, train_coordinator
+    from fl.remote.coordinator import RemoteOptions, train_coordinator
     from transport.drivers import TransportError
     from transport.link import LinkLost
 
@@ -416,7 +421,7 @@ def run_remote(args: argparse.Namespace) -> int:
                             ready_timeout=args.ready_timeout, stage_timeout=args.stage_timeout,
                             max_units=args.max_units, insecure_verify=args.insecure_verify)
     try:
-        report = train_coordinator(settings, options, log=log)
+        report = train_coordinator(settings, options, MqttNetwork(broker), log=log)
     except (CheckpointError, DataError, ValueError) as exc:
         print(f"secagg train: error: {exc}", file=sys.stderr)
         return 2

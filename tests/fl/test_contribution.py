@@ -15,14 +15,14 @@ from fl.contribution import RoundTask, TaskError, decoder, round_task, site_inpu
 from fl.coordinator import Coordinator
 from fl.federation import load_split, make_plan
 from fl.models import make_model
-from fl.remote import RemoteOptions, dataset_schema, demo_site_data
-from fl.remote import _coordinator_class as coordinator_class
-from fl.remote import site_input as remote_site_input
+from fl.remote.blob import Blob
+from fl.remote.coordinator import RemoteCoordinator, RemoteOptions
+from fl.remote.inputs import dataset_schema, demo_site_data
+from fl.remote.inputs import site_input as remote_site_input
+from fl.remote.messages import Announce
 from fl.settings import TrainSettings
 from fl.site import Site
 from fl.vector import ParameterLayout
-from fl.wire import Announce, Blob, decode_blob
-from transport.mqtt import BrokerSettings
 
 pytestmark = pytest.mark.timeout(60)
 IDS = (1, 2, 3)
@@ -38,17 +38,18 @@ def _roles(settings: TrainSettings) -> tuple[Coordinator, Coordinator]:
     plan = make_plan(settings, sites, dim, 2)
     simulated = Coordinator(settings, model, sites, None, plan, InProcessAggregator())
     max_units = max(s.num_patients for s in sites.values())
-    remote = coordinator_class()(settings, model, {}, None, plan, InProcessAggregator())
-    remote.options = RemoteOptions(site_ids=IDS, broker=BrokerSettings(),
-                                   max_units=max_units)
-    remote.schema = dataset_schema(split.train.num_features, split.train.num_classes)
+    remote = RemoteCoordinator(
+        settings, model, None, plan, channel=None, loop=None,  # type: ignore[arg-type]
+        options=RemoteOptions(site_ids=IDS, max_units=max_units),
+        schema=dataset_schema(split.train.num_features, split.train.num_classes),
+        scaler=None, log=print)
     return simulated, remote
 
 
 def _remote_input(settings: TrainSettings, remote: Coordinator, cid: int, r: int) -> np.ndarray:
     """What site ``cid``'s own process computes from the blob the coordinator role sends."""
     _, body = remote.wire_task(r, list(IDS))
-    blob = decode_blob(Blob("train", body, remote.layout.to_vector(remote.model)).encode())
+    blob = Blob.decode(Blob("train", body, remote.layout.to_vector(remote.model)).encode())
     data = demo_site_data(settings, cid, IDS)
     announce = Announce(os.urandom(16), r, 0, "train", "r1", IDS, bytes(32), 1)
     return remote_site_input(data, blob, announce, require_dp=None)
@@ -82,7 +83,7 @@ def test_dp_tasks_survive_the_wire_unchanged(dp: str) -> None:
                              site_steps=1)
     simulated, remote = _roles(settings)
     sent, body = remote.wire_task(2, list(IDS))
-    received = RoundTask.from_wire(decode_blob(Blob("train", body, np.zeros(1)).encode()).task,
+    received = RoundTask.from_wire(Blob.decode(Blob("train", body, np.zeros(1)).encode()).task,
                                    remote.layout.size)
     assert received == sent
     local = simulated.task(2, list(IDS))

@@ -25,7 +25,7 @@ import pytest
 from transport.runner import broker_for
 from transport.topics import SERVER_USER, acl_table, site_name
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parents[2]
 SITES = (1, 2, 3)
@@ -98,7 +98,7 @@ def start(urls: dict[str, str], report: Path, rounds: int,
     return coordinator, sites
 
 
-def finish(coordinator: Party, sites: dict[int, Party], timeout: float = 60.0) -> None:
+def finish(coordinator: Party, sites: dict[int, Party], timeout: float = 100.0) -> None:
     try:
         code = coordinator.wait(timeout)
         assert code == 0, coordinator.log

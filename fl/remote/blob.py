@@ -1,0 +1,81 @@
+"""The round's blob: what one round is about, broadcast once to every site.
+
+It holds the task (the public :class:`fl.contribution.RoundTask` plus the federation's
+schema and model kind), the global model and the federation's feature scaler. Its SHA-256
+is what the round announces and what the secure-aggregation context binds
+(:func:`fl.remote.messages.round_context`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fl.remote.messages import KINDS, MAX_BLOB_BYTES, WireError, get_str, pack, unpack
+
+F64 = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Blob:
+    """``kind`` is ``train`` (model and task) or ``scaler`` (the feature-sum round)."""
+
+    kind: str
+    task: Mapping[str, Any]
+    model: F64 | None = None
+    scaler: tuple[F64, F64] | None = field(default=None)
+
+    def encode(self) -> bytes:
+        model = None if self.model is None else _raw(self.model)
+        scaler = None if self.scaler is None else [_raw(a) for a in self.scaler]
+        return pack("blob", {"kind": self.kind, "task": dict(self.task), "model": model,
+                             "scaler": scaler})
+
+    @classmethod
+    def decode(cls, data: bytes) -> Blob:
+        """Validates the envelope; :func:`fl.contribution.RoundTask.from_wire` the task."""
+        body = unpack(data, MAX_BLOB_BYTES)
+        if body.get("t") != "blob":
+            raise WireError("not a blob")
+        kind = get_str(body, "kind", KINDS)
+        task = body.get("task")
+        if not isinstance(task, dict) or not all(isinstance(k, str) for k in task):
+            raise WireError("blob field 'task' must be a map")
+        model = None if body.get("model") is None else _floats(body["model"], "model")
+        scaler_raw = body.get("scaler")
+        scaler = None
+        if scaler_raw is not None:
+            if not isinstance(scaler_raw, list) or len(scaler_raw) != 2:
+                raise WireError("blob field 'scaler' must be [mean, std]")
+            mean = _floats(scaler_raw[0], "scaler mean")
+            std = _floats(scaler_raw[1], "scaler std", mean.size)
+            if np.any(std <= 0):
+                raise WireError("blob field 'scaler' has a non-positive std")
+            scaler = (mean, std)
+        if kind == "train" and model is None:
+            raise WireError("a training blob without a model")
+        return cls(kind, task, model, scaler)
+
+
+def _raw(values: F64) -> bytes:
+    return np.ascontiguousarray(values, dtype="<f8").tobytes()
+
+
+def _floats(raw: Any, what: str, size: int | None = None) -> F64:
+    if not isinstance(raw, bytes) or len(raw) % 8:
+        raise WireError(f"blob field {what!r} must be float64 bytes")
+    values = np.frombuffer(raw, dtype="<f8").astype(np.float64)
+    if size is not None and values.size != size:
+        raise WireError(f"blob field {what!r} has {values.size} values, expected {size}")
+    if not np.all(np.isfinite(values)):
+        raise WireError(f"blob field {what!r} contains NaN or inf")
+    return values
+
+
+def blob_digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()

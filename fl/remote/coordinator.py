@@ -1,0 +1,276 @@
+"""The coordinator role: :class:`fl.coordinator.Coordinator` whose sites are processes.
+
+The training loop is the simulation's: the same cohorts, budget checks, decode, update,
+evaluation and checkpoints. Only :meth:`RemoteCoordinator._aggregate` differs: it puts the
+round's :class:`fl.contribution.RoundTask` and the model into a blob, and the sites compute
+their inputs themselves. Training is synchronous torch code, so it runs in a worker thread
+(``asyncio.to_thread``) while the event loop keeps the federation link; each round goes to
+the loop with ``asyncio.run_coroutine_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from fl.aggregation import AggregateOutcome, round_timeouts
+from fl.contribution import RoundTask, decoder, round_task, scaler_from_sum
+from fl.coordinator import Aggregated, Coordinator, RoundFailed
+from fl.data import Table, csv_schema, load_csv
+from fl.federation import load_checkpoint, load_split, make_plan, report, tensors, uses_scaler
+from fl.models import make_model
+from fl.privacy import Plan
+from fl.remote.blob import Blob
+from fl.remote.channel import CoordinatorChannel, NotEnoughSites, RemoteRound
+from fl.remote.inputs import Schema, dataset_schema
+from fl.remote.messages import Hello
+from fl.settings import TrainSettings
+from fl.site import Scaler
+from fl.vector import ParameterLayout
+from secagg import Config, ProtocolAbort, Stage
+from transport.drivers import TransportError
+from transport.link import Network
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class RemoteOptions:
+    """What the coordinator role adds to :class:`fl.settings.TrainSettings`."""
+
+    site_ids: tuple[int, ...]
+    federation: str = "fl"
+    eval_csv: str | None = None
+    labels: tuple[str, ...] | None = None
+    """The federation's label values (sites with their own tables do not announce theirs)."""
+    join_timeout: float = 600.0
+    ready_timeout: float = 300.0
+    stage_timeout: float = 60.0
+    max_units: int | None = None
+    insecure_verify: bool = False
+
+
+async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, *, kind: str,
+                           round_number: int, blob: bytes, cohort: Sequence[int],
+                           threshold: int, dim: int, bits: int, attempts: int,
+                           log: Log) -> tuple[RemoteRound, int]:
+    """One aggregation with site processes, retried (fresh round) while it cannot finish.
+
+    An attempt that aborts released nothing, so nothing is spent (docs/architecture.md
+    section 6).
+    """
+    label = f"round {round_number}" if kind == "train" else "feature scaling"
+    for attempt in range(attempts):
+        try:
+            done = await channel.run_round(
+                kind=kind, round_number=round_number, attempt=attempt, blob=blob,
+                cohort=cohort, threshold=threshold, dim=dim, bits=bits,
+                verify=options.insecure_verify, ready_timeout=options.ready_timeout,
+                timeouts=round_timeouts(options.stage_timeout))
+        except (ProtocolAbort, NotEnoughSites, TransportError) as exc:
+            if channel.lost is not None:
+                raise TransportError(f"lost the broker: {channel.lost}") from None
+            log(f"{label}: attempt {attempt + 1} did not complete ({exc}); retrying")
+            continue
+        return done, attempt + 1
+    raise RoundFailed(f"{label} failed {attempts} times: too few sites are online or they "
+                      "keep dropping out (check the sites' logs, raise --ready-timeout or "
+                      "--max-attempts)")
+
+
+class RemoteCoordinator(Coordinator):
+    """See the module docstring; ``channel`` and ``loop`` are the federation link's."""
+
+    def __init__(self, settings: TrainSettings, model: torch.nn.Module,
+                 test: tuple[torch.Tensor, torch.Tensor] | None, plan: Plan, *,
+                 channel: CoordinatorChannel, loop: asyncio.AbstractEventLoop,
+                 options: RemoteOptions, schema: Schema, scaler: Scaler | None,
+                 log: Log) -> None:
+        scaler_json = (None if scaler is None else
+                       {"mean": scaler.mean.tolist(), "std": scaler.std.tolist()})
+        super().__init__(settings, model, {}, test, plan, _NoAggregator(),
+                         scaler=scaler_json, log=log)
+        self.site_ids = list(options.site_ids)
+        self.channel = channel
+        self.loop = loop
+        self.options = options
+        self.schema = schema
+        self.scaler_arrays = None if scaler is None else (scaler.mean, scaler.std)
+
+    def wire_task(self, r: int, cohort: list[int]) -> tuple[RoundTask, dict[str, Any]]:
+        """Round ``r``'s task and the blob's task map (with the federation's schema)."""
+        task = round_task(self.settings, self.plan, r, len(cohort),
+                          max_units=self.options.max_units)
+        return task, {"features": list(self.schema.features),
+                      "labels": list(self.schema.labels), "model": self.settings.model,
+                      **task.to_wire()}
+
+    def _aggregate(self, r: int, cohort: list[int]) -> Aggregated:
+        task, body = self.wire_task(r, cohort)
+        blob = Blob("train", body, self.layout.to_vector(self.model),
+                    self.scaler_arrays).encode()
+        future = asyncio.run_coroutine_threadsafe(remote_aggregate(
+            self.channel, self.options, kind="train", round_number=r, blob=blob,
+            cohort=cohort, threshold=self.threshold, dim=task.encoded_dim(self.layout.size),
+            bits=task.bits, attempts=self.settings.max_attempts, log=self.log), self.loop)
+        done, attempts = future.result()
+        result = done.result
+        dropped = {cid: Stage(st).label for cid, st in result.dropped.items()}
+        dropped.update(done.absent)
+        outcome = AggregateOutcome(
+            total=np.asarray(result.total, dtype=np.uint64), included=result.included,
+            dropped=dropped, seconds=done.seconds, bytes_sent=done.bytes_received)
+        return Aggregated(outcome, done.config, done.inputs, decoder(task, self.layout.size),
+                          {}, attempts)
+
+
+class _NoAggregator:
+    """The base class's aggregator slot: remote rounds go through the channel."""
+
+    name = "remote"
+
+    def aggregate(self, *args: object) -> AggregateOutcome:
+        raise RuntimeError("a remote coordinator aggregates through its channel")
+
+
+def federation_schema(hellos: Mapping[int, Hello], known: Schema | None,
+                      options: RemoteOptions, settings: TrainSettings) -> Schema:
+    """The columns every site must share and the federation's labels: the bundled
+    dataset's, or ``--labels`` and ``--eval-csv``'s (sites never announce their labels)."""
+    features = known.features if known is not None else hellos[min(hellos)].features
+    for cid, hello in sorted(hellos.items()):
+        if hello.features != features:
+            raise ValueError(f"site {cid}'s columns {list(hello.features)[:6]}... differ from "
+                             f"{list(features)[:6]}...: every site needs the same columns in "
+                             "the same order")
+    labels = set(options.labels or ())
+    if options.eval_csv is not None:
+        eval_features, eval_labels = csv_schema(options.eval_csv,
+                                                patient_column=settings.patient_column or "",
+                                                label_column=settings.label_column or "")
+        if eval_features != features:
+            raise ValueError(f"--eval-csv's columns differ from the sites' "
+                             f"{list(features)[:6]}...")
+        labels |= set(eval_labels)
+    if known is not None and known.labels:
+        if labels - set(known.labels):
+            raise ValueError(f"--labels {sorted(labels)} are not the dataset's "
+                             f"{list(known.labels)}")
+        return Schema(tuple(features), known.labels)
+    if len(labels) < 2:
+        raise ValueError("sites with their own tables do not announce their label values: "
+                         "give the federation's labels with --labels A,B[,...] (or an "
+                         "--eval-csv holding every label)")
+    return Schema(tuple(features), tuple(sorted(labels)))
+
+
+async def _remote_scaler(channel: CoordinatorChannel, options: RemoteOptions,
+                         settings: TrainSettings, schema: Schema, threshold: int,
+                         log: Log) -> Scaler:
+    """Federation-wide feature mean and std from one secure sum of the sites' feature sums
+    (:func:`fl.federation.secure_scaler` with the sites in their own processes)."""
+    f = len(schema.features)
+    ids = options.site_ids
+    blob = Blob("scaler", {"features": list(schema.features), "labels": list(schema.labels),
+                           "dim": 2 * f + 1, "bits": 64}).encode()
+    done, _ = await remote_aggregate(channel, options, kind="scaler", round_number=0,
+                                     blob=blob, cohort=list(ids), threshold=threshold,
+                                     dim=2 * f + 1, bits=64, attempts=settings.max_attempts,
+                                     log=log)
+    log(f"feature scaling from a secure sum over sites {sorted(done.result.included)}")
+    if settings.dp != "none":
+        log("note: feature scaling statistics come from an exact secure sum that the "
+            "privacy budget does not cover; use --scaling none or pre-scaled data for "
+            "a guarantee that covers every release")
+    return scaler_from_sum(np.asarray(done.result.total, dtype=np.uint64), f, len(ids))
+
+
+def train_coordinator(settings: TrainSettings, options: RemoteOptions, network: Network, *,
+                      log: Log | None = None) -> dict[str, Any]:
+    """Run (or resume) training with site processes; returns the ``--role all`` report."""
+    return asyncio.run(train_coordinator_async(settings, options, network,
+                                               log or (lambda text: None)))
+
+
+async def train_coordinator_async(settings: TrainSettings, options: RemoteOptions,
+                                  network: Network, say: Log) -> dict[str, Any]:
+    """:func:`train_coordinator` on the running event loop (training in a worker thread)."""
+    torch.manual_seed(settings.seed)
+    saved = load_checkpoint(settings, say)
+    ids = tuple(sorted(options.site_ids))
+    known: Schema | None = None
+    test_table: Table | None = None
+    needs_scaler = settings.scaling == "secure"
+    max_units = options.max_units
+    if settings.csv is None:
+        # A bundled (public) dataset: the coordinator holds its test split for evaluation.
+        split = load_split(replace(settings, sites=len(ids)))
+        known = dataset_schema(split.train.num_features, split.train.num_classes)
+        test_table = split.test
+        needs_scaler = uses_scaler(settings, split.train)
+        if max_units is None:
+            max_units = max((t.num_patients if settings.unit == "patient" else len(t))
+                            for t in split.site_tables)
+    elif settings.scaling == "auto":
+        needs_scaler = True  # a user's table is not on a public scale
+    if settings.dp == "distributed" and max_units is None:
+        raise ValueError("--dp distributed with --csv needs --max-units: a public bound on "
+                         "the patients (records with --unit record) of the largest site")
+    options = replace(options, site_ids=ids, max_units=max_units)
+    everyone = int(Config(num_clients=len(ids), dim=1).threshold or 2)
+    async with CoordinatorChannel(network, options.federation, ids, say) as channel:
+        say(f"coordinator of federation {options.federation!r}; waiting for sites "
+            f"{list(ids)}")
+        hellos = await channel.wait_for_sites(options.join_timeout, everyone)
+        missing = sorted(set(ids) - set(hellos))
+        say(f"{len(hellos)} of {len(ids)} sites online"
+            + (f" (not yet: {missing})" if missing else ""))
+        schema = federation_schema(hellos, known, options, settings)
+        channel.features = schema.features
+        say(f"schema: {len(schema.features)} features, labels {list(schema.labels)[:10]}")
+        if options.eval_csv is not None:
+            test_table = load_csv(options.eval_csv, patient_column=settings.patient_column or "",
+                                  label_column=settings.label_column or "",
+                                  labels=list(schema.labels))
+        scaler: Scaler | None = None
+        if saved is not None and saved.scaler is not None:
+            scaler = Scaler(np.asarray(saved.scaler["mean"]), np.asarray(saved.scaler["std"]))
+        elif needs_scaler:
+            scaler = await _remote_scaler(channel, options, settings, schema, everyone, say)
+        model = make_model(settings.model, len(schema.features), len(schema.labels),
+                           settings.seed)
+        dim = ParameterLayout.of(model).size
+        threshold = int(Config(num_clients=settings.cohort_size, dim=1).threshold or 2)
+        plan = make_plan(settings, None, dim, threshold, max_units=max_units)
+        say(f"{len(ids)} site processes, test "
+            + (f"{len(test_table)} records" if test_table is not None else "none (no "
+               "--eval-csv: accuracy is not measured)")
+            + f", model {settings.model} ({dim} parameters), threshold {threshold}")
+        say(f"privacy: {plan.describe()}")
+        coordinator = RemoteCoordinator(
+            settings, model, None if test_table is None else tensors(test_table, scaler), plan,
+            channel=channel, loop=asyncio.get_running_loop(), options=options, schema=schema,
+            scaler=scaler, log=say)
+        if saved is not None:
+            coordinator.restore(saved)
+            say(f"resumed from {settings.checkpoint} after round {saved.round}")
+        try:
+            await asyncio.to_thread(coordinator.run)
+        finally:
+            reason = coordinator.stopped or (
+                f"{coordinator.round} rounds" if coordinator.round >= settings.rounds
+                else "the coordinator stopped")
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(channel.finish(coordinator.round, reason), 30)
+    if coordinator.stopped is None and coordinator.round >= settings.rounds:
+        say(f"done: {coordinator.round} rounds")
+    out = report(settings, plan, threshold, dim, coordinator, model)
+    out["role"] = "coordinator"
+    out["site_ids"] = list(ids)
+    return out

@@ -1,0 +1,138 @@
+"""A site's data and what its process computes from a round's blob.
+
+The computation itself is :func:`fl.contribution.site_input`, as in simulation: what a site
+computes does not depend on where it runs. This module only checks that the blob is about
+this site's table (schema, model size) and validates every task field first, so a hostile
+coordinator can make a site refuse a round, never crash it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fl.contribution import RoundTask, TaskError, scaler_input
+from fl.contribution import site_input as contribution
+from fl.data import DataError, Table, csv_schema, load_csv
+from fl.models import make_model
+from fl.remote.blob import Blob
+from fl.remote.messages import Announce, WireError, get_int, get_names, get_str
+from fl.settings import MODELS, TrainSettings
+from fl.site import Scaler, Site
+from fl.vector import ParameterLayout
+
+U64 = npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A table's columns as the federation agrees on them (names only, never values)."""
+
+    features: tuple[str, ...]
+    labels: tuple[str, ...]
+
+
+def dataset_schema(num_features: int, num_classes: int) -> Schema:
+    """The schema of a bundled dataset: its columns are positional, its labels 0..c-1."""
+    return Schema(tuple(f"x{i}" for i in range(num_features)),
+                  tuple(str(c) for c in range(num_classes)))
+
+
+class SiteData:
+    """One hospital's table: a shard of a bundled dataset (demo) or its own CSV."""
+
+    def __init__(self, site_id: int, *, table: Table | None = None, csv: str | None = None,
+                 patient_column: str | None = None, label_column: str | None = None) -> None:
+        self.site_id = site_id
+        self._csv = csv
+        self._columns = (patient_column or "", label_column or "")
+        self._tables: dict[tuple[str, ...], Table] = {}
+        if csv is not None:
+            self.schema = Schema(*csv_schema(csv, patient_column=self._columns[0],
+                                             label_column=self._columns[1]))
+        else:
+            if table is None:
+                raise ValueError("SiteData needs a table or a csv path")
+            self._fixed = table
+            self.schema = dataset_schema(table.num_features, table.num_classes)
+
+    def table(self, labels: tuple[str, ...]) -> Table:
+        """The table with labels numbered as the federation numbers them."""
+        if self._csv is None:
+            if labels != self.schema.labels:
+                raise DataError(f"the federation's labels {list(labels)} are not this "
+                                f"dataset's {list(self.schema.labels)}")
+            return self._fixed
+        if labels not in self._tables:
+            self._tables = {labels: load_csv(self._csv, patient_column=self._columns[0],
+                                             label_column=self._columns[1],
+                                             labels=list(labels))}
+        return self._tables[labels]
+
+
+def demo_site_data(settings: TrainSettings, site_id: int, site_ids: Sequence[int]) -> SiteData:
+    """Site ``site_id``'s shard of a bundled dataset, split exactly as ``--role all`` does
+    (the same ``--seed``, ``--alpha`` and number of sites give the same shard)."""
+    from fl.federation import load_split
+
+    ids = sorted(site_ids)
+    if site_id not in ids:
+        raise ValueError(f"--site-id {site_id} is not among --sites {ids}")
+    split = load_split(replace(settings, sites=len(ids)))
+    return SiteData(site_id, table=split.site_tables[ids.index(site_id)])
+
+
+def check_schema(task: Mapping[str, Any], schema: Schema) -> tuple[str, ...]:
+    """The federation's labels, once its columns are this site's and its labels cover the
+    site's own (the site's label values never leave it)."""
+    features = get_names(task, "features")
+    labels = get_names(task, "labels")
+    if features != schema.features:
+        raise WireError(f"the federation's features {list(features)[:8]}... differ from this "
+                        f"site's columns {list(schema.features)[:8]}...")
+    missing = sorted(set(schema.labels) - set(labels))
+    if missing or len(labels) < 2 or len(set(labels)) != len(labels):
+        raise WireError(f"the federation's labels {list(labels)[:10]} do not cover all of "
+                        "this site's labels")
+    return labels
+
+
+def site_input(data: SiteData, blob: Blob, announce: Announce, *,
+               require_dp: str | None) -> U64:
+    """This site's secure-aggregation vector for the announced round."""
+    task = blob.task
+    labels = check_schema(task, data.schema)
+    table = data.table(labels)
+    cid = data.site_id
+    cohort = len(announce.cohort)
+    if blob.kind == "scaler":
+        dim = 2 * table.num_features + 1
+        if get_int(task, "dim", dim, dim) != dim:
+            raise WireError("the scaler task's dimension does not match this table")
+        return scaler_input(Site(cid, table).feature_sums(), cohort)
+    scaler = None if blob.scaler is None else Scaler(*blob.scaler)
+    if scaler is not None and scaler.mean.size != table.num_features:
+        raise WireError("the scaler does not match the number of features")
+    model = make_model(get_str(task, "model", MODELS), table.num_features, len(labels))
+    layout = ParameterLayout.of(model)
+    if blob.model is None or blob.model.size != layout.size:
+        raise WireError(f"the blob's model does not have the {layout.size} parameters of "
+                        f"{task['model']} on this table")
+    layout.load(model, blob.model)
+    try:
+        round_task = RoundTask.from_wire(task, layout.size)
+    except TaskError as exc:
+        raise WireError(str(exc)) from None
+    if require_dp is not None and round_task.mode != require_dp:
+        raise WireError(f"the coordinator asks for --dp {round_task.mode}; this site "
+                        f"requires --dp {require_dp}")
+    if round_task.round != announce.round or round_task.cohort != cohort:
+        raise WireError("the task's round or cohort differs from the announcement")
+    try:
+        return contribution(Site(cid, table, scaler), model, round_task, cid).vector
+    except TaskError as exc:
+        raise WireError(str(exc)) from None

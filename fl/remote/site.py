@@ -1,0 +1,314 @@
+"""The site role: a hospital's process follows the coordinator's rounds with its own data.
+
+It connects once (its federation-level last will), says :class:`Hello`, and for every round
+it is in: fetches the announced blob (verified by its SHA-256), computes its input
+(:func:`fl.remote.inputs.site_input`, in a worker thread), answers :class:`Ready`, and on
+``go`` runs a ``transport.drivers.ClientDriver`` over the round's view of the same
+connection. Its records never leave the process; only the masked vector does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fl.aggregation import round_timeouts
+from fl.remote.blob import Blob, blob_digest
+from fl.remote.inputs import SiteData, site_input
+from fl.remote.link import PartyLink, connect_party
+from fl.remote.messages import (
+    DECLINE,
+    FETCH,
+    HELLO,
+    OFFLINE,
+    READY,
+    Announce,
+    CoordinatorOffline,
+    Decline,
+    Done,
+    FedTopics,
+    Fetch,
+    Hello,
+    Ready,
+    SiteOffline,
+    WireError,
+    decode_coordinator_message,
+    encode_message,
+    framed,
+    get_int,
+    round_context,
+    site_will,
+)
+from secagg import Config
+from secagg.client import Client
+from transport.control import Offline, encode_control
+from transport.drivers import ClientDriver, publish_framed
+from transport.framing import DEFAULT_MAX_PAYLOAD, FrameError, Reassembler, frame
+from transport.link import Delivery, LinkLost, Network, Reconnected
+from transport.topics import Topics, site_name
+
+logger = logging.getLogger(__name__)
+Log = Callable[[str], None]
+
+
+@dataclass
+class SiteOptions:
+    federation: str = "fl"
+    insecure_verify: bool = False
+    require_dp: str | None = None
+    idle_timeout: float = 1800.0
+    """Exit (status 1) after this long without hearing from the coordinator."""
+    round_timeout: float = 600.0
+    """Give up waiting for a round's ``go`` (or its blob) after this long."""
+    stage_timeout: float = 60.0
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+
+
+class SiteProcess:
+    """A hospital's process: follows the coordinator's announcements until it says done."""
+
+    def __init__(self, data: SiteData, network: Network, options: SiteOptions,
+                 log: Log) -> None:
+        self.data = data
+        self.site_id = data.site_id
+        self.name = site_name(data.site_id)
+        self.options = options
+        self.topics = FedTopics(options.federation)
+        self.network = network
+        self.log = log
+        self.announce: Announce | None = None
+        self.done: Done | None = None
+        self.runs: set[bytes] = set()
+        self.blobs: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self.changed = asyncio.Event()
+        self.heard_at = 0.0
+        self.rounds = 0
+        self._party: PartyLink | None = None
+        self._run: bytes = b""
+        self._control = Reassembler(1 << 20, max_partial=2)
+        self._model = Reassembler(256 << 20, max_partial=2)
+
+    async def run(self) -> int:
+        """0 when the coordinator said done, 1 when it stayed silent for ``idle_timeout``
+        or the broker was lost."""
+        loop = asyncio.get_running_loop()
+        self.heard_at = loop.time()
+        async with connect_party(self.network, self.name,
+                                 site_will(self.topics, self.site_id)) as party:
+            self._party = party
+            await party.subscribe(self.topics.control)
+            await party.subscribe(self.topics.model)
+            listener = asyncio.create_task(self._listen(party), name="fl-site-listen")
+            try:
+                await self._hello()
+                self.log(f"connected as {self.name}; waiting for the coordinator "
+                         f"(federation {self.options.federation!r})")
+                return await self._follow(loop)
+            finally:
+                listener.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener
+                with contextlib.suppress(Exception):
+                    await party.publish(self.topics.upstream(self.site_id, OFFLINE),
+                                        framed(SiteOffline("site exited")))
+
+    async def _follow(self, loop: asyncio.AbstractEventLoop) -> int:
+        assert self._party is not None
+        handled: set[tuple[bytes, int, int, str]] = set()
+        while True:
+            if self._party.lost is not None:
+                self.log(f"lost the broker: {self._party.lost}")
+                return 1
+            if self.done is not None and self.done.run in self.runs:
+                self.log(f"the coordinator finished after {self.done.rounds} rounds"
+                         + (f" ({self.done.reason})" if self.done.reason else "")
+                         + f"; this site took part in {self.rounds} aggregations")
+                return 0
+            ann = self.announce
+            if ann is not None and ann.key not in handled:
+                handled.add(ann.key)
+                if self.site_id not in ann.cohort:
+                    self.log(f"round {ann.round}: not in this round's cohort")
+                elif ann.phase == "open":
+                    await self._take_part(ann)
+                    self.heard_at = loop.time()
+                continue
+            silent = loop.time() - self.heard_at
+            if silent >= self.options.idle_timeout:
+                self.log(f"no word from the coordinator for {silent:.0f} s; giving up")
+                return 1
+            await self._changed(self.options.idle_timeout - silent)
+
+    async def _changed(self, timeout: float) -> None:
+        self.changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), timeout)
+
+    async def _hello(self) -> None:
+        assert self._party is not None
+        await self._party.publish(self.topics.upstream(self.site_id, HELLO), framed(
+            Hello(self.site_id, self.data.schema.features, self._run)))
+
+    # -- receiving ----------------------------------------------------------------------
+    async def _listen(self, party: PartyLink) -> None:
+        while True:
+            try:
+                event = await party.receive()
+            except LinkLost:
+                self.changed.set()
+                return
+            if isinstance(event, Reconnected):
+                await self._hello()
+            elif isinstance(event, Delivery) and event.payload:
+                try:
+                    await self._on_delivery(event)
+                except (WireError, FrameError) as exc:
+                    logger.warning("site %d: invalid message on %s dropped: %s",
+                                   self.site_id, event.topic, exc)
+
+    async def _on_delivery(self, event: Delivery) -> None:
+        now = asyncio.get_running_loop().time()
+        if event.topic == self.topics.model:
+            got = self._model.feed("model", event.payload, now)
+            if got is not None:
+                self.blobs[got.digest] = got.payload
+                while len(self.blobs) > 2:
+                    self.blobs.popitem(last=False)
+                self.changed.set()
+            return
+        if event.topic != self.topics.control:
+            logger.debug("site %d: message on %s (a closed round) dropped", self.site_id,
+                         event.topic)
+            return
+        got = self._control.feed("control", event.payload, now)
+        if got is None:
+            return
+        message = decode_coordinator_message(got.payload)
+        self.heard_at = now
+        if isinstance(message, CoordinatorOffline):
+            self.log(f"the coordinator went offline ({message.reason}); waiting for it")
+            if self._party is not None and self.announce is not None:
+                # The coordinator's one will stands for its round's server too.
+                topics = Topics(self.announce.name)
+                self._party.to_round(Delivery(topics.control, frame(encode_control(Offline(
+                    "the aggregation server disconnected", final=False)))[0]))
+            return
+        run = message.run
+        if run not in self.runs:
+            self.runs.add(run)
+            self._run = run
+            if not isinstance(message, Done):
+                await self._hello()  # a new coordinator run: say we are here
+        if isinstance(message, Done):
+            self.done = message
+        else:
+            self.announce = message if isinstance(message, Announce) else self.announce
+        self.changed.set()
+
+    # -- one round ----------------------------------------------------------------------
+    def _superseded(self, ann: Announce) -> bool:
+        current = self.announce
+        return (self.done is not None and self.done.run in self.runs) or (
+            current is not None and current.key != ann.key)
+
+    async def _blob(self, ann: Announce) -> bytes | None:
+        """The announced blob (verified by its SHA-256), asking for a re-broadcast if the
+        broadcast was missed; None if the round moved on or it never came."""
+        assert self._party is not None
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.options.round_timeout
+        asked = loop.time()
+        while ann.blob not in self.blobs:
+            if self._superseded(ann) or loop.time() > give_up:
+                return None
+            if loop.time() - asked >= 1.0:
+                await self._party.publish(self.topics.upstream(self.site_id, FETCH),
+                                          framed(Fetch(ann.blob)))
+                asked = loop.time()
+            await self._changed(1.0)
+        data = self.blobs[ann.blob]
+        if len(data) != ann.size or blob_digest(data) != ann.blob:
+            raise WireError("the blob does not match its announcement")
+        return data
+
+    async def _go(self, ann: Announce) -> Announce | None:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.options.round_timeout
+        while True:
+            current = self.announce
+            if current is not None and current.key == ann.key and current.phase == "go":
+                return current
+            if self._superseded(ann) or loop.time() > give_up:
+                return None
+            await self._changed(1.0)
+
+    async def _decline(self, ann: Announce, label: str, reason: str) -> None:
+        self.log(f"{label}: refusing the round: {reason}")
+        assert self._party is not None
+        await self._party.publish(self.topics.upstream(self.site_id, DECLINE), framed(
+            Decline(ann.run, ann.round, ann.attempt, ann.kind, reason[:1000])))
+
+    async def _take_part(self, ann: Announce) -> None:
+        label = f"round {ann.round}" if ann.kind == "train" else "feature scaling"
+        try:
+            data = await self._blob(ann)
+            if data is None:
+                self.log(f"{label}: the model never arrived; skipping")
+                return
+            blob = Blob.decode(data)
+            if blob.kind != ann.kind:
+                raise WireError(f"a {blob.kind} blob announced as {ann.kind}")
+            started = time.perf_counter()
+            vector = await asyncio.to_thread(site_input, self.data, blob, ann,
+                                             require_dp=self.options.require_dp)
+        except (WireError, ValueError) as exc:
+            await self._decline(ann, label, str(exc))
+            return
+        except Exception as exc:  # e.g. torch on a hostile model: refuse, do not crash
+            logger.exception("site %d: computing the input failed", self.site_id)
+            await self._decline(ann, label, f"{type(exc).__name__}: {exc}")
+            return
+        trained = time.perf_counter() - started
+        assert self._party is not None
+        topics = Topics(ann.name)
+        with self._party.round(topics) as view:
+            await view.subscribe(topics.client_filter(self.site_id))
+            await view.subscribe(topics.control)
+            clear = vector.astype("<u8").tobytes() if (
+                self.options.insecure_verify and ann.verify) else None
+            ready = Ready(ann.run, ann.round, ann.attempt, ann.kind, ann.blob, clear)
+            await publish_framed(self._party, self.topics.upstream(self.site_id, READY),
+                                 encode_message(ready), self.options.max_payload)
+            go = await self._go(ann)
+            if go is None or self.site_id not in go.roster or go.blob != ann.blob:
+                self.log(f"{label}: not in the round's roster; sitting it out")
+                return
+            try:
+                config = Config(num_clients=len(go.roster), threshold=go.threshold,
+                                dim=int(vector.size), bits=get_int(blob.task, "bits", 8, 64))
+                client = Client(config, self.site_id, vector, roster=go.roster,
+                                context=round_context(self.options.federation, go))
+            except ValueError as exc:
+                self.log(f"{label}: refusing the round: {exc}")
+                return
+            driver = ClientDriver(client, view, topics,
+                                  timeouts=round_timeouts(self.options.stage_timeout),
+                                  max_payload=self.options.max_payload)
+            outcome = await driver.run()
+        if outcome.status == "done":
+            self.rounds += 1
+        self.log(f"{label}: {outcome.status}"
+                 + (f" ({outcome.reason})" if outcome.reason else "")
+                 + f"; trained in {trained:.2f} s, sent "
+                 f"{sum(outcome.bytes_sent.values())} bytes to {len(go.roster)}-site "
+                 "secure aggregation")
+
+
+def run_site(data: SiteData, network: Network, options: SiteOptions, log: Log) -> int:
+    """Run a site process until the coordinator says done (0) or stays silent (1)."""
+    return asyncio.run(SiteProcess(data, network, options, log).run())

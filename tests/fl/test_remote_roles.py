@@ -1,0 +1,90 @@
+"""The multi-machine roles (``fl.remote``) in one event loop over the in-memory bus with the
+production topic ACL: the coordinator role and three site roles train, each party holds
+exactly one connection (a broker that binds client ids to usernames allows no more), and a
+site that requires another privacy mode refuses the round instead of contributing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from fl.remote.coordinator import RemoteOptions, train_coordinator_async
+from fl.remote.inputs import demo_site_data
+from fl.remote.site import SiteOptions, SiteProcess
+from fl.settings import TrainSettings
+from transport.link import Will
+from transport.memory import MemoryNetwork
+from transport.topics import acl_table
+
+pytestmark = pytest.mark.timeout(90)
+IDS = (1, 2, 3)
+
+
+class CountingNetwork(MemoryNetwork):
+    """The memory bus, counting the connections each user opens."""
+
+    def __init__(self) -> None:
+        super().__init__(acl=acl_table(list(IDS)))
+        self.connections: Counter[str] = Counter()
+
+    @contextlib.asynccontextmanager
+    async def connect(self, username: str, *, will: Will | None = None) -> AsyncIterator[Any]:
+        self.connections[username] += 1
+        async with super().connect(username, will=will) as link:
+            yield link
+
+
+async def _federation(settings: TrainSettings, network: CountingNetwork,
+                      site_options: dict[int, SiteOptions], logs: list[str]
+                      ) -> tuple[dict[str, Any], list[int]]:
+    sites = [SiteProcess(demo_site_data(settings, cid, IDS), network, site_options[cid],
+                         lambda text, cid=cid: logs.append(f"[site {cid}] {text}"))
+             for cid in IDS]
+    tasks = [asyncio.create_task(site.run()) for site in sites]
+    options = RemoteOptions(site_ids=IDS, federation="fed", join_timeout=20,
+                            ready_timeout=20, stage_timeout=10, insecure_verify=True)
+    report = await train_coordinator_async(settings, options, network,
+                                           lambda text: logs.append(f"[coordinator] {text}"))
+    codes = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    return report, codes
+
+
+def test_remote_roles_train_with_one_connection_per_party() -> None:
+    settings = TrainSettings(sites=3, rounds=2, dataset="breast-cancer", seed=0)
+    network = CountingNetwork()
+    logs: list[str] = []
+    options = {cid: SiteOptions(federation="fed", idle_timeout=30, insecure_verify=True)
+               for cid in IDS}
+    report, codes = asyncio.run(_federation(settings, network, options, logs))
+    text = "\n".join(logs)
+    assert codes == [0, 0, 0], text
+    assert [row["round"] for row in report["rounds"]] == [1, 2]
+    for row in report["rounds"]:
+        assert row["included"] == [1, 2, 3] and row["aggregate_correct"] is True
+        assert row["accuracy"] > 0.85  # chance is ~0.63 on this split
+    # Feature scaling and two rounds, each one secagg session, over a single link per party.
+    assert network.connections == {"server": 1, "site-1": 1, "site-2": 1, "site-3": 1}
+    assert "took part in 3 aggregations" in text
+
+
+def test_a_site_refuses_rounds_of_another_privacy_mode() -> None:
+    settings = TrainSettings(sites=3, rounds=1, dataset="ehr", ehr_patients=90, seed=1,
+                             dp="site", epsilon=50.0, site_steps=1)
+    network = CountingNetwork()
+    logs: list[str] = []
+    options = {cid: SiteOptions(federation="fed", idle_timeout=30,
+                                require_dp="distributed" if cid == 3 else None,
+                                insecure_verify=True) for cid in IDS}
+    report, codes = asyncio.run(_federation(settings, network, options, logs))
+    text = "\n".join(logs)
+    assert codes == [0, 0, 0], text
+    assert "[site 3] round 1: refusing the round: the coordinator asks for --dp site" in text
+    (row,) = report["rounds"]
+    assert row["included"] == [1, 2] and row["dropped"] == {"3": "declined"}
+    assert "site 3 declined round 1" in text
+    assert row["aggregate_correct"] is True and 0 < row["epsilon"] <= 50.0
