@@ -15,7 +15,7 @@ import pytest
 
 from secagg import Config, ProtocolAbort, Stage, simulate
 from transport import topics as topics_mod
-from transport.broker import EmbeddedBroker
+from transport.broker import EmbeddedBroker, TopicAcl
 from transport.drivers import StageProgress, Timeouts, TransportError
 from transport.framing import HEADER_BYTES, frame
 from transport.local import RoundReport, run_round
@@ -48,9 +48,12 @@ def credentials(ids: list[int]) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def broker(kind: str, users: dict[str, str], port: int = 0
+async def broker(kind: str, users: dict[str, str], port: int = 0,
+                 extra_acl: dict[str, TopicAcl] | None = None,
                  ) -> AsyncIterator[EmbeddedBroker | MosquittoBroker]:
-    acl = topics_mod.acl_table([int(u[5:]) for u in users if u.startswith("site-")])
+    acl: dict[str, TopicAcl] = topics_mod.acl_table(
+        [int(u[5:]) for u in users if u.startswith("site-")])
+    acl.update(extra_acl or {})
     if kind == "embedded":
         async with EmbeddedBroker(users=users, acl=acl, port=port) as b:
             yield b
@@ -101,13 +104,14 @@ def test_round_with_drops_at_every_stage(kind: str, security: str) -> None:
 
 
 async def _intrude(port: int, users: dict[str, str], round_name: str) -> int:
-    """As site-2 (its credentials, another connection) and as the server: publish garbage,
-    truncated, oversized and replayed payloads on the server's and a client's topics, and
-    try to speak for site-3. Returns how many payloads were published."""
+    """With site-2's write rights and with the server's (users of their own: a second
+    connection as site-2 itself would close site-2's, client ids being bound to usernames):
+    publish garbage, truncated, oversized and replayed payloads on the server's and a
+    client's topics, and try to speak for site-3. Returns how many payloads were published."""
     t = topics_mod.Topics(round_name)
     sent = 0
-    async with aiomqtt.Client("127.0.0.1", port, username="site-2",
-                              password=users["site-2"], identifier="intruder-2") as site2:
+    async with aiomqtt.Client("127.0.0.1", port, username="intruder-2",
+                              password=users["intruder-2"], identifier="intruder-2") as site2:
         upstream = t.stage_upstream(2, Stage.MASKED_INPUT)
         honest = frame(b"\x93\xa3SA1\x02" + b"\x00" * 40)[0]
         for payload in (b"garbage", b"SGF1" + b"\x00" * 10, honest[:-3],
@@ -117,8 +121,8 @@ async def _intrude(port: int, users: dict[str, str], round_name: str) -> int:
         # denied by the ACL (acknowledged all the same; aiomqtt cannot tell)
         await site2.publish(t.stage_upstream(3, Stage.MASKED_INPUT), honest, qos=1)
         await site2.publish(t.control, honest, qos=1)
-    async with aiomqtt.Client("127.0.0.1", port, username="server",
-                              password=users["server"], identifier="intruder-s") as srv:
+    async with aiomqtt.Client("127.0.0.1", port, username="intruder-s",
+                              password=users["intruder-s"], identifier="intruder-s") as srv:
         for payload in (b"garbage", b"SGF1" + b"\x01" * 60, frame(b"\x00" * 64)[0]):
             await srv.publish(t.downstream(3, "masked_input"), payload, qos=1)
             await srv.publish(t.downstream(3, "receipt"), payload, qos=1)
@@ -131,11 +135,14 @@ def test_garbage_and_replays_on_live_topics_do_not_break_the_round(kind: str) ->
     config = Config(num_clients=6, dim=100)
     inputs = make_inputs(6, 100)
     users = credentials(list(inputs))
+    intruders = {"intruder-2": TopicAcl(publish=("secagg/+/server/+/site-2",)),
+                 "intruder-s": TopicAcl(publish=("secagg/+/client/#", "secagg/+/control"))}
+    users.update({name: secrets.token_hex(8) for name in intruders})
     round_name = "garbage"
     injected: list[int] = []
 
     async def scenario() -> RoundReport:
-        async with broker(kind, users) as b:
+        async with broker(kind, users, extra_acl=intruders) as b:
             tasks: list[asyncio.Task[int]] = []
 
             def on_stage(progress: StageProgress) -> None:

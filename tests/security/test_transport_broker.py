@@ -1,0 +1,296 @@
+"""A site with one valid login, and raw bytes on a socket, against the brokers.
+
+Each test stages one attack of issue 10 on 127.0.0.1: the embedded broker runs in this
+process (its limits lowered so an attack bites in a second), Mosquitto with the config
+``transport.mosquitto`` generates where the test says so. docs/deployment.md section 9
+states what the embedded broker guarantees; these tests are the evidence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+import tracemalloc
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from adversary import threat
+
+from secagg import Stage
+from tests.transport.mqtt_raw import (
+    PUBLISH,
+    RawClient,
+    connect_packet,
+    packet,
+    publish_packet,
+    varint,
+)
+from transport.broker import EmbeddedBroker
+from transport.mosquitto import MosquittoBroker, mosquitto_available
+from transport.topics import Topics, acl_table
+
+pytestmark = pytest.mark.security
+
+IDS = [3, 9]
+USERS = {"server": secrets.token_hex(8), "site-3": secrets.token_hex(8),
+         "site-9": secrets.token_hex(8)}
+T = Topics("r1")
+BOTH = ["embedded", pytest.param("mosquitto", marks=pytest.mark.skipif(
+    not mosquitto_available(), reason="mosquitto is not installed"))]
+
+
+def run(scenario: Callable[[], Awaitable[None]], timeout: float = 20.0) -> None:
+    async def bounded() -> None:
+        await asyncio.wait_for(scenario(), timeout)
+
+    asyncio.run(bounded())
+
+
+@contextlib.asynccontextmanager
+async def broker(kind: str = "embedded", **limits: Any) -> AsyncIterator[Any]:
+    if kind == "embedded":
+        async with EmbeddedBroker(users=USERS, acl=acl_table(IDS), **limits) as b:
+            yield b
+    else:
+        async with MosquittoBroker(users=USERS, acl=acl_table(IDS)) as m:
+            yield m
+
+
+async def login(port: int, user: str, client_id: str | None = None, **kw: Any) -> RawClient:
+    return await RawClient.login(port, client_id or user, user, USERS[user], **kw)
+
+
+# --------------------------------------------------------------------------- item 1
+
+
+@threat(attack="Client-id takeover by another site",
+        adversary="malicious client",
+        controls="a valid login as site-9 (not in the round); connects with client id "
+                 "'site-3' and with 'server'",
+        protocol="client ids are bound to usernames (embedded broker: sessions keyed by "
+                 "(username, client id); Mosquitto: use_username_as_clientid); only the same "
+                 "user replaces a connection, so no will fires for the victims")
+@pytest.mark.parametrize("kind", BOTH)
+def test_another_user_cannot_take_over_a_client_id(kind: str) -> None:
+    async def scenario() -> None:
+        async with broker(kind) as b:
+            server = await login(b.port, "server")
+            assert await server.subscribe([(T.server_filter, 1)]) == [1]
+            site3 = await login(b.port, "site-3",
+                                will=(T.offline(3), b"site-3 is gone", 1, False))
+            attacks = [await login(b.port, "site-9", client_id=cid)
+                       for cid in ("site-3", "server")]
+            await site3.ping()
+            await server.ping()
+            assert await server.no_packet(0.5)  # no will: site-3 was not disconnected
+            # The control: the same user does replace its own connection (will fires).
+            await login(b.port, "site-3")
+            assert await site3.closed()
+            assert (await server.read_kind(PUBLISH)).payload == b"site-3 is gone"
+            for client in attacks:
+                client.disconnect()
+
+    run(scenario)
+
+
+# --------------------------------------------------------------------------- item 3
+
+
+@threat(attack="Retained-message flood",
+        adversary="malicious client",
+        controls="a valid site login: RETAIN on every topic it may write, then it leaves",
+        protocol="the embedded broker refuses RETAIN outside the topics the layout needs "
+                 "(TopicAcl.retain: the server's control topics) and caps retained messages "
+                 "per user (count and bytes) and overall")
+def test_retained_flood_is_refused_and_capped() -> None:
+    async def scenario() -> None:
+        async with broker(max_retained_per_user=4, max_payload=1 << 20) as b:
+            site9 = await login(b.port, "site-9")
+            for stage in ("advertise_keys", "share_keys", "masked_input", "x1", "x2"):
+                await site9.publish(f"secagg/r1/server/{stage}/site-9", bytes(1 << 20),
+                                    qos=1, retain=True)
+            site9.drop()
+            server = await login(b.port, "server")
+            await server.subscribe([("secagg/+/server/#", 1)])
+            assert await server.no_packet(0.3)
+            assert len(b.router.retained) == 0 and b.stats.retain_denials == 5
+            # Even the server, which may retain on control topics, is capped.
+            for i in range(10):
+                await server.publish(f"secagg/r{i}/control", b"start", qos=1, retain=True)
+            assert len(b.router.retained) == 4 and b.stats.retain_denials == 11
+
+    run(scenario)
+
+
+# --------------------------------------------------------------------------- item 4
+
+
+@threat(attack="Huge declared packet before login",
+        adversary="any sender of bytes",
+        controls="a TCP connection: a PUBLISH or CONNECT fixed header declaring up to "
+                 "256 MiB, and then nothing",
+        protocol="the packet type and the pre-login size limit are checked before any body "
+                 "is read; the connection is closed")
+@pytest.mark.parametrize("first", [0x30, 0x10, 0x82])
+def test_declared_huge_packet_before_connect_is_refused_unread(first: int) -> None:
+    async def scenario() -> None:
+        async with broker() as b:
+            clients = [await RawClient.open(b.port) for _ in range(8)]
+            for client in clients:
+                client.send(bytes([first]) + varint((256 << 20) - 1))
+            for client in clients:
+                assert await client.closed(2.0)
+            assert b.stats.protocol_errors == 8
+            await (await login(b.port, "site-3")).ping()
+
+    run(scenario)
+
+
+@threat(attack="Huge declared packet before login",
+        adversary="malicious client",
+        controls="a valid login; 8 connections each declaring a 64 MiB PUBLISH (what the "
+                 "broker's max_payload allows) and sending 1 KiB of it",
+        protocol="a body is received into pieces of at most 1 MiB, each allocated when "
+                 "the previous one is full: a declared length is never allocated up front")
+def test_declared_length_is_never_allocated_up_front() -> None:
+    async def scenario() -> None:
+        async with broker(max_payload=64 << 20) as b:
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                clients = [await login(b.port, "site-9", client_id=f"site-9-{i}")
+                           for i in range(8)]
+                for client in clients:
+                    client.send(bytes([0x30]) + varint(64 << 20) + b"\x00\x01a" + bytes(1024))
+                await asyncio.sleep(0.5)
+                held = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+            assert held < 16 << 20, f"{held} bytes held for 8 x 64 MiB declared"
+            for client in clients:
+                client.drop()
+
+    run(scenario)
+
+
+# --------------------------------------------------------------------------- item 5
+
+
+@threat(attack="Half-sent packets and keepalive 0",
+        adversary="malicious client",
+        controls="a valid login with keepalive 0; a PUBLISH header and part of its body, "
+                 "then one byte at a time",
+        protocol="a started packet must finish within packet_timeout whatever the "
+                 "keepalive or the trickle; keepalive 0 and silence end at 1.5 x "
+                 "max_keepalive; a keepalive above max_keepalive is refused")
+def test_partial_packets_and_keepalive_zero_have_deadlines() -> None:
+    async def scenario() -> None:
+        async with broker(packet_timeout=1.0, max_keepalive=1) as b:
+            trickler = await login(b.port, "site-9", client_id="site-9-a", keepalive=0)
+            trickler.send(bytes([0x30]) + varint(100_000) + b"\x00\x01a")
+            silent = await login(b.port, "site-9", client_id="site-9-b", keepalive=0)
+            started = time.monotonic()
+            closed = asyncio.create_task(trickler.closed(4.0))
+            while not closed.done():
+                trickler.send(b"\x00")  # bytes keep arriving: activity, not progress
+                await asyncio.sleep(0.1)
+            assert closed.result() and time.monotonic() - started < 2.5
+            assert await silent.closed(3.0)
+            greedy = await RawClient.open(b.port)
+            greedy.send(connect_packet("site-9-c", "site-9", USERS["site-9"], keepalive=600))
+            assert (await greedy.connack())[1] == 2
+
+    run(scenario)
+
+
+# --------------------------------------------------------------------------- item 6
+
+
+@threat(attack="Slow subscriber stalls routing",
+        adversary="malicious client",
+        controls="a valid login subscribed to a busy topic that never reads its socket",
+        protocol="fan-out never waits for one subscriber: every other subscriber gets each "
+                 "message at once; only the publisher waits, and only while the slow one "
+                 "drains; after slow_consumer_timeout without progress it is disconnected")
+def test_a_subscriber_that_never_reads_blocks_nobody() -> None:
+    async def scenario() -> None:
+        async with broker(max_queued_bytes=256 << 10, slow_consumer_timeout=1.0) as b:
+            stuck = await login(b.port, "server", client_id="server-stuck", recv_buffer=4096)
+            await stuck.subscribe([("secagg/r1/server/#", 0)])
+            honest = await login(b.port, "server")
+            await honest.subscribe([("secagg/r1/server/#", 0)])
+            site3 = await login(b.port, "site-3")
+            started = time.monotonic()
+            # 12.5 MiB: far more than the stuck socket's kernel buffers and its queue hold
+            for _ in range(200):
+                site3.send(publish_packet(T.stage_upstream(3, Stage.MASKED_INPUT),
+                                          bytes(64 << 10)))
+            got = [await honest.read_kind(PUBLISH, 5.0) for _ in range(200)]
+            assert len(got) == 200 and time.monotonic() - started < 6.0
+            assert b.stats.slow_consumers_dropped == 1
+            assert await stuck.closed(3.0)
+
+    run(scenario)
+
+
+@threat(attack="Resource exhaustion with one login",
+        adversary="malicious client",
+        controls="a valid login: many subscriptions, many connections, many sockets that "
+                 "never log in, and a flood of packets on one connection",
+        protocol="caps on subscriptions per session and overall, connections per user and "
+                 "overall, and connections before login; the packet loop yields every few "
+                 "packets so other clients are served")
+def test_subscriptions_connections_and_prelogin_sockets_are_capped() -> None:
+    async def scenario() -> None:
+        async with broker(max_subscriptions=8, max_connections_per_user=3,
+                          max_pending_logins=4) as b:
+            site9 = await login(b.port, "site-9")
+            codes = await site9.subscribe([(f"secagg/r{i}/client/site-9/#", 1)
+                                           for i in range(12)])
+            assert codes == [1] * 8 + [0x80] * 4
+            extra = [await login(b.port, "site-9", client_id=f"site-9-{i}") for i in range(2)]
+            refused = await RawClient.open(b.port)
+            refused.send(connect_packet("site-9-x", "site-9", USERS["site-9"]))
+            assert (await refused.connack())[1] == 3
+            lurkers = [await RawClient.open(b.port) for _ in range(4)]
+            late = await RawClient.open(b.port)
+            assert await late.closed(2.0)
+            for lurker in lurkers:
+                lurker.drop()
+            await asyncio.sleep(0.1)
+            # A flood of 40,000 packets on one connection does not starve another client.
+            site9.send(packet(0xC0, b"") * 40_000)
+            server = await login(b.port, "server")
+            started = time.monotonic()
+            await server.ping()
+            assert time.monotonic() - started < 1.0
+            for client in extra:
+                client.disconnect()
+
+    run(scenario)
+
+
+# --------------------------------------------------------------------------- item 8
+
+
+@threat(attack="Password guessing",
+        adversary="network attacker",
+        controls="wrong passwords for a site's username, repeated from one address",
+        protocol="the broker keeps scrypt hashes only; each failure doubles the wait before "
+                 "the next attempt from that address is even checked (capped)")
+def test_failed_logins_are_throttled_and_passwords_not_kept() -> None:
+    async def scenario() -> None:
+        async with broker(login_failure_delay=0.3) as b:
+            assert not any(pw.encode() in repr(vars(b.auth)).encode() for pw in USERS.values())
+            for _ in range(3):
+                guess = await RawClient.open(b.port)
+                guess.send(connect_packet("site-3", "site-3", "guess"))
+                assert (await guess.connack(5.0))[1] == 5
+            started = time.monotonic()
+            await login(b.port, "site-3")  # even the right password waits its turn
+            assert time.monotonic() - started >= 0.9  # 0.3 + 0.6 after three failures
+
+    run(scenario)
