@@ -119,6 +119,12 @@ def parse_broker_url(url: str, **overrides: object) -> BrokerSettings:
     return replace(settings, **overrides)  # type: ignore[arg-type]
 
 
+async def _discard(client: aiomqtt.Client) -> None:
+    """Close a client that failed or was cancelled while connecting; bounded, silent."""
+    with contextlib.suppress(BaseException):
+        await asyncio.wait_for(asyncio.shield(client.__aexit__(None, None, None)), 1.0)
+
+
 class MqttLink:
     """One party's connection; see ``transport.link.Link``."""
 
@@ -168,16 +174,21 @@ class MqttLink:
             client = self._new_client()
             try:
                 await client.__aenter__()
-            except aiomqtt.MqttError as exc:
-                last = exc
-                logger.debug("%s: connection attempt failed: %r", self._name, exc)
-                if isinstance(exc, aiomqtt.MqttCodeError) and exc.rc in (4, 5, 134, 135):
-                    raise LinkLost(f"{self._name}: the broker at {self._settings.url} refused "
-                                   f"the credentials ({exc})") from None
-            else:
                 for topic_filter in self._filters:
                     await client.subscribe(topic_filter, qos=1)
                 return client
+            except aiomqtt.MqttError as exc:
+                last = exc
+                logger.debug("%s: connection attempt failed: %r", self._name, exc)
+                await _discard(client)
+                if isinstance(exc, aiomqtt.MqttCodeError) and exc.rc in (4, 5, 134, 135):
+                    raise LinkLost(f"{self._name}: the broker at {self._settings.url} refused "
+                                   f"the credentials ({exc})") from None
+            except BaseException:
+                # Cancelled half-way (the caller gave up): leave no client behind whose
+                # callbacks fire into a closed loop.
+                await _discard(client)
+                raise
             if loop.time() + delay > deadline:
                 raise LinkLost(f"{self._name}: cannot reach the MQTT broker at "
                                f"{self._settings.url}: {last}")
