@@ -228,6 +228,18 @@ def site_policy_from_args(args: argparse.Namespace) -> Any:
     return replace(policy, **changes)
 
 
+def default_ledger(args: argparse.Namespace, broker: Any) -> str:
+    """``$XDG_STATE_HOME/secagg/ledger-<host>-<port>-<federation>-site-<id>.json``: one
+    ledger per site of a federation, outside any working tree."""
+    import os
+
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    folder = base / "secagg"
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"ledger-{broker.host}-{broker.port}-{args.federation}-site-{args.site_id}.json"
+    return str(folder / name.replace("/", "_"))
+
+
 def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
     """``--plan``: the run's privacy plan, from the functions the run itself calls."""
     from fl.data import DataError
@@ -398,9 +410,21 @@ def run_remote(args: argparse.Namespace) -> int:
         except (DataError, ValueError) as exc:
             print(f"secagg train: error: {exc}", file=sys.stderr)
             return 2
+        from dp.errors import PrivacyError
+        from fl.privacy import open_site_guard
+
+        try:
+            ledger = args.ledger or default_ledger(args, broker)
+            guard = open_site_guard(policy=site_policy_from_args(args), ledger_path=ledger,
+                                    log=log)
+        except PrivacyError as exc:
+            print(f"secagg train: error: {exc}", file=sys.stderr)
+            return 2
+        log(f"privacy policy {guard.ledger.policy.to_json()}; ledger {ledger} "
+            f"({guard.ledger.releases} releases, epsilon {guard.ledger.epsilon:.4g})")
         options = SiteOptions(federation=args.federation, insecure_verify=args.insecure_verify,
                               require_dp=args.dp, idle_timeout=args.idle_timeout,
-                              stage_timeout=args.stage_timeout)
+                              stage_timeout=args.stage_timeout, guard=guard)
         import asyncio
 
         from transport.link import LinkLost

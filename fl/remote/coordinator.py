@@ -25,7 +25,7 @@ from fl.coordinator import Aggregated, Coordinator, RoundFailed
 from fl.data import Table, csv_schema, load_csv
 from fl.federation import load_checkpoint, load_split, make_plan, report, tensors, uses_scaler
 from fl.models import make_model
-from fl.privacy import Plan
+from fl.privacy import DEFAULT_MAX_UNITS, Plan
 from fl.remote.blob import Blob
 from fl.remote.channel import CoordinatorChannel, NotEnoughSites, RemoteRound
 from fl.remote.inputs import Schema, dataset_schema
@@ -184,10 +184,6 @@ async def _remote_scaler(channel: CoordinatorChannel, options: RemoteOptions,
                                      dim=2 * f + 1, bits=64, attempts=settings.max_attempts,
                                      log=log)
     log(f"feature scaling from a secure sum over sites {sorted(done.result.included)}")
-    if settings.dp != "none":
-        log("note: feature scaling statistics come from an exact secure sum that the "
-            "privacy budget does not cover; use --scaling none or pre-scaled data for "
-            "a guarantee that covers every release")
     return scaler_from_sum(np.asarray(done.result.total, dtype=np.uint64), f, len(ids))
 
 
@@ -214,14 +210,13 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
         known = dataset_schema(split.train.num_features, split.train.num_classes)
         test_table = split.test
         needs_scaler = uses_scaler(settings, split.train)
-        if max_units is None:
-            max_units = max((t.num_patients if settings.unit == "patient" else len(t))
-                            for t in split.site_tables)
     elif settings.scaling == "auto":
-        needs_scaler = True  # a user's table is not on a public scale
-    if settings.dp == "distributed" and max_units is None:
-        raise ValueError("--dp distributed with --csv needs --max-units: a public bound on "
-                         "the patients (records with --unit record) of the largest site")
+        # A user's table is not on a public scale; in the DP modes an exact sum is never
+        # released (docs/privacy.md section 1).
+        needs_scaler = settings.dp == "none"
+    # The modulus is sized for a public bound (--max-units or the default), never a
+    # site's real patient count: bits is published.
+    max_units = max_units or settings.max_units or DEFAULT_MAX_UNITS
     options = replace(options, site_ids=ids, max_units=max_units)
     everyone = int(Config(num_clients=len(ids), dim=1).threshold or 2)
     async with CoordinatorChannel(network, options.federation, ids, say) as channel:

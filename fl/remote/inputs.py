@@ -102,8 +102,13 @@ def check_schema(task: Mapping[str, Any], schema: Schema) -> tuple[str, ...]:
 
 
 def site_input(data: SiteData, blob: Blob, announce: Announce, *,
-               require_dp: str | None) -> U64:
-    """This site's secure-aggregation vector for the announced round."""
+               require_dp: str | None, guard: Any = None) -> U64:
+    """This site's secure-aggregation vector for the announced round.
+
+    With ``guard`` (:class:`fl.privacy.SiteGuard`: the site operator's policy and ledger)
+    the round is checked and charged to the site's ledger *before* the input is computed;
+    a refusal names the policy rule (docs/privacy.md section 1).
+    """
     task = blob.task
     labels = check_schema(task, data.schema)
     table = data.table(labels)
@@ -113,6 +118,7 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
         dim = 2 * table.num_features + 1
         if get_int(task, "dim", dim, dim) != dim:
             raise WireError("the scaler task's dimension does not match this table")
+        _admit(guard, None, announce, "feature scaling")
         return scaler_input(Site(cid, table).feature_sums(), cohort)
     scaler = None if blob.scaler is None else Scaler(*blob.scaler)
     if scaler is not None and scaler.mean.size != table.num_features:
@@ -132,7 +138,20 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
                         f"requires --dp {require_dp}")
     if round_task.round != announce.round or round_task.cohort != cohort:
         raise WireError("the task's round or cohort differs from the announcement")
+    _admit(guard, round_task, announce, f"round {announce.round}")
     try:
         return contribution(Site(cid, table, scaler), model, round_task, cid).vector
     except TaskError as exc:
+        raise WireError(str(exc)) from None
+
+
+def _admit(guard: Any, task: RoundTask | None, announce: Announce, label: str) -> None:
+    """The site's privacy gate (write-ahead charge, or a refusal naming the rule)."""
+    if guard is None:
+        return
+    from dp.errors import PrivacyError
+
+    try:
+        guard.admit(task, secagg_threshold=announce.threshold, label=label, key=announce.key)
+    except PrivacyError as exc:
         raise WireError(str(exc)) from None

@@ -16,7 +16,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from dp.errors import PrivacyError
 from fl.aggregation import round_timeouts
 from fl.remote.blob import Blob, blob_digest
 from fl.remote.inputs import SiteData, site_input
@@ -67,6 +69,8 @@ class SiteOptions:
     """Give up waiting for a round's ``go`` (or its blob) after this long."""
     stage_timeout: float = 60.0
     max_payload: int = DEFAULT_MAX_PAYLOAD
+    guard: Any = None
+    """The site operator's privacy policy and ledger (:class:`fl.privacy.SiteGuard`)."""
 
 
 class SiteProcess:
@@ -253,6 +257,12 @@ class SiteProcess:
         await self._party.publish(self.topics.upstream(self.site_id, DECLINE), framed(
             Decline(ann.run, ann.round, ann.attempt, ann.kind, reason[:1000])))
 
+    def _not_sent(self, ann: Announce, clear: bytes | None, reason: str) -> None:
+        """The round moved on before this site's input left: withdraw its ledger charge
+        (not when the input went out in the clear for --insecure-verify)."""
+        if self.options.guard is not None and clear is None:
+            self.options.guard.not_sent(ann.key, reason)
+
     async def _take_part(self, ann: Announce) -> None:
         label = f"round {ann.round}" if ann.kind == "train" else "feature scaling"
         try:
@@ -265,7 +275,8 @@ class SiteProcess:
                 raise WireError(f"a {blob.kind} blob announced as {ann.kind}")
             started = time.perf_counter()
             vector = await asyncio.to_thread(site_input, self.data, blob, ann,
-                                             require_dp=self.options.require_dp)
+                                             require_dp=self.options.require_dp,
+                                             guard=self.options.guard)
         except (WireError, ValueError) as exc:
             await self._decline(ann, label, str(exc))
             return
@@ -286,14 +297,18 @@ class SiteProcess:
                                  encode_message(ready), self.options.max_payload)
             go = await self._go(ann)
             if go is None or self.site_id not in go.roster or go.blob != ann.blob:
+                self._not_sent(ann, clear, "not in the round's roster")
                 self.log(f"{label}: not in the round's roster; sitting it out")
                 return
             try:
+                if self.options.guard is not None:
+                    self.options.guard.check_go(ann.key, go.threshold)
                 config = Config(num_clients=len(go.roster), threshold=go.threshold,
                                 dim=int(vector.size), bits=get_int(blob.task, "bits", 8, 64))
                 client = Client(config, self.site_id, vector, roster=go.roster,
                                 context=round_context(self.options.federation, go))
-            except ValueError as exc:
+            except (ValueError, PrivacyError) as exc:
+                self._not_sent(ann, clear, f"refused at go: {exc}")
                 self.log(f"{label}: refusing the round: {exc}")
                 return
             driver = ClientDriver(client, view, topics,

@@ -148,3 +148,51 @@ def test_adaptive_clipping_run_and_its_audit_trail_recompute_independently() -> 
         final, rel=1e-3)
     prv = train(replace(settings, accountant="prv", rounds=1))
     assert prv["rounds"][0]["epsilon"] < report["rounds"][0]["epsilon"]
+
+
+def test_a_site_process_refuses_the_hostile_round_before_computing_anything(
+        tmp_path: Path) -> None:
+    """The site role's own code path (fl.remote.inputs.site_input, as SiteProcess calls it):
+    the hostile task is refused naming the rule, nothing is charged; an acceptable task is
+    charged before its input exists; the exact feature-statistics task is refused."""
+    import os
+
+    import numpy as np
+
+    from fl.models import make_model
+    from fl.remote.blob import Blob
+    from fl.remote.inputs import demo_site_data, site_input
+    from fl.remote.messages import Announce, WireError
+    from fl.vector import ParameterLayout
+
+    settings = TrainSettings(sites=3, rounds=1, dataset="ehr", ehr_patients=60)
+    data = demo_site_data(settings, 1, (1, 2, 3))
+    schema = {"features": list(data.schema.features), "labels": list(data.schema.labels),
+              "model": "logreg"}
+    model = make_model("logreg", len(schema["features"]), len(schema["labels"]))
+    vector = ParameterLayout.of(model).to_vector(model)
+    hostile = _hostile_task()
+    params = replace(hostile.params, dim=vector.size + 1)
+    policy = SitePolicy(modes=("distributed",), min_noise_multiplier=0.5, max_sample_rate=0.3)
+    guard = open_site_guard(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
+
+    def run(task: RoundTask, threshold: int = 2, kind: str = "train") -> np.ndarray:
+        body = {**schema, **task.to_wire()} if kind == "train" else {
+            **schema, "dim": 2 * len(schema["features"]) + 1, "bits": 64}
+        blob = Blob.decode(Blob(kind, body, vector if kind == "train" else None).encode())
+        ann = Announce(os.urandom(16), 1, 0, kind, "r1", (1, 2, 3), bytes(32), 1,
+                       threshold=threshold)
+        return site_input(data, blob, ann, require_dp=None, guard=guard)
+
+    with pytest.raises(WireError, match=r"refused by site policy \[min_threshold\]"):
+        run(replace(hostile, params=params), threshold=1)
+    with pytest.raises(WireError, match=r"\[min_noise_multiplier\]"):
+        run(replace(hostile, params=replace(params, threshold=2)))
+    with pytest.raises(WireError, match=r"\[exact-release\]"):
+        run(hostile, kind="scaler")
+    assert guard.ledger.releases == 0
+    good = replace(hostile, sample_rate=0.2, params=replace(params, threshold=2,
+                                                            noise_stddev=1.0))
+    assert run(good).size == good.params.encoded_dim
+    assert guard.ledger.releases == 1 and guard.ledger.epsilon > 0
+    guard.ledger.close()
