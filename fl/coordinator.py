@@ -144,7 +144,10 @@ class Coordinator:
     # -- checkpoints ---------------------------------------------------------------------
     def restore(self, saved: ckpt.Checkpoint) -> None:
         ckpt.check_fingerprint(saved.fingerprint, self.settings.fingerprint())
-        self.layout.load(self.model, saved.model)
+        try:
+            self.model.load_state_dict(saved.model)
+        except RuntimeError as exc:  # missing/unexpected keys or shapes
+            raise ckpt.CheckpointError(f"the checkpoint's model does not fit: {exc}") from None
         self.round = saved.round
         self.history = list(saved.history)
         self.events = list(saved.events)
@@ -157,7 +160,7 @@ class Coordinator:
         if self.settings.checkpoint is None:
             return
         ckpt.save(self.settings.checkpoint, ckpt.Checkpoint(
-            round=self.round, model=self.layout.to_vector(self.model),
+            round=self.round, model=self.model.state_dict(),
             fingerprint=self.settings.fingerprint(), history=self.history,
             events=self.events, scaler=self.scaler, stopped=self.stopped))
 

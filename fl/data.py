@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-DATASETS = ("breast-cancer", "ehr")
+DATASETS = ("breast-cancer", "ehr", "digits")
 
 
 class DataError(ValueError):
@@ -99,6 +99,30 @@ def breast_cancer() -> Table:
         x = np.asarray(data.data, dtype=np.float32)
         y = np.asarray(data.target, dtype=np.int64)
     return Table(x, y, np.arange(len(y), dtype=np.int64), 2, "breast-cancer")
+
+
+def digits() -> Table:
+    """scikit-learn's bundled handwritten digits: 1,797 grey-scale 8x8 images, 10 classes.
+
+    A small image task for the convolutional model (``--model cnn``): each record is one
+    image flattened row by row into 64 pixels on the public scale 0..1 (raw 0..16 / 16), so
+    no feature scaler is needed. Each image counts as its own patient.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    origin = spec.origin if spec is not None else None
+    path = Path(origin).parent / "datasets" / "data" / "digits.csv.gz" if origin else None
+    if path is not None and path.is_file():
+        raw = np.loadtxt(path, delimiter=",", dtype=np.float64)
+        x, y = raw[:, :-1], raw[:, -1]
+    else:
+        from sklearn.datasets import load_digits
+
+        data = load_digits()
+        x, y = data.data, data.target
+    return Table((np.asarray(x) / 16.0).astype(np.float32), np.asarray(y, dtype=np.int64),
+                 np.arange(len(y), dtype=np.int64), 10, "digits", standardized=True)
 
 
 def synthetic_ehr(num_patients: int = 1000, *, min_records: int = 2, max_records: int = 8,
@@ -260,4 +284,6 @@ def load_dataset(name: str, seed: int, num_patients: int | None = None) -> Table
         return breast_cancer()
     if name == "ehr":
         return synthetic_ehr(num_patients or 1000, seed=seed)
+    if name == "digits":
+        return digits()
     raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)} or --csv")

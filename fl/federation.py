@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,10 +159,18 @@ def load_checkpoint(settings: TrainSettings, say: Log) -> ckpt.Checkpoint | None
 
 
 def report(settings: TrainSettings, plan: Plan, threshold: int, dim: int,
-           coordinator: Coordinator, model: torch.nn.Module) -> dict[str, Any]:
-    """The JSON report of a training run (the same for every ``--role``)."""
+           coordinator: Coordinator, model: torch.nn.Module, *, in_features: int,
+           labels: Sequence[str]) -> dict[str, Any]:
+    """The JSON report of a training run (the same for every ``--role``); ``model_info``
+    is what :func:`fl.checkpoint.save_model` records next to the model."""
     final = coordinator.history[-1] if coordinator.history else {}
-    return {"settings": {k: v for k, v in vars(settings).items()},
+    return {"model_info": {"model": settings.model, "in_features": in_features,
+                           "num_classes": len(labels), "labels": list(labels),
+                           "scaler": coordinator.scaler, "rounds": coordinator.round,
+                           "final_accuracy": final.get("accuracy"),
+                           "final_epsilon": final.get("epsilon"),
+                           "privacy": plan.describe()},
+            "settings": {k: v for k, v in vars(settings).items()},
             "privacy": plan.describe(), "threshold": threshold, "model_parameters": dim,
             "releases": [row["release"] for row in coordinator.history if "release" in row],
             "dp_events": run_json([event_from_json(e) for e in coordinator.events]),
@@ -207,7 +215,18 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
         coordinator.run()
     if coordinator.stopped is None and coordinator.round >= settings.rounds:
         say(f"done: {coordinator.round} rounds")
-    return report(settings, plan, threshold, dim, coordinator, model)
+    return report(settings, plan, threshold, dim, coordinator, model,
+                  in_features=split.train.num_features, labels=_label_names(settings, split))
+
+
+def _label_names(settings: TrainSettings, split: Split) -> list[str]:
+    """The label values class ``i`` stands for (a CSV's sorted values, else ``"i"``)."""
+    if settings.csv is not None:
+        from fl.data import csv_schema
+
+        return list(csv_schema(settings.csv, patient_column=settings.patient_column or "",
+                               label_column=settings.label_column or "")[1])
+    return [str(c) for c in range(split.train.num_classes)]
 
 
 def train_central(settings: TrainSettings, epochs: int | None = None) -> dict[str, float]:

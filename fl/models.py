@@ -1,13 +1,22 @@
-"""Small models for tabular clinical data: logistic regression and a one-hidden-layer MLP."""
+"""Built-in models: logistic regression and an MLP for tables, a small CNN for images.
+
+Every model takes a batch of flat feature rows ``(batch, features)``; the CNN reshapes its
+rows into square single-channel images (``features`` must be a square, e.g. 64 pixels of
+an 8x8 image). Your own ``torch.nn.Module`` works the same way through :mod:`fl.api`.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+MODELS = ("logreg", "mlp", "cnn")
 
 
 def make_model(kind: str, in_features: int, num_classes: int, seed: int = 0,
                hidden: int = 16) -> torch.nn.Module:
-    """``logreg`` (one linear layer) or ``mlp`` (linear, ReLU, linear); seeded init."""
+    """``logreg``, ``mlp`` (linear, ReLU, linear) or ``cnn``; seeded initialisation."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -16,6 +25,26 @@ def make_model(kind: str, in_features: int, num_classes: int, seed: int = 0,
         if kind == "mlp":
             return torch.nn.Sequential(torch.nn.Linear(in_features, hidden), torch.nn.ReLU(),
                                        torch.nn.Linear(hidden, num_classes))
-        raise ValueError(f"unknown model {kind!r}: use logreg or mlp")
+        if kind == "cnn":
+            return image_cnn(in_features, num_classes)
+        raise ValueError(f"unknown model {kind!r}: use one of {', '.join(MODELS)}")
     finally:
         torch.random.set_rng_state(generator_state)
+
+
+def image_cnn(in_features: int, num_classes: int, channels: int = 8) -> torch.nn.Module:
+    """conv 3x3 -> ReLU -> 2x2 max-pool -> linear over ``side x side`` grey images.
+
+    Layers Opacus computes per-sample gradients for (Conv2d, Linear), no BatchNorm (its
+    batch statistics would mix patients), so every privacy mode applies.
+    """
+    side = math.isqrt(in_features)
+    if side * side != in_features or side < 2:
+        raise ValueError(f"--model cnn needs square images: {in_features} features is not "
+                         "side x side pixels (e.g. 64 for 8x8)")
+    pooled = side // 2
+    return torch.nn.Sequential(
+        torch.nn.Unflatten(1, (1, side, side)),
+        torch.nn.Conv2d(1, channels, kernel_size=3, padding=1), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+        torch.nn.Linear(channels * pooled * pooled, num_classes))

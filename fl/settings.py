@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 DP_MODES = ("none", "site", "distributed")
-MODELS = ("logreg", "mlp")
+MODELS = ("logreg", "mlp", "cnn")  # fl.models.MODELS (kept here without torch)
 SCALING = ("auto", "secure", "none")
 
 

@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fl.data import DATASETS
 from fl.settings import DP_MODES, MODELS, SCALING, TrainSettings
 
-DATASETS = ("breast-cancer", "ehr")  # fl.data.DATASETS, repeated to keep torch out
 ROLES = ("all", "coordinator", "site")
 
 

@@ -265,7 +265,8 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
                 await asyncio.wait_for(channel.finish(coordinator.round, reason), 30)
     if coordinator.stopped is None and coordinator.round >= settings.rounds:
         say(f"done: {coordinator.round} rounds")
-    out = report(settings, plan, threshold, dim, coordinator, model)
+    out = report(settings, plan, threshold, dim, coordinator, model,
+                 in_features=len(schema.features), labels=schema.labels)
     out["role"] = "coordinator"
     out["site_ids"] = list(ids)
     return out

@@ -1,0 +1,110 @@
+"""Bring your own model (``fl.api``): a user-defined torch module, its optimizer and data
+loaders train through secure aggregation with distributed DP, and the saved model loads
+back in one line of plain torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from fl.api import PrivateSite, RoundTask, load_model, save_model, train_federated
+from fl.checkpoint import CheckpointError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class TwoBranchNet(torch.nn.Module):
+    """Not a built-in: two branches over the features, summed, then a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = torch.nn.Linear(6, 8)
+        self.right = torch.nn.Linear(6, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.left(x)) + torch.relu(self.right(x)))
+
+
+def _data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype(np.float32)
+    y = (x[:, 0] > 0.4).astype(np.int64) + (x[:, 1] + x[:, 2] > 0.5).astype(np.int64)
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def _site(seed: int, n: int = 150) -> PrivateSite:
+    torch.manual_seed(seed)
+    module = TwoBranchNet()
+    x, y = _data(n, seed)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    # Each hospital's records come two per patient: the privacy unit is the patient.
+    return PrivateSite(module, torch.optim.Adam(module.parameters(), lr=0.02), loader,
+                       patient_ids=[f"p{seed}-{i // 2}" for i in range(n)])
+
+
+def _accuracy(model: torch.nn.Module, test: tuple[torch.Tensor, torch.Tensor]) -> float:
+    with torch.no_grad():
+        return float((model(test[0]).argmax(1) == test[1]).float().mean())
+
+
+def test_user_model_trains_with_secure_aggregation_and_dp_and_loads_back(
+        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TwoBranchNet()
+    test = _data(400, 99)
+    before = _accuracy(model, test)
+    sites = [_site(seed) for seed in (1, 2, 3)]
+    result = train_federated(model, sites, rounds=4, dp="distributed", epsilon=30.0,
+                             delta=1e-5, test=test, sample_rate=0.5, lr=1.0, clip_norm=1.0,
+                             unit="patient", max_units=200, broker="memory")
+    rows = result.report["rounds"]
+    assert len(rows) == 4
+    assert all(r["aggregate_correct"] is True and r["included"] == [1, 2, 3] for r in rows)
+    assert 0 < rows[-1]["epsilon"] <= 30.0 and rows[0]["epsilon"] < rows[-1]["epsilon"]
+    assert result.model is model and _accuracy(model, test) > before + 0.1
+
+    path = tmp_path / "model.pt"
+    meta_path = save_model(path, model, result.report["model_info"])
+    plain = TwoBranchNet()
+    plain.load_state_dict(torch.load(path))  # the one line a torch user writes
+    assert _accuracy(plain, test) == _accuracy(model, test)
+    again, meta = load_model(path, TwoBranchNet())
+    assert torch.equal(again.head.weight, model.head.weight)
+    assert meta["layout"][0] == {"name": "left.weight", "shape": [8, 6],
+                                 "dtype": "torch.float32"} and meta_path.exists()
+    with pytest.raises(CheckpointError, match="user-defined"):
+        load_model(path)  # no built-in to rebuild: the caller brings the module
+    with pytest.raises(CheckpointError, match="differ from the saved layout"):
+        load_model(path, torch.nn.Linear(6, 3))
+
+
+def test_a_site_contributes_with_its_own_optimizer_or_train_function() -> None:
+    site = _site(5, n=40)
+    task = RoundTask(mode="none", round=1, cohort=3, seed=0, local_epochs=2)
+    before = [p.detach().clone() for p in site.module.parameters()]
+    given = site.contribute(task)
+    assert given.vector.dtype == np.uint64 and given.vector.size == 6 * 8 * 2 + 16 + 8 * 3 + 3 + 1
+    assert given.count == 40  # weighted FedAvg: the site's record count rides along
+    # The site's module is back at the global weights after contributing.
+    assert all(torch.equal(a, b) for a, b in zip(before, site.module.parameters(), strict=True))
+    assert len(site.optimizer.state) > 0  # Adam's state: the user's optimizer stepped
+
+    calls: list[int] = []
+
+    def train_fn(module: torch.nn.Module) -> None:
+        calls.append(1)
+        with torch.no_grad():
+            module.head.bias.add_(1.0)
+
+    custom = PrivateSite(TwoBranchNet(), torch.optim.SGD([torch.zeros(1)], lr=0.1),
+                         site.data_loader, train_fn=train_fn)
+    delta_task = RoundTask(mode="none", round=1, cohort=3, seed=0, local_epochs=3)
+    layout_vector = custom.contribute(delta_task).vector.view(np.int64) / 2**24
+    assert len(calls) == 3
+    # Only the head bias moved, by 3.0, weighted by the 40 records.
+    assert np.allclose(layout_vector[-4:-1], 3.0 * 40) and np.allclose(layout_vector[:-4], 0)
