@@ -182,6 +182,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+SITE_POLICY_FLAGS = ("policy", "ledger", "min_noise_multiplier", "min_threshold",
+                     "max_sample_rate", "max_steps", "max_releases")
+
+
 def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     ids = parse_sites(args.sites, args.role)
     rounds = args.rounds
@@ -189,6 +193,11 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         if args.role != "site":
             raise ValueError(f"--role {args.role} needs --rounds")
         rounds = 1  # a site follows the coordinator's rounds
+    site_flags = [f"--{name.replace('_', '-')}" for name in SITE_POLICY_FLAGS
+                  if getattr(args, name, None) is not None]
+    if site_flags and args.role != "site":
+        raise ValueError(f"{', '.join(site_flags)}: a site's own policy (--role site); the "
+                         "coordinator cannot set it")
     return TrainSettings(
         sites=max(2, len(ids)), rounds=rounds, dataset=args.dataset, csv=args.csv,
         patient_column=args.patient_column, label_column=args.label_column,
@@ -221,8 +230,7 @@ def site_policy_from_args(args: argparse.Namespace) -> Any:
         changes["epsilon"] = args.epsilon
     if args.delta != TrainSettings().delta or not args.policy:
         changes["delta"] = args.delta
-    for flag in ("min_noise_multiplier", "min_threshold", "max_sample_rate", "max_steps",
-                 "max_releases"):
+    for flag in SITE_POLICY_FLAGS[2:]:
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
     return replace(policy, **changes)
