@@ -19,12 +19,11 @@ For the Gaussian (site mode) that is Andrew et al.'s Thm. 1,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-
-from collections.abc import Callable
 
 from dp.accounting import ddg_rdp_fn
 from dp.errors import PrivacyConfigError, TooFewSurvivors

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("opacus")
 dpa = pytest.importorskip("dp_accounting")
 
-from dp.accounting import (
+from dp.accounting import (  # noqa: E402
     ORDERS,
     adaptive_clip_noise_multiplier,
     adaptive_clip_update_noise,
@@ -21,11 +21,11 @@ from dp.accounting import (
     rdp_to_epsilon,
     subsampled_rdp,
 )
-from dp.audit import distributed_event, recompute_epsilon, run_json
-from dp.budget import GaussianRound, PrivacyBudget
-from dp.distributed import round_epsilon
-from dp.encoding import EncodingParams
-from dp.errors import PrivacyConfigError
+from dp.audit import distributed_event, recompute_epsilon, run_json  # noqa: E402
+from dp.budget import GaussianRound, PrivacyBudget  # noqa: E402
+from dp.distributed import round_epsilon  # noqa: E402
+from dp.encoding import EncodingParams  # noqa: E402
+from dp.errors import PrivacyConfigError  # noqa: E402
 
 
 @pytest.mark.parametrize("q", [0.95, 0.99, 0.999999, 1.0])

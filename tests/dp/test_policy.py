@@ -89,9 +89,8 @@ def test_withdrawn_charges_cost_nothing_and_stay_on_record(tmp_path: Path) -> No
 
 def test_one_process_per_ledger_and_corrupt_ledgers_are_not_reset(tmp_path: Path) -> None:
     path = tmp_path / "ledger.json"
-    with Ledger.open(path, POLICY):
-        with pytest.raises(PrivacyConfigError, match="in use"):
-            Ledger.open(path, POLICY)
+    with Ledger.open(path, POLICY), pytest.raises(PrivacyConfigError, match="in use"):
+        Ledger.open(path, POLICY)
     path.write_text("{not json")
     with pytest.raises(PrivacyConfigError, match="unreadable"):
         Ledger.open(path, POLICY)
