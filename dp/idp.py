@@ -1,0 +1,341 @@
+"""Patient-level DP by individual privacy assignment (docs/patient_privacy.md).
+
+Record-level DP-SGD in which the records of a patient with k records are treated so that the
+patient's k records *together* meet the patient's target (epsilon, delta): Kaiser, Eigenmann,
+Rueckert, Kaissis, "User-level differential privacy in medical machine learning by individual
+privacy assignment". Patients are put in *rate groups* by (records after the cut-off, target
+epsilon); every group gets
+
+* ``method="sampling"`` (the paper's strategy 1): its own per-record Poisson rate ``q_g``,
+  the largest whose patient-level epsilon is at most the group's target; one noise
+  multiplier ``z`` for everyone, chosen so the record-weighted mean rate equals plain
+  DP-SGD's rate (same expected batch). Patients with fewer records get higher rates.
+* ``method="clipping"`` (strategy 2): one rate for every record, a per-record clip norm
+  ``c_g`` (the per-record sensitivity), the largest that meets the target; ``z`` is chosen
+  so the record-weighted mean clip equals the reference clip norm.
+* ``method="uniform"`` (baselines): one rate and one clip for everyone, the noise chosen for
+  the most demanding group (with ``max_records`` this is the paper's naive cut-off baseline).
+
+Individual budgets (Boenisch et al. 2023, "Have it your way: individualized privacy
+assignment for DP-SGD") are the same construction with a per-patient target epsilon.
+
+A patient's guarantee is accounted by ``bound``:
+
+* ``"rdp"``: the RDP of the patient's mixture of Gaussians
+  (:func:`dp.accounting.group_gaussian_rdp`), composed over steps, converted once;
+* ``"group-privacy"``: record-level (epsilon_r, delta_r) of Opacus' sampled-Gaussian RDP,
+  then approximate-DP group privacy for k records, ``(k eps_r, k e^((k-1) eps_r) delta_r)``
+  (what the paper's implementation uses; looser).
+
+The number of records per patient is treated as public (docs/patient_privacy.md section 1).
+This module needs no torch; the training step is :mod:`dp.idp_engine`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from dp.accounting import F64, gaussian_rdp, group_gaussian_rdp, rdp_to_epsilon
+from dp.errors import PrivacyConfigError
+from dp.randomness import RandomSource, SystemRandom, uniform_words
+
+METHODS = ("sampling", "clipping", "uniform")
+BOUNDS = ("rdp", "group-privacy")
+#: Highest RDP order used for patient groups (below epsilon ~0.3 at delta 1e-5 it is loose).
+MAX_ORDER = 64
+#: Orders for the record-level RDP under group privacy (integer orders: Opacus' fast path).
+_INTEGER_ORDERS = tuple(range(2, 129))
+#: Noise multipliers searched by the planner.
+Z_RANGE = (0.3, 500.0)
+
+
+def poisson_sample(rates: F64, source: RandomSource | None = None) -> npt.NDArray[np.int64]:
+    """Indices ``i`` drawn independently with probability ``rates[i]``, with coins from the
+    cryptographic source (amplification by sampling assumes the sample stays secret)."""
+    u = uniform_words(source or SystemRandom(), len(rates)) >> np.uint64(11)
+    return np.flatnonzero(u.astype(np.float64) / 2.0**53 < rates)
+
+
+@dataclass(frozen=True)
+class RateGroup:
+    """Patients with the same number of (kept) records and the same target epsilon."""
+
+    records: int
+    target_epsilon: float
+    patients: int
+    sample_rate: float
+    clip_norm: float
+    epsilon: float
+    """Accounted patient-level epsilon after the plan's steps (at most ``target_epsilon``)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"records": self.records, "target_epsilon": self.target_epsilon,
+                "patients": self.patients, "sample_rate": self.sample_rate,
+                "clip_norm": self.clip_norm, "epsilon": self.epsilon}
+
+
+def patient_epsilon(noise_multiplier: float, sample_rate: float, records: int, steps: int,
+                    delta: float, bound: str = "rdp", target_epsilon: float | None = None
+                    ) -> float:
+    """Patient-level epsilon after ``steps`` DP-SGD steps, for a patient whose ``records``
+    records are each Poisson-sampled at ``sample_rate`` and clipped to C, noise ``z C``.
+
+    ``bound="group-privacy"`` needs ``target_epsilon``: delta is split as
+    ``delta_r = delta / (k e^((k-1) target/k))``, so an answer at most the target certifies
+    (answer, <= delta); an answer above the target is only a lower estimate of the cost.
+    """
+    if steps < 1:
+        return 0.0
+    if bound == "rdp":
+        rdp = group_gaussian_rdp(noise_multiplier, sample_rate, records, steps,
+                                 max_order=MAX_ORDER)
+        return rdp_to_epsilon(rdp, delta)
+    if bound == "group-privacy":
+        if target_epsilon is None:
+            raise PrivacyConfigError("bound='group-privacy' needs the target epsilon")
+        k = records
+        delta_r = delta / (k * math.exp((k - 1) * target_epsilon / k))
+        rdp = gaussian_rdp(noise_multiplier, sample_rate, steps, _INTEGER_ORDERS)
+        return k * rdp_to_epsilon(rdp, delta_r, _INTEGER_ORDERS)
+    raise PrivacyConfigError(f"bound must be one of {', '.join(BOUNDS)}, got {bound!r}")
+
+
+@dataclass(frozen=True)
+class IdpPlan:
+    """Rates, clips and noise of one individually-assigned DP-SGD run, fixed before training."""
+
+    method: str
+    bound: str
+    noise_multiplier: float
+    """Noise stddev is ``noise_multiplier * clip_norm`` (the reference clip)."""
+    clip_norm: float
+    steps: int
+    delta: float
+    max_records: int | None
+    groups: tuple[RateGroup, ...]
+
+    @property
+    def records(self) -> int:
+        return sum(g.records * g.patients for g in self.groups)
+
+    @property
+    def mean_sample_rate(self) -> float:
+        """Record-weighted mean rate (plain DP-SGD's rate for ``method="sampling"``)."""
+        return sum(g.sample_rate * g.records * g.patients for g in self.groups) / self.records
+
+    @property
+    def expected_batch_size(self) -> float:
+        return sum(g.sample_rate * g.records * g.patients for g in self.groups)
+
+    def group_epsilon(self, group: RateGroup, steps: int) -> float:
+        """The group's patient-level epsilon after ``steps`` steps."""
+        return patient_epsilon(self.noise_multiplier * self.clip_norm / group.clip_norm,
+                               group.sample_rate, group.records, steps, self.delta, self.bound,
+                               group.target_epsilon)
+
+    def group_rdp(self, group: RateGroup, steps: int) -> F64:
+        """RDP curve (at :data:`dp.accounting.ORDERS`) of ``steps`` steps for one patient of
+        ``group`` (``bound="rdp"`` only: group privacy is not an RDP statement)."""
+        if self.bound != "rdp":
+            raise PrivacyConfigError("per-step RDP exists for bound='rdp' only")
+        return group_gaussian_rdp(self.noise_multiplier * self.clip_norm / group.clip_norm,
+                                  group.sample_rate, group.records, steps, max_order=MAX_ORDER)
+
+    def describe(self) -> str:
+        return (f"individual privacy assignment ({self.method}, {self.bound} accounting): noise "
+                f"multiplier {self.noise_multiplier:.3f}, clip {self.clip_norm}, mean record "
+                f"rate {self.mean_sample_rate:.4f}, {len(self.groups)} groups, {self.steps} "
+                "steps" + (f", at most {self.max_records} records per patient"
+                           if self.max_records else ""))
+
+    def report(self) -> dict[str, Any]:
+        return {"method": self.method, "bound": self.bound,
+                "noise_multiplier": self.noise_multiplier, "clip_norm": self.clip_norm,
+                "steps": self.steps, "delta": self.delta, "max_records": self.max_records,
+                "mean_sample_rate": self.mean_sample_rate,
+                "groups": [g.as_dict() for g in self.groups]}
+
+
+@dataclass(frozen=True)
+class PatientGroups:
+    """Which rate group each patient (and each record) belongs to, and which records are kept."""
+
+    keys: list[Hashable]
+    """Distinct patients, in order of first appearance."""
+    group_of_patient: npt.NDArray[np.int64]
+    record_group: npt.NDArray[np.int64]
+    """Group index of every record; -1 for a record beyond the cut-off (never used)."""
+    sizes: tuple[tuple[int, float, int], ...]
+    """``(records, target_epsilon, patients)`` per group, in group-index order."""
+
+
+def group_patients(patient_ids: Sequence[Hashable], target_epsilon: float | Sequence[float],
+                   max_records: int | None = None) -> PatientGroups:
+    """Rate groups by (kept records, target). ``target_epsilon`` is one number or one per
+    *record* (a budget column: it must be the same for all records of a patient).
+
+    With ``max_records`` a patient keeps the first ``max_records`` of its records (in table
+    order); the rest are never sampled.
+    """
+    n = len(patient_ids)
+    if n == 0:
+        raise PrivacyConfigError("no records")
+    if max_records is not None and max_records < 1:
+        raise PrivacyConfigError(f"max_records must be >= 1, got {max_records}")
+    targets = (np.full(n, float(target_epsilon)) if np.isscalar(target_epsilon)
+               else np.asarray(target_epsilon, dtype=np.float64))
+    if targets.shape != (n,):
+        raise PrivacyConfigError(f"need one target epsilon per record ({n}), got "
+                                 f"{targets.shape}")
+    if not np.all(np.isfinite(targets) & (targets > 0)):
+        bad = targets[~(np.isfinite(targets) & (targets > 0))][:3].tolist()
+        raise PrivacyConfigError(f"target epsilons must be positive numbers, got {bad}")
+    keys = list(dict.fromkeys(patient_ids))
+    position = {k: i for i, k in enumerate(keys)}
+    patient_of = np.fromiter((position[p] for p in patient_ids), dtype=np.int64, count=n)
+    first = np.full(len(keys), np.nan)
+    seen = np.zeros(len(keys), dtype=np.int64)
+    kept = np.zeros(n, dtype=bool)
+    for i, p in enumerate(patient_of):
+        if math.isnan(first[p]):
+            first[p] = targets[i]
+        elif targets[i] != first[p]:
+            raise PrivacyConfigError(
+                f"patient {keys[p]!r} has two target epsilons ({first[p]:g} and "
+                f"{targets[i]:g}); a patient's budget must be the same on all its records")
+        if max_records is None or seen[p] < max_records:
+            kept[i] = True
+            seen[p] += 1
+    labels = list(zip(seen.tolist(), first.tolist(), strict=True))
+    order = sorted(set(labels), key=lambda t: (t[1], t[0]))
+    index = {t: i for i, t in enumerate(order)}
+    group_of_patient = np.array([index[t] for t in labels], dtype=np.int64)
+    counts = Counter(labels)
+    record_group = np.where(kept, group_of_patient[patient_of], -1)
+    return PatientGroups(keys, group_of_patient, record_group,
+                         tuple((k, e, counts[(k, e)]) for k, e in order))
+
+
+def _largest(fits: Callable[[float], float], lo: float, hi: float, rel: float = 1e-4) -> float:
+    """Largest x in [lo, hi] with ``fits(x) <= 0`` (``fits`` increasing in x); 0 if none.
+
+    Regula falsi with the Illinois modification: the bracket shrinks from both sides.
+    """
+    f_hi = fits(hi)
+    if f_hi <= 0:
+        return hi
+    f_lo = fits(lo)
+    if f_lo > 0:
+        return 0.0
+    side = 0
+    while hi - lo > rel * hi:
+        x = hi - f_hi * (hi - lo) / (f_hi - f_lo)
+        if not lo < x < hi:
+            x = (lo + hi) / 2
+        f_x = fits(x)
+        if f_x <= 0:
+            lo, f_lo = x, f_x
+            if side == -1:
+                f_hi /= 2
+            side = -1
+        else:
+            hi, f_hi = x, f_x
+            if side == 1:
+                f_lo /= 2
+            side = 1
+    return lo
+
+
+def plan_idp(groups: PatientGroups, *, delta: float, sample_rate: float, steps: int,
+             clip_norm: float = 1.0, method: str = "sampling", bound: str = "rdp",
+             max_records: int | None = None, noise_multiplier: float | None = None
+             ) -> IdpPlan:
+    """Rates and clips per group so that every patient's epsilon is at most its target.
+
+    ``sample_rate`` is plain DP-SGD's per-record rate: the record-weighted mean rate of the
+    plan (``method="sampling"``) or every record's rate (the other methods). The noise
+    multiplier is found here unless given. ``max_records`` only labels the plan; the cut-off
+    itself is applied by :func:`group_patients`.
+    """
+    if method not in METHODS:
+        raise PrivacyConfigError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if bound not in BOUNDS:
+        raise PrivacyConfigError(f"bound must be one of {', '.join(BOUNDS)}, got {bound!r}")
+    if not 0 < sample_rate <= 1:
+        raise PrivacyConfigError(f"sample rate must be in (0, 1], got {sample_rate}")
+    if steps < 1:
+        raise PrivacyConfigError(f"steps must be >= 1, got {steps}")
+    if not 0 < delta < 1:
+        raise PrivacyConfigError(f"delta must be in (0, 1), got {delta}")
+    if not clip_norm > 0:
+        raise PrivacyConfigError(f"clip norm must be > 0, got {clip_norm}")
+    sizes = groups.sizes
+    weight = np.array([k * n for k, _, n in sizes], dtype=np.float64)
+
+    def eps(z: float, q: float, k: int, target: float) -> float:
+        return patient_epsilon(z, q, k, steps, delta, bound, target)
+
+    if method == "sampling":
+        def rates(z: float) -> list[float]:
+            return [_largest(lambda q, k=k, t=t: eps(z, q, k, t) - t, 1e-6, 1.0, 1e-3)
+                    for k, t, _ in sizes]
+
+        def mean_rate(z: float) -> float:
+            return float(np.dot(weight, rates(z)) / weight.sum())
+
+        if noise_multiplier is None:
+            noise_multiplier = _solve_noise(lambda z: sample_rate - mean_rate(z),
+                                            "the mean sampling rate")
+        qs = rates(noise_multiplier)
+        if min(qs) <= 0:
+            raise PrivacyConfigError(
+                f"noise multiplier {noise_multiplier:g} cannot meet every target at any "
+                "sampling rate: raise it, or lower the steps")
+        clips = [clip_norm] * len(sizes)
+    else:
+        # z_g: the smallest noise multiplier (relative to the group's own clip) that fits.
+        scale = [_largest(lambda s, k=k, t=t: eps(1.0 / s, sample_rate, k, t) - t,
+                          1 / Z_RANGE[1], 1 / Z_RANGE[0]) for k, t, _ in sizes]
+        if min(scale) <= 0:
+            raise PrivacyConfigError(f"no noise multiplier up to {Z_RANGE[1]:g} meets the "
+                                     "targets: raise them, or lower the sample rate or steps")
+        need = [1.0 / s for s in scale]
+        if method == "clipping":
+            # record-weighted mean clip = clip_norm  <=>  z = sum(w) / sum(w / z_g)
+            z = float(weight.sum() / np.dot(weight, 1.0 / np.asarray(need)))
+            noise_multiplier = noise_multiplier or z
+            clips = [clip_norm * noise_multiplier / z_g for z_g in need]
+        else:
+            noise_multiplier = noise_multiplier or max(need)
+            if noise_multiplier < max(need) * (1 - 1e-9):
+                raise PrivacyConfigError(f"noise multiplier {noise_multiplier:g} is below "
+                                         f"the {max(need):.4g} the strictest group needs")
+            clips = [clip_norm] * len(sizes)
+        qs = [sample_rate] * len(sizes)
+    out = []
+    for (k, t, n), q, c in zip(sizes, qs, clips, strict=True):
+        e = eps(noise_multiplier * clip_norm / c, q, k, t)
+        if e > t * (1 + 1e-9):
+            raise PrivacyConfigError(f"patients with {k} records would reach epsilon {e:.4g} "
+                                     f"> their target {t:g}; raise the noise multiplier")
+        out.append(RateGroup(k, t, n, q, c, e))
+    return IdpPlan(method, bound, float(noise_multiplier), clip_norm, steps, delta,
+                   max_records, tuple(out))
+
+
+def _solve_noise(shortfall: Callable[[float], float], what: str) -> float:
+    """Smallest z in :data:`Z_RANGE` (to 0.1 %) with ``shortfall(z) <= 0`` (decreasing in z)."""
+    lo, hi = Z_RANGE
+    # shortfall decreases in z; search s = 1/z, where it increases.
+    s = _largest(lambda s: shortfall(1.0 / s), 1.0 / hi, 1.0 / lo, rel=1e-3)
+    if s == 0.0:
+        raise PrivacyConfigError(f"no noise multiplier up to {hi:g} reaches {what}: raise "
+                                 "the target epsilons, or lower the sample rate or the steps")
+    return 1.0 / s
