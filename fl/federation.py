@@ -60,9 +60,35 @@ def uses_scaler(settings: TrainSettings, table: Table) -> bool:
     """Whether to scale with an exact secure sum of feature statistics. Never by default in
     the DP modes: that sum is not covered by epsilon (``--scaling secure`` with ``--dp`` is
     refused by :class:`TrainSettings`); use pre-scaled data there."""
+    if settings.scaler_file is not None:
+        return False
     if settings.scaling == "auto":
         return not table.standardized and settings.dp == "none"
     return settings.scaling == "secure"
+
+
+def public_scaler(settings: TrainSettings, num_features: int) -> Scaler | None:
+    """``--scaler FILE``: public per-feature statistics (``{"mean": [..], "std": [..]}``,
+    e.g. from a reference population), given rather than computed from the sites' data, so
+    they release nothing (docs/privacy.md section 1)."""
+    if settings.scaler_file is None:
+        return None
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(settings.scaler_file).read_text(encoding="utf-8"))
+        mean = np.asarray(data["mean"], dtype=np.float64)
+        std = np.asarray(data["std"], dtype=np.float64)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--scaler {settings.scaler_file}: need a JSON object with 'mean' "
+                         f"and 'std' lists ({exc})") from None
+    if mean.shape != (num_features,) or std.shape != (num_features,):
+        raise ValueError(f"--scaler {settings.scaler_file}: need {num_features} means and "
+                         "stds, one per feature")
+    if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(std)) and np.all(std > 0)):
+        raise ValueError(f"--scaler {settings.scaler_file}: means finite, stds > 0")
+    return Scaler(mean, std)
 
 
 def secure_scaler(sites: dict[int, Site], aggregator: Aggregator) -> Scaler:
@@ -127,7 +153,8 @@ def privacy_plan(settings: TrainSettings) -> dict[str, Any]:
                    delta=settings.delta, accountant=settings.accountant, threshold=threshold)
     out.update(description=plan.describe(), model_parameters=dim, sites=settings.sites,
                cohort=settings.cohort_size, warnings=plan_warnings(settings, split),
-               feature_scaling=("exact secure sum (no DP: --dp none)"
+               feature_scaling=("public (--scaler)" if settings.scaler_file else
+                                "exact secure sum (no DP: --dp none)"
                                 if uses_scaler(settings, split.train) else "none"))
     return out
 
@@ -191,6 +218,8 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
         scaler: Scaler | None = None
         if saved is not None and saved.scaler is not None:
             scaler = Scaler(np.asarray(saved.scaler["mean"]), np.asarray(saved.scaler["std"]))
+        elif settings.scaler_file is not None:
+            scaler = public_scaler(settings, split.train.num_features)
         elif uses_scaler(settings, split.train):
             scaler = secure_scaler(raw_sites, aggregator)
         sites = {cid: Site(cid, s.table, scaler) for cid, s in raw_sites.items()}

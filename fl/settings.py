@@ -51,6 +51,7 @@ class TrainSettings:
     max_units: int | None = None
     adaptive_clip: float | None = None
     clip_count_stddev: float | None = None
+    scaler_file: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -79,6 +80,9 @@ class TrainSettings:
             problems.append(f"--clip-count-stddev {self.clip_count_stddev}: need > 0")
         if self.max_units is not None and self.max_units < 1:
             problems.append(f"--max-units {self.max_units}: need at least 1")
+        if self.scaler_file is not None and self.scaling == "secure":
+            problems.append("--scaler (public statistics) and --scaling secure contradict: "
+                            "give one")
         if self.dp != "none" and self.scaling == "secure":
             problems.append("--scaling secure releases exact feature sums outside the privacy "
                             "budget: with --dp use pre-scaled data or --scaling none")

@@ -23,7 +23,15 @@ from fl.aggregation import AggregateOutcome, round_timeouts
 from fl.contribution import RoundTask, decoder, round_task, scaler_from_sum
 from fl.coordinator import Aggregated, Coordinator, RoundFailed
 from fl.data import Table, csv_schema, load_csv
-from fl.federation import load_checkpoint, load_split, make_plan, report, tensors, uses_scaler
+from fl.federation import (
+    load_checkpoint,
+    load_split,
+    make_plan,
+    public_scaler,
+    report,
+    tensors,
+    uses_scaler,
+)
 from fl.models import make_model
 from fl.privacy import DEFAULT_MAX_UNITS, Plan
 from fl.remote.blob import Blob
@@ -236,6 +244,8 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
         scaler: Scaler | None = None
         if saved is not None and saved.scaler is not None:
             scaler = Scaler(np.asarray(saved.scaler["mean"]), np.asarray(saved.scaler["std"]))
+        elif settings.scaler_file is not None:
+            scaler = public_scaler(settings, len(schema.features))
         elif needs_scaler:
             scaler = await _remote_scaler(channel, options, settings, schema, everyone, say)
         model = make_model(settings.model, len(schema.features), len(schema.labels),

@@ -94,6 +94,26 @@ def test_dp_runs_release_no_exact_feature_statistics() -> None:
                         )["feature_scaling"].startswith("exact")
 
 
+def test_a_public_scaler_is_applied_and_releases_nothing(tmp_path: Path) -> None:
+    from fl.federation import load_split, public_scaler, tensors
+
+    base = TrainSettings(sites=3, rounds=1, broker="inprocess", dp="site",
+                         noise_multiplier=1.0, site_steps=1)
+    x = load_split(base).train.x  # stands in for a reference population's statistics
+    path = tmp_path / "scaler.json"
+    path.write_text(json.dumps({"mean": x.mean(axis=0).tolist(),
+                                "std": x.std(axis=0).tolist()}))
+    public = replace(base, scaler_file=str(path))
+    dims: list[int] = []
+    train(public, on_capture=lambda c: dims.append(c.config.dim))
+    assert len(dims) == 1 and privacy_plan(public)["feature_scaling"] == "public (--scaler)"
+    scaled, _ = tensors(load_split(base).test, public_scaler(public, x.shape[1]))
+    assert abs(float(scaled.mean())) < 0.5
+    path.write_text(json.dumps({"mean": [0.0], "std": [1.0]}))
+    with pytest.raises(ValueError, match="one per feature"):
+        train(public)
+
+
 def test_bits_come_from_a_public_bound_not_the_largest_site() -> None:
     small = privacy_plan(replace(EHR, ehr_patients=60))
     large = privacy_plan(replace(EHR, ehr_patients=600))
