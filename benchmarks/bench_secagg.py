@@ -205,7 +205,7 @@ def bench_secagg_plus_scaling(sizes: list[int], dim: int = 1000) -> None:
     for n in sizes:
         params = secagg_plus_parameters(n, dropout_rate=0.1, corrupt_rate=0.1)
         config = Config(num_clients=n, dim=dim, bits=32, neighbors=params.neighbors,
-                        threshold=params.threshold)
+                        threshold=params.threshold, dropout_rate=0.1, corrupt_rate=0.1)
         drop = {i: Stage.MASKED_INPUT for i in range(1, n // 10 + 1)}
         rnd = Round(config, drop)
         rnd.run()

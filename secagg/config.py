@@ -45,7 +45,11 @@ class Config:
     ``threshold=None`` picks the smallest safe value. ``dropout_rate`` and ``corrupt_rate``,
     when given, make ``Config`` check (k, t) against the Bell et al. bounds (SecAgg+) or
     the threshold against the corrupt and surviving clients (complete graph); see
-    ``secagg.secagg_plus_parameters`` for a safe pair.
+    ``secagg.secagg_plus_parameters`` for a safe pair. A sparse graph needs at least one of
+    the rates (the other counts as 0): its privacy holds only for the rates it was derived
+    for, with dropouts and corruptions independent of the graph (docs/protocol.md 4.6).
+    ``unchecked_graph=True`` accepts a sparse graph without them and gives up the guarantee
+    that the honest survivors stay connected (the server may learn sums of parts).
     """
 
     num_clients: int
@@ -56,6 +60,7 @@ class Config:
     security: str = "semi-honest"
     dropout_rate: float | None = None
     corrupt_rate: float | None = None
+    unchecked_graph: bool = False
     _holders: int = field(init=False, repr=False, compare=False, default=0)
     _shape_tag: bytes = field(init=False, repr=False, compare=False, default=b"")
 
@@ -111,6 +116,16 @@ class Config:
             rate = getattr(self, name)
             if rate is not None and not (isinstance(rate, (int, float)) and 0 <= rate < 1):
                 raise ValueError(f"{name}={rate!r}: need a fraction in [0, 1)")
+        if not isinstance(self.unchecked_graph, bool):
+            raise ValueError(f"unchecked_graph={self.unchecked_graph!r}: use True or False")
+        if (k is not None and self.dropout_rate is None and self.corrupt_rate is None
+                and not self.unchecked_graph):
+            raise ValueError(
+                f"neighbors={k} without dropout_rate or corrupt_rate: a sparse graph keeps "
+                "the honest survivors connected only for the rates it was derived for; state "
+                "them (secagg.secagg_plus_parameters(num_clients, dropout_rate, corrupt_rate) "
+                "gives neighbors and threshold), or pass unchecked_graph=True to give up that "
+                "guarantee (the server may then learn the sums of parts of the federation)")
         if self.dropout_rate is not None or self.corrupt_rate is not None:
             rates = (self.dropout_rate or 0.0, self.corrupt_rate or 0.0)
             if k is not None:
