@@ -86,7 +86,7 @@ def test_restored_client_answers_a_redelivery_byte_identically(security: str) ->
 @pytest.mark.parametrize("how", ["context", "client", "config", "key", "truncated", "flipped",
                                  "empty", "appended", "roster"])
 def test_snapshot_of_another_session_client_or_corrupted_is_refused(how: str) -> None:
-    config, server, clients, _, extra = _parties("semi-honest")
+    config, server, clients, _, _ = _parties("semi-honest")
     for cid, client in clients.items():
         server.receive(cid, encode(client.advertise()))
     out = server.advance()
