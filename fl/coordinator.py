@@ -41,6 +41,7 @@ from fl.privacy import (
     release_record,
     restore_budget,
 )
+from fl.progress import Progress
 from fl.settings import TrainSettings
 from fl.site import Site
 from fl.vector import ParameterLayout
@@ -131,6 +132,7 @@ class Coordinator:
         self.log = log or (lambda text: None)
         self.on_capture = on_capture
         self.history: list[dict[str, Any]] = []
+        self.progress = Progress(settings.rounds)
         self.events: list[dict[str, Any]] = []
         self.round = 0
         self.stopped: str | None = None
@@ -167,6 +169,7 @@ class Coordinator:
     # -- training ------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
         """Rounds ``round + 1 .. settings.rounds``; stops early when the budget is spent."""
+        self.progress = Progress(self.settings.rounds, self.round)
         while self.round < self.settings.rounds and self.stopped is None:
             if not self.run_round(self.round + 1):
                 break
@@ -239,7 +242,8 @@ class Coordinator:
                    else "accuracy n/a (no evaluation data)")
         self.log(f"round {r:3d}/{s.rounds}  {quality}{eps}  "
                  f"included {len(outcome.included)}/{len(cohort)} (dropped: {dropped})"
-                 + ("  aggregate verified" if correct else ""))
+                 + ("  aggregate verified" if correct else "")
+                 + f"  [{self.progress(r)}]")
         return True
 
     def _aggregate(self, r: int, cohort: list[int]) -> Aggregated:

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fl.commands._common import emit_json, progress_log, setup_logging
 from fl.data import DATASETS
 from fl.settings import DP_MODES, MODELS, SCALING, TrainSettings
 
@@ -60,99 +61,125 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "updates (and sample counts) are summed by secure aggregation over MQTT, "
                     "optionally with differential privacy.")
     d = TrainSettings()
-    p.add_argument("--role", choices=ROLES, default="all",
+    # Options by who reads them: a site operator reads "every role" and "site" only.
+    r = p.add_argument_group("every role: the data, the model and the privacy mode")
+    c = p.add_argument_group("coordinator (--role all or coordinator): rounds, local "
+                             "training, privacy plan")
+    m = p.add_argument_group("coordinator across machines (--role coordinator)")
+    t = p.add_argument_group("site (--role site)")
+    n = p.add_argument_group("connection (--role coordinator and site)")
+    o = p.add_argument_group("results")
+    o.add_argument("--save-model", metavar="PATH.pt",
+                   help="write the final model's torch state_dict here (load it with "
+                        "model.load_state_dict(torch.load(PATH))) and its layout, labels and "
+                        "feature scaler to PATH.json")
+    r.add_argument("--role", choices=ROLES, default="all",
                    help="all: coordinator and simulated sites in this process (default); "
                         "coordinator / site: one party of a federation across machines")
-    p.add_argument("--sites", metavar="S|ID,ID,..",
+    r.add_argument("--sites", metavar="S|ID,ID,..",
                    help="number of sites (ids 1..S) or their ids; required for --role all "
                         "and coordinator, and for a site of a bundled --dataset (its shard)")
-    p.add_argument("--rounds", type=int, metavar="R", help="training rounds (not for sites)")
-    p.add_argument("--site-id", type=int, metavar="N", help="--role site: this site's id "
+    c.add_argument("--rounds", type=int, metavar="R", help="training rounds (not for sites)")
+    t.add_argument("--site-id", type=int, metavar="N", help="--role site: this site's id "
                    "(it connects as MQTT user site-N)")
-    p.add_argument("--federation", default="fl", metavar="NAME",
+    n.add_argument("--federation", default="fl", metavar="NAME",
                    help="coordinator/site: the federation's topic name (default fl); lets "
                         "several federations share a broker")
-    p.add_argument("--eval-csv", metavar="PATH",
+    m.add_argument("--eval-csv", metavar="PATH",
                    help="coordinator with --csv sites: held-out table to evaluate on")
-    p.add_argument("--labels", metavar="A,B,..",
+    m.add_argument("--labels", metavar="A,B,..",
                    help="coordinator with --csv sites: the federation's label values (sites "
                         "do not announce theirs)")
-    p.add_argument("--password-file", metavar="PATH",
+    n.add_argument("--password-file", metavar="PATH",
                    help="coordinator/site: MQTT password (else $SECAGG_BROKER_PASSWORD or "
                         "the URL's)")
-    p.add_argument("--join-timeout", type=float, default=600.0, metavar="SECONDS",
+    m.add_argument("--join-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="coordinator: how long to wait for every site before starting "
                         "(default 600)")
-    p.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+    m.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="coordinator: how long a round waits for the sites' local training "
                         "(default 300)")
-    p.add_argument("--stage-timeout", type=float, default=60.0, metavar="SECONDS",
+    n.add_argument("--connect-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="give up reaching the broker after this long (default 30)")
+    n.add_argument("--stage-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="coordinator/site: secure-aggregation stage deadline (default 60)")
-    p.add_argument("--idle-timeout", type=float, default=1800.0, metavar="SECONDS",
+    t.add_argument("--idle-timeout", type=float, default=1800.0, metavar="SECONDS",
                    help="site: exit after this long without word from the coordinator")
-    p.add_argument("--max-units", type=int, metavar="N",
+    c.add_argument("--max-units", type=int, metavar="N",
                    help="--dp distributed: public bound on the patients (records) a site "
                         "sums in a round; the modulus is sized for it (default 100000)")
-    p.add_argument("--insecure-verify", action="store_true",
+    n.add_argument("--insecure-verify", action="store_true",
                    help="TESTING ONLY, defeats secure aggregation: sites also send their "
                         "input in the clear so the coordinator can verify each aggregate "
                         "(a site sends it only when it is started with this flag too)")
-    p.add_argument("--dataset", choices=DATASETS, default=d.dataset,
+    r.add_argument("--dataset", choices=DATASETS, default=d.dataset,
                    help="breast-cancer (scikit-learn's bundled clinical set, one record per "
-                        "patient) or ehr (synthetic longitudinal EHR, several visits per "
-                        f"patient); default {d.dataset}")
-    p.add_argument("--csv", metavar="PATH", help="train on your own table instead")
-    p.add_argument("--patient-column", metavar="COL", help="patient id column of --csv")
-    p.add_argument("--label-column", metavar="COL", help="label column of --csv")
-    p.add_argument("--dp", choices=DP_MODES, default=None,
+                        "patient), ehr (synthetic longitudinal EHR, several visits per "
+                        "patient) or digits (scikit-learn's 8x8 images, for --model cnn); "
+                        f"default {d.dataset}")
+    r.add_argument("--csv", metavar="PATH", help="train on your own table instead")
+    r.add_argument("--patient-column", metavar="COL", help="patient id column of --csv")
+    r.add_argument("--label-column", metavar="COL", help="label column of --csv")
+    r.add_argument("--dp", choices=DP_MODES, default=None,
                    help="privacy mode (default none); a site refuses rounds of another mode "
                         "when given")
-    p.add_argument("--epsilon", type=float, metavar="E",
+    r.add_argument("--epsilon", type=float, metavar="E",
                    help="total privacy budget per patient (a site: its own budget)")
-    p.add_argument("--delta", type=float, default=d.delta, metavar="D",
+    r.add_argument("--delta", type=float, default=d.delta, metavar="D",
                    help=f"delta (default {d.delta:g})")
-    p.add_argument("--unit", choices=("patient", "record"), default=d.unit,
+    r.add_argument("--unit", choices=("patient", "record"), default=d.unit,
                    help="privacy unit (default patient)")
-    p.add_argument("--drop-rate", type=float, default=d.drop_rate, metavar="P",
+    c.add_argument("--drop-rate", type=float, default=d.drop_rate, metavar="P",
                    help="probability a site drops out of a round, at a random stage")
-    p.add_argument("--broker", default=d.broker, metavar="embedded|memory|mosquitto|mqtt://..",
+    r.add_argument("--broker", default=d.broker, metavar="embedded|memory|mosquitto|mqtt://..",
                    help="embedded MQTT broker (default), in-process memory bus, a local "
                         "Mosquitto, or an existing broker's URL")
-    p.add_argument("--report", metavar="REPORT.json", help="write the JSON report here")
-    p.add_argument("--plot", metavar="PATH.png", help="plot accuracy and epsilon per round")
-    p.add_argument("--seed", type=int, default=d.seed, metavar="S",
+    o.add_argument("--report", metavar="REPORT.json", help="write the JSON report here")
+    o.add_argument("--plot", metavar="PATH.png", help="plot accuracy and epsilon per round")
+    r.add_argument("--seed", type=int, default=d.seed, metavar="S",
                    help="seeds data splits, model init, shuffles and the drop schedule "
                         "(never the masks or the DP noise)")
-    p.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint after every round")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    p.add_argument("--local-epochs", type=int, default=d.local_epochs, metavar="E")
-    p.add_argument("--fedprox-mu", type=float, default=d.fedprox_mu, metavar="MU",
+    o.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint after every round")
+    o.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    c.add_argument("--local-epochs", type=int, default=d.local_epochs, metavar="E",
+                   help=f"local passes over a site's data per round (default {d.local_epochs})")
+    c.add_argument("--fedprox-mu", type=float, default=d.fedprox_mu, metavar="MU",
                    help="FedProx proximal weight (default 0: FedAvg)")
-    p.add_argument("--lr", type=float, default=d.lr, help=f"local learning rate ({d.lr})")
-    p.add_argument("--server-lr", type=float, default=d.server_lr,
-                   help=f"step applied to the averaged update ({d.server_lr})")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--model", choices=MODELS, default=d.model)
-    p.add_argument("--alpha", type=float, default=d.alpha,
+    c.add_argument("--lr", type=float, default=d.lr, metavar="LR",
+                   help=f"local learning rate (default {d.lr})")
+    c.add_argument("--server-lr", type=float, default=d.server_lr, metavar="LR",
+                   help=f"step applied to the averaged update (default {d.server_lr})")
+    c.add_argument("--batch-size", type=int, default=d.batch_size, metavar="B",
+                   help=f"local minibatch size (default {d.batch_size})")
+    r.add_argument("--model", choices=MODELS, default=d.model,
+                   help="logreg or mlp for tables, cnn for square images such as --dataset "
+                        f"digits (default {d.model})")
+    c.add_argument("--alpha", type=float, default=d.alpha,
                    help=f"Dirichlet non-IID concentration (default {d.alpha})")
-    p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="DP clip norm")
-    p.add_argument("--sample-rate", type=float, default=d.sample_rate,
+    c.add_argument("--clip-norm", type=float, default=d.clip_norm, metavar="C",
+                   help=f"DP: per-patient L2 clip norm (default {d.clip_norm})")
+    c.add_argument("--sample-rate", type=float, default=d.sample_rate,
                    help=f"DP: patient sampling rate per step (default {d.sample_rate})")
-    p.add_argument("--noise-multiplier", type=float, metavar="Z",
+    c.add_argument("--noise-multiplier", type=float, metavar="Z",
                    help="DP: fix the noise instead of calibrating it to --epsilon/--rounds "
                         "(epsilon is still accounted and reported)")
-    p.add_argument("--accountant", choices=("rdp", "prv"), default=d.accountant,
+    c.add_argument("--accountant", choices=("rdp", "prv"), default=d.accountant,
                    help="rdp (default) or prv (tighter; --dp site, the sampled Gaussian)")
-    p.add_argument("--adaptive-clip", type=float, metavar="QUANTILE",
+    c.add_argument("--adaptive-clip", type=float, metavar="QUANTILE",
                    help="--dp site: private adaptive clipping (Andrew et al. 2021) toward "
                         "this quantile of patient gradient norms, accounted jointly")
-    p.add_argument("--clip-count-stddev", type=float, metavar="S",
+    c.add_argument("--clip-count-stddev", type=float, metavar="S",
                    help="--adaptive-clip: noise stddev of the clip count (default 10 x "
                         "the noise multiplier)")
-    p.add_argument("--plan", action="store_true",
+    c.add_argument("--scaler", metavar="SCALER.json",
+                   help="public feature statistics {\"mean\": [..], \"std\": [..]} (e.g. of a "
+                        "reference population): scales without releasing anything")
+    c.add_argument("--plan", action="store_true",
                    help="print the privacy plan (mode, mechanism, noise, threshold, epsilon "
                         "after each round) computed by the code the run uses, and exit")
-    p.add_argument("--json", action="store_true", help="--plan: print it as one JSON object")
+    o.add_argument("--json", action="store_true",
+                   help="print the run's report (with --plan: the plan) as one JSON object on "
+                        "stdout; progress stays on stderr")
     site = p.add_argument_group(
         "site privacy policy (--role site; set by the site's operator, never the "
         "coordinator; with --dp the site takes part only in that mode, and --epsilon/--delta "
@@ -174,10 +201,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="refuse site-mode rounds of more than N DP-SGD steps")
     site.add_argument("--max-releases", type=int, metavar="N",
                       help="take part in at most N releases in all (the ledger counts them)")
-    p.add_argument("--cohort", type=int, metavar="K", help="sites per round (default all)")
-    p.add_argument("--scaling", choices=SCALING, default=d.scaling,
+    c.add_argument("--cohort", type=int, metavar="K", help="sites per round (default all)")
+    c.add_argument("--scaling", choices=SCALING, default=d.scaling,
                    help="feature scaling: secure sum of statistics, none, or auto")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(command="train")
     return p
 
@@ -212,7 +238,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         noise_multiplier=args.noise_multiplier if args.role != "site" else None,
         cohort=args.cohort, scaling=args.scaling,
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
-        max_units=args.max_units, adaptive_clip=args.adaptive_clip,
+        max_units=args.max_units, adaptive_clip=args.adaptive_clip, scaler_file=args.scaler,
         clip_count_stddev=args.clip_count_stddev)
 
 
@@ -306,7 +332,8 @@ def broker_settings(args: argparse.Namespace, user: str) -> Any:
         username = user
     from dataclasses import replace
 
-    return replace(settings, username=username, password=password)
+    return replace(settings, username=username, password=password,
+                   connect_timeout=args.connect_timeout)
 
 
 def _torch_missing() -> bool:
@@ -332,16 +359,13 @@ def run(args: argparse.Namespace) -> int:
         from fl.aggregation import check_broker
 
         check_broker(settings.broker)
-        for path in (args.report, args.plot):
-            if path is not None and not Path(path).resolve().parent.is_dir():
-                raise ValueError(f"{path}: its directory does not exist")
+        check_output_paths(args)
     except ValueError as exc:
         print(f"secagg train: error: {exc}", file=sys.stderr)
         return 2
 
-    def log(text: str) -> None:
-        if not args.quiet:
-            print(f"[train] {text}", file=sys.stderr, flush=True)
+    log = progress_log(args, "train")
+    setup_logging(args, "train")
 
     from fl.checkpoint import CheckpointError
     from fl.data import DataError
@@ -374,9 +398,7 @@ def run_remote(args: argparse.Namespace) -> int:
         if args.drop_rate:
             raise ValueError("--drop-rate simulates dropouts in --role all; across machines "
                              "stop or kill a site instead")
-        for path in (args.report, args.plot):
-            if path is not None and not Path(path).resolve().parent.is_dir():
-                raise ValueError(f"{path}: its directory does not exist")
+        check_output_paths(args)
         if args.eval_csv is not None and settings.csv is None:
             raise ValueError("--eval-csv goes with --csv (sites with their own tables)")
         from fl.remote.messages import FedTopics
@@ -392,14 +414,8 @@ def run_remote(args: argparse.Namespace) -> int:
 
     tag = f"site {args.site_id}" if args.role == "site" else "coordinator"
 
-    def log(text: str) -> None:
-        if not args.quiet:
-            print(f"[{tag}] {text}", file=sys.stderr, flush=True)
-
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"[{tag}] %(levelname)s %(name)s: %(message)s")
+    log = progress_log(args, tag)
+    setup_logging(args, tag)
     from fl.checkpoint import CheckpointError
     from fl.data import DataError
     from transport.mqtt import MqttNetwork
@@ -463,12 +479,36 @@ def run_remote(args: argparse.Namespace) -> int:
     return _finish(args, settings, report)
 
 
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse before training when an output could not be written afterwards."""
+    for path in (args.report, args.plot, args.save_model):
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{path}: its directory does not exist")
+
+
+def _save_model(path: str, report: dict[str, Any]) -> None:
+    from fl.checkpoint import save_model
+    from fl.models import make_model
+    from fl.vector import ParameterLayout
+
+    info = report["model_info"]
+    model = make_model(info["model"], info["in_features"], info["num_classes"])
+    ParameterLayout.of(model).load(model, report["model"])
+    save_model(path, model, info)
+
+
 def _finish(args: argparse.Namespace, settings: TrainSettings, report: dict[str, Any]) -> int:
-    """Write the report and plot, print the summary (the same for every role)."""
+    """Write the report, model and plot, print the summary (the same for every role)."""
+    if args.save_model is not None and report["rounds"]:
+        _save_model(args.save_model, report)
+        progress_log(args, "train")(f"model saved to {args.save_model} (state_dict; layout "
+                                    f"in {args.save_model}.json)")
     report.pop("model", None)
     report["command"] = "train"
     if report["stopped"]:
         print(f"secagg train: stopped: {report['stopped']}", file=sys.stderr)
+    if args.json:
+        emit_json(report)
     if args.report is not None:
         Path(args.report).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     if args.plot is not None and report["rounds"]:
@@ -478,10 +518,12 @@ def _finish(args: argparse.Namespace, settings: TrainSettings, report: dict[str,
                     f"{settings.sites} sites, dp={settings.dp}"
                     + (f", epsilon<={settings.epsilon:g}" if settings.epsilon else ""))
     last = report["rounds"][-1] if report["rounds"] else None
+    summary = sys.stderr if args.json else sys.stdout  # stdout holds only the JSON
     if last is not None:
         eps = f", epsilon {last['epsilon']:.3f}" if last["epsilon"] is not None else ""
-        print(f"secagg train: {len(report['rounds'])} rounds, final test accuracy "
-              f"{last['accuracy']:.4f}{eps}")
+        acc = (f"final test accuracy {last['accuracy']:.4f}" if last["accuracy"] is not None
+               else "no test set")
+        print(f"secagg train: {len(report['rounds'])} rounds, {acc}{eps}", file=summary)
     else:
-        print("secagg train: no round was run")
+        print("secagg train: no round was run", file=summary)
     return 0

@@ -1,0 +1,105 @@
+"""What every ``secagg`` command shares: one error shape, exit codes, verbosity, progress.
+
+* Errors read ``secagg <cmd>: error: <what to change>`` on stderr, whatever raised them:
+  exit 2 for a usage error (a bad option or file, :class:`UsageError`, ``ValueError``),
+  1 for a runtime failure (an unreachable broker, a round that keeps aborting). A user
+  error never prints a traceback; ``-v`` adds one for runtime failures.
+* ``-q`` / ``-v`` / ``--log-level`` set how much goes to stderr: progress lines are INFO.
+* ``--json`` prints exactly one JSON object on stdout (:func:`emit_json`); progress and
+  errors stay on stderr, so ``secagg <cmd> --json | jq`` always parses.
+
+``fl.cli.main`` applies this to every command; a command's ``run`` may also call
+:func:`error` itself and return its code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+USAGE, RUNTIME = 2, 1
+LEVELS = ("debug", "info", "warning", "error")
+
+
+class UsageError(ValueError):
+    """A bad option, option combination or input file: exit 2, no traceback."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps descriptions; keeps an epilog of examples as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def error(command: str, message: object, code: int = USAGE) -> int:
+    """Print ``secagg <command>: error: <message>`` on stderr; returns ``code``."""
+    print(f"secagg {command}: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def add_common_options(parser: argparse.ArgumentParser, *, top: bool = False) -> None:
+    """``-v``/``-q``/``--log-level`` (and, under a command, ``--config``)."""
+    default = 0 if top else argparse.SUPPRESS  # a command's flags refine the top's
+    group = parser.add_argument_group("messages on stderr")
+    group.add_argument("-v", "--verbose", dest="verbosity", action="count", default=default,
+                       help="more detail on stderr: -v debug messages and tracebacks of "
+                            "runtime failures")
+    group.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1,
+                       default=default, help="no progress on stderr, only warnings and errors")
+    group.add_argument("--log-level", choices=LEVELS, default=argparse.SUPPRESS,
+                       help="set the stderr level directly (info: progress, the default)")
+    if not top:
+        parser.add_argument("--config", metavar="RUN.toml", default=argparse.SUPPRESS,
+                            help="read options from a TOML file (its [<command>] table, or "
+                                 "its top-level keys); flags on the command line override it")
+
+
+def verbosity(args: argparse.Namespace) -> int:
+    """-1 quiet, 0 progress (default), 1 and more debug."""
+    level = getattr(args, "log_level", None)
+    if level is not None:
+        return {"debug": 1, "info": 0, "warning": -1, "error": -1}[level]
+    return int(getattr(args, "verbosity", 0) or 0)
+
+
+def setup_logging(args: argparse.Namespace, tag: str) -> None:
+    level = {1: logging.DEBUG, 0: logging.WARNING, -1: logging.ERROR}[
+        max(-1, min(1, verbosity(args)))]
+    if getattr(args, "log_level", None) == "info":
+        level = logging.INFO
+    logging.basicConfig(level=level, stream=sys.stderr, force=True,
+                        format=f"[{tag}] %(levelname)s %(name)s: %(message)s")
+    if verbosity(args) < 1:  # paho's connection chatter repeats what the error says
+        logging.getLogger("mqtt").setLevel(logging.ERROR)
+
+
+def progress_log(args: argparse.Namespace, tag: str) -> Any:
+    """A ``log(text)`` that prints ``[tag] text`` on stderr unless ``-q``."""
+    quiet = verbosity(args) < 0
+
+    def log(text: str) -> None:
+        if not quiet:
+            print(f"[{tag}] {text}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def emit_json(data: Any) -> None:
+    """One JSON object on stdout (NaN/inf become null: strict JSON parsers accept it)."""
+    print(json.dumps(_finite(data)), flush=True)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

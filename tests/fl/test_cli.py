@@ -1,0 +1,113 @@
+"""The ``secagg`` command line as its users meet it: --version, help on every option and
+examples at the end, train's options grouped by role, one error shape with exit 2 for
+usage and 1 for runtime (an unreachable broker is not a traceback), -q, --json on stdout,
+a TOML run configuration that flags override, progress with an estimate, --save-model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl.cli import build_parser, main
+from fl.models import make_model
+
+pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["--sites", "2", "--rounds", "2", "--broker", "memory", "--dataset", "breast-cancer"]
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("secagg ")
+    parser = build_parser()
+    for name, command in {"secagg": parser, **_subparsers(parser)}.items():
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help and action.help.strip(), (name, action.option_strings)
+        text = command.format_help()
+        assert "examples:\n" in text and text.rstrip().splitlines()[-1].startswith(
+            ("  secagg", "run `secagg")), name  # help ends with examples
+
+
+def test_train_options_are_grouped_by_role() -> None:
+    train = _subparsers(build_parser())["train"]
+    where = {opt: group.title for group in train._action_groups
+             for action in group._group_actions for opt in action.option_strings}
+    assert where["--site-id"] == where["--idle-timeout"] == "site (--role site)"
+    coordinator = where["--join-timeout"]
+    assert coordinator.startswith("coordinator across machines") == (
+        where["--eval-csv"] == coordinator)
+    for option in ("--rounds", "--lr", "--noise-multiplier", "--cohort", "--drop-rate"):
+        assert where[option].startswith("coordinator (--role all or coordinator)"), option
+    for option in ("--csv", "--dp", "--broker", "--model"):
+        assert where[option].startswith("every role"), option
+
+
+def test_errors_have_one_shape(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["train", "--sites", "3", "--rounds", "0", "--broker", "memory"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("secagg train: error: --rounds 0") and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_:  # argparse's own usage errors: same shape
+        main(["train", "--model", "resnet"])
+    assert exit_.value.code == 2 and "secagg train: error: argument --model" in (
+        capsys.readouterr().err)
+    assert main(["train", *FAST, "--save-model", str(tmp_path / "no" / "m.pt")]) == 2
+    assert "secagg train: error:" in capsys.readouterr().err
+
+
+def test_an_unreachable_broker_is_a_runtime_error_without_traceback(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO), XDG_STATE_HOME=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "fl.cli", "train", "--role", "site", "--site-id", "1",
+         "--sites", "3", "--broker", "mqtt://127.0.0.1:9", "--connect-timeout", "0.5"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=90)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("secagg train: error: site-1: cannot reach the MQTT broker")
+    assert "Traceback" not in proc.stderr
+
+
+def test_config_file_json_quiet_progress_and_saved_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text('[train]\nsites = 2\nrounds = 1\nbroker = "memory"\n'
+                      'dataset = "breast-cancer"\nmodel = "mlp"\n')
+    model_path = tmp_path / "model.pt"
+    assert main(["train", "--config", str(config), "--rounds", "2", "--json",
+                 "--save-model", str(model_path)]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)  # stdout is exactly one JSON object
+    assert len(report["rounds"]) == 2  # the flag overrode the file's rounds = 1
+    assert report["settings"]["model"] == "mlp" and report["settings"]["sites"] == 2
+    assert "round   1/2" in err and "left]" in err and "elapsed" in err
+    model = make_model("mlp", 30, 2)
+    model.load_state_dict(torch.load(model_path))  # one line of plain torch
+    meta = json.loads((tmp_path / "model.pt.json").read_text())
+    assert meta["model"] == "mlp" and meta["num_classes"] == 2 and len(meta["scaler"]["mean"]) == 30
+    assert meta["final_accuracy"] == report["final_accuracy"]
+
+    assert main(["train", *FAST, "--rounds", "1", "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("secagg train: 1 rounds")
+
+    config.write_text('[train]\nsites = 2\nrounds = 1\nlearning_rate = 0.1\n')
+    assert main(["train", "--config", str(config)]) == 2
+    assert "unknown option 'learning_rate'" in capsys.readouterr().err
+    config.write_text('[train]\nsites = 2\nrounds = "one\n')
+    assert main(["train", "--config", str(config)]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
