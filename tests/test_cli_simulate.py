@@ -4,10 +4,13 @@ aggregate is checked here against the plaintext sum of the inputs."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import pytest
 
 import fl.commands.simulate  # noqa: F401  (compiled before any test starts a thread)
 import transport.runner  # noqa: F401
+from secagg import Stage
 from transport.broker import EmbeddedBroker
 from transport.mosquitto import mosquitto_available
 
@@ -202,3 +206,106 @@ def test_subprocess_entry_point(tmp_path: Path) -> None:
     check_report(report, ids)
     assert report["correct"] is True
     assert np.array_equal(np.load(out), plaintext_sum(inputs, report["included"], 32))
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _start_cli(tmp_path: Path, *argv: str) -> subprocess.Popen[str]:
+    """``secagg simulate`` in a session of its own, with its temporary files under
+    ``tmp_path/tmp`` so the test can see what it leaves behind."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    entry = ["-m", "fl.cli"] if HAS_TRAIN else ["-c", STUB_TRAIN]
+    return subprocess.Popen([sys.executable, *entry, "simulate", *argv],
+                            cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _processes_of(session: int, marker: str) -> list[int]:
+    """Live processes in ``session`` or whose command line mentions ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if state[0] != "Z" and (int(state[3]) == session or marker in cmdline):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_everything_within_two_seconds(tmp_path: Path, signum: int) -> None:
+    proc = _start_cli(tmp_path, "--clients", "6", "--dim", "4000000", "--processes", "2")
+    tmp = tmp_path / "tmp"
+    deadline = time.monotonic() + 60
+    # Wait until the round runs: the broker's temp folder exists and workers are up.
+    while time.monotonic() < deadline and (
+            not list(tmp.glob("secagg-broker-*")) or len(_processes_of(proc.pid, "")) < 3):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    started = time.monotonic()
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+    else:
+        proc.send_signal(signum)  # plain kill
+    _, err = proc.communicate(timeout=10)
+    elapsed = time.monotonic() - started
+    assert elapsed < 2.0, f"took {elapsed:.1f} s"
+    assert proc.returncode == 128 + signum, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "interrupted by" in lines[0], err
+    assert _processes_of(proc.pid, str(tmp)) == []
+    assert list(tmp.iterdir()) == []
+
+
+def test_unreachable_broker_fails_in_one_line_within_two_seconds(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.monotonic()
+    assert cli("--clients", "3", "--dim", "4", "--broker", "mqtt://127.0.0.1:1") == 1
+    assert time.monotonic() - started < 2.0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot reach the MQTT broker at mqtt://127.0.0.1:1" in err[0]
+
+
+def test_two_runs_share_one_broker(tmp_path: Path) -> None:
+    broker = EmbeddedBroker(users={"fed": "s3cret"}).run_in_thread()
+    try:
+        url = f"mqtt://fed:s3cret@127.0.0.1:{broker.port}"
+        runs = [_start_cli(tmp_path, "--clients", "5", "--dim", "8", "--broker", url,
+                           "--json") for _ in range(2)]
+        for proc in runs:
+            out, err = proc.communicate(timeout=100)
+            assert proc.returncode == 0, err
+            report = json.loads(out)
+            assert report["correct"] is True and report["included"] == [1, 2, 3, 4, 5]
+    finally:
+        broker.stop()
+
+
+def test_progress_lines_inside_a_stage_when_not_on_a_terminal() -> None:
+    from fl.commands.simulate import Progress
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    stream, clock = io.StringIO(), Clock()
+    progress = Progress(stream, 4, interval=10.0, clock=clock)
+    progress.start()
+    for cid in (1, 2):
+        progress.message(cid, Stage.ADVERTISE_KEYS)
+    clock.now = 5.0
+    progress.tick()
+    assert stream.getvalue() == ""  # not yet: one line per interval off a terminal
+    clock.now = 10.5
+    progress.tick()
+    assert stream.getvalue().splitlines() == [
+        "[secagg] advertise_keys         2/4     answered     10.5 s"]

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-from secagg import DecodeError, ProtocolAbort, ProtocolError, Stage, decode, encode
+from secagg import DecodeError, ProtocolAbort, ProtocolError, Stage, decode, encode, round_stages
 from secagg.client import Client
 from secagg.server import AggregateResult, Server
 
@@ -82,13 +82,6 @@ class Timeouts:
 
     def deadline(self, stage: Stage) -> float:
         return float(self.per_stage.get(stage.label, self.stage))
-
-
-def _stages(security_malicious: bool) -> list[Stage]:
-    stages = [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT]
-    if security_malicious:
-        stages.append(Stage.CONSISTENCY_CHECK)
-    return [*stages, Stage.UNMASKING]
 
 
 async def publish_framed(link: Link, topic: str, message: bytes, max_payload: int, *,
@@ -176,7 +169,7 @@ class ServerDriver:
         self._control: bytes | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._deadlines = {s.label: self.timeouts.deadline(s)
-                           for s in _stages(server.config.malicious)}
+                           for s in round_stages(server.config)}
         self._stage_kinds = frozenset(self._deadlines)
 
     # -- public ----------------------------------------------------------------------

@@ -90,11 +90,13 @@ async def serve_server(network: Network, server: Server, topics: Topics, *,
                        max_payload: int = DEFAULT_MAX_PAYLOAD,
                        on_stage: Callable[[StageProgress], None] | None = None,
                        ready: asyncio.Event | None = None,
-                       start: asyncio.Event | None = None) -> ServerDriver:
+                       start: asyncio.Event | None = None,
+                       on_message: Callable[[int, Stage], None] | None = None
+                       ) -> ServerDriver:
     """Connect the aggregator (as ``server``), then run the round once ``start`` is set.
 
     Returns the driver (its ``server.result`` holds the aggregate). Raises ``ProtocolAbort``
-    or ``TransportError``.
+    or ``TransportError``. ``on_message(client, stage)`` sees every accepted message.
     """
     async with network.connect(SERVER_USER, will=server_will(server, topics)) as link:
         await link.subscribe(topics.server_filter)
@@ -103,7 +105,8 @@ async def serve_server(network: Network, server: Server, topics: Topics, *,
         if start is not None:
             await start.wait()
         driver = ServerDriver(server, link, topics, timeouts=timeouts,
-                              max_payload=max_payload, on_stage=on_stage)
+                              max_payload=max_payload, on_stage=on_stage,
+                              on_message=on_message)
         await driver.run()
         return driver
 

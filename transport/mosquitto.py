@@ -364,6 +364,9 @@ class MosquittoBroker:
             self._process = subprocess.Popen(
                 [binary, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                # Its own session: a Ctrl-C on the terminal reaches the owner, which stops
+                # Mosquitto after its clients, not Mosquitto first.
+                start_new_session=True,
             )
         self._wait_ready(port)
         self._port = port

@@ -63,6 +63,10 @@ class BrokerSettings:
     """username -> password, one per party (what ``secagg simulate`` generates)."""
     per_party_tls: Mapping[str, TlsSettings] = field(default_factory=dict)
     """username -> TLS settings with that party's client certificate."""
+    client_id_suffix: str = ""
+    """Appended to every MQTT client identifier (``<username><suffix>``): runs that share
+    one broker (and, with one shared login, one username) do not replace each other's
+    connections."""
     keepalive: int = 20
     connect_timeout: float = 30.0
     reconnect_timeout: float = 30.0
@@ -81,6 +85,16 @@ class BrokerSettings:
 
     def tls_for(self, username: str) -> TlsSettings | None:
         return self.per_party_tls.get(username, self.tls)
+
+
+def probe(settings: BrokerSettings, timeout: float = 2.0) -> None:
+    """Raise ``LinkLost`` within ``timeout`` seconds when nothing accepts TCP connections at
+    the broker's address (a wrong host or port fails in one line, not after retries)."""
+    try:
+        socket.create_connection((settings.host, settings.port), timeout=timeout).close()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise LinkLost(f"cannot reach the MQTT broker at {settings.url}: {reason}") from None
 
 
 def parse_broker_url(url: str, **overrides: object) -> BrokerSettings:
@@ -123,6 +137,11 @@ async def _discard(client: aiomqtt.Client) -> None:
     """Close a client that failed or was cancelled while connecting; bounded, silent."""
     with contextlib.suppress(BaseException):
         await asyncio.wait_for(asyncio.shield(client.__aexit__(None, None, None)), 1.0)
+    # aiomqtt leaves the socket registered with the loop when __aenter__ was cancelled;
+    # closing it through paho unregisters it, so no callback fires into a dead client.
+    paho = getattr(client, "_client", None)
+    with contextlib.suppress(Exception):
+        paho._sock_close()  # type: ignore[union-attr]
 
 
 class MqttLink:
@@ -157,7 +176,8 @@ class MqttLink:
                 if self._will is not None else None)
         client = self._factory(
             self._settings.host, self._settings.port, username=username, password=password,
-            identifier=self._name, will=will, clean_session=True,
+            identifier=self._name + self._settings.client_id_suffix, will=will,
+            clean_session=True,
             keepalive=self._settings.keepalive, tls_context=self._ssl,
             timeout=self._settings.publish_timeout, max_inflight_messages=100,
             # Small receipts right after large frames would otherwise wait for delayed ACKs.

@@ -46,8 +46,9 @@ from .broker.auth import TOKEN_LOG2_N, hash_password
 from .broker.topics import AclEntry, TopicAcl
 from .drivers import ClientDriver, StageProgress, Timeouts, TransportError
 from .framing import DEFAULT_MAX_PAYLOAD
+from .link import LinkLost
 from .local import new_round_name, serve_client, serve_server
-from .mqtt import BrokerSettings, MqttNetwork, parse_broker_url
+from .mqtt import BrokerSettings, MqttNetwork, parse_broker_url, probe
 from .topics import SERVER_USER, Topics, acl_table, site_name
 
 logger = logging.getLogger(__name__)
@@ -163,7 +164,12 @@ def broker_for(kind: str, users: Mapping[str, str], acl: AclTable
         with MosquittoBroker(users=dict(users), acl=dict(acl)) as broker:
             yield BrokerSettings(host=broker.host, port=broker.port, passwords=dict(users))
     else:
-        yield parse_broker_url(kind)
+        settings = parse_broker_url(kind)
+        try:
+            probe(settings)
+        except LinkLost as exc:
+            raise TransportError(str(exc)) from None
+        yield settings
 
 
 # --------------------------------------------------------------------------- workers
@@ -195,7 +201,11 @@ def _outcome_dict(outcome: object) -> dict[str, Any]:
 
 
 def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -> None:
-    """Entry point of a worker process."""
+    """Entry point of a worker process. It starts with SIGINT blocked (``_Workers.start``)
+    and ignores it: a Ctrl-C on the terminal is the parent's to handle, which stops the
+    workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(asctime)s worker{spec.index} %(levelname)s %(name)s: "
                                "%(message)s")
@@ -324,8 +334,14 @@ class _Workers:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        for proc in self.processes:
-            proc.start()
+        # Children inherit the signal mask: blocked, a Ctrl-C cannot interrupt a worker
+        # before worker_main ignores it (the parent gets it once unblocked).
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for proc in self.processes:
+                proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         for child in self._child_ends:
             child.close()
         for index, conn in enumerate(self.conns):
@@ -341,11 +357,18 @@ class _Workers:
             return
         self.events.put_nowait((index, message))
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float, *, at_once: bool = False) -> None:
+        """Wait up to ``timeout`` s for the workers to exit, then kill them; ``at_once``
+        (the run was interrupted) sends SIGTERM first and waits at most half a second."""
         loop = asyncio.get_running_loop()
         for conn in self.conns:
             with contextlib.suppress(Exception):
                 loop.remove_reader(conn.fileno())
+        if at_once:
+            for proc in self.processes:
+                if proc.is_alive():
+                    proc.terminate()
+            timeout = min(timeout, 0.5)
         deadline = time.monotonic() + timeout
         for proc in self.processes:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -362,16 +385,25 @@ class _Workers:
 async def _workers(specs: list[WorkerSpec]) -> AsyncIterator[_Workers]:
     workers = _Workers(specs)
     workers.start()
+    interrupted = True
     try:
         yield workers
+        interrupted = False
     finally:
-        workers.stop(timeout=10.0)
+        workers.stop(timeout=10.0, at_once=interrupted)
 
 
 async def run_simulation(spec: SimulationSpec,
                          on_stage: Callable[[StageProgress], None] | None = None,
-                         on_status: Callable[[str], None] | None = None) -> SimulationRun:
-    """Run one round: server here, sites in worker processes, through ``spec.broker``."""
+                         on_status: Callable[[str], None] | None = None,
+                         on_message: Callable[[int, Stage], None] | None = None
+                         ) -> SimulationRun:
+    """Run one round: server here, sites in worker processes, through ``spec.broker``.
+
+    Every MQTT client id carries the round name (``BrokerSettings.client_id_suffix``), so
+    two runs on one existing broker do not replace each other's connections. Cancelled
+    (the CLI's SIGINT/SIGTERM handler), it stops the workers and the broker at once and
+    removes its temporary files."""
     wall = time.perf_counter()
     status = on_status or (lambda text: None)
     config = spec.config
@@ -390,7 +422,8 @@ async def run_simulation(spec: SimulationSpec,
     server = Server(config, roster=roster, context=context, verify_keys=verify)
     topics = Topics(round_name)
     seconds: dict[str, float] = {}
-    with broker_for(spec.broker, passwords, acl) as settings:
+    with broker_for(spec.broker, passwords, acl) as broker_settings:
+        settings = dataclasses.replace(broker_settings, client_id_suffix=f"-{round_name}")
         status(f"broker {spec.broker} at {settings.url}")
         groups = _partition(spec)
         specs = [WorkerSpec(index=i, config=config, roster=roster, context=context,
@@ -408,7 +441,7 @@ async def run_simulation(spec: SimulationSpec,
         async with _workers(specs) as workers:
             server_task = asyncio.create_task(serve_server(
                 network, server, topics, timeouts=spec.timeouts, max_payload=spec.max_payload,
-                on_stage=on_stage, ready=server_ready, start=start))
+                on_stage=on_stage, ready=server_ready, start=start, on_message=on_message))
             try:
                 await _wait_ready(workers, server_task, server_ready, spec.connect_timeout,
                                   status, run)

@@ -17,14 +17,16 @@ import json
 import logging
 import random
 import secrets
+import signal
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from secagg import Config, Stage
+from secagg import Config, Stage, round_stages
 
 DEFAULT_CLIENTS = 10
 DEFAULT_DIM = 1000
@@ -71,18 +73,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--report", metavar="REPORT.json", help="write a JSON report here")
     parser.add_argument("--seed", type=int, metavar="S",
                         help="seed for random inputs and the drop schedule")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as JSON on stdout instead of the summary")
     parser.set_defaults(command="simulate")
     return parser  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- options
-
-
-def _round_stages(config: Config) -> list[Stage]:
-    stages = [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT]
-    if config.malicious:
-        stages.append(Stage.CONSISTENCY_CHECK)
-    return [*stages, Stage.UNMASKING]
 
 
 def _client_ids(args: argparse.Namespace) -> list[int]:
@@ -140,7 +137,7 @@ def build_config(args: argparse.Namespace, n: int, dim: int) -> Config:
 def drop_schedule(config: Config, ids: list[int], rate: float, stage: str,
                   seed: int) -> dict[int, Stage]:
     """Which clients drop and where: ``round(rate * n)`` clients chosen with ``seed``."""
-    stages = _round_stages(config)
+    stages = list(round_stages(config))
     fixed: Stage | None = None
     if stage != "random":
         try:
@@ -158,23 +155,136 @@ def drop_schedule(config: Config, ids: list[int], rate: float, stage: str,
 # --------------------------------------------------------------------------- running
 
 
-class _Progress:
-    """Stage-by-stage progress on stderr, only on a terminal."""
+PROGRESS_INTERVAL = 10.0
+"""Seconds between progress lines when stderr is not a terminal."""
 
-    def __init__(self, stream: TextIO) -> None:
+
+class Progress:
+    """Progress on stderr. On a terminal: status lines, and inside a stage one line kept
+    up to date (clients answered / expected, elapsed). Elsewhere (a log file, a CI job):
+    a line every ``interval`` seconds while a stage is open, and the stage summaries."""
+
+    def __init__(self, stream: TextIO, n_clients: int, *, interval: float = PROGRESS_INTERVAL,
+                 clock: Any = time.monotonic) -> None:
         self.stream = stream
-        self.enabled = stream.isatty()
+        self.tty = stream.isatty()
+        self.interval = interval
+        self.clock = clock
+        self.expected = n_clients
+        self.stage: Stage | None = None
+        self.answered = 0
+        self.opened = clock()
+        self._last_line = clock()
+        self._live = False
+
+    def _print(self, text: str) -> None:
+        if self._live:
+            self.stream.write("\r\x1b[K")
+            self._live = False
+        print(f"[secagg] {text}", file=self.stream, flush=True)
 
     def status(self, text: str) -> None:
-        if self.enabled:
-            print(f"[secagg] {text}", file=self.stream, flush=True)
+        if self.tty:
+            self._print(text)
 
-    def stage(self, progress: Any) -> None:
-        if self.enabled:
-            late = " (deadline)" if progress.deadline_hit else ""
-            print(f"[secagg] {progress.stage.label:<18} {progress.responded:>5}/"
-                  f"{progress.expected:<5} answered  {progress.seconds:7.2f} s{late}",
-                  file=self.stream, flush=True)
+    def start(self) -> None:
+        """The round starts: the first stage opens."""
+        self.opened = self._last_line = self.clock()
+
+    def message(self, client_id: int, stage: Stage) -> None:
+        del client_id
+        if stage != self.stage:
+            self.stage, self.answered = stage, 0
+        self.answered += 1
+
+    def line(self) -> str:
+        label = self.stage.label if self.stage is not None else "waiting"
+        return (f"{label:<18} {self.answered:>5}/{self.expected:<5} answered  "
+                f"{self.clock() - self.opened:7.1f} s")
+
+    def tick(self) -> None:
+        """Called periodically while a stage is open."""
+        now = self.clock()
+        if self.tty:
+            self.stream.write(f"\r\x1b[K[secagg] {self.line()}")
+            self.stream.flush()
+            self._live = True
+        elif now - self._last_line >= self.interval:
+            self._last_line = now
+            self._print(self.line())
+
+    def stage_closed(self, progress: Any) -> None:
+        late = " (deadline)" if progress.deadline_hit else ""
+        text = (f"{progress.stage.label:<18} {progress.responded:>5}/{progress.expected:<5} "
+                f"answered  {progress.seconds:7.2f} s{late}")
+        if self.tty or progress.seconds >= self.interval:
+            self._print(text)
+        self.expected = max(0, progress.responded)
+        self.stage, self.answered = None, 0
+        self.opened = self._last_line = self.clock()
+
+    def close(self) -> None:
+        if self._live:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._live = False
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived; everything the run started has been stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+async def _run_interruptible(spec: Any, progress: Progress) -> Any:
+    """``run_simulation`` that SIGINT and SIGTERM cancel (its cleanup stops the workers
+    and the broker and removes the temporary files), with a progress ticker."""
+    from transport.runner import run_simulation
+
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not received:
+            received.append(signum)
+            # The user asked to stop: the teardown's own noise (lost connections, forced
+            # disconnects) is not news; one line says what happened.
+            logging.disable(logging.CRITICAL)
+            main.cancel()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+    def status(text: str) -> None:
+        if text.endswith("round starts"):
+            progress.start()
+        progress.status(text)
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(0.5 if progress.tty else min(1.0, progress.interval))
+            if progress.stage is not None or progress.answered:
+                progress.tick()
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        return await run_simulation(spec, on_stage=progress.stage_closed, on_status=status,
+                                    on_message=progress.message)
+    except (asyncio.CancelledError, Exception):
+        # Once a signal arrived, whatever failed next failed because of it (a worker that
+        # the terminal's Ctrl-C reached while it started, a connection being torn down).
+        if received:
+            raise Interrupted(received[0]) from None
+        raise
+    finally:
+        ticking.cancel()
+        progress.close()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
 
 
 def _timeouts(config: Config) -> Any:
@@ -195,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from transport.runner import InputSource, SimulationSpec, run_simulation
+    from transport.runner import InputSource, SimulationSpec
 
     ids = _client_ids(args)
     dim = _dim(args, ids)
@@ -232,7 +342,7 @@ def _run(args: argparse.Namespace) -> int:
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise OptionError(f"{path}: its directory does not exist")
 
-    progress = _Progress(sys.stderr)
+    progress = Progress(sys.stderr, len(ids))
     spec = SimulationSpec(config=config, client_ids=tuple(ids), inputs=source, drops=drops,
                           kill=args.kill, processes=processes, broker=broker,
                           timeouts=_timeouts(config))
@@ -240,18 +350,22 @@ def _run(args: argparse.Namespace) -> int:
                     f"{config.threshold}, {config.security}; {len(drops)} scheduled to drop"
                     + (" (killed)" if args.kill else ""))
     try:
-        outcome = asyncio.run(run_simulation(spec, on_stage=progress.stage,
-                                             on_status=progress.status))
+        outcome = asyncio.run(_run_interruptible(spec, progress))
+    except Interrupted as exc:
+        logging.disable(logging.NOTSET)
+        print(f"secagg simulate: interrupted by {exc}; the broker and the worker processes "
+              "are stopped and the temporary files removed", file=sys.stderr)
+        return 128 + exc.signum
     except Exception as exc:  # the broker or the workers could not even start
         logging.getLogger(__name__).debug("simulation failed", exc_info=True)
-        print(f"secagg simulate: error: {exc}", file=sys.stderr)
+        print(f"secagg simulate: error: {_one_line(exc)}", file=sys.stderr)
         return 1
     report = build_report(args, config, seed, drops, processes, inputs, outcome)
     if args.report is not None:
         Path(args.report).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     if outcome.result is not None and args.output is not None:
         np.save(args.output, outcome.result.total.astype(np.uint64))
-    print(summary(report))
+    print(json.dumps(report, indent=2) if args.json else summary(report))
     if outcome.error is not None:
         print(f"secagg simulate: round aborted: {outcome.error}", file=sys.stderr)
         return 1
@@ -260,6 +374,11 @@ def _run(args: argparse.Namespace) -> int:
               "the included inputs", file=sys.stderr)
         return 1
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def build_report(args: argparse.Namespace, config: Config, seed: int,
