@@ -339,3 +339,65 @@ def _solve_noise(shortfall: Callable[[float], float], what: str) -> float:
         raise PrivacyConfigError(f"no noise multiplier up to {hi:g} reaches {what}: raise "
                                  "the target epsilons, or lower the sample rate or the steps")
     return 1.0 / s
+
+
+class GroupLedger:
+    """Every rate group's spending under a plan, kept across rounds (one per site).
+
+    With ``bound="rdp"`` each group holds a :class:`dp.budget.PrivacyBudget` at its target
+    and composes RDP; with ``"group-privacy"`` the plan certifies its own ``steps`` only.
+    """
+
+    def __init__(self, plan: IdpPlan) -> None:
+        from dp.budget import PrivacyBudget
+
+        self.plan = plan
+        self.budgets = [PrivacyBudget(g.target_epsilon, plan.delta) for g in plan.groups]
+        self.steps_done = 0
+
+    def _events(self, steps: int) -> list[Any]:
+        from dp.budget import RdpRound
+
+        return [RdpRound.from_array(self.plan.group_rdp(g, steps), "idp")
+                for g in self.plan.groups]
+
+    def can_run(self, steps: int) -> bool:
+        """Whether ``steps`` more steps keep every group within its target."""
+        if self.plan.bound != "rdp":
+            return self.steps_done + steps <= self.plan.steps
+        return all(b.can_run(e) for b, e in zip(self.budgets, self._events(steps), strict=True))
+
+    def check(self, steps: int) -> None:
+        """Raise :class:`dp.errors.BudgetExceeded` if ``steps`` more steps do not fit."""
+        from dp.errors import BudgetExceeded
+
+        if self.can_run(steps):
+            return
+        after = [self.plan.group_epsilon(g, self.steps_done + steps) for g in self.plan.groups]
+        i = int(np.argmax([a - g.target_epsilon for a, g in zip(after, self.plan.groups,
+                                                                 strict=True)]))
+        g = self.plan.groups[i]
+        raise BudgetExceeded(
+            f"{steps} more steps would bring patients with {g.records} records to epsilon "
+            f"{after[i]:.4g} > their target {g.target_epsilon:g}; stop training here",
+            epsilon_limit=g.target_epsilon, epsilon_after=after[i])
+
+    def spend(self, steps: int) -> list[float]:
+        """Record ``steps`` steps (checked first); returns every group's epsilon."""
+        self.check(steps)
+        if self.plan.bound == "rdp":
+            for budget, event in zip(self.budgets, self._events(steps), strict=True):
+                budget.spend(event)
+        self.steps_done += steps
+        return self.epsilons()
+
+    def epsilons(self) -> list[float]:
+        """Patient-level epsilon spent so far, per rate group."""
+        if self.plan.bound == "rdp":
+            return [b.spent[0] for b in self.budgets]
+        return [self.plan.group_epsilon(g, self.steps_done) for g in self.plan.groups]
+
+    def report(self) -> list[dict[str, Any]]:
+        """The plan's groups with the epsilon spent so far."""
+        return [{**g.as_dict(), "epsilon_spent": e}
+                for g, e in zip(self.plan.groups, self.epsilons(), strict=True)]

@@ -4,9 +4,9 @@ Every record is its own Poisson coin at its group's rate (coins from the cryptog
 source, :mod:`dp.randomness`); Opacus' ``GradSampleModule`` computes per-record gradients;
 each is clipped to its group's clip norm here, then Opacus' ``DPOptimizer`` (whose own clip,
 at the largest group clip, is then a no-op) adds Gaussian noise of stddev ``z * C`` and
-divides by the plan's expected batch size. Each rate group carries its own
-:class:`dp.budget.PrivacyBudget` (the group's target), so no patient's budget is exceeded:
-a round that would overshoot any group is refused before it runs.
+divides by the plan's expected batch size. A :class:`dp.idp.GroupLedger` (one budget per
+rate group, at the group's target; shared across rounds) refuses a round that would take
+any group past its target before it runs.
 
 Needs torch and opacus (the ``torch`` extra).
 """
@@ -22,9 +22,8 @@ from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch.utils.data import Dataset
 
-from dp.budget import PrivacyBudget, RdpRound
-from dp.errors import BudgetExceeded, PrivacyConfigError
-from dp.idp import IdpPlan, poisson_sample
+from dp.errors import PrivacyConfigError
+from dp.idp import GroupLedger, IdpPlan, poisson_sample
 from dp.randomness import RandomSource, SystemRandom
 from dp.units import LossFn, per_unit_gradients
 
@@ -34,12 +33,14 @@ class IdpSgd:
 
     ``record_group[i]`` is record i's rate group (``dp.idp.group_patients``; -1: beyond the
     cut-off, never sampled). ``loss_fn`` must *sum* over records (``reduction="sum"``).
+    ``ledger`` carries the spending across rounds (a new one per engine by default).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  dataset: Dataset[tuple[torch.Tensor, torch.Tensor]], *, loss_fn: LossFn,
                  plan: IdpPlan, record_group: npt.NDArray[np.int64],
-                 source: RandomSource | None = None) -> None:
+                 source: RandomSource | None = None, ledger: GroupLedger | None = None
+                 ) -> None:
         groups = np.asarray(record_group, dtype=np.int64)
         if groups.shape != (len(dataset),):  # type: ignore[arg-type]
             raise PrivacyConfigError(f"need one group per record ({len(dataset)}), got "  # type: ignore[arg-type]
@@ -62,7 +63,9 @@ class IdpSgd:
             optimizer, noise_multiplier=plan.noise_multiplier * plan.clip_norm / top,
             max_grad_norm=top, expected_batch_size=max(1, round(plan.expected_batch_size)),
             loss_reduction="mean", generator=generator)
-        self.budgets = [PrivacyBudget(g.target_epsilon, plan.delta) for g in plan.groups]
+        self.ledger = ledger or GroupLedger(plan)
+        if self.ledger.plan is not plan:
+            raise PrivacyConfigError("the ledger belongs to another plan")
         self.steps_done = 0
 
     def step(self) -> float:
@@ -96,42 +99,19 @@ class IdpSgd:
         for p in params:
             p.grad_sample = p.grad_sample * factor.view(-1, *([1] * (p.grad_sample.dim() - 1)))
 
-    def _events(self, steps: int) -> list[RdpRound]:
-        return [RdpRound.from_array(self.plan.group_rdp(g, steps), "idp")
-                for g in self.plan.groups]
-
-    def can_run(self, steps: int) -> bool:
-        """Whether ``steps`` more steps keep every group within its target."""
-        if self.plan.bound != "rdp":
-            return self.steps_done + steps <= self.plan.steps
-        return all(b.can_run(e) for b, e in zip(self.budgets, self._events(steps), strict=True))
-
     def train_round(self, steps: int) -> list[float]:
         """Run ``steps`` steps if every group affords them; returns each group's epsilon.
 
         Raises :class:`BudgetExceeded` *before* training if any group would overshoot.
         """
-        if not self.can_run(steps):
-            after = [self.plan.group_epsilon(g, self.steps_done + steps) for g in self.plan.groups]
-            i = int(np.argmax([a - g.target_epsilon for a, g in zip(after, self.plan.groups,
-                                                                     strict=True)]))
-            g = self.plan.groups[i]
-            raise BudgetExceeded(
-                f"{steps} more steps would bring patients with {g.records} records to epsilon "
-                f"{after[i]:.4g} > their target {g.target_epsilon:g}; stop training here",
-                epsilon_limit=g.target_epsilon, epsilon_after=after[i])
-        events = self._events(steps) if self.plan.bound == "rdp" else None
+        self.ledger.check(steps)
         for _ in range(steps):
             self.step()
-        for budget, event in zip(self.budgets, events or [], strict=events is not None):
-            budget.spend(event)
-        return self.epsilons()
+        return self.ledger.spend(steps)
 
     def epsilons(self) -> list[float]:
         """Patient-level epsilon spent so far, per rate group."""
-        if self.plan.bound == "rdp":
-            return [b.spent[0] for b in self.budgets]
-        return [self.plan.group_epsilon(g, self.steps_done) for g in self.plan.groups]
+        return self.ledger.epsilons()
 
     @property
     def model(self) -> torch.nn.Module:

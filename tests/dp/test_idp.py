@@ -211,6 +211,14 @@ def test_engine_trains_and_refuses_past_every_target() -> None:
         engine.train_round(1)
     assert engine.steps_done == 30
     engine.close()
+    # A later round's engine (a fresh model copy) shares the ledger: still refused.
+    again = IdpSgd(model, torch.optim.SGD(model.parameters(), lr=0.5), TensorDataset(x, y),
+                   loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"), plan=plan,
+                   record_group=g.record_group, ledger=engine.ledger)
+    with pytest.raises(BudgetExceeded):
+        again.train_round(1)
+    assert again.steps_done == 0 and [r["epsilon_spent"] for r in engine.ledger.report()] == spent
+    again.close()
 
 
 def test_engine_clips_each_record_to_its_group() -> None:
