@@ -154,7 +154,7 @@ class RoundSetup:
         if body.get("v") != VERSION:
             raise SetupError(f"round setup version {body.get('v')!r}; this node speaks "
                              f"version {VERSION}: upgrade secagg on the older side")
-        roster = _int_list(body, "roster", 1 << 63, MAX_ROSTER)
+        roster = _int_list(body, "roster", 1 << 64, MAX_ROSTER)
         if len(roster) < 2 or len(set(roster)) != len(roster):
             raise SetupError("the roster needs at least two distinct node ids")
         nonce = body.get("nonce")

@@ -126,3 +126,19 @@ def weighted_average(nodes: Iterable[int], server_round: int) -> dict[str, np.nd
         for k, a in content["arrays"].items():
             total[k] = total.get(k, 0) + w * a.numpy().astype(np.float64)
     return {k: v / weight for k, v in total.items()}
+
+
+def report_to_json(report: RoundReport) -> dict[str, Any]:
+    return {"setup": report.setup.to_bytes().hex(), "included": sorted(report.included),
+            "dropped": {str(k): v for k, v in report.dropped.items()},
+            "total": None if report.total is None else [int(v) for v in report.total],
+            "aborted": report.aborted, "seconds": report.seconds}
+
+
+def report_from_json(data: dict[str, Any]) -> RoundReport:
+    total = data["total"]
+    return RoundReport(RoundSetup.from_bytes(bytes.fromhex(data["setup"])),
+                       included=frozenset(data["included"]),
+                       dropped={int(k): v for k, v in data["dropped"].items()},
+                       total=None if total is None else np.array(total, dtype=np.uint64),
+                       aborted=data["aborted"], seconds=data["seconds"])

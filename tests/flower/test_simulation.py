@@ -1,0 +1,56 @@
+"""The adapter in Flower's simulation runtime (``run_simulation``, Ray backend): 50 virtual
+nodes, some dropping out at random stages, every aggregate checked exactly."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+from flwr.simulation import run_simulation
+
+from fl.flower import SecureAggregation
+from tests.flower import apps
+
+ROOT = Path(__file__).resolve().parents[2]
+NODES = 50
+
+
+def test_fifty_virtual_nodes_dropping_at_random_stages_every_aggregate_is_exact(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
+    plan = apps.random_drops(0.1, seed=11)
+    wrapper = SecureAggregation(
+        FedAvg(fraction_evaluate=0.0, min_train_nodes=NODES, min_available_nodes=NODES),
+        metrics=("train_loss",), stage_timeout=120)
+    results = []
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        results.append(wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=120))
+
+    run_simulation(server, apps.client_app(plan), num_supernodes=NODES,
+                   backend_config={"client_resources": {"num_cpus": 1},
+                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    assert len(results) == 1 and len(wrapper.reports) == 2
+    dropped_somewhere = set()
+    for report in wrapper.reports:
+        assert report.aborted is None
+        assert report.setup.num_clients == NODES and report.setup.neighbors is not None
+        assert report.included == apps.expected_included(report, plan)
+        assert {n: s for n, s in report.dropped.items()} == {
+            n: plan(n, report.server_round) for n in report.setup.roster
+            if plan(n, report.server_round) is not None}
+        assert np.array_equal(report.total, apps.expected_total(report))
+        dropped_somewhere |= set(report.dropped.values())
+    assert {"advertise_keys", "masked_input", "unmasking"} <= dropped_somewhere
+    final = results[0].arrays
+    expected = apps.weighted_average(wrapper.reports[-1].included, 2)
+    for name, value in expected.items():
+        np.testing.assert_allclose(final[name].numpy(), value, rtol=1e-6, atol=1e-6)
