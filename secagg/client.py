@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -106,7 +106,8 @@ def check_input(vector: object, config: Config, who: str = "input") -> np.ndarra
     if arr.dtype.kind not in "ui":
         raise ValueError(f"{who} has dtype {arr.dtype}; use unsigned integers "
                          f"(uint64) with values below 2**bits")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= config.modulus):
+    if arr.size and ((arr.dtype.kind == "i" and int(arr.min()) < 0)
+                     or int(arr.max()) >= config.modulus):
         raise ValueError(f"{who} has values outside [0, 2**{config.bits}); reduce them "
                          f"mod 2**bits or raise bits")
     return arr.astype(dtype_for_bits(config.bits), copy=True)
@@ -139,7 +140,7 @@ class _Secrets:
     encryption: bytearray  # c_u, 32 bytes
     masking: bytearray  # s_u, 32 bytes
     seed: bytearray  # b_u, 32 bytes
-    input: np.ndarray  # x_u, then y_u (masked in place)
+    input: np.ndarray  # x_u, then y_u (masked in place; y_u is public and not wiped)
 
     def key(self, which: bytearray) -> X25519PrivateKey:
         return X25519PrivateKey.from_private_bytes(which)
@@ -301,9 +302,10 @@ class Client:
         return error
 
     def _erase(self) -> None:
-        """Overwrite with zeros every buffer that held a secret of this round: the private
-        keys, the seed, the (masked) input, the X25519 share-key secrets, its own shares and
-        those it received. What was revealed stays in the cached replies only."""
+        """Overwrite with zeros every buffer that holds a secret of this round: the private
+        keys, the seed, the input (until it is masked in place: the masked input is
+        public), the X25519 share-key secrets, its own shares and those it received. What
+        was revealed stays in the cached replies only."""
         for buffer in self._wipeable:
             _wipe(buffer)
         self._wipeable = []
@@ -492,7 +494,10 @@ class Client:
         width = 8 * y.dtype.itemsize
         if cfg.bits < width:
             np.bitwise_and(y, y.dtype.type((1 << cfg.bits) - 1), out=y)
-        return y.tobytes()
+        # y is public now (it is what the server receives): no longer wiped, and handed
+        # out as a read-only view instead of a copy
+        self._wipeable = [b for b in self._wipeable if b is not y]
+        return cast(bytes, memoryview(y).cast("B").toreadonly())
 
     # --- stage consistency_check (malicious) ---------------------------------------------
 

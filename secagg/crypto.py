@@ -211,6 +211,12 @@ def dtype_for_bits(bits: int) -> np.dtype[np.unsignedinteger]:
 _ZERO_COUNTER = modes.CTR(b"\x00" * 16)  # each mask key is used for exactly one stream
 
 
+@lru_cache(maxsize=4)
+def _zeros(nbytes: int) -> bytes:
+    """The all-zero plaintext the keystream is encrypted from (immutable: shared)."""
+    return bytes(nbytes)
+
+
 class Masker:
     """Expands mask keys with AES-128-CTR into one preallocated buffer and adds or subtracts
     the keystream in place, so a mask costs one keystream pass plus one vector add."""
@@ -219,7 +225,7 @@ class Masker:
         self.dim = dim
         self.dtype = dtype_for_bits(bits)
         nbytes = dim * self.dtype.itemsize
-        self._zeros = bytes(nbytes)
+        self._zeros = _zeros(nbytes)
         self._buffer = bytearray(nbytes + 15)
         self._view = np.frombuffer(self._buffer, dtype=self.dtype, count=dim)
 

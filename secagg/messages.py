@@ -14,7 +14,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
@@ -69,7 +69,8 @@ class ShareKeys:
 @dataclass(frozen=True)
 class MaskedInput:
     """Stage masked_input: y = x + PRG(b_u) + sum of signed pairwise masks, mod 2^bits,
-    as little-endian unsigned integers of the smallest width holding ``bits``.
+    as little-endian unsigned integers of the smallest width holding ``bits`` (decoded:
+    a read-only view into the received wire bytes, not a copy).
     ``peers_digest`` names the peers the client masked with, so the server notices when
     the set it forwarded was altered on the way (docs/protocol.md section 5)."""
 
@@ -194,6 +195,17 @@ def _id_map(mapping: Mapping[int, bytes]) -> dict[int, bytes]:
     return dict(mapping)
 
 
+def _encode_masked(message: MaskedInput) -> bytes:
+    """``MaskedInput`` with the vector copied once (msgpack's packb would copy it twice)."""
+    packer = msgpack.Packer(use_bin_type=True)
+    head = (packer.pack_array_header(9) + packer.pack(MAGIC) + packer.pack(3)
+            + packer.pack(message.session_id) + packer.pack(message.client_id)
+            + packer.pack(message.bits) + packer.pack(message.dim)
+            + _bin_header(len(message.masked)))
+    tail = packer.pack(message.peers_digest) + packer.pack(message.signature)
+    return b"".join((head, message.masked, tail))
+
+
 def encode(message: Message) -> bytes:
     """The wire bytes of ``message``."""
     kind = _KINDS[type(message)]
@@ -205,8 +217,7 @@ def encode(message: Message) -> bytes:
     elif isinstance(message, ShareKeys):
         body = [message.client_id, _id_map(message.ciphertexts), message.signature]
     elif isinstance(message, MaskedInput):
-        body = [message.client_id, message.bits, message.dim, message.masked,
-                message.peers_digest, message.signature]
+        return _encode_masked(message)
     elif isinstance(message, ConsistencySignature):
         body = [message.client_id, message.signature]
     elif isinstance(message, UnmaskingShares):
@@ -277,6 +288,18 @@ class _Reader:
         if lead not in _UINT:
             raise _fail(f"{what} must be a non-negative integer")
         return self._length(_UINT, lead, what)
+
+    def view(self, what: str, length: int) -> bytes:
+        """A bin of exactly ``length`` bytes as a read-only view into the message (no copy:
+        the masked vector is most of a round's bytes)."""
+        lead = self.data[self._take(1, what)]
+        if lead not in _BIN:
+            raise _fail(f"{what} must be bytes")
+        size = self._length(_BIN, lead, what)
+        if size != length:
+            raise _fail(f"{what} must be {length} bytes, got {size}")
+        start = self._take(size, what)
+        return cast(bytes, memoryview(self.data)[start:start + size])
 
     def bin(self, what: str, length: int | None = None, *, limit: int = 1 << 62) -> bytes:
         lead = self.data[self._take(1, what)]
@@ -450,7 +473,7 @@ def _build(r: _Reader, kind: int, session: bytes, party: int, max_entries: int,
         if size > max_vector:
             raise _fail(f"a masked vector of {size} bytes is more than the {max_vector} this "
                         "round allows")
-        blob = r.bin("masked vector", size)
+        blob = r.view("masked vector", size)
         return MaskedInput(session, party, bits, dim, blob, r.bin("peers digest", 32),
                            r.signature("signature"))
     if kind == 4:

@@ -29,7 +29,6 @@ from .crypto import (
     constant_time_equal,
     dtype_for_bits,
     self_mask_commitment,
-    sha256,
     verify_signature,
 )
 from .errors import ProtocolAbort, ProtocolError
@@ -115,8 +114,10 @@ class Server:
         self._stage = Stage.ADVERTISE_KEYS
         self._expected: set[int] = set(self.roster)
         self._inbox: dict[int, ClientMessage] = {}
-        self._digests: dict[int, bytes] = {}
-        self._previous_digests: dict[int, bytes] = {}
+        # wire bytes of each accepted message (this stage, previous stage): a redelivery is
+        # the same bytes, compared only when a sender already has one (no hashing)
+        self._accepted_raw: dict[int, bytes] = {}
+        self._previous_raw: dict[int, bytes] = {}
         self.dropped: dict[int, Stage] = {}
         # the most recent rejections, bounded so a flood cannot grow memory
         self.rejected: deque[tuple[int, str]] = deque(maxlen=1024)
@@ -171,14 +172,13 @@ class Server:
                              client_id=client_id)
 
     def receive(self, client_id: int,
-                message: ClientMessage | bytes | bytearray | memoryview, *,
-                digest: bytes | None = None) -> bool:
+                message: ClientMessage | bytes | bytearray | memoryview) -> bool:
         """Accept one message from ``client_id`` (the transport-authenticated sender).
 
         Returns ``True`` for a new message, ``False`` for a redelivery of one already
         accepted (this stage's or the previous stage's); raises ``ProtocolError`` when the
-        message is rejected. ``digest``: the SHA-256 of the wire bytes when the transport
-        already computed it (so the frame is hashed once)."""
+        message is rejected. The bytes are decoded once; nothing is hashed except what a
+        signature covers (malicious mode)."""
         if self.aborted is not None:
             raise self._reject(client_id, f"the round was aborted: {self.aborted}")
         if isinstance(message, (bytes, bytearray, memoryview)):
@@ -190,7 +190,6 @@ class Server:
             except Exception as exc:  # a hand-built object with wrong field types
                 raise self._reject(client_id, f"malformed {type(message).__name__} object: "
                                               f"{exc}") from None
-            digest = None
         else:
             raise self._reject(client_id, f"{type(message).__name__} is not a client message")
         try:
@@ -208,11 +207,9 @@ class Server:
                                           f"{msg.client_id}")
         if msg.session_id != self.session_id:
             raise self._reject(client_id, "the message belongs to another session")
-        if digest is None or len(digest) != 32:
-            digest = sha256(raw)
-        if self._digests.get(client_id) == digest and client_id in self._inbox:
+        if self._accepted_raw.get(client_id) == raw and client_id in self._inbox:
             return False  # redelivery of an accepted message
-        if self._previous_digests.get(client_id) == digest:
+        if self._previous_raw.get(client_id) == raw:
             return False  # late redelivery of last stage's message (also after the result)
         if self.result is not None:
             raise self._reject(client_id, "the round has finished")
@@ -225,7 +222,7 @@ class Server:
             raise self._reject(client_id, "a second, different message in one stage")
         self._validate(client_id, msg)
         self._inbox[client_id] = msg
-        self._digests[client_id] = digest
+        self._accepted_raw[client_id] = raw
         if isinstance(msg, AdvertiseKeys):
             self._advert_digests[client_id] = advertisement_digest(
                 self.session_id, client_id, _entry(msg))
@@ -321,8 +318,8 @@ class Server:
         return responders
 
     def _open(self, stage: Stage, recipients: Iterable[int]) -> None:
-        self._previous_digests = dict(self._digests)
-        self._digests = {}
+        self._previous_raw = self._accepted_raw
+        self._accepted_raw = {}
         self._inbox = {}
         self._stage = stage
         self._expected = set(recipients)

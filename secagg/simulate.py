@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .client import Client, check_input
+from .client import Client
 from .config import Config
 from .crypto import SigningKey
 from .errors import ProtocolAbort, ProtocolError
@@ -66,20 +66,25 @@ def simulate(config: Config, inputs: Mapping[int, object],
     if len(inputs) != config.num_clients:
         raise ValueError(f"inputs has {len(inputs)} clients but num_clients="
                          f"{config.num_clients}; give one vector per client")
-    checked = {cid: check_input(vec, config, f"inputs[{cid}]") for cid, vec in inputs.items()}
-    drops = _parse_drop(drop, set(checked))
+    drops = _parse_drop(drop, set(inputs))
     if context is None:
         context = (b"secagg.simulate|seed=%d" % seed) if seed is not None else os.urandom(32)
-    roster = sorted(checked)
+    roster = sorted(inputs)
     signing: dict[int, SigningKey] = {}
     verify: dict[int, bytes] | None = None
     if config.malicious:
         signing = {cid: SigningKey.generate() for cid in roster}
         verify = {cid: key.public for cid, key in signing.items()}
     server = Server(config, roster=roster, context=context, verify_keys=verify)
-    clients = {cid: Client(config, cid, checked[cid], roster=roster, context=context,
-                           signing_key=signing.get(cid), verify_keys=verify)
-               for cid in roster}
+    clients: dict[int, Client] = {}
+    for cid in roster:  # each input is checked and copied once, by its client
+        try:
+            clients[cid] = Client(config, cid, inputs[cid], roster=roster, context=context,
+                                  signing_key=signing.get(cid), verify_keys=verify)
+        except ValueError as exc:
+            text = str(exc)
+            raise ValueError(f"inputs[{cid}]{text[5:]}" if text.startswith("input ")
+                             else text) from None
     seconds: dict[str, float] = {}
     sent: dict[int, dict[str, int]] = {cid: {} for cid in roster}
     received: dict[int, dict[str, int]] = {cid: {} for cid in roster}

@@ -211,7 +211,7 @@ class Round:
 def server_state(server: Server) -> tuple[object, ...]:
     """Everything a rejected message must leave unchanged on the server."""
     return (server.stage, server.pending, server.received, dict(server.dropped),
-            server.finished, bytes(server._sum.tobytes()), dict(server._digests))
+            server.finished, bytes(server._sum.tobytes()), dict(server._accepted_raw))
 
 
 def client_state(client: Client) -> tuple[object, ...]:

@@ -428,18 +428,23 @@ def test_large_hostile_message_costs_a_small_multiple_of_its_size(kind: str) -> 
                  "numpy buffers that are overwritten with zeros on abort and on finishing "
                  "(transient copies inside cryptography's objects and immutable bytes are "
                  "not: docs/protocol.md 7.1)", mode="both")
-@pytest.mark.parametrize("end", ["abort", "finish"])
+@pytest.mark.parametrize("end", ["abort_before_masking", "abort", "finish"])
 def test_client_secret_buffers_are_wiped_after_abort_and_finish(end: str) -> None:
     config = Config(num_clients=5, dim=DIM, bits=BITS)
     rnd = Recorded(config, {}, seed=9)
-    for stage in round_stages(config)[:3]:
+    stages = 2 if end == "abort_before_masking" else 3
+    for stage in round_stages(config)[:stages]:
         rnd.stage(stage)
         rnd.close()
     client = rnd.clients[2]
     buffers = list(client._wipeable)
-    assert len(buffers) >= 7 and all(np.any(np.frombuffer(b, np.uint8)) if isinstance(
-        b, bytearray) else np.any(b) for b in buffers)
-    if end == "abort":
+    # keys, seed, share-key secrets, own shares (+ the plaintext input before masking,
+    # + the received shares after)
+    assert len(buffers) >= 5
+    assert (client._secrets.input in buffers) == (end == "abort_before_masking")
+    assert all(np.any(np.frombuffer(b, np.uint8)) if isinstance(b, bytearray) else np.any(b)
+               for b in buffers)
+    if end.startswith("abort"):
         with pytest.raises(ProtocolAbort):
             client.handle(encode(SurvivorList(client.session_id, 2, (1, 2, 3))))
     else:
