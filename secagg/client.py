@@ -497,7 +497,7 @@ class Client:
         # y is public now (it is what the server receives): no longer wiped, and handed
         # out as a read-only view instead of a copy
         self._wipeable = [b for b in self._wipeable if b is not y]
-        return cast(bytes, memoryview(y).cast("B").toreadonly())
+        return cast(bytes, y.data.cast("B").toreadonly())
 
     # --- stage consistency_check (malicious) ---------------------------------------------
 
