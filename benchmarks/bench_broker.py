@@ -2,7 +2,8 @@
 
 Why: a secagg round moves ~0.4-several MB per site per stage through one aggregation
 server; this measures how many MB/s each broker sustains in that fan-in shape, next to the
-floor of a plain loopback TCP copy of the same bytes (printed as a ratio, per docs/architecture.md §7).
+floor of a plain loopback TCP copy of the same bytes (printed as a ratio, per
+docs/architecture.md §7), and the broker process's peak RSS.
 
     python benchmarks/bench_broker.py --clients 20 --size 4194304 --messages 2 [--json]
 
@@ -33,21 +34,25 @@ import aiomqtt
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from transport.broker.auth import TOKEN_LOG2_N, hash_password  # noqa: E402
 from transport.mosquitto import MosquittoBroker, mosquitto_available  # noqa: E402
 
-USERS = {"bench": "bench-pw"}
+USERS = {"subscriber": "bench-pw", **{f"pub-{i}": "bench-pw" for i in range(1000)}}
+"""One login per client: both brokers bind client ids to usernames."""
 
 
 @contextmanager
-def embedded_process() -> Iterator[tuple[int, int]]:
-    """The embedded broker in a child process; yields its port and pid."""
+def embedded_process(max_payload: int) -> Iterator[tuple[int, int]]:
+    """The embedded broker in a child process (``max_payload`` raised from its 256 KiB
+    default to what the benchmark sends); yields its port and pid."""
     with tempfile.TemporaryDirectory() as tmp:
         users_file, port_file = Path(tmp, "users.json"), Path(tmp, "port")
-        users_file.write_text(json.dumps(USERS))
+        users_file.write_text(json.dumps({u: hash_password(pw, log2_n=TOKEN_LOG2_N)
+                                          for u, pw in USERS.items()}))
         proc = subprocess.Popen(
             [sys.executable, "-m", "transport.broker", "--users-file", str(users_file),
-             "--port-file", str(port_file), "--log-level", "WARNING"],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+             "--port-file", str(port_file), "--log-level", "WARNING",
+             "--max-payload", str(max_payload)],
         )
         try:
             deadline = time.monotonic() + 10
@@ -66,7 +71,8 @@ def embedded_process() -> Iterator[tuple[int, int]]:
 
 
 @contextmanager
-def mosquitto_process() -> Iterator[tuple[int, int]]:
+def mosquitto_process(max_payload: int) -> Iterator[tuple[int, int]]:
+    del max_payload  # the generated config allows the MQTT maximum
     with MosquittoBroker(users=USERS) as broker:
         yield broker.port, broker.pid
 
@@ -88,7 +94,7 @@ async def fan_in(port: int, clients: int, size: int, messages: int) -> float:
     expected = clients * messages
 
     def connect(identifier: str) -> aiomqtt.Client:
-        return aiomqtt.Client("127.0.0.1", port, username="bench", password=USERS["bench"],
+        return aiomqtt.Client("127.0.0.1", port, username=identifier, password=USERS[identifier],
                               identifier=identifier, timeout=60)
 
     async with connect("subscriber") as sub:
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if mosquitto_available():
         brokers["mosquitto"] = mosquitto_process
     for name, factory in brokers.items():
-        with factory() as (port, pid):
+        with factory(args.size) as (port, pid):
             seconds = asyncio.run(fan_in(port, args.clients, args.size, args.messages))
             peak = peak_rss_mib(pid)
         results[name] = {"seconds": seconds, "mb_per_s": total / seconds / 1e6,

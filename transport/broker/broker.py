@@ -272,7 +272,7 @@ class EmbeddedBroker:
             return
         self.stats.wills_published += 1
         logger.debug("%r: publishing will to %r", connection, will.topic)
-        self.router.fan_out(will)
+        self.router.fan_out(will, wait=False)
 
     async def _watch(self) -> None:
         """Close connections past a deadline: no CONNECT in time, a packet left half-sent,

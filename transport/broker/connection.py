@@ -334,8 +334,8 @@ class Connection:
         if late:
             self.busy = True  # waiting for a subscriber is the broker's doing, not the client's
             try:
-                for session in late:
-                    await broker.router.wait_for(session)
+                for session, qos in late:
+                    await broker.router.deliver_late(session, message, qos)
             finally:
                 self.busy = False
 

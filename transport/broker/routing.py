@@ -4,8 +4,8 @@
 other level), so matching a topic costs its depth times the wildcards on the way, not one
 comparison per subscription in the broker. :class:`RetainedStore` keeps retained messages
 with an owner each and caps them per user and overall. :class:`Router` delivers a message to
-every matching session without ever waiting for one of them; only the publisher waits, and
-only for a subscriber that is over its queue limit and still draining.
+every matching session with room at once; only the publisher waits, and only for a
+subscriber that is over its queue limit and still draining, before queueing its copy.
 """
 
 from __future__ import annotations
@@ -156,23 +156,29 @@ class Router:
         if session.connection is not None and session.over(2.0):
             self._drop_slow(session)
 
-    def fan_out(self, message: Message) -> list[Session]:
-        """Queue ``message`` for every matching session now; returns the sessions that are
-        over their limit (a publisher may wait for them with :meth:`wait_for`)."""
+    def fan_out(self, message: Message, *, wait: bool = True) -> list[tuple[Session, int]]:
+        """Queue ``message`` now for every matching session that has room; returns those
+        over their limit, with the QoS to use (the publisher delivers to them with
+        :meth:`deliver_late`). With ``wait=False`` (wills) every session gets it now."""
         late = []
-        for session, qos in self.index.match(message.topic).items():
-            self.deliver(session, message, min(qos, message.qos), retain=False)
-            if session.connection is not None and session.over():
-                late.append(session)
+        for session, granted in self.index.match(message.topic).items():
+            qos = min(granted, message.qos)
+            if wait and session.connection is not None and session.over():
+                late.append((session, qos))
+            else:
+                self.deliver(session, message, qos, retain=False)
         return late
 
-    async def wait_for(self, session: Session) -> None:
-        """Wait while ``session`` is over its limit and keeps making progress; drop it once
-        it made none for ``slow_consumer_timeout`` seconds."""
+    async def deliver_late(self, session: Session, message: Message, qos: int) -> None:
+        """Wait while ``session`` is over its limit and keeps making progress, then queue
+        ``message``; drop the session's connection once it made no progress for
+        ``slow_consumer_timeout`` seconds (a persistent session still queues it)."""
         timeout = self.limits.slow_consumer_timeout
         while session.connection is not None and session.over():
             remaining = session.progress_at + timeout - time.monotonic()
             if remaining <= 0:
                 self._drop_slow(session)
-                return
-            await session.wait_progress(remaining)
+                break
+            await session.wait_room(remaining)
+        self.deliver(session, message, qos, retain=False)
+        session.notify_room()  # the next waiting publisher, if there is still room

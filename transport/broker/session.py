@@ -39,7 +39,7 @@ class Session:
         self._pending: deque[tuple[Message, int, bool]] = deque()
         self._pending_bytes = 0
         self._next_id = 0
-        self._progress = asyncio.Event()
+        self._room_waiters: deque[asyncio.Future[None]] = deque()
         self.acked_at = time.monotonic()
         self.detached_at = time.monotonic()
         self.dropped = 0
@@ -57,6 +57,7 @@ class Session:
         """Bind to a new connection; re-send what was in flight (DUP) and what was queued.
         Returns how many messages were delivered again."""
         self.connection = connection
+        connection.outbox.on_room = self.notify_room
         resent = 0
         for packet_id, (message, retain) in self._inflight.items():
             connection.outbox.put(message.header(1, retain, packet_id, dup=True),
@@ -72,7 +73,10 @@ class Session:
             self._inflight.clear()
             self._pending.clear()
             self._pending_bytes = 0
-        self._progress.set()
+        for waiter in self._room_waiters:  # nothing to wait for any more
+            if not waiter.done():
+                waiter.set_result(None)
+        self._room_waiters.clear()
 
     # -- delivery ------------------------------------------------------------------------
 
@@ -122,7 +126,7 @@ class Session:
             return False
         self.acked_at = time.monotonic()
         self._fill()
-        self._progress.set()
+        self.notify_room()
         return True
 
     # -- back-pressure -------------------------------------------------------------------
@@ -140,16 +144,25 @@ class Session:
         outbox = self.connection.outbox.progress_at if self.connection is not None else 0.0
         return max(outbox, self.acked_at)
 
-    async def wait_progress(self, timeout: float) -> None:
-        """Wait until an acknowledgement or drained bytes may have made room (or timeout)."""
-        self._progress.clear()
-        connection = self.connection
-        if connection is None:
+    def notify_room(self) -> None:
+        """Wake the first publisher waiting for room, if there is room (it passes the baton
+        on after queueing its message: waking every waiter would make them all re-check)."""
+        waiters = self._room_waiters
+        while waiters:
+            if waiters[0].done():
+                waiters.popleft()
+                continue
+            if self.over():
+                return
+            waiters.popleft().set_result(None)
             return
-        waiters = [asyncio.ensure_future(self._progress.wait()),
-                   asyncio.ensure_future(connection.outbox.wait_below())]
+
+    async def wait_room(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until this session may have room again."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._room_waiters.append(waiter)
         try:
-            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([waiter], timeout=timeout)
         finally:
-            for waiter in waiters:
+            if not waiter.done():
                 waiter.cancel()

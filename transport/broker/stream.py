@@ -223,9 +223,9 @@ class Stream(asyncio.BufferedProtocol):
 class Outbox:
     """Outbound queue of one connection, drained by its writer task.
 
-    Never blocks the caller: the router appends and then asks :meth:`over` /
-    :meth:`wait_below` (a publisher waits for a subscriber that is over ``limit`` while it
-    keeps draining). ``progress_at`` is when the writer last got bytes out.
+    Never blocks the caller: the router appends, and asks :meth:`over` (a publisher waits
+    for a subscriber that is over ``limit`` while it keeps draining, woken by
+    ``on_room``). ``progress_at`` is when the writer last got bytes out.
     """
 
     def __init__(self, stream: Stream, limit: int) -> None:
@@ -234,10 +234,10 @@ class Outbox:
         self._items: deque[tuple[bytes, tuple[Buffer, ...], int]] = deque()
         self._queued = 0
         self._wakeup = asyncio.Event()
-        self._space = asyncio.Event()
-        self._space.set()
         self.closed = False
         self.progress_at = time.monotonic()
+        self.on_room: Callable[[], None] | None = None
+        """Called whenever a packet went out and the queue is at or under its limit."""
 
     @property
     def queued_bytes(self) -> int:
@@ -255,15 +255,7 @@ class Outbox:
             self.progress_at = time.monotonic()  # an idle writer has nothing to be late with
         self._items.append((header, chunks, total))
         self._queued += total
-        if self._queued > self.limit:
-            self._space.clear()
         self._wakeup.set()
-
-    async def wait_below(self) -> None:
-        """Return once the queue is at or under its limit (or the outbox closed)."""
-        while self._queued > self.limit and not self.closed:
-            self._space.clear()
-            await self._space.wait()
 
     def close(self, discard: bool = False) -> None:
         """Stop accepting; ``discard`` drops what is queued (the transport is gone)."""
@@ -272,7 +264,6 @@ class Outbox:
             self._items.clear()
             self._queued = 0
         self._wakeup.set()
-        self._space.set()
 
     async def run(self) -> None:
         """Write queued packets in order until closed; payload buffers are the ones every
@@ -297,5 +288,5 @@ class Outbox:
                 await writer.drain()
             self.progress_at = time.monotonic()
             self._queued -= size
-            if self._queued <= self.limit:
-                self._space.set()
+            if self._queued <= self.limit and self.on_room is not None:
+                self.on_room()
