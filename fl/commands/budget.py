@@ -20,6 +20,8 @@ import math
 import sys
 from typing import Any
 
+from fl.commands._common import error
+
 MECHANISM = ("Poisson-sampled Gaussian, one step per round (--dp site with one DP-SGD step "
              "per round)")
 
@@ -40,7 +42,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--noise-multiplier", type=float, help="noise stddev / clip norm")
     group.add_argument("--rounds", type=int, help="number of rounds to fit in the budget")
-    p.add_argument("--accountant", choices=("rdp", "prv"), default="rdp")
+    p.add_argument("--accountant", choices=("rdp", "prv"), default="rdp",
+                   help="rdp (Opacus RDP, default) or prv (Opacus PRV: tighter)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(command="budget")
     return p
@@ -65,8 +68,7 @@ def _validate(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     problem = _validate(args)
     if problem:
-        print(f"secagg budget: {problem}", file=sys.stderr)
-        return 2
+        return error("budget", problem)
     from dp.accounting import gaussian_epsilon, noise_multiplier_for, rounds_for
     from dp.errors import PrivacyError
 
@@ -80,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
                                      args.accountant)
         spent = gaussian_epsilon(z, args.sample_rate, rounds, args.delta, args.accountant)
     except PrivacyError as exc:
-        print(f"secagg budget: {exc}", file=sys.stderr)
-        return 2
+        return error("budget", exc)
     result = {
         "epsilon": args.epsilon, "delta": args.delta, "sample_rate": args.sample_rate,
         "noise_multiplier": z, "rounds": rounds, "accountant": args.accountant,
