@@ -241,15 +241,18 @@ class SecureAggregation(Strategy):
 
         k, t = self._graph(len(roster))
         # Config fills in the protocol's threshold floor when t is None
+        rates = ({} if k is None else
+                 {"dropout_rate": self.dropout_rate, "corrupt_rate": self.corrupt_rate})
         probe = Config(num_clients=len(roster), threshold=t, neighbors=k,
-                       security=self.security)
+                       security=self.security, **rates)
         nonce = os.urandom(32)
         setup = RoundSetup(
             run_id=int(grid.run.run_id), server_round=server_round, nonce=nonce,
             roster=tuple(roster), threshold=int(probe.threshold or 0),
             neighbors=probe.neighbors, bits=self.bits, security=self.security,
             arrays=specs, metrics=self.metrics, weight_key=self._weight_key(),
-            encoding="fixed", frac_bits=self.frac_bits)
+            encoding="fixed", frac_bits=self.frac_bits, dropout_rate=self.dropout_rate,
+            corrupt_rate=self.corrupt_rate)
         if self.privacy is None:
             return setup
         plan = self._plan(setup.model_dim, setup)

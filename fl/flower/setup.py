@@ -82,6 +82,8 @@ class RoundSetup:
     encoding: str
     frac_bits: int = 0
     dp: DpSpec | None = None
+    dropout_rate: float = 0.0
+    corrupt_rate: float = 0.0
 
     # --- derived ----------------------------------------------------------------------------
 
@@ -105,9 +107,13 @@ class RoundSetup:
 
     def config(self, dim: int) -> Config:
         """The secagg configuration (``dim`` is the encoded length, see fl.flower.encoding)."""
+        # a sparse graph is checked against the rates it was derived for (Bell et al.)
+        rates = ({} if self.neighbors is None else
+                 {"dropout_rate": self.dropout_rate, "corrupt_rate": self.corrupt_rate})
         try:
             return Config(num_clients=self.num_clients, threshold=self.threshold, dim=dim,
-                          bits=self.bits, neighbors=self.neighbors, security=self.security)
+                          bits=self.bits, neighbors=self.neighbors, security=self.security,
+                          **rates)
         except ValueError as exc:
             raise SetupError(f"unsafe or invalid protocol parameters: {exc}") from None
 
@@ -128,6 +134,7 @@ class RoundSetup:
             "dp": None if self.dp is None else [
                 self.dp.clip_norm, self.dp.scale, self.dp.bits, self.dp.noise_stddev,
                 self.dp.rotation_seed, self.dp.mechanism, self.dp.beta, self.dp.threshold],
+            "rates": [self.dropout_rate, self.corrupt_rate],
         }
         return bytes(msgpack.packb(body, use_bin_type=True))
 
@@ -187,12 +194,18 @@ class RoundSetup:
                              "no noise); send none")
         if encoding == "fixed" and body.get("dp") is not None:
             raise SetupError("a fixed-point round carries no DP parameters")
+        rates = body.get("rates")
+        if not isinstance(rates, list) or len(rates) != 2:
+            raise SetupError("the setup needs [dropout_rate, corrupt_rate]")
+        dropout_rate = _float(rates[0], "dropout_rate", 0.0, 0.999)
+        corrupt_rate = _float(rates[1], "corrupt_rate", 0.0, 0.999)
         return cls(run_id=_int(body, "run", 0, (1 << 64) - 1),
                    server_round=_int(body, "round", 0, (1 << 63) - 1), nonce=nonce,
                    roster=tuple(roster), threshold=_int(body, "t", 1, MAX_ROSTER),
                    neighbors=k or None, bits=_int(body, "bits", 8, 64), security=security,
                    arrays=specs, metrics=tuple(metrics), weight_key=weight,
-                   encoding=encoding, frac_bits=frac_bits, dp=dp)
+                   encoding=encoding, frac_bits=frac_bits, dp=dp,
+                   dropout_rate=dropout_rate, corrupt_rate=corrupt_rate)
 
 
 def _int(body: dict[str, Any], key: str, low: int, high: int) -> int:

@@ -74,7 +74,7 @@ class InProcessGrid(Grid):
         """Run the ClientApp on one message; the reply after serde (None if silent)."""
         message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
         received = wire(message)
-        self.sent.append(received)
+        self.sent.append(wire(received))  # the ClientApp may alter its own copy
         node = received.metadata.dst_node_id
         if self.silent(node, received):
             return None

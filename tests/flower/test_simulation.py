@@ -27,7 +27,7 @@ def test_fifty_virtual_nodes_dropping_at_random_stages_every_aggregate_is_exact(
     plan = apps.random_drops(0.1, seed=11)
     wrapper = SecureAggregation(
         FedAvg(fraction_evaluate=0.0, min_train_nodes=NODES, min_available_nodes=NODES),
-        metrics=("train_loss",), stage_timeout=120)
+        dropout_rate=0.2, metrics=("train_loss",), stage_timeout=120)
     results = []
     server = ServerApp()
 

@@ -1,0 +1,310 @@
+"""The Flower adapter through Flower's own message serde, in-process (fast): exact sums for
+SecAgg and SecAgg+ with nodes failing or going silent at every stage, the user's strategy
+update rule, distributed DP with its budget, and what a node refuses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp.strategy import FedAdam, FedAvg
+
+from fl.flower import (
+    DistributedDP,
+    NodePolicy,
+    RoundSetup,
+    SecureAggregation,
+    SetupError,
+    make_secagg_mod,
+)
+from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE
+from secagg.messages import UnmaskRequest, decode, encode
+from tests.flower import apps
+from tests.flower.inprocess import InProcessGrid
+
+
+def _plan_by_position(grid: InProcessGrid, stages: dict[int, str]) -> apps.DropPlan:
+    by_node = {grid.nodes[i]: stage for i, stage in stages.items()}
+    return lambda node, server_round: by_node.get(node)
+
+
+def _grid(n: int, drops: dict[int, str] | None = None,
+          silent: Callable[[int, Message], bool] | None = None,
+          mods: list[Any] | None = None) -> tuple[InProcessGrid, apps.DropPlan]:
+    grid = InProcessGrid(None, n, silent=silent)
+    plan = _plan_by_position(grid, drops or {})
+    grid.app = apps.client_app(plan, mods)
+    return grid, plan
+
+
+def _check_exact(wrapper: SecureAggregation, plan: apps.DropPlan) -> None:
+    for report in wrapper.reports:
+        assert report.aborted is None, report.aborted
+        assert report.included == apps.expected_included(report, plan)
+        assert np.array_equal(report.total, apps.expected_total(report))
+
+
+@pytest.mark.parametrize("neighbors", [None, "auto"])
+def test_rounds_are_exact_when_nodes_fail_at_every_stage(neighbors: str | None) -> None:
+    drops = {1: "advertise_keys", 4: "share_keys", 7: "masked_input", 10: "unmasking"}
+    grid, plan = _grid(16, drops)
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=16),
+                                neighbors=neighbors, dropout_rate=0.25,
+                                metrics=("train_loss",))
+    result = wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=5)
+    _check_exact(wrapper, plan)
+    report = wrapper.reports[-1]
+    assert (report.setup.neighbors is None) == (neighbors is None)
+    assert report.dropped == {grid.nodes[i]: s for i, s in drops.items()}
+    assert len(report.included) == 16 - 3
+    for name, value in apps.weighted_average(report.included, 2).items():
+        np.testing.assert_allclose(result.arrays[name].numpy(), value, rtol=1e-6, atol=1e-6)
+    weights = sum(1 + node % 7 for node in report.included)
+    losses = sum((1 + node % 7) * apps.reply_content(node, 2)["metrics"]["train_loss"]
+                 for node in report.included)
+    assert result.train_metrics_clientapp[2]["train_loss"] == pytest.approx(losses / weights)
+
+
+def test_silent_nodes_are_dropouts_of_the_stage_they_miss() -> None:
+    grid, _ = _grid(8)
+    quiet = {grid.nodes[2]: "share_keys", grid.nodes[5]: "unmasking"}
+    grid.silent = lambda node, msg: quiet.get(node) == apps.stage_of(msg) or (
+        node in quiet and apps.stage_of(msg) in ("masked_input", "unmasking")
+        and quiet[node] == "share_keys")
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=8),
+                                neighbors=None)
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    (report,) = wrapper.reports
+    assert report.dropped == quiet
+    assert report.included == frozenset(grid.nodes) - {grid.nodes[2]}
+    assert np.array_equal(report.total, apps.expected_total(report))
+
+
+def test_the_strategy_update_rule_applies_to_the_secure_aggregate() -> None:
+    """FedAdam's server optimiser on the secure aggregate equals FedAdam on the plain replies."""
+    plain_grid, _ = _grid(6, mods=[])
+    plain = FedAdam(fraction_evaluate=0.0, min_available_nodes=6).start(
+        plain_grid, apps.initial_arrays(), num_rounds=3, timeout=5)
+    grid, _ = _grid(6)
+    wrapper = SecureAggregation(FedAdam(fraction_evaluate=0.0, min_available_nodes=6))
+    secure = wrapper.start(grid, apps.initial_arrays(), num_rounds=3, timeout=5)
+    assert len(wrapper.reports) == 3
+    for name in apps.SHAPES:
+        np.testing.assert_allclose(secure.arrays[name].numpy(), plain.arrays[name].numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        assert not np.allclose(secure.arrays[name].numpy(), 0)
+
+
+def test_nothing_but_secagg_messages_leaves_a_node_and_the_state_is_erased() -> None:
+    grid, _ = _grid(5)
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=5),
+                                neighbors=None)
+    snapshots: list[bytes] = []
+    deliver = grid.deliver
+
+    def recording(message: Message) -> Message | None:
+        reply = deliver(message)
+        for node in grid.nodes:
+            saved = grid.state(node).config_records.get(STATE)
+            if saved is not None:
+                snapshots.append(bytes(saved["snapshot"]))
+        return reply
+
+    grid.deliver = recording  # type: ignore[method-assign]
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    assert wrapper.reports[0].aborted is None and snapshots
+    plain = [apps.reply_content(node, 1)["arrays"][k].numpy().tobytes()
+             for node in grid.nodes for k in apps.SHAPES]
+    for reply in grid.replies:
+        assert set(reply.content.keys()) == {RECORD}
+        record = reply.content[RECORD]
+        assert set(record.keys()) == {SESSION, PAYLOAD}
+        decode(record[PAYLOAD])  # a secagg client message, nothing else
+        wire = record[PAYLOAD]
+        assert not any(chunk[:32] in wire for chunk in plain)
+        assert not any(snap[-64:] in wire for snap in snapshots)
+    assert all(STATE not in grid.state(node).config_records for node in grid.nodes)
+
+
+def _stalled_round(n: int = 5) -> tuple[InProcessGrid, SecureAggregation]:
+    """A round whose nodes all go silent at unmasking: every node keeps its snapshot."""
+    grid, _ = _grid(n)
+    grid.silent = lambda node, msg: apps.stage_of(msg) == "unmasking"
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=n),
+                                neighbors=None)
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    assert wrapper.reports[0].aborted is not None
+    grid.silent = lambda node, msg: False
+    return grid, wrapper
+
+
+def _request_to(grid: InProcessGrid, node: int) -> Message:
+    return next(m for m in grid.sent if m.metadata.dst_node_id == node
+                and apps.stage_of(m) == "unmasking")
+
+
+def _send(grid: InProcessGrid, node: int, content: RecordDict, group: str = "1") -> Message:
+    reply = grid.deliver(Message(content, dst_node_id=node, message_type="train",
+                                 group_id=group))
+    assert reply is not None
+    return reply
+
+
+def test_a_message_of_another_session_is_refused_and_changes_nothing() -> None:
+    grid, _ = _stalled_round()
+    node = grid.nodes[0]
+    request = _request_to(grid, node).content[RECORD]
+    before = grid.contexts[node].SerializeToString()
+    forged = RecordDict({RECORD: ConfigRecord({SESSION: bytes(32),
+                                               PAYLOAD: request[PAYLOAD]})})
+    reply = _send(grid, node, forged)
+    assert reply.has_error() and "RoundStateError" in reply.error.reason
+    assert grid.contexts[node].SerializeToString() == before
+
+
+def test_a_stale_round_message_is_refused_after_a_new_round_started() -> None:
+    grid, wrapper = _stalled_round()
+    node = grid.nodes[1]
+    old = _request_to(grid, node).content[RECORD]
+    grid.silent = lambda n, msg: apps.stage_of(msg) == "unmasking"
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)  # a second round
+    assert wrapper.reports[-1].setup.nonce != wrapper.reports[0].setup.nonce
+    assert STATE in grid.state(node).config_records  # the new round's state, mid-round
+    grid.silent = lambda n, msg: False
+    reply = _send(grid, node, RecordDict({RECORD: ConfigRecord(dict(old.items()))}))
+    assert reply.has_error() and "another secure-aggregation session" in reply.error.reason
+
+
+def test_a_snapshot_copied_from_another_node_is_refused() -> None:
+    grid, _ = _stalled_round()
+    a, b = grid.nodes[0], grid.nodes[1]
+    state_a = grid.state(a).config_records[STATE]
+    context_b = grid.contexts[b]
+    from flwr.common.serde import context_from_proto, context_to_proto
+
+    ctx = context_from_proto(context_b)
+    ctx.state.config_records[STATE] = state_a
+    grid.contexts[b] = context_to_proto(ctx)
+    record = _request_to(grid, b).content[RECORD]
+    reply = _send(grid, b, RecordDict({RECORD: ConfigRecord(dict(record.items()))}))
+    assert reply.has_error() and "StaleSnapshot" in reply.error.reason
+
+
+def test_the_both_shares_request_is_refused_and_the_round_secrets_erased() -> None:
+    """A server asking a node for both shares of one peer (which would unmask that peer's
+    update; Flower's secaggplus_mod answers it, see test_legacy.py) gets an error reply."""
+    grid, _ = _stalled_round()
+    node = grid.nodes[0]
+    record = _request_to(grid, node).content[RECORD]
+    honest = decode(record[PAYLOAD])
+    assert isinstance(honest, UnmaskRequest)
+    victim = max(honest.survivors)
+    evil = UnmaskRequest(honest.session_id, honest.recipient, honest.survivors,
+                         (*honest.dropped, victim), {})
+    reply = _send(grid, node, RecordDict({RECORD: ConfigRecord(
+        {SESSION: record[SESSION], PAYLOAD: encode(evil)})}))
+    assert reply.has_error() and "both survived and dropped" in reply.error.reason
+    assert STATE not in grid.state(node).config_records
+
+
+def _setup_message(grid: InProcessGrid, setup_bytes: bytes, node: int) -> RecordDict:
+    content = apps.reply_content(0, 1)
+    content["config"] = ConfigRecord({"server-round": 1})
+    content[RECORD] = ConfigRecord({SETUP: setup_bytes})
+    return content
+
+
+def _valid_setup(grid: InProcessGrid, **changes: Any) -> RoundSetup:
+    from dataclasses import replace
+
+    from fl.flower.encoding import layout_of
+
+    setup = RoundSetup(run_id=grid.run.run_id, server_round=1, nonce=bytes(range(32)),
+                       roster=tuple(grid.nodes), threshold=3, neighbors=None, bits=64,
+                       security="semi-honest", arrays=layout_of(apps.initial_arrays()),
+                       metrics=(), weight_key="num-examples", encoding="fixed",
+                       frac_bits=24)
+    return replace(setup, **changes)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda raw: raw[:-1], "does not decode"),
+    (lambda raw: raw + b"\x00", "does not decode"),
+    (lambda raw: b"\x80", "version"),
+])
+def test_a_malformed_setup_is_refused_with_a_typed_error(
+        mutate: Callable[[bytes], bytes], message: str) -> None:
+    grid, _ = _grid(4)
+    raw = mutate(_valid_setup(grid).to_bytes())
+    with pytest.raises(SetupError, match=message):
+        RoundSetup.from_bytes(raw)
+    reply = _send(grid, grid.nodes[0], _setup_message(grid, raw, grid.nodes[0]))
+    assert reply.has_error() and "SetupError" in reply.error.reason
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"threshold": 2}, "unsafe"),                       # t <= n/2 for n = 4
+    ({"roster": (1, 2, 3, 4)}, "not in this round's roster"),
+    ({"run_id": 99}, "run 99"),
+])
+def test_a_node_refuses_an_unsafe_or_foreign_setup(changes: dict[str, Any],
+                                                   message: str) -> None:
+    grid, _ = _grid(4)
+    raw = _valid_setup(grid, **changes).to_bytes()
+    reply = _send(grid, grid.nodes[0], _setup_message(grid, raw, grid.nodes[0]))
+    assert reply.has_error() and message in reply.error.reason
+    assert STATE not in grid.state(grid.nodes[0]).config_records
+
+
+def test_the_node_policy_refuses_small_rounds_and_rounds_without_dp() -> None:
+    grid, _ = _grid(4, mods=[make_secagg_mod(NodePolicy(min_clients=5))])
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
+                                neighbors=None)
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    assert wrapper.reports[0].aborted is not None
+    assert all("at least 5" in r.error.reason for r in grid.replies if r.has_error())
+    grid, _ = _grid(4, mods=[make_secagg_mod(NodePolicy(require_dp=True))])
+    raw = _valid_setup(grid).to_bytes()
+    reply = _send(grid, grid.nodes[0], _setup_message(grid, raw, grid.nodes[0]))
+    assert reply.has_error() and "distributed DP" in reply.error.reason
+
+
+def test_distributed_dp_round_decodes_to_the_noisy_average_within_its_noise() -> None:
+    n = 8
+    grid, _ = _grid(n)
+    wrapper = SecureAggregation(
+        FedAvg(fraction_evaluate=0.0, min_available_nodes=n), neighbors=None,
+        privacy=DistributedDP(clip_norm=4.0, noise_multiplier=0.5))
+    result = wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    (report,) = wrapper.reports
+    assert report.setup.encoding == "ddp" and report.setup.dp is not None
+    assert report.setup.dp.threshold == report.setup.threshold == 5
+    assert report.included == frozenset(grid.nodes)
+    # the arrays sent are zeros and every update is inside the clip: the exact average is
+    # the plain mean of the replies; the decoded one carries the nodes' summed noise
+    mean = np.concatenate([np.mean([apps.reply_content(node, 1)["arrays"][k].numpy()
+                                    for node in grid.nodes], axis=0).ravel()
+                           for k in apps.SHAPES])
+    got = np.concatenate([result.arrays[k].numpy().ravel() for k in apps.SHAPES])
+    sigma = report.setup.dp.noise_stddev * np.sqrt(n) / n  # per coordinate, in the mean
+    error = got - mean
+    assert np.sqrt(np.mean(error**2)) < 3 * sigma + 0.05
+    assert np.sqrt(np.mean(error**2)) > 0.1 * sigma  # the noise is there
+
+
+def test_distributed_dp_rounds_stop_at_the_budget() -> None:
+    n = 8
+    grid, _ = _grid(n)
+    privacy = DistributedDP(clip_norm=4.0, epsilon=8.0, delta=1e-5, rounds=2)
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=n),
+                                neighbors=None, privacy=privacy)
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=3, timeout=5)
+    assert len(wrapper.reports) == 2  # the third round would exceed the budget: not run
+    first, second = wrapper.reports
+    assert first.epsilon is not None and second.epsilon is not None
+    assert 0 < first.epsilon < second.epsilon <= 8.0
+    assert wrapper.budget is not None and wrapper.budget.rounds == 2
+    assert len([m for m in grid.sent if apps.stage_of(m) == "advertise_keys"]) == 2 * n
