@@ -219,3 +219,23 @@ def test_a_site_process_refuses_the_hostile_round_before_computing_anything(
     assert run(good).size == good.params.encoded_dim
     assert guard.ledger.releases == 1 and guard.ledger.epsilon > 0
     guard.ledger.close()
+
+
+def test_the_site_operators_policy_file_and_flags_make_the_policy(tmp_path: Path) -> None:
+    from fl.cli import build_parser
+    from fl.commands.train import site_policy_from_args
+
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"modes": ["site"], "min_noise_multiplier": 0.7,
+                                "max_releases": 50, "epsilon": 2.0, "delta": 1e-6}))
+    args = build_parser().parse_args(["train", "--role", "site", "--site-id", "1",
+                                      "--policy", str(path), "--min-threshold", "4",
+                                      "--max-sample-rate", "0.05"])
+    policy = site_policy_from_args(args)
+    assert policy == SitePolicy(modes=("site",), min_noise_multiplier=0.7, min_threshold=4,
+                                max_sample_rate=0.05, max_releases=50, epsilon=2.0,
+                                delta=1e-6)
+    args = build_parser().parse_args(["train", "--role", "site", "--site-id", "1",
+                                      "--dp", "distributed", "--epsilon", "3"])
+    policy = site_policy_from_args(args)
+    assert policy.modes == ("distributed",) and policy.requires_dp and policy.epsilon == 3.0
