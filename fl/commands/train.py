@@ -441,8 +441,8 @@ def run_remote(args: argparse.Namespace) -> int:
             ledger = args.ledger or default_ledger(args, broker)
             guard = open_site_guard(policy=site_policy_from_args(args), ledger_path=ledger,
                                     log=log)
-        except PrivacyError as exc:
-            print(f"secagg train: error: {exc}", file=sys.stderr)
+        except (PrivacyError, OSError) as exc:
+            print(f"secagg train: error: site privacy ledger/policy: {exc}", file=sys.stderr)
             return 2
         log(f"privacy policy {guard.ledger.policy.to_json()}; ledger {ledger} "
             f"({guard.ledger.releases} releases, epsilon {guard.ledger.epsilon:.4g})")
