@@ -20,7 +20,7 @@ import numpy.typing as npt
 import torch
 from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from dp.errors import PrivacyConfigError
 from dp.idp import GroupLedger, IdpPlan, poisson_sample
@@ -78,8 +78,12 @@ class IdpSgd:
                 if p.requires_grad:
                     p.grad_sample = torch.zeros((1, *p.shape), dtype=p.dtype)
         else:
-            xs, ys = zip(*(self.dataset[int(i)] for i in records), strict=True)
-            inputs, targets = torch.stack(list(xs)), torch.stack(list(ys))
+            if isinstance(self.dataset, TensorDataset):  # index the tensors at once
+                rows = torch.as_tensor(records)
+                inputs, targets = self.dataset.tensors[0][rows], self.dataset.tensors[1][rows]
+            else:
+                xs, ys = zip(*(self.dataset[int(i)] for i in records), strict=True)
+                inputs, targets = torch.stack(list(xs)), torch.stack(list(ys))
             per_unit_gradients(self.module, self.loss_fn, inputs, targets,
                                np.arange(len(records)), len(records))
             self._clip_each(torch.as_tensor(self.clip[records]))

@@ -41,12 +41,16 @@ class Table:
     name: str = "table"
     standardized: bool = False
     """True when features are already on a common, public scale (no scaler needed)."""
+    budgets: npt.NDArray[np.float64] | None = None
+    """Per-record target epsilon of the record's patient (``--budget-column``), if any."""
 
     def __post_init__(self) -> None:
         n = len(self.y)
         if self.x.ndim != 2 or len(self.x) != n or len(self.patient_ids) != n:
             raise DataError(f"{self.name}: x {self.x.shape}, y {self.y.shape} and patient_ids "
                             f"{self.patient_ids.shape} must have one row per record")
+        if self.budgets is not None and self.budgets.shape != (n,):
+            raise DataError(f"{self.name}: need one privacy budget per record")
 
     def __len__(self) -> int:
         return len(self.y)
@@ -61,7 +65,8 @@ class Table:
 
     def subset(self, rows: npt.NDArray[np.int64], name: str | None = None) -> Table:
         return Table(self.x[rows], self.y[rows], self.patient_ids[rows], self.num_classes,
-                     name or self.name, self.standardized)
+                     name or self.name, self.standardized,
+                     None if self.budgets is None else self.budgets[rows])
 
     def rows_of_patients(self, patients: npt.ArrayLike) -> npt.NDArray[np.int64]:
         return np.flatnonzero(np.isin(self.patient_ids, np.asarray(patients)))
@@ -156,14 +161,15 @@ def synthetic_ehr(num_patients: int = 1000, *, min_records: int = 2, max_records
 
 def load_csv(path: str | Path, *, patient_column: str, label_column: str,
              feature_columns: list[str] | None = None,
-             labels: list[str] | tuple[str, ...] | None = None) -> Table:
+             labels: list[str] | tuple[str, ...] | None = None,
+             budget_column: str | None = None) -> Table:
     """A user's table: one row per record, numeric features, a patient id, a label.
 
     Labels may be any strings; they are numbered in sorted order, or in the order of
     ``labels`` when given: a hospital that holds only part of the federation's classes must
     number them as the federation does, so its table may then hold a single class. Patient
     ids may be any strings. Every other column (or ``feature_columns``) must be numeric and
-    non-empty.
+    non-empty. ``budget_column`` (not a feature) holds each patient's target epsilon.
     """
     path = Path(path)
     try:
@@ -176,7 +182,11 @@ def load_csv(path: str | Path, *, patient_column: str, label_column: str,
     for col, option in ((patient_column, "--patient-column"), (label_column, "--label-column")):
         if col not in header:
             raise DataError(f"{path}: no column {col!r} ({option}); columns are {header}")
-    features = feature_columns or [c for c in header if c not in (patient_column, label_column)]
+    if budget_column is not None and budget_column not in header:
+        raise DataError(f"{path}: no column {budget_column!r} (--budget-column); columns are "
+                        f"{header}")
+    features = feature_columns or [c for c in header
+                                   if c not in (patient_column, label_column, budget_column)]
     if not features:
         raise DataError(f"{path}: no feature columns besides the patient and label columns")
     if not rows:
@@ -204,7 +214,17 @@ def load_csv(path: str | Path, *, patient_column: str, label_column: str,
     patient_index: dict[str, int] = {}
     pids = np.array([patient_index.setdefault(row[patient_column], len(patient_index))
                      for row in rows], dtype=np.int64)
-    return Table(x, y, pids, len(labels), path.stem)
+    budgets = None
+    if budget_column is not None:
+        try:
+            budgets = np.array([float(row[budget_column]) for row in rows], dtype=np.float64)
+        except (TypeError, ValueError):
+            raise DataError(f"{path}: column {budget_column!r} (--budget-column) must hold "
+                            "a number (the patient's epsilon) on every row") from None
+        if not np.all(np.isfinite(budgets) & (budgets > 0)):
+            raise DataError(f"{path}: column {budget_column!r} (--budget-column) must hold "
+                            "positive epsilons")
+    return Table(x, y, pids, len(labels), path.stem, budgets=budgets)
 
 
 def csv_schema(path: str | Path, *, patient_column: str,

@@ -22,6 +22,7 @@ import torch
 from dp.audit import run_json
 from dp.budget import event_from_json
 from fl import checkpoint as ckpt
+from fl import idp as fl_idp
 from fl.aggregation import Aggregator, Tap, open_aggregator
 from fl.contribution import scaler_from_sum, scaler_input
 from fl.coordinator import Coordinator, RoundCapture, evaluate
@@ -48,7 +49,8 @@ def load_split(settings: TrainSettings) -> Split:
     if settings.csv is not None:
         assert settings.patient_column is not None and settings.label_column is not None
         table = load_csv(settings.csv, patient_column=settings.patient_column,
-                         label_column=settings.label_column)
+                         label_column=settings.label_column,
+                         budget_column=settings.budget_column)
     else:
         table = load_dataset(settings.dataset, settings.seed, settings.ehr_patients)
     train, test = split_patients(table, settings.test_fraction, settings.seed)
@@ -232,20 +234,24 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
         say(f"{settings.sites} sites ({', '.join(str(len(s.table)) for s in sites.values())} "
             f"records), test {len(split.test)} records, model {settings.model} ({dim} "
             f"parameters), broker {aggregator.name}, threshold {threshold}")
-        say(f"privacy: {plan.describe()}")
+        idp_text = fl_idp.configure(settings, sites) if settings.unit == "patient-idp" else None
+        say(f"privacy: {idp_text or plan.describe()}")
         scaler_json = (None if scaler is None else
                        {"mean": scaler.mean.tolist(), "std": scaler.std.tolist()})
         coordinator = Coordinator(settings, model, sites, tensors(split.test, scaler), plan,
                                   aggregator, scaler=scaler_json, log=say,
                                   on_capture=on_capture)
+        if idp_text is not None:
+            coordinator.budget = fl_idp.FederationBudget(settings, sites)  # type: ignore[assignment]
         if saved is not None:
             coordinator.restore(saved)
             say(f"resumed from {settings.checkpoint} after round {saved.round}")
         coordinator.run()
     if coordinator.stopped is None and coordinator.round >= settings.rounds:
         say(f"done: {coordinator.round} rounds")
-    return report(settings, plan, threshold, dim, coordinator, model,
-                  in_features=split.train.num_features, labels=_label_names(settings, split))
+    out = report(settings, plan, threshold, dim, coordinator, model,
+                 in_features=split.train.num_features, labels=_label_names(settings, split))
+    return out if idp_text is None else fl_idp.finish_report(settings, sites, out, idp_text)
 
 
 def _label_names(settings: TrainSettings, split: Split) -> list[str]:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 DP_MODES = ("none", "site", "distributed")
+UNITS = ("patient", "record", "patient-idp")
 MODELS = ("logreg", "mlp", "cnn")  # fl.models.MODELS (kept here without torch)
 SCALING = ("auto", "secure", "none")
 
@@ -52,6 +53,7 @@ class TrainSettings:
     adaptive_clip: float | None = None
     clip_count_stddev: float | None = None
     scaler_file: str | None = None
+    budget_column: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -90,8 +92,17 @@ class TrainSettings:
             problems.append(f"--epsilon {self.epsilon}: need a positive number")
         if not 0 < self.delta < 1:
             problems.append(f"--delta {self.delta}: need a value in (0, 1), e.g. 1e-5")
-        if self.unit not in ("patient", "record"):
-            problems.append(f"--unit {self.unit}: use patient or record")
+        if self.unit not in UNITS:
+            problems.append(f"--unit {self.unit}: use one of {', '.join(UNITS)}")
+        if self.unit == "patient-idp" and self.dp != "site":
+            problems.append("--unit patient-idp needs --dp site (individual sampling rates "
+                            "are accounted for the Gaussian; distributed mode's integer "
+                            "noise has no such analysis: docs/patient_privacy.md section 5)")
+        if self.unit == "patient-idp" and self.resume:
+            problems.append("--unit patient-idp cannot --resume yet (the sites' per-group "
+                            "ledgers are not checkpointed)")
+        if self.budget_column is not None and (self.unit != "patient-idp" or self.csv is None):
+            problems.append("--budget-column goes with --unit patient-idp and --csv")
         if not 0 <= self.drop_rate < 1:
             problems.append(f"--drop-rate {self.drop_rate}: need a fraction in [0, 1)")
         if self.local_epochs < 1:

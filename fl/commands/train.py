@@ -24,7 +24,7 @@ from typing import Any
 
 from fl.commands._common import emit_json, progress_log, setup_logging
 from fl.data import DATASETS
-from fl.settings import DP_MODES, MODELS, SCALING, TrainSettings
+from fl.settings import DP_MODES, MODELS, SCALING, UNITS, TrainSettings
 
 ROLES = ("all", "coordinator", "site")
 
@@ -127,8 +127,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="total privacy budget per patient (a site: its own budget)")
     r.add_argument("--delta", type=float, default=d.delta, metavar="D",
                    help=f"delta (default {d.delta:g})")
-    r.add_argument("--unit", choices=("patient", "record"), default=d.unit,
-                   help="privacy unit (default patient)")
+    r.add_argument("--unit", choices=UNITS, default=d.unit,
+                   help="privacy unit (default patient); patient-idp: patient-level DP by "
+                        "individual per-record sampling rates (--dp site, --role all; "
+                        "docs/patient_privacy.md)")
+    r.add_argument("--budget-column", metavar="COL",
+                   help="--unit patient-idp with --csv: column with each patient's own "
+                        "epsilon (at most --epsilon)")
     c.add_argument("--drop-rate", type=float, default=d.drop_rate, metavar="P",
                    help="probability a site drops out of a round, at a random stage")
     r.add_argument("--broker", default=d.broker, metavar="embedded|memory|mosquitto|mqtt://..",
@@ -239,7 +244,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         cohort=args.cohort, scaling=args.scaling,
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
         max_units=args.max_units, adaptive_clip=args.adaptive_clip, scaler_file=args.scaler,
-        clip_count_stddev=args.clip_count_stddev)
+        clip_count_stddev=args.clip_count_stddev, budget_column=args.budget_column)
 
 
 def site_policy_from_args(args: argparse.Namespace) -> Any:
@@ -385,6 +390,9 @@ def run(args: argparse.Namespace) -> int:
 def run_remote(args: argparse.Namespace) -> int:
     """``--role coordinator`` or ``--role site``: one party of a federation across machines."""
     try:
+        if args.unit == "patient-idp":
+            raise ValueError("--unit patient-idp runs with --role all only (each site's rate "
+                             "groups are not yet part of the round protocol)")
         settings = settings_from_args(args)
         ids = parse_sites(args.sites, args.role)
         if args.role == "site":

@@ -1,0 +1,88 @@
+"""``secagg train --unit patient-idp [--budget-column COL]`` end to end (fl/idp.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("opacus")
+
+from fl.data import DataError, load_csv
+from fl.settings import TrainSettings
+
+
+def _table(path: Path, patients: int = 120, seed: int = 0) -> Path:
+    """Patients with 1-3 visits; half ask for epsilon 1, the others allow 3."""
+    rng = np.random.default_rng(seed)
+    lines = ["pid,a,b,c,budget,label"]
+    for p in range(patients):
+        budget = 1.0 if p % 2 == 0 else 3.0
+        for _ in range(1 + p % 3):
+            a, b, c = rng.normal(size=3)
+            lines.append(f"P{p},{a:.4f},{b:.4f},{c:.4f},{budget},{'yes' if a + b > 0 else 'no'}")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_budget_column_is_not_a_feature(tmp_path: Path) -> None:
+    table = load_csv(_table(tmp_path / "t.csv"), patient_column="pid", label_column="label",
+                     budget_column="budget")
+    assert table.num_features == 3 and set(table.budgets.tolist()) == {1.0, 3.0}
+    assert table.subset(np.array([0, 1])).budgets.tolist() == table.budgets[:2].tolist()
+    bad = tmp_path / "bad.csv"
+    bad.write_text("pid,a,budget,label\nP1,1.0,strong,yes\nP2,2.0,3,no\n", encoding="utf-8")
+    with pytest.raises(DataError, match="--budget-column"):
+        load_csv(bad, patient_column="pid", label_column="label", budget_column="budget")
+    with pytest.raises(DataError, match="no column 'nope'"):
+        load_csv(bad, patient_column="pid", label_column="label", budget_column="nope")
+
+
+def test_settings_refuse_what_the_mechanism_cannot_do(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs --dp site"):
+        TrainSettings(dp="distributed", epsilon=2.0, unit="patient-idp")
+    with pytest.raises(ValueError, match="--budget-column goes with"):
+        TrainSettings(dp="site", epsilon=2.0, unit="patient", budget_column="b")
+
+
+def test_train_reports_every_group_within_its_budget(tmp_path: Path) -> None:
+    from fl.federation import train
+
+    csv = _table(tmp_path / "t.csv")
+    settings = TrainSettings(sites=2, rounds=2, csv=str(csv), patient_column="pid",
+                             label_column="label", dp="site", epsilon=3.0, delta=1e-4,
+                             unit="patient-idp", budget_column="budget", sample_rate=0.34,
+                             broker="memory", scaling="none", alpha=100.0)
+    report = train(settings)
+    assert "individual privacy assignment" in report["privacy"]
+    assert [r["round"] for r in report["rounds"]] == [1, 2] and report["stopped"] is None
+    worst = 0.0
+    for site in report["idp"].values():
+        assert site["steps"] == 2 * settings.steps_per_round
+        assert site["mean_sample_rate"] == pytest.approx(0.34, rel=3e-3)
+        targets = {g["target_epsilon"] for g in site["groups"]}
+        assert targets == {1.0, 3.0}
+        for g in site["groups"]:
+            assert 0 < g["sample_rate"] <= 1 and g["patients"] >= 1
+            assert g["epsilon_spent"] <= g["target_epsilon"] * (1 + 1e-9)
+            assert g["epsilon_spent"] == pytest.approx(g["epsilon"])  # all planned steps ran
+            worst = max(worst, g["epsilon_spent"])
+        rate = {(g["records"], g["target_epsilon"]): g["sample_rate"] for g in site["groups"]}
+        for k in (1, 2, 3):  # a stricter budget: a lower rate; more records: a lower rate
+            assert rate[(k, 1.0)] < rate[(k, 3.0)]
+            assert k == 1 or rate[(k, 3.0)] < rate[(k - 1, 3.0)]
+    eps = [r["epsilon"] for r in report["rounds"]]
+    assert eps[0] < eps[1] == pytest.approx(worst) and eps[1] <= 3.0
+    json.dumps(report)  # the report is plain JSON
+
+
+def test_cli_refuses_remote_roles(capsys: pytest.CaptureFixture[str]) -> None:
+    from fl.cli import main
+
+    code = main(["train", "--role", "coordinator", "--sites", "2", "--rounds", "1", "--dp",
+                 "site", "--epsilon", "2", "--unit", "patient-idp",
+                 "--broker", "mqtt://127.0.0.1:1"])
+    assert code == 2 and "--role all only" in capsys.readouterr().err
