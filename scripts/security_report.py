@@ -140,12 +140,17 @@ Holds (each row in section 4 is a test):
   the masking-key share, never both, and answers one unmasking request only (a
   byte-identical redelivery of any earlier server message gets the byte-identical earlier
   reply, nothing new); a request naming a peer as survived and dropped aborts it (the
-  Flower SecAgg+ attack). After finishing or aborting, a client erases its seed, input,
-  shares and X25519 private keys.
+  Flower SecAgg+ attack). After finishing or aborting, a client overwrites with zeros the
+  buffers holding its seed, unmasked input, shares, share-key secrets and X25519 private
+  keys (transient immutable copies inside Python and `cryptography` are not covered:
+  docs/protocol.md 7.1).
 * **Session binding.** The session id is derived by every party from config, roster and
   context (the model hash belongs in the context); messages, labels, AEAD associated data
   and signatures bind it with the stage and both ids, so nothing replays across sessions,
   stages or pairs, and clients given different models cannot complete a round together.
+  Freshness does not depend on the context: in malicious mode every signature after the
+  advertisement and every share ciphertext binds the round's fresh advertisements, so
+  nothing recorded in another round (same roster, empty context) verifies.
 * **Keys.** Small-order, non-canonical (e.g. bit 255 set, the alias of another client's
   key) and duplicated keys are refused; in malicious mode substituted keys fail the
   Ed25519 signature check.
@@ -160,14 +165,23 @@ Holds (each row in section 4 is a test):
   transcript, so a broker or network attacker cannot alter a masked input or shares; a
   masked input carries a digest of the peers it was masked with, so an altered ciphertext
   list is rejected instead of leaving an uncancelled mask in the sum.
-* **Corrupted shares** are found by a batched consistency screen, corrected by
-  Reed-Solomon decoding (up to (m - t)/2 per holder set) and their senders named,
-  whatever their ids; the round still completes when enough honest shares remain; beyond
-  that it aborts cleanly, never with a wrong sum.
+* **Corrupted shares** are found by a batched consistency screen and corrected by
+  Reed-Solomon decoding (up to (m - t)/2 per secret); their senders are named only when
+  attributable (at most (m - t)/2 shares off the verified polynomial), otherwise the
+  secret is reported unattributable and nobody is named, so colluders cannot frame honest
+  holders; the round still completes when enough honest shares remain; beyond that it
+  aborts cleanly, never with a wrong sum.
+* **SecAgg+ survivor graph.** Before revealing a dropped peer's masking key a client
+  checks the public graph against the survivor list (every survivor keeps t surviving
+  neighbours, the survivors stay connected), so dropouts cannot isolate a victim or a
+  block; `Config` refuses a sparse graph without stated dropout/corruption rates unless
+  `unchecked_graph=True`.
 * **Parsing.** Arbitrary and mutated bytes into `decode`, `Client.handle` and
   `Server.receive` raise only the typed errors; a rejected message changes no state;
-  decoding is canonical (one encoding per message, repeated map keys refused); objects
-  are encoded and decoded, so they get the same validation as bytes.
+  decoding is canonical (one encoding per message, repeated map keys refused) and bounded
+  (every header checked against the round's limits before allocation: an 8 MiB hostile
+  message costs under 3x its size); objects are encoded and decoded, so they get the same
+  validation as bytes; every message kind in every stage is tested.
 * **Gradient leakage.** Exact inversion of a linear layer and DLG on a small MLP succeed
   on a plaintext update and fail on what the server receives (the masked vector).
 
@@ -191,6 +205,11 @@ Does not hold (shown by strict-xfail tests, so a change in behaviour turns the s
   server unencrypted); in semi-honest mode an active broker can also alter masked inputs
   undetected.
 * **Context grinding** by whoever picks the context (SecAgg+ graph).
+* **A replayed advertisement** that reaches the server before the client's own excludes
+  that client from the round (denial of service; nothing else of the old round verifies).
+* **SecAgg+ outside its assumptions** (parameters not derived for the actual rates, or
+  dropouts and corruptions that depend on the graph): honest survivors held together only
+  by corrupt ones can be split without any client seeing it.
 * **Client authentication in semi-honest mode** is the transport's job.
 * **Side channels, denial of service, input validation**: not addressed
   (docs/protocol.md 9.2).
@@ -236,8 +255,25 @@ documented non-guarantees are strict xfails in section 4.
 9. *Parameter finder not minimal* - **fixed.** The finder scans a window below the
    bisection point and agrees with a linear scan on the test grid.
 10. *Late object redelivery* - **fixed.** Bytes and objects are treated alike.
-11. *Blame beyond the decoding radius* - **fixed.** Every wrong share is named
-    (`tests/secagg/test_blame.py`), the sum stays exact while t honest shares remain.
+11. *Blame beyond the decoding radius* - **superseded by 13.** Naming holders off a
+    polynomial found beyond the decoding radius let colluders frame honest holders.
+12. *Replay across rounds* (issue 9) - **fixed in malicious mode.** With the same roster
+    and an empty context a recorded MaskedInput, UnmaskingShares, ShareKeys or consistency
+    signature used to verify in a new round (wrong sum, blame of an honest client);
+    now every transcript binds the round's fresh keys (`test_replay_*` pass). A replayed
+    advertisement can still exclude the real client (strict xfail, docs/protocol.md 9.2).
+13. *Framing honest share holders* (issue 9) - **fixed.** Only attributable blame
+    (`test_colluding_holders_with_offset_shares_cannot_frame_honest_holders`).
+14. *SecAgg+ isolation* (issue 9) - **fixed for what clients can see.** neighbors=5 on 12
+    clients: t-1 colluding neighbours plus two honest dropouts, or four dropouts around a
+    block of three, used to expose an input or a block sum; clients now refuse
+    (`test_secagg_plus_*`), and `Config` wants the rates.
+15. *Decoder amplification* (issue 9) - **fixed.** One 8 MiB message used to cost +583 MiB
+    and 5 s; now under 3x its size
+    (`test_large_hostile_message_costs_a_small_multiple_of_its_size`).
+16. *Secrets after abort* (issue 9) - **fixed for the client's buffers**
+    (`test_client_secret_buffers_are_wiped_after_abort_and_finish`); CPython limits in
+    docs/protocol.md 7.1.
 
 """
 
@@ -289,7 +325,8 @@ def render(cases: list[Case], code: int, seconds: float) -> str:
     rows: OrderedDict[str, list[Case]] = OrderedDict()
     unclassified = [c for c in cases if "threat.attack" not in c.props]
     order = ["test_malicious_server", "test_collusion_and_output", "test_malicious_clients",
-             "test_parsing_robustness", "test_gradient_leakage", "test_privacy_audit"]
+             "test_protocol_findings", "test_parsing_robustness", "test_gradient_leakage",
+             "test_privacy_audit"]
 
     def rank(c: Case) -> int:
         module = c.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
