@@ -239,3 +239,19 @@ def test_the_site_operators_policy_file_and_flags_make_the_policy(tmp_path: Path
                                       "--dp", "distributed", "--epsilon", "3"])
     policy = site_policy_from_args(args)
     assert policy.modes == ("distributed",) and policy.requires_dp and policy.epsilon == 3.0
+
+
+def test_a_lowered_threshold_at_go_is_refused_and_an_unsent_input_is_not_charged(
+        tmp_path: Path) -> None:
+    guard = open_site_guard(policy=SitePolicy(), ledger_path=str(tmp_path / "l.json"))
+    task = _hostile_task()
+    task = replace(task, sample_rate=0.1, params=replace(task.params, noise_stddev=1.0,
+                                                         threshold=3))
+    guard.admit(task, secagg_threshold=3, label="round 1", key=b"k1")
+    assert guard.ledger.releases == 1
+    guard.check_go(b"k1", 3)
+    with pytest.raises(PolicyRefused, match=r"\[min_threshold\]"):
+        guard.check_go(b"k1", 2)  # the coordinator lowers the threshold at go
+    guard.not_sent(b"k1", "refused at go")
+    assert guard.ledger.releases == 0 and guard.ledger.charges[0].withdrawn == "refused at go"
+    guard.ledger.close()
