@@ -633,7 +633,8 @@ def test_process_entry_point_writes_port_file(tmp_path: Path) -> None:
         [sys.executable, "-m", "transport.broker", "--port", "0", "--users-file",
          str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
          "--log-level", "WARNING"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        # the installed package, from anywhere: no source tree on PYTHONPATH
+        cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )
     try:
         deadline = time.monotonic() + 10

@@ -1,0 +1,131 @@
+"""The embedded broker's sessions and routing: QoS 1 window, offline queue, wills at
+shutdown, the subscription index (MQTT 3.1.1 sections 3.1.2.4, 3.1.2.5, 4.4, 4.7)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+
+from mqtt_raw import PUBACK, PUBLISH, RawClient, ack
+
+from transport.broker import EmbeddedBroker, topic_matches
+from transport.broker.routing import SubscriptionIndex
+from transport.broker.session import Session
+
+USERS = {"a": "pw-a", "b": "pw-b"}
+
+
+def run(scenario: Callable[[], Awaitable[None]], timeout: float = 15.0) -> None:
+    async def bounded() -> None:
+        await asyncio.wait_for(scenario(), timeout)
+
+    asyncio.run(bounded())
+
+
+async def login(broker: EmbeddedBroker, user: str, **kwargs: object) -> RawClient:
+    return await RawClient.login(broker.port, user, user, USERS[user], **kwargs)
+
+
+def test_qos1_window_holds_back_what_does_not_fit_until_acknowledged() -> None:
+    async def scenario() -> None:
+        async with EmbeddedBroker(users=USERS, max_inflight=4) as broker:
+            sub = await login(broker, "a")
+            await sub.subscribe([("w/#", 1)])
+            pub = await login(broker, "b")
+            for i in range(10):
+                await pub.publish(f"w/{i}", bytes([i]), qos=1, packet_id=i + 1)
+            first = [await sub.read_kind(PUBLISH) for _ in range(4)]
+            assert [m.payload for m in first] == [bytes([i]) for i in range(4)]
+            assert len({m.packet_id for m in first}) == 4
+            assert await sub.no_packet(0.3)  # the window is full
+            for message in first[:2]:
+                sub.send(ack(PUBACK, message.packet_id))
+            more = [await sub.read_kind(PUBLISH) for _ in range(2)]
+            assert [m.payload for m in more] == [bytes([4]), bytes([5])]
+            assert len({m.packet_id for m in first[2:] + more}) == 4  # ids in flight differ
+
+    run(scenario)
+
+
+def test_offline_persistent_session_queue_is_bounded() -> None:
+    async def scenario() -> None:
+        async with EmbeddedBroker(users=USERS, max_session_queue=3) as broker:
+            sub = await login(broker, "a", clean=False)
+            await sub.subscribe([("q", 1)])
+            sub.disconnect()
+            pub = await login(broker, "b")
+            for i in range(5):
+                await pub.publish("q", bytes([i]), qos=1, packet_id=i + 1)
+            back = await login(broker, "a", clean=False)
+            assert back.session_present
+            got = [(await back.read_kind(PUBLISH)).payload for _ in range(3)]
+            assert got == [b"\x00", b"\x01", b"\x02"]
+            assert await back.no_packet(0.3)
+            assert broker.stats.messages_dropped == 2
+
+    run(scenario)
+
+
+def test_wills_are_published_when_the_broker_shuts_down() -> None:
+    async def scenario() -> None:
+        broker = EmbeddedBroker(users=USERS)
+        await broker.start()
+        watcher = await login(broker, "a")
+        await watcher.subscribe([("wills/#", 0)])
+        await login(broker, "b", will=("wills/b", b"b is gone", 0, False))
+        await broker.stop()
+        got = await watcher.read_kind(PUBLISH)
+        assert (got.topic, got.payload) == ("wills/b", b"b is gone")
+        assert broker.stats.wills_published >= 1
+        assert await watcher.closed()
+
+    run(scenario)
+
+
+def test_sessions_of_one_user_are_capped_oldest_offline_first() -> None:
+    async def scenario() -> None:
+        async with EmbeddedBroker(users=USERS, max_sessions_per_user=2) as broker:
+            for cid in ("a", "a-1", "a-2"):
+                client = await RawClient.login(broker.port, cid, "a", USERS["a"],
+                                               clean=False)
+                await client.subscribe([(f"s/{cid}", 1)])
+                client.disconnect()
+                await asyncio.sleep(0.05)
+            again = await RawClient.login(broker.port, "a", "a", USERS["a"], clean=False)
+            assert not again.session_present  # the oldest offline session made room
+            latest = await RawClient.login(broker.port, "a-2", "a", USERS["a"], clean=False)
+            assert latest.session_present
+
+    run(scenario)
+
+
+def test_subscription_index_matches_like_the_specification() -> None:
+    rng = random.Random(7)
+    levels = ["a", "b", "$s", "", "c"]
+
+    def name(n: int) -> str:
+        return "/".join(rng.choice(levels) for _ in range(n))
+
+    filters = set()
+    while len(filters) < 300:
+        parts = [rng.choice([*levels, "+"]) for _ in range(rng.randint(1, 4))]
+        if rng.random() < 0.3:
+            parts.append("#")
+        filters.add("/".join(parts))
+    sessions = [Session("u", f"c{i}", persistent=False, max_inflight=1, max_queued_bytes=1,
+                        max_queue=1) for i in range(len(filters))]
+    index = SubscriptionIndex()
+    table = list(zip(sorted(filters), sessions, strict=True))
+    for topic_filter, session in table:
+        index.add(topic_filter, session, 1)
+    for topic_filter, session in table[::3]:
+        index.remove(topic_filter, session)
+    live = [(f, s) for i, (f, s) in enumerate(table) if i % 3]
+    assert index.count == len(live)
+    for _ in range(500):
+        topic = name(rng.randint(1, 5))
+        if not topic or "+" in topic:
+            continue
+        expected = {s for f, s in live if topic_matches(f, topic)}
+        assert set(index.match(topic)) == expected, topic
