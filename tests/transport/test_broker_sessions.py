@@ -9,9 +9,11 @@ from collections.abc import Awaitable, Callable
 
 from mqtt_raw import PUBACK, PUBLISH, RawClient, ack
 
-from transport.broker import EmbeddedBroker, topic_matches
-from transport.broker.routing import SubscriptionIndex
+from transport.broker import BrokerLimits, EmbeddedBroker, TopicAcl, topic_matches
+from transport.broker.packets import Message
+from transport.broker.routing import RetainedStore, SubscriptionIndex
 from transport.broker.session import Session
+from transport.framing import DEFAULT_MAX_PAYLOAD as FRAME_SIZE
 
 USERS = {"a": "pw-a", "b": "pw-b"}
 
@@ -129,3 +131,64 @@ def test_subscription_index_matches_like_the_specification() -> None:
             continue
         expected = {s for f, s in live if topic_matches(f, topic)}
         assert set(index.match(topic)) == expected, topic
+
+
+def test_client_id_in_an_acl_pattern_counts_only_when_bound_to_the_user() -> None:
+    rules = TopicAcl(publish=("up/%c",))
+    assert rules.allows("publish", "up/site-1-fl", "site-1", "site-1-fl")
+    assert rules.allows("publish", "up/site-1", "site-1", "site-1")
+    # site-9 naming its client "site-1" gains nothing from %c
+    assert not rules.allows("publish", "up/site-1", "site-9", "site-1")
+
+
+def test_retained_store_caps_bytes_per_user_and_messages_overall() -> None:
+    limits = BrokerLimits(max_retained_per_user=100, max_retained_bytes_per_user=1000,
+                          max_retained_total=5)
+    store = RetainedStore(limits)
+    assert store.set(Message.build("t/0", bytes(600), 1, True), "a")
+    assert not store.set(Message.build("t/1", bytes(600), 1, True), "a")  # 1200 > 1000 bytes
+    assert store.set(Message.build("t/0", bytes(900), 1, True), "a")  # replacing its own
+    for i in range(4):
+        assert store.set(Message.build(f"u/{i}", b"x", 1, True), f"user{i}")
+    assert not store.set(Message.build("u/9", b"x", 1, True), "other")  # 5 overall
+    assert store.set(Message.build("u/0", b"", 1, True), "other")  # clearing always works
+    assert len(store) == 4
+
+
+def test_overall_caps_on_subscriptions_and_connections() -> None:
+    async def scenario() -> None:
+        async with EmbeddedBroker(users=USERS, max_subscriptions_total=3,
+                                  max_connections=3) as broker:
+            a = await login(broker, "a")
+            assert await a.subscribe([("x/1", 1), ("x/2", 1)]) == [1, 1]
+            b = await login(broker, "b")
+            assert await b.subscribe([("y/1", 0), ("y/2", 0)]) == [0, 0x80]
+            third = await RawClient.login(broker.port, "a-2", "a", USERS["a"])
+            fourth = await RawClient.open(broker.port)
+            assert await fourth.closed(2.0)  # over max_connections: closed at once
+            await third.ping()
+            assert broker.stats.connections_refused == 1
+
+    run(scenario)
+
+
+def test_offline_queue_is_bounded_in_bytes_too() -> None:
+    async def scenario() -> None:
+        async with EmbeddedBroker(users=USERS, max_queued_bytes=100_000) as broker:
+            sub = await login(broker, "a", clean=False)
+            await sub.subscribe([("q", 1)])
+            sub.disconnect()
+            pub = await login(broker, "b")
+            for i in range(5):
+                await pub.publish("q", bytes(40_000), qos=1, packet_id=i + 1)
+            back = await login(broker, "a", clean=False)
+            for _ in range(2):
+                await back.read_kind(PUBLISH)
+            assert await back.no_packet(0.3)
+            assert broker.stats.messages_dropped == 3
+
+    run(scenario)
+
+
+def test_default_max_payload_is_the_transports_frame_size() -> None:
+    assert BrokerLimits().max_payload == FRAME_SIZE == 256 << 10
