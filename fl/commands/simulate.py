@@ -53,7 +53,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--neighbors", type=int, metavar="K",
                         help="SecAgg+ neighbourhood size (default: complete graph)")
     parser.add_argument("--security", choices=("semi-honest", "malicious"),
-                        default="semi-honest")
+                        default="semi-honest",
+                        help="threat model: semi-honest (default), or malicious (signed "
+                             "messages and a consistency check)")
     parser.add_argument("--drop-rate", type=float, default=0.0, metavar="P",
                         help="fraction of clients that drop out (default 0)")
     parser.add_argument("--drop-stage", default="random", metavar="STAGE|random",
