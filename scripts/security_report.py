@@ -211,8 +211,12 @@ Does not hold (shown by strict-xfail tests, so a change in behaviour turns the s
   dropouts and corruptions that depend on the graph): honest survivors held together only
   by corrupt ones can be split without any client seeing it.
 * **Client authentication in semi-honest mode** is the transport's job.
-* **Side channels, denial of service, input validation**: not addressed
-  (docs/protocol.md 9.2).
+* **Side channels, denial of service, input validation**: not addressed by the protocol
+  (docs/protocol.md 9.2). At the transport, what one site login can do to other parties is
+  bounded (client ids bound to usernames, per-user caps and deadlines in the embedded
+  broker, per-site reassembly quotas at the aggregator: docs/deployment.md sections 6 and 9,
+  the "transport" rows below); a site can still abort its own participation or send a
+  wrong input.
 
 ## 3. Findings of this review
 
@@ -325,8 +329,8 @@ def render(cases: list[Case], code: int, seconds: float) -> str:
     rows: OrderedDict[str, list[Case]] = OrderedDict()
     unclassified = [c for c in cases if "threat.attack" not in c.props]
     order = ["test_malicious_server", "test_collusion_and_output", "test_malicious_clients",
-             "test_protocol_findings", "test_parsing_robustness", "test_gradient_leakage",
-             "test_privacy_audit"]
+             "test_protocol_findings", "test_parsing_robustness", "test_transport_broker",
+             "test_transport_reassembly", "test_gradient_leakage", "test_privacy_audit"]
 
     def rank(c: Case) -> int:
         module = c.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
