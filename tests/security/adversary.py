@@ -161,6 +161,7 @@ class Puppeteer:
         self.views: dict[int, list[ServerMessage]] = {cid: [] for cid in self.roster}
         self.fakes: dict[tuple[int, int], FakePeer] = {}  # (victim, posing as) -> keys
         self.leaked_shares: dict[str, dict[int, dict[int, int]]] = {"seed": {}, "key": {}}
+        self.leaked_keys: dict[int, bytes] = {}  # corrupt client -> its masking private key
 
     # --- recording ----------------------------------------------------------------------
 
@@ -291,12 +292,14 @@ class Puppeteer:
 
     def corrupt(self, cid: int) -> None:
         """Client ``cid`` colludes: it gives the server both shares of every peer it holds
-        (call after it received its ciphertexts) and its own masking key share."""
+        (call after it received its ciphertexts), its own shares and its masking private
+        key (so the server can remove its pairwise masks with anyone)."""
         state = self.clients[cid]._state
         masked = getattr(state, "masked", state)  # the client's _Masked stage record
         held = {owner: bytes(masked.received[o:o + 2 * SHARE_BYTES])
                 for owner, o in masked.index.items()}
         held[cid] = bytes(masked.shared.own_shares)
+        self.leaked_keys[cid] = bytes(self.clients[cid]._secrets.masking)
         for owner, pair in held.items():
             self.leaked_shares["key"].setdefault(owner, {})[cid] = int.from_bytes(
                 pair[:SHARE_BYTES], "big")
@@ -414,6 +417,9 @@ def recover_input(p: Puppeteer, victim: int) -> Recovery:
         secret: bytes | None = None
         if s_v is not None:
             secret = KeyPair.from_private_bytes(s_v).exchange(pk_peer)
+        elif peer in p.leaked_keys:  # a corrupt peer hands over its own masking key
+            secret = KeyPair.from_private_bytes(p.leaked_keys[peer]).exchange(
+                advert.masking_key)
         elif (victim, peer) in p.fakes:
             secret = p.fakes[(victim, peer)].masking.exchange(advert.masking_key)
         else:

@@ -62,7 +62,7 @@ class Recorded:
         self.out: dict[int, bytes] = {}
         self.rejected: dict[int, ProtocolError] = {}
 
-    def stage(self, stage: Stage, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def stage(self, stage: Stage, skip: frozenset[int] | set[int] = frozenset()) -> None:
         for cid, client in self.clients.items():
             if cid in skip:
                 continue
