@@ -191,7 +191,11 @@ class SecureAggregation(Strategy):
                              "ArrayRecord (the arrays the nodes train from)")
         arrays = next(iter(first.array_records.values()))
         server_round = self._server_round(first)
-        setup = self._setup(grid, sorted(nodes), server_round, layout_of(arrays))
+        try:
+            setup = self._setup(grid, sorted(nodes), server_round, layout_of(arrays))
+        except ValueError as exc:  # no safe protocol parameters for this many nodes
+            log.error("round %d is not run: %s", server_round, exc)
+            return []
         if setup is None:
             return []
         server = Server(setup.config(encoded_dim(setup)),

@@ -1,0 +1,1 @@
+"""A Flower app whose train rounds are securely aggregated by secagg."""
