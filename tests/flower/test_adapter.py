@@ -20,21 +20,21 @@ from fl.flower import (
     SetupError,
     make_secagg_mod,
 )
+from fl.flower.local import LocalGrid
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE
 from secagg.messages import UnmaskRequest, decode, encode
 from tests.flower import apps
-from tests.flower.inprocess import InProcessGrid
 
 
-def _plan_by_position(grid: InProcessGrid, stages: dict[int, str]) -> apps.DropPlan:
+def _plan_by_position(grid: LocalGrid, stages: dict[int, str]) -> apps.DropPlan:
     by_node = {grid.nodes[i]: stage for i, stage in stages.items()}
     return lambda node, server_round: by_node.get(node)
 
 
 def _grid(n: int, drops: dict[int, str] | None = None,
           silent: Callable[[int, Message], bool] | None = None,
-          mods: list[Any] | None = None) -> tuple[InProcessGrid, apps.DropPlan]:
-    grid = InProcessGrid(None, n, silent=silent)
+          mods: list[Any] | None = None) -> tuple[LocalGrid, apps.DropPlan]:
+    grid = LocalGrid(None, n, silent=silent)
     plan = _plan_by_position(grid, drops or {})
     grid.app = apps.client_app(plan, mods)
     return grid, plan
@@ -129,7 +129,7 @@ def test_nothing_but_secagg_messages_leaves_a_node_and_the_state_is_erased() -> 
     assert all(STATE not in grid.state(node).config_records for node in grid.nodes)
 
 
-def _stalled_round(n: int = 5) -> tuple[InProcessGrid, SecureAggregation]:
+def _stalled_round(n: int = 5) -> tuple[LocalGrid, SecureAggregation]:
     """A round whose nodes all go silent at unmasking: every node keeps its snapshot."""
     grid, _ = _grid(n)
     grid.silent = lambda node, msg: apps.stage_of(msg) == "unmasking"
@@ -141,12 +141,12 @@ def _stalled_round(n: int = 5) -> tuple[InProcessGrid, SecureAggregation]:
     return grid, wrapper
 
 
-def _request_to(grid: InProcessGrid, node: int) -> Message:
+def _request_to(grid: LocalGrid, node: int) -> Message:
     return next(m for m in grid.sent if m.metadata.dst_node_id == node
                 and apps.stage_of(m) == "unmasking")
 
 
-def _send(grid: InProcessGrid, node: int, content: RecordDict, group: str = "1") -> Message:
+def _send(grid: LocalGrid, node: int, content: RecordDict, group: str = "1") -> Message:
     reply = grid.deliver(Message(content, dst_node_id=node, message_type="train",
                                  group_id=group))
     assert reply is not None
@@ -210,14 +210,14 @@ def test_the_both_shares_request_is_refused_and_the_round_secrets_erased() -> No
     assert STATE not in grid.state(node).config_records
 
 
-def _setup_message(grid: InProcessGrid, setup_bytes: bytes, node: int) -> RecordDict:
+def _setup_message(grid: LocalGrid, setup_bytes: bytes, node: int) -> RecordDict:
     content = apps.reply_content(0, 1)
     content["config"] = ConfigRecord({"server-round": 1})
     content[RECORD] = ConfigRecord({SETUP: setup_bytes})
     return content
 
 
-def _valid_setup(grid: InProcessGrid, **changes: Any) -> RoundSetup:
+def _valid_setup(grid: LocalGrid, **changes: Any) -> RoundSetup:
     from dataclasses import replace
 
     from fl.flower.encoding import layout_of

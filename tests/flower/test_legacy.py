@@ -37,8 +37,8 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from fl.flower import SecureAggregation
+from fl.flower.local import LocalGrid
 from tests.flower import apps
-from tests.flower.inprocess import InProcessGrid
 
 NODES = 5
 
@@ -77,7 +77,7 @@ class _RecordingFedAvg(LegacyFedAvg):  # type: ignore[misc]
 
 
 def test_a_dropout_before_the_masked_input_aborts_flowers_round_and_not_this_one() -> None:
-    grid = InProcessGrid(None, NODES)
+    grid = LocalGrid(None, NODES)
     leaver = grid.nodes[2]
     grid.app = _legacy_app((leaver, Stage.SHARE_KEYS))
     strategy = _RecordingFedAvg(
@@ -91,7 +91,7 @@ def test_a_dropout_before_the_masked_input_aborts_flowers_round_and_not_this_one
                                                     reconstruction_threshold=3))(grid, context)
     assert strategy.aggregated == 0  # Flower's SecAgg+ halted: no aggregate this round
 
-    grid = InProcessGrid(None, NODES)
+    grid = LocalGrid(None, NODES)
     leaver = grid.nodes[2]
     grid.app = apps.client_app(
         lambda node, rnd: "share_keys" if node == leaver else None)
@@ -104,7 +104,7 @@ def test_a_dropout_before_the_masked_input_aborts_flowers_round_and_not_this_one
     assert np.array_equal(report.total, apps.expected_total(report))
 
 
-def _stage(grid: InProcessGrid, node: int, configs: dict[str, Any],
+def _stage(grid: LocalGrid, node: int, configs: dict[str, Any],
            content: RecordDict | None = None) -> ConfigRecord:
     body = content if content is not None else RecordDict()
     body.config_records[RECORD_KEY_CONFIGS] = ConfigRecord(configs)
@@ -118,7 +118,7 @@ def test_the_both_shares_request_recovers_an_update_from_flowers_mod() -> None:
     as alive *and* dead: the replies carry both of its secrets, and its masked input
     unmasks to its own update. (This adapter's node refuses the same request:
     test_adapter.py::test_the_both_shares_request_is_refused_and_the_round_secrets_erased.)"""
-    grid = InProcessGrid(_legacy_app(None), NODES)
+    grid = LocalGrid(_legacy_app(None), NODES)
     nodes, t, mod_range = grid.nodes, 3, 1 << 32
     setup = {Key.STAGE: Stage.SETUP, Key.SAMPLE_NUMBER: NODES, Key.SHARE_NUMBER: NODES,
              Key.THRESHOLD: t, Key.CLIPPING_RANGE: 8.0, Key.TARGET_RANGE: 1 << 22,

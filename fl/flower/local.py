@@ -1,14 +1,18 @@
-"""A Flower ``Grid`` that runs a ``ClientApp`` in this process, for fast adapter tests.
+"""A Flower ``Grid`` that runs a ``ClientApp`` in this process (tests and benchmarks).
 
 Every message crosses Flower's own protobuf serde both ways (as on the real transport),
 and each node's ``Context`` is serialised after every message and rebuilt before the next
 (as when a SuperNode starts a fresh ClientApp process per message), so state survives only
 through ``Context.state``. ``silent`` nodes never answer from a given stage on (a crash or
 a timeout); exceptions in the ClientApp become Flower error replies.
+
+For measurements it keeps, per node, the CPU seconds its ClientApp spent (serde of its
+messages included) and the serialised bytes of the messages it received and sent.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,7 +33,7 @@ def wire(message: Message) -> Message:
     return message_from_proto(message_to_proto(message))
 
 
-class InProcessGrid(Grid):
+class LocalGrid(Grid):
     def __init__(self, app: Any, num_nodes: int, *, run_id: int = 7,
                  silent: Callable[[int, Message], bool] | None = None,
                  first_node: int = 1000) -> None:
@@ -48,6 +52,10 @@ class InProcessGrid(Grid):
         self.silent = silent or (lambda node, msg: False)
         self.sent: list[Message] = []     # every message the server sent (after serde)
         self.replies: list[Message] = []  # every reply a node sent (after serde)
+        self.record = True  # keep sent / replies (tests); benchmarks turn it off
+        self.client_cpu: dict[int, float] = {}
+        self.bytes_down: dict[int, int] = {}
+        self.bytes_up: dict[int, int] = {}
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -73,9 +81,13 @@ class InProcessGrid(Grid):
     def deliver(self, message: Message) -> Message | None:
         """Run the ClientApp on one message; the reply after serde (None if silent)."""
         message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-        received = wire(message)
-        self.sent.append(wire(received))  # the ClientApp may alter its own copy
+        started = time.process_time()
+        proto = message_to_proto(message)
+        received = message_from_proto(proto)
         node = received.metadata.dst_node_id
+        self.bytes_down[node] = self.bytes_down.get(node, 0) + proto.ByteSize()
+        if self.record:
+            self.sent.append(wire(received))  # the ClientApp may alter its own copy
         if self.silent(node, received):
             return None
         context = context_from_proto(self.contexts[node])
@@ -86,8 +98,12 @@ class InProcessGrid(Grid):
                             reply_to=received)
         self.contexts[node] = context_to_proto(context)
         reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-        out = wire(reply)
-        self.replies.append(out)
+        proto = message_to_proto(reply)
+        self.bytes_up[node] = self.bytes_up.get(node, 0) + proto.ByteSize()
+        out = message_from_proto(proto)
+        self.client_cpu[node] = self.client_cpu.get(node, 0.0) + time.process_time() - started
+        if self.record:
+            self.replies.append(out)
         return out
 
     def send_and_receive(self, messages: Iterable[Message], *,
