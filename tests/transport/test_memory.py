@@ -226,7 +226,7 @@ def test_round_matches_oracle_with_drops_at_every_stage(security: str) -> None:
 
 
 def test_round_with_secagg_plus_and_64_bits() -> None:
-    config = Config(num_clients=10, dim=32, bits=64, neighbors=6)
+    config = Config(num_clients=10, dim=32, bits=64, neighbors=6, dropout_rate=0.1)
     inputs = make_inputs(10, 32, bits=64)
     drop = {1: Stage.MASKED_INPUT}
     report = run(lambda: run_round(MemoryNetwork(), config, inputs, drop, timeouts=FAST))
