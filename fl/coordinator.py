@@ -250,7 +250,7 @@ class Coordinator:
         """One secure aggregation of the cohort's inputs, retried while the protocol aborts.
 
         In this process the coordinator computes every site's input itself (simulation);
-        :class:`fl.remote.RemoteCoordinator` overrides this to let site processes do it.
+        :class:`fl.remote.coordinator.RemoteCoordinator` overrides this to let site processes do it.
         """
         s = self.settings
         for attempt in range(s.max_attempts):

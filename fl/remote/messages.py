@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 
 from transport.control import ControlError
 from transport.framing import HEADER_BYTES, frame
@@ -201,7 +201,8 @@ _TAGS: dict[type, str] = {Waiting: "waiting", Announce: "announce", Done: "done"
 
 def pack(tag: str, body: Mapping[str, Any]) -> bytes:
     """A msgpack map with type tag ``t`` and version ``v`` (the blob uses it too)."""
-    return msgpack.packb({**body, "t": tag, "v": VERSION}, use_bin_type=True)
+    data: bytes = msgpack.packb({**body, "t": tag, "v": VERSION}, use_bin_type=True)
+    return data
 
 
 def encode_message(message: CoordinatorMessage | SiteMessage) -> bytes:

@@ -142,7 +142,7 @@ def test_training_completes_when_a_site_is_killed(tmp_path: Path) -> None:
     with federation_broker() as urls:
         coordinator, sites = start(urls, report_path, rounds=3)
         try:
-            coordinator.wait_for("round   1/3", timeout=60)
+            coordinator.wait_for("round   1/3", timeout=100)
             os.kill(sites[3].proc.pid, signal.SIGKILL)
             sites[3].wait(10)
             finish(coordinator, {c: p for c, p in sites.items() if c != 3})
