@@ -54,9 +54,10 @@ class Aggregator(Protocol):
                   drop: Mapping[int, Stage]) -> AggregateOutcome: ...
 
 
-def check_broker(broker: str) -> str:
-    """Validate a ``--broker`` value; returns it or raises ``ValueError`` saying what to use."""
-    if broker in BROKER_KINDS:
+def check_broker(broker: str, kinds: Sequence[str] = BROKER_KINDS) -> str:
+    """Validate a ``--broker`` value (one of ``kinds`` or an ``mqtt(s)://`` URL); returns it
+    or raises ``ValueError`` saying what to use. The one broker check of the command line."""
+    if broker in kinds:
         if broker == "mosquitto":
             from transport.mosquitto import mosquitto_available
 
@@ -69,20 +70,20 @@ def check_broker(broker: str) -> str:
 
         parse_broker_url(broker)
         return broker
-    raise ValueError(f"--broker {broker}: use embedded, memory, mosquitto, mqtt://host:port "
-                     "or mqtts://host:port")
+    raise ValueError(f"--broker {broker}: use {', '.join(kinds)}, mqtt://host:port or "
+                     "mqtts://host:port")
 
 
-def round_timeouts(stage: float = 60.0) -> Timeouts:
-    """The protocol deadlines of every fl round, simulated or across machines (defined
-    once): ``stage`` seconds per stage; a client waits for the round start and gives up on
-    a silent round after a few stages' worth of time. Sites in this process sign off when
-    they drop, and sites in other processes leave a last will, so the deadlines only guard
-    against a wedged broker or a site that hangs."""
+def round_timeouts(stage: float = 60.0, *, work: float = 0.0) -> Timeouts:
+    """The protocol deadlines of every round the command line runs (defined once):
+    ``stage`` seconds per stage plus ``work`` seconds a party may need to compute (masking
+    a large vector, many peers); a client waits for the round start and gives up on a
+    silent round after a few stages' worth of time. Sites that drop sign off or leave a
+    last will, so the deadlines only guard against a wedged broker or a hung site."""
     from transport.drivers import Timeouts
 
-    return Timeouts(stage=stage, start=max(60.0, stage), retry=2.0, answer=min(10.0, stage),
-                    give_up=max(120.0, 3 * stage))
+    return Timeouts(stage=stage + work, start=max(60.0, stage) + work, retry=2.0 + work,
+                    answer=min(10.0, stage) + work, give_up=max(120.0, 3 * stage) + 5 * work)
 
 
 class TransportAggregator:

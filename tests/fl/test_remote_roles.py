@@ -88,3 +88,41 @@ def test_a_site_refuses_rounds_of_another_privacy_mode() -> None:
     assert row["included"] == [1, 2] and row["dropped"] == {"3": "declined"}
     assert "site 3 declined round 1" in text
     assert row["aggregate_correct"] is True and 0 < row["epsilon"] <= 50.0
+
+
+def test_one_connection_routes_each_round_apart_from_the_federation() -> None:
+    """The coordinator's single link: the open round's view gets that round's deliveries
+    only (another round's, e.g. a late one, never reach its driver); the federation gets
+    the rest; a forwarded will reaches the open round and is dropped when none is open."""
+    from fl.remote.link import connect_party
+    from transport.link import Delivery
+    from transport.topics import Topics
+
+    async def scenario() -> tuple[list[str], list[str], bool]:
+        network = MemoryNetwork(acl=acl_table(list(IDS)))
+        open_round, old_round = Topics("r-open"), Topics("r-old")
+        will = Will("secagg/fed/control", b"gone")
+        async with connect_party(network, "server", will) as party, \
+                network.connect("site-1") as site:
+            await party.subscribe("secagg/fed/server/#")
+            await party.subscribe(old_round.server_filter)
+            with party.round(open_round) as view:
+                await view.subscribe(open_round.server_filter)
+                await site.publish("secagg/fed/server/hello/site-1", b"a")
+                await site.publish(open_round.upstream(1, "advertise_keys"), b"b")
+                await site.publish(old_round.upstream(1, "advertise_keys"), b"c")
+                party.to_round(Delivery(open_round.offline(2), b"will"))
+                got_round = [(await view.receive(2.0)) for _ in range(2)]
+                assert await view.receive(0.2) is None
+            party.to_round(Delivery(open_round.offline(3), b"late"))  # no round: dropped
+            got_fed = [(await party.receive(2.0)) for _ in range(2)]
+            quiet = await party.receive(0.2) is None
+        return ([e.topic for e in got_round if isinstance(e, Delivery)],
+                [e.topic for e in got_fed if isinstance(e, Delivery)], quiet)
+
+    to_round, to_federation, quiet = asyncio.run(scenario())
+    assert sorted(to_round) == ["secagg/r-open/server/advertise_keys/site-1",
+                                "secagg/r-open/server/offline/site-2"]
+    assert sorted(to_federation) == ["secagg/fed/server/hello/site-1",
+                                     "secagg/r-old/server/advertise_keys/site-1"]
+    assert quiet
