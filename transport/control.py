@@ -97,7 +97,8 @@ def encode_control(message: Control) -> bytes:
         body = {"t": "offline", "reason": message.reason, "final": message.final}
     else:
         body = {"t": "client-abort", "reason": message.reason}
-    return msgpack.packb(body, use_bin_type=True)
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
+    return packed
 
 
 def _get(body: Mapping[Any, Any], key: str, kind: type | tuple[type, ...]) -> Any:

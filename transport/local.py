@@ -14,6 +14,7 @@ import os
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from secagg import Config, SigningKey, Stage
 from secagg.client import Client, check_input
@@ -161,7 +162,8 @@ async def run_round(network: Network, config: Config, inputs: Mapping[int, objec
                asyncio.ensure_future(server_ready.wait())]
     joined = asyncio.gather(*waiters)
     try:
-        done, _ = await asyncio.wait([joined, server_task, *client_tasks],
+        watched: list[asyncio.Future[Any]] = [joined, server_task, *client_tasks]
+        done, _ = await asyncio.wait(watched,
                                      timeout=connect_timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
         if not (all_ready.is_set() and server_ready.is_set()):

@@ -21,7 +21,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 
-from .broker.topics import AclEntry, TopicAcl, topic_matches
+from .broker.topics import AclEntry, Action, TopicAcl, topic_matches
 from .link import Delivery, Event, LinkLost, Reconnected, Will
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ class MemoryNetwork:
         if self._acl is None:
             return True
         entry = self._acl.get(username)
-        kind = action if action in ("publish", "retain") else "subscribe"
+        kind: Action = ("publish" if action == "publish" else
+                        "retain" if action == "retain" else "subscribe")
         return entry is not None and entry.allows(kind, topic, username, username)
 
     @asynccontextmanager

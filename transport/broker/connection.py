@@ -130,7 +130,7 @@ class Connection:
 
     # -- reading -----------------------------------------------------------------------
 
-    async def read_packet(self) -> tuple[int, int, list[Buffer]]:
+    async def read_packet(self) -> tuple[int, int, list[bytes | bytearray]]:
         """Read one packet; its type and size are checked before any body is read."""
         first = (await self.stream.readexactly(1))[0]
         self.packet_started = time.monotonic()
@@ -278,7 +278,7 @@ class Connection:
 
     # -- PUBLISH -----------------------------------------------------------------------
 
-    async def _on_publish(self, flags: int, body: list[Buffer]) -> None:
+    async def _on_publish(self, flags: int, body: list[bytes | bytearray]) -> None:
         qos, retain = (flags >> 1) & 0x03, bool(flags & 0x01)
         if qos == 3:
             raise ProtocolViolation("PUBLISH with QoS 3")
@@ -295,7 +295,8 @@ class Connection:
             packet_id, off = read_u16(first, off)
             if packet_id == 0:
                 raise ProtocolViolation("PUBLISH QoS > 0 with packet id 0")
-        chunks = ([memoryview(first)[off:]] if off < len(first) else []) + body[1:]
+        chunks: list[Buffer] = [memoryview(first)[off:]] if off < len(first) else []
+        chunks += body[1:]
         message = Message.build(topic, chunks, qos, False)
         if message.size > self.limits.max_payload:
             raise ProtocolViolation(f"payload of {message.size} bytes exceeds max_payload="
@@ -413,5 +414,5 @@ class Connection:
         self.outbox.put(ack_packet(UNSUBACK, packet_id))
 
 
-def _join(body: list[Buffer]) -> bytes:
+def _join(body: list[bytes | bytearray]) -> bytes:
     return b"".join(bytes(b) for b in body) if len(body) != 1 else bytes(body[0])

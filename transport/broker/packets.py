@@ -55,21 +55,21 @@ def encode_remaining_length(length: int) -> bytes:
             return bytes(out)
 
 
-def read_u16(buf: bytes, off: int) -> tuple[int, int]:
+def read_u16(buf: bytes | bytearray, off: int) -> tuple[int, int]:
     if off + 2 > len(buf):
         raise ProtocolViolation("packet truncated inside a 2-byte integer")
     return (buf[off] << 8) | buf[off + 1], off + 2
 
 
-def read_binary(buf: bytes, off: int) -> tuple[bytes, int]:
+def read_binary(buf: bytes | bytearray, off: int) -> tuple[bytes, int]:
     length, off = read_u16(buf, off)
     end = off + length
     if end > len(buf):
         raise ProtocolViolation("length-prefixed field runs past the end of the packet")
-    return buf[off:end], end
+    return bytes(buf[off:end]), end
 
 
-def read_string(buf: bytes, off: int) -> tuple[str, int]:
+def read_string(buf: bytes | bytearray, off: int) -> tuple[str, int]:
     raw, off = read_binary(buf, off)
     try:
         text = raw.decode("utf-8")

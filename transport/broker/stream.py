@@ -164,7 +164,7 @@ class Stream(asyncio.BufferedProtocol):
             self._start = self._end = 0
         return out
 
-    async def read_body(self, n: int) -> list[Buffer]:
+    async def read_body(self, n: int) -> list[bytes | bytearray]:
         """A body of ``n`` bytes as buffers: one ``bytes`` for a small body, else pieces of
         at most ``PIECE_SIZE`` bytes each allocated only once its predecessor is full."""
         if n <= _DIRECT_READ:
@@ -186,7 +186,8 @@ class Stream(asyncio.BufferedProtocol):
                 if self._eof:
                     raise asyncio.IncompleteReadError(b"", n)
                 await self._wait()
-            return list(self._pieces)
+            pieces: list[bytes | bytearray] = list(self._pieces)
+            return pieces
         finally:
             self._pieces = None
             self._piece = None
