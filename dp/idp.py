@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dp.accounting import F64, gaussian_rdp, group_gaussian_rdp, rdp_to_epsilon
+from dp.accounting import F64, _check, gaussian_rdp, group_gaussian_rdp, rdp_to_epsilon
 from dp.errors import PrivacyConfigError
 from dp.randomness import RandomSource, SystemRandom, uniform_words
 
@@ -268,12 +268,9 @@ def plan_idp(groups: PatientGroups, *, delta: float, sample_rate: float, steps: 
         raise PrivacyConfigError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if bound not in BOUNDS:
         raise PrivacyConfigError(f"bound must be one of {', '.join(BOUNDS)}, got {bound!r}")
-    if not 0 < sample_rate <= 1:
-        raise PrivacyConfigError(f"sample rate must be in (0, 1], got {sample_rate}")
+    _check(noise_multiplier or 1.0, sample_rate, steps, delta)
     if steps < 1:
         raise PrivacyConfigError(f"steps must be >= 1, got {steps}")
-    if not 0 < delta < 1:
-        raise PrivacyConfigError(f"delta must be in (0, 1), got {delta}")
     if not clip_norm > 0:
         raise PrivacyConfigError(f"clip norm must be > 0, got {clip_norm}")
     sizes = groups.sizes
