@@ -24,6 +24,8 @@ from typing import Any
 
 import aiomqtt
 import pytest
+from mqtt_raw import mqtt_str as _str
+from mqtt_raw import varint as _varint
 from paho.mqtt.enums import MQTTProtocolVersion
 
 from transport.broker import (
@@ -67,20 +69,6 @@ async def no_message(c: aiomqtt.Client, wait: float = 0.3) -> None:
 
 
 # --------------------------------------------------------------------------- raw MQTT
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _str(value: str | bytes) -> bytes:
-    raw = value.encode() if isinstance(value, str) else value
-    return len(raw).to_bytes(2, "big") + raw
 
 
 def connect_packet(client_id: str, user: str | None = "server", password: str | None = None,
