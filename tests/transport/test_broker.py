@@ -38,7 +38,6 @@ from transport.broker import (
 )
 
 USERS = {"server": "pw-server", "site-1": "pw-1", "site-2": "pw-2"}
-REPO = Path(__file__).resolve().parents[2]
 
 
 def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 20.0) -> None:
