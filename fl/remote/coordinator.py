@@ -11,7 +11,9 @@ the loop with ``asyncio.run_coroutine_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -110,6 +112,7 @@ class RemoteCoordinator(Coordinator):
         self.options = options
         self.schema = schema
         self.scaler_arrays = None if scaler is None else (scaler.mean, scaler.std)
+        self.stopping = threading.Event()
 
     def wire_task(self, r: int, cohort: list[int]) -> tuple[RoundTask, dict[str, Any]]:
         """Round ``r``'s task and the blob's task map (with the federation's schema)."""
@@ -127,7 +130,14 @@ class RemoteCoordinator(Coordinator):
             self.channel, self.options, kind="train", round_number=r, blob=blob,
             cohort=cohort, threshold=self.threshold, dim=task.encoded_dim(self.layout.size),
             bits=task.bits, attempts=self.settings.max_attempts, log=self.log), self.loop)
-        done, attempts = future.result()
+        while True:  # the loop may be stopping (Ctrl-C): never wait on it forever
+            try:
+                done, attempts = future.result(timeout=0.5)
+                break
+            except concurrent.futures.TimeoutError:
+                if self.stopping.is_set() or self.loop.is_closed():
+                    future.cancel()
+                    raise RoundFailed(f"round {r}: the coordinator is stopping") from None
         result = done.result
         dropped = {cid: Stage(st).label for cid, st in result.dropped.items()}
         dropped.update(done.absent)
@@ -268,6 +278,7 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
         try:
             await asyncio.to_thread(coordinator.run)
         finally:
+            coordinator.stopping.set()  # a cancelled run: its worker thread stops waiting
             reason = coordinator.stopped or (
                 f"{coordinator.round} rounds" if coordinator.round >= settings.rounds
                 else "the coordinator stopped")
