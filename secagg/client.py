@@ -212,14 +212,16 @@ class Client:
     signature and ciphertext after the advertisement binds this round's fresh keys
     (secagg/transcripts.py). In ``malicious`` mode the client needs its Ed25519
     ``signing_key`` and the ``verify_keys`` (client id -> 32-byte Ed25519 public key) of its
-    peers.
+    peers. ``nonce``: the server's ``Server.nonce`` for this round, relayed by the
+    transport before the client advertises; the advertisement's signature binds it, so a
+    recorded advertisement of another round is refused (docs/protocol.md 5.7, 9.2).
     """
 
     def __init__(self, config: Config, client_id: int, input_vector: object, *,
                  roster: Iterable[int] | None = None, context: bytes = b"",
                  signing_key: SigningKey | None = None,
-                 verify_keys: Mapping[int, bytes] | None = None) -> None:
-        self._setup(config, client_id, roster, context, signing_key, verify_keys)
+                 verify_keys: Mapping[int, bytes] | None = None, nonce: bytes = b"") -> None:
+        self._setup(config, client_id, roster, context, signing_key, verify_keys, nonce)
         encryption, masking = bytearray(32), bytearray(32)
         for buffer in (encryption, masking):
             fresh = X25519PrivateKey.generate().private_bytes_raw()
@@ -235,7 +237,10 @@ class Client:
 
     def _setup(self, config: Config, client_id: int, roster: Iterable[int] | None,
                context: bytes, signing_key: SigningKey | None,
-               verify_keys: Mapping[int, bytes] | None) -> None:
+               verify_keys: Mapping[int, bytes] | None, nonce: bytes) -> None:
+        if not isinstance(nonce, bytes) or len(nonce) not in (0, 32):
+            raise ValueError("nonce must be the server's 32-byte Server.nonce (or empty)")
+        self.nonce = nonce
         self.config = config
         self.roster = normalize_roster(config, roster)
         self._members = frozenset(self.roster)
@@ -263,7 +268,7 @@ class Client:
         signature = b""
         if self._signing_key is not None and self.config.malicious:
             signature = self._signing_key.sign(
-                advertisement_transcript(self.session_id, self.client_id, entry))
+                advertisement_transcript(self.session_id, self.client_id, entry, self.nonce))
         return AdvertiseKeys(self.session_id, self.client_id, entry.encryption_key,
                              entry.masking_key, commitment, signature)
 
@@ -403,7 +408,8 @@ class Client:
             if self.config.malicious:
                 try:
                     verify_signature(self._verify_keys.get(cid, b""), entry.signature,
-                                     advertisement_transcript(self.session_id, cid, entry))
+                                     advertisement_transcript(self.session_id, cid, entry,
+                                                              self.nonce))
                 except CryptoError as exc:
                     raise self._abort(f"client {cid}'s key advertisement signature is "
                                       f"invalid: {exc}") from None

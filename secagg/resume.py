@@ -23,7 +23,7 @@ Layout (msgpack array, then a 32-byte MAC): magic ``"SAS1"``, session id, client
 state code (0 advertised, 1 shared, 2 masked, 3 checked, 4 finished, 5 aborted), the
 advertisement's wire bytes, the three 32-byte secrets, the input bytes, the key list's wire
 bytes, u's own two shares, F(u), the received shares, the signed survivor list,
-``revealed``, the reply cache, the abort reason and stage.
+``revealed``, the reply cache, the abort reason and stage, the server's round nonce.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ def snapshot(client: Client, key: bytes = b"") -> bytes:
         [[digest, encode(reply)] for digest, reply in client._answered.items()],
         str(state.error) if isinstance(state, _Aborted) else "",
         int(state.stage) if isinstance(state, _Aborted) else 0,
+        client.nonce,
     ], use_bin_type=True)
     return bytes(body) + _mac(key, body)
 
@@ -127,12 +128,14 @@ def restore(cls: type[Client], data: bytes, *, config: Config, client_id: int,
                                  max_array_len=len(body), max_map_len=0, max_ext_len=0)
     except Exception as exc:  # msgpack raises several types on garbage
         raise _refuse(f"not a snapshot ({type(exc).__name__})") from None
-    if type(fields) is not list or len(fields) != 18 or fields[0] != MAGIC:
+    if type(fields) is not list or len(fields) != 19 or fields[0] != MAGIC:
         raise _refuse("not a secagg client snapshot")
     (_, sid, cid, code, advert_raw, enc, mask, seed, vector, keylist, own, peers, received,
-     survivors, revealed, answered, reason, abort_stage) = fields
+     survivors, revealed, answered, reason, abort_stage, nonce) = fields
+    if type(nonce) is not bytes or len(nonce) not in (0, 32):
+        raise _refuse("the round nonce is malformed")
     client = cls.__new__(cls)
-    client._setup(config, client_id, roster, context, signing_key, verify_keys)
+    client._setup(config, client_id, roster, context, signing_key, verify_keys, nonce)
     if sid != client.session_id:
         raise _refuse("it belongs to another session (config, roster or context differ)")
     if cid != client_id:

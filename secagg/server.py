@@ -97,7 +97,13 @@ class Server:
 
     def __init__(self, config: Config, *, roster: Iterable[int] | None = None,
                  context: bytes = b"", verify_keys: Mapping[int, bytes] | None = None,
-                 executor: Executor | None = None, workers: int = 2) -> None:
+                 executor: Executor | None = None, workers: int = 2,
+                 nonce: bytes | None = None) -> None:
+        if nonce is not None and (not isinstance(nonce, bytes) or len(nonce) != 32):
+            raise ValueError("nonce must be 32 bytes (e.g. os.urandom(32)) or None")
+        # relayed to every client before it advertises (Client(nonce=...)): binds each
+        # advertisement to this round (docs/protocol.md 5.7); empty when the round has none
+        self.nonce: bytes = nonce or b""
         self.config = config
         self._executor = executor
         self._workers = max(1, workers)
@@ -250,7 +256,7 @@ class Server:
                 try:
                     verify_signature(self._verify_keys.get(cid, b""), msg.signature,
                                      advertisement_transcript(self.session_id, cid,
-                                                              _entry(msg)))
+                                                              _entry(msg), self.nonce))
                 except CryptoError as exc:
                     raise self._reject(cid, f"the advertisement signature is invalid: "
                                             f"{exc}") from None

@@ -75,12 +75,14 @@ def simulate(config: Config, inputs: Mapping[int, object],
     if config.malicious:
         signing = {cid: SigningKey.generate() for cid in roster}
         verify = {cid: key.public for cid, key in signing.items()}
-    server = Server(config, roster=roster, context=context, verify_keys=verify)
+    nonce = os.urandom(32)  # the round's freshness for the advertisements (5.7)
+    server = Server(config, roster=roster, context=context, verify_keys=verify, nonce=nonce)
     clients: dict[int, Client] = {}
     for cid in roster:  # each input is checked and copied once, by its client
         try:
             clients[cid] = Client(config, cid, inputs[cid], roster=roster, context=context,
-                                  signing_key=signing.get(cid), verify_keys=verify)
+                                  signing_key=signing.get(cid), verify_keys=verify,
+                                  nonce=server.nonce)
         except ValueError as exc:
             text = str(exc)
             raise ValueError(f"inputs[{cid}]{text[5:]}" if text.startswith("input ")

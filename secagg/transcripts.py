@@ -14,9 +14,10 @@ the associated data of every share ciphertext also bind them:
 * the associated data of the share ciphertext u -> v binds the advertisements of u and v.
 
 A message recorded in another round therefore never verifies in this one, whatever the
-caller passes as ``context``. An advertisement itself is the first message of a round and
-carries nothing fresh from anyone else; what a replayed one can and cannot do is in
-docs/protocol.md section 9.2.
+caller passes as ``context``. An advertisement itself is the first message of a round:
+it is fresh only when the server hands out a round nonce before it (``Server.nonce``,
+passed to ``Client(nonce=...)``), which its signature then binds; without one, what a
+replayed advertisement can and cannot do is in docs/protocol.md section 9.2.
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ def advertisement_payload(entry: KeyEntry) -> bytes:
     return entry.encryption_key + entry.masking_key + entry.self_mask_commitment
 
 
-def advertisement_transcript(session_id: bytes, client_id: int, entry: KeyEntry) -> bytes:
+def advertisement_transcript(session_id: bytes, client_id: int, entry: KeyEntry,
+                             nonce: bytes = b"") -> bytes:
+    """The advertisement signature; bound to the server's round ``nonce`` when the round
+    uses one (a replayed advertisement of another round then fails, docs/protocol.md 5.7)."""
     return transcript(b"advertise", session_id, Stage.ADVERTISE_KEYS, client_id,
-                      sha256(advertisement_payload(entry)))
+                      sha256(advertisement_payload(entry)), nonce)
 
 
 @lru_cache(maxsize=4096)

@@ -32,8 +32,9 @@ def _parties(security: str, n: int = 5, context: bytes = b"resume"
     signing = {i: SigningKey.generate() for i in inputs} if config.malicious else {}
     verify = {i: k.public for i, k in signing.items()} if config.malicious else None
     extra = {i: {"signing_key": signing.get(i), "verify_keys": verify} for i in inputs}
-    server = Server(config, context=context, verify_keys=verify)
-    clients = {i: Client(config, i, v, context=context, **extra[i]) for i, v in inputs.items()}
+    server = Server(config, context=context, verify_keys=verify, nonce=bytes(range(32)))
+    clients = {i: Client(config, i, v, context=context, nonce=server.nonce, **extra[i])
+               for i, v in inputs.items()}
     return config, server, clients, inputs, extra
 
 

@@ -4,6 +4,7 @@ SecAgg+ isolation, decoder amplification, secrets left after an abort."""
 
 from __future__ import annotations
 
+import os
 import time
 import tracemalloc
 from collections.abc import Mapping
@@ -48,15 +49,17 @@ class Recorded:
     """One round between a real ``Server`` and real ``Client`` objects with an EMPTY
     context, every byte recorded; stages run one at a time so a test can inject."""
 
-    def __init__(self, config: Config, signing: Mapping[int, SigningKey], seed: int) -> None:
+    def __init__(self, config: Config, signing: Mapping[int, SigningKey], seed: int,
+                 nonce: bool = False) -> None:
         self.config = config
         rng = np.random.default_rng(seed)
         self.inputs = {i: rng.integers(0, config.modulus, DIM, dtype=np.uint64)
                        for i in range(1, config.num_clients + 1)}
         verify = {i: k.public for i, k in signing.items()} if config.malicious else None
-        self.server = Server(config, verify_keys=verify)
-        self.clients = {i: Client(config, i, v, signing_key=signing.get(i), verify_keys=verify)
-                        for i, v in self.inputs.items()}
+        self.server = Server(config, verify_keys=verify,
+                             nonce=os.urandom(32) if nonce else None)
+        self.clients = {i: Client(config, i, v, signing_key=signing.get(i), verify_keys=verify,
+                                  nonce=self.server.nonce) for i, v in self.inputs.items()}
         self.sent: dict[tuple[Stage, int], bytes] = {}
         self.got: dict[tuple[Stage, int], bytes] = {}
         self.out: dict[int, bytes] = {}
@@ -97,12 +100,13 @@ class Recorded:
                 for x in sum(self.inputs[i].astype(object) for i in result.included)]
 
 
-def _two_rounds(security: str = "malicious") -> tuple[Recorded, Recorded]:
+def _two_rounds(security: str = "malicious", nonce: bool = False
+                ) -> tuple[Recorded, Recorded]:
     config = Config(num_clients=N, dim=DIM, bits=BITS, security=security)
     signing = {i: SigningKey.generate() for i in range(1, N + 1)}  # long-term keys
-    first = Recorded(config, signing, seed=1)
+    first = Recorded(config, signing, seed=1, nonce=nonce)
     first.run()
-    return first, Recorded(config, signing, seed=2)
+    return first, Recorded(config, signing, seed=2, nonce=nonce)
 
 
 def _rejected_without_change(server: Server, cid: int, raw: bytes) -> None:
@@ -206,18 +210,33 @@ def test_replay_advertise_keys_across_rounds_unlocks_nothing() -> None:
     assert result.total.tolist() == new.expected()
 
 
+@threat(**REPLAY)
+def test_replay_advertise_keys_with_a_round_nonce_rejected() -> None:
+    """With the server's round nonce relayed to the clients (as ``simulate`` does), the
+    advertisement is fresh too: a recorded one is rejected and the real client takes
+    part."""
+    old, new = _two_rounds(nonce=True)
+    _rejected_without_change(new.server, 3, old.sent[(Stage.ADVERTISE_KEYS, 3)])
+    new.run()
+    result = new.server.result
+    assert result is not None and result.included == frozenset(new.inputs)
+    assert result.total.tolist() == new.expected()
+
+
 @threat(attack="Replay of a recorded advertisement shuts the real client out",
         adversary="network attacker",
         controls="injects a client's advertisement from an earlier round, as that client, "
                  "before the client's own",
-        protocol="nothing fresh exists before the first message: the server keeps the first "
-                 "valid advertisement per client, so the real client is excluded from this "
-                 "round (denial of service); a transport that authenticates senders (per-client "
-                 "broker ACLs) is what stops the injection", mode="malicious",
+        protocol="without a round nonce nothing fresh exists before the first message: the "
+                 "server keeps the first valid advertisement per client, so the real client is "
+                 "excluded from this round (denial of service); relaying Server.nonce to the "
+                 "clients (Client(nonce=...)) or sender authentication by the transport stops "
+                 "it", mode="malicious",
         shows="limitation")
-@documented_limitation("docs/protocol.md 9.2: an advertisement carries nothing fresh from "
-                       "anyone else; a replayed one that arrives first excludes the real "
-                       "client from the round (nothing else of the old round verifies)")
+@documented_limitation("docs/protocol.md 9.2: without the server's round nonce an "
+                       "advertisement carries nothing fresh; a replayed one that arrives first "
+                       "excludes the real client from the round (nothing else of the old "
+                       "round verifies)")
 def test_replay_advertise_keys_shuts_the_real_client_out() -> None:
     old, new = _two_rounds()
     new.server.receive(3, old.sent[(Stage.ADVERTISE_KEYS, 3)])
