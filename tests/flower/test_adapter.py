@@ -308,3 +308,33 @@ def test_distributed_dp_rounds_stop_at_the_budget() -> None:
     assert 0 < first.epsilon < second.epsilon <= 8.0
     assert wrapper.budget is not None and wrapper.budget.rounds == 2
     assert len([m for m in grid.sent if apps.stage_of(m) == "advertise_keys"]) == 2 * n
+
+
+def test_a_round_without_safe_parameters_is_not_run() -> None:
+    grid, _ = _grid(2)
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=2))
+    result = wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    assert wrapper.reports == [] and grid.sent == []
+    assert len(result.arrays) == 0  # the strategy got no aggregate: nothing was trained
+
+
+def test_unsupported_wrapper_settings_are_refused_with_what_to_change() -> None:
+    with pytest.raises(ValueError, match="semi-honest"):
+        SecureAggregation(FedAvg(), security="malicious")
+    with pytest.raises(ValueError, match="metrics"):
+        SecureAggregation(FedAvg(), metrics=("loss",), privacy=DistributedDP(1.0, epsilon=1))
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        SecureAggregation(FedAvg(), privacy=DistributedDP(1.0))
+
+
+def test_the_node_policy_sets_a_noise_floor() -> None:
+    from dataclasses import replace
+
+    from fl.flower.setup import DpSpec
+
+    grid, _ = _grid(4)
+    setup = replace(_valid_setup(grid), encoding="ddp", frac_bits=0,
+                    dp=DpSpec(1.0, 100.0, 40, 0.05, 3, "dgauss", 0.5, 3))
+    with pytest.raises(SetupError, match=r"at least 0\.1"):
+        NodePolicy(min_noise_stddev=0.1).check(setup)
+    NodePolicy(min_noise_stddev=0.05).check(setup)
