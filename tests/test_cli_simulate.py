@@ -309,3 +309,22 @@ def test_progress_lines_inside_a_stage_when_not_on_a_terminal() -> None:
     progress.tick()
     assert stream.getvalue().splitlines() == [
         "[secagg] advertise_keys         2/4     answered     10.5 s"]
+
+
+def test_progress_line_is_kept_up_to_date_on_a_terminal() -> None:
+    from fl.commands.simulate import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = Progress(stream, 3, clock=lambda: 2.0)
+    progress.start()
+    progress.message(1, Stage.SHARE_KEYS)
+    progress.tick()
+    progress.message(2, Stage.SHARE_KEYS)
+    progress.tick()
+    out = stream.getvalue()
+    assert out.count("\r") == 2 and "\n" not in out  # one line, rewritten in place
+    assert out.endswith("share_keys             2/3     answered      0.0 s")

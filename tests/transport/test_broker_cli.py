@@ -108,3 +108,36 @@ def test_mutual_tls_from_the_command_line(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.communicate(timeout=10)
+
+
+def test_broker_modules_form_no_cycle_and_the_bus_does_not_load_the_cli() -> None:
+    import ast
+
+    import transport.broker as package
+
+    root = Path(package.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                deps.add(node.module)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "transport.broker."):
+                deps.add(node.module.rsplit(".", 1)[1])  # type: ignore[union-attr]
+        graph[path.stem] = deps
+    done: set[str] = set()
+
+    def visit(name: str, stack: tuple[str, ...]) -> None:
+        assert name not in stack, f"import cycle: {' -> '.join((*stack, name))}"
+        if name in done:
+            return
+        for dep in graph.get(name, ()):
+            visit(dep, (*stack, name))
+        done.add(name)
+
+    for name in graph:
+        visit(name, ())
+    code = ("import sys, transport.memory, transport.broker; "
+            "sys.exit('transport.broker.cli' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], env=ENV, timeout=60).returncode == 0

@@ -12,14 +12,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .packets import Message
-
-if TYPE_CHECKING:
-    from .connection import Connection
+from .stream import Outbox
 
 SessionKey = tuple[str, str]
+
+
+class Attachment(Protocol):
+    """The connection a session is attached to, as sessions and the router see it."""
+
+    @property
+    def outbox(self) -> Outbox: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def abort(self) -> None:
+        """Close at once (a slow consumer, a takeover)."""
 
 
 class Session:
@@ -34,7 +45,7 @@ class Session:
         self.max_queued_bytes = max_queued_bytes
         self.max_queue = max_queue
         self.subscriptions: dict[str, int] = {}  # filter -> granted QoS
-        self.connection: Connection | None = None
+        self.connection: Attachment | None = None
         self._inflight: OrderedDict[int, tuple[Message, bool]] = OrderedDict()
         self._pending: deque[tuple[Message, int, bool]] = deque()
         self._pending_bytes = 0
@@ -53,7 +64,7 @@ class Session:
 
     # -- attachment ----------------------------------------------------------------------
 
-    def attach(self, connection: Connection) -> int:
+    def attach(self, connection: Attachment) -> int:
         """Bind to a new connection; re-send what was in flight (DUP) and what was queued.
         Returns how many messages were delivered again."""
         self.connection = connection
@@ -101,7 +112,7 @@ class Session:
         self._pending_bytes += message.size
         return True
 
-    def _send(self, connection: Connection, message: Message, retain: bool) -> None:
+    def _send(self, connection: Attachment, message: Message, retain: bool) -> None:
         packet_id = self._next_id
         for _ in range(0x10000):
             packet_id = packet_id % 0xFFFF + 1
