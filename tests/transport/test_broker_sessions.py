@@ -146,8 +146,9 @@ def test_retained_store_caps_bytes_per_user_and_messages_overall() -> None:
                           max_retained_total=5)
     store = RetainedStore(limits)
     assert store.set(Message.build("t/0", bytes(600), 1, True), "a")
-    assert not store.set(Message.build("t/1", bytes(600), 1, True), "a")  # 1200 > 1000 bytes
-    assert store.set(Message.build("t/0", bytes(900), 1, True), "a")  # replacing its own
+    assert store.set(Message.build("t/1", bytes(600), 1, True), "a")  # its oldest makes room
+    assert [topic for topic, _ in store.items()] == ["t/1"]
+    assert not store.set(Message.build("t/2", bytes(2000), 1, True), "a")  # over allowance
     for i in range(4):
         assert store.set(Message.build(f"u/{i}", b"x", 1, True), f"user{i}")
     assert not store.set(Message.build("u/9", b"x", 1, True), "other")  # 5 overall

@@ -91,12 +91,17 @@ class SubscriptionIndex:
 
 
 class RetainedStore:
-    """Retained messages, each owned by the user who set it, capped per user and overall."""
+    """Retained messages, each owned by the user who set it, capped per user and overall.
+
+    A user at its cap (``max_retained_per_user`` messages or ``max_retained_bytes_per_user``
+    bytes) makes room by losing its own oldest retained messages: a long-running aggregator
+    keeps its latest control messages, a flooding site only ever holds its cap.
+    """
 
     def __init__(self, limits: BrokerLimits) -> None:
         self._limits = limits
         self._messages: dict[str, tuple[Message, str]] = {}
-        self._count: dict[str, int] = {}
+        self._owned: dict[str, dict[str, None]] = {}  # owner -> its topics, oldest first
         self._bytes: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -107,33 +112,39 @@ class RetainedStore:
 
     def set(self, message: Message, owner: str) -> bool:
         """Keep (or, with an empty payload, clear) the retained message of its topic; False
-        when ``owner`` is at its cap or the store is full."""
-        old = self._messages.get(message.topic)
-        old_owned = old is not None and old[1] == owner
-        if message.size:
-            limits = self._limits
-            count = self._count.get(owner, 0) + (0 if old_owned else 1)
-            size = (self._bytes.get(owner, 0) + message.size
-                    - (old[0].size if old_owned and old is not None else 0))
-            total = len(self._messages) + (0 if old is not None else 1)
-            if (count > limits.max_retained_per_user
-                    or size > limits.max_retained_bytes_per_user
-                    or total > limits.max_retained_total):
-                return False
-        if old is not None:
-            self._release(old[0], old[1])
-            del self._messages[message.topic]
-        if message.size:
-            self._messages[message.topic] = (message, owner)
-            self._count[owner] = self._count.get(owner, 0) + 1
-            self._bytes[owner] = self._bytes.get(owner, 0) + message.size
+        when it cannot be kept (larger than a user's whole allowance, or the store is full
+        of other users' messages)."""
+        limits = self._limits
+        if message.size > limits.max_retained_bytes_per_user:
+            return False
+        self._remove(message.topic)
+        if not message.size:
+            return True
+        owned = self._owned.setdefault(owner, {})
+        while owned and (len(owned) >= limits.max_retained_per_user
+                         or self._bytes[owner] + message.size
+                         > limits.max_retained_bytes_per_user):
+            self._remove(next(iter(owned)))
+            owned = self._owned.setdefault(owner, {})
+        if len(self._messages) >= limits.max_retained_total:
+            if not owned:
+                del self._owned[owner]
+            return False
+        self._messages[message.topic] = (message, owner)
+        owned[message.topic] = None
+        self._bytes[owner] = self._bytes.get(owner, 0) + message.size
         return True
 
-    def _release(self, message: Message, owner: str) -> None:
-        self._count[owner] -= 1
+    def _remove(self, topic: str) -> None:
+        entry = self._messages.pop(topic, None)
+        if entry is None:
+            return
+        message, owner = entry
+        owned = self._owned[owner]
+        del owned[topic]
         self._bytes[owner] -= message.size
-        if not self._count[owner]:
-            del self._count[owner], self._bytes[owner]
+        if not owned:
+            del self._owned[owner], self._bytes[owner]
 
 
 class Router:
