@@ -136,7 +136,9 @@ def test_every_message_kind_in_every_server_stage(security: str) -> None:
                          verify_keys=verify) for i in range(1, 5)}
     sent: dict[Stage, dict[int, bytes]] = {}
     out: dict[int, object] = {}
+    collected = []
     for stage in round_stages(config):
+        collected.append(live.stage)
         if stage is Stage.ADVERTISE_KEYS:
             replies = {cid: encode(c.advertise()) for cid, c in clients.items()}
         else:
@@ -166,3 +168,6 @@ def test_every_message_kind_in_every_server_stage(security: str) -> None:
                 assert server_state(live) == before
         out = dict(live.advance())
     assert live.result is not None
+    # the one round schedule is the one the server runs
+    assert tuple(collected) == round_stages(config) == round_stages(config.malicious)
+    assert (Stage.CONSISTENCY_CHECK in collected) == config.malicious
