@@ -141,3 +141,19 @@ def test_broker_modules_form_no_cycle_and_the_bus_does_not_load_the_cli() -> Non
     code = ("import sys, transport.memory, transport.broker; "
             "sys.exit('transport.broker.cli' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], env=ENV, timeout=60).returncode == 0
+
+
+def test_port_in_use_is_a_runtime_error_in_one_line(tmp_path: Path) -> None:
+    import socket
+
+    users = tmp_path / "users.json"
+    users.write_text(json.dumps({"server": hash_password("pw", log2_n=4)}))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = broker_cli("--port", str(port), "--users-file", str(users), cwd=tmp_path)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "cannot listen" in lines[0]
