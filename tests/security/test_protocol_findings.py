@@ -166,6 +166,19 @@ def test_replay_share_keys_across_rounds_rejected() -> None:
     _rejected_without_change(new.server, 4, old.sent[(Stage.SHARE_KEYS, 4)])
 
 
+@threat(**{**REPLAY, "adversary": "malicious server",
+           "controls": "forwards a client the share ciphertexts it got in an earlier round "
+                       "with the same roster and empty context"})
+def test_replay_share_ciphertexts_across_rounds_abort_the_client() -> None:
+    old, new = _two_rounds()
+    for stage in (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS):
+        new.stage(stage)
+        new.close()
+    with pytest.raises(ProtocolAbort, match="AEAD"):
+        new.clients[1].handle(old.got[(Stage.MASKED_INPUT, 1)])
+    assert (Stage.MASKED_INPUT, 1) not in new.sent
+
+
 @threat(**REPLAY)
 def test_replay_consistency_signatures_across_rounds_rejected() -> None:
     """At the server, a recorded ConsistencySignature is rejected; at a client, an unmasking
