@@ -338,3 +338,15 @@ def test_the_node_policy_sets_a_noise_floor() -> None:
     with pytest.raises(SetupError, match=r"at least 0\.1"):
         NodePolicy(min_noise_stddev=0.1).check(setup)
     NodePolicy(min_noise_stddev=0.05).check(setup)
+
+
+def test_the_adapter_imports_without_torch() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.modules['torch'] = None; import fl.flower, fl.flower.local; "
+            "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
