@@ -28,7 +28,7 @@ from typing import Any
 from fl.flower.encoding import F64, U64, ReplyError, encode_reply, encoded_dim, flatten
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE, secagg_record
 from fl.flower.setup import RoundSetup, SetupError
-from secagg import Client, ProtocolAbort, encode
+from secagg import Client, ProtocolAbort, SigningKey, encode
 
 
 class RoundStateError(RuntimeError):
@@ -42,14 +42,21 @@ class NodePolicy:
     sovereign). ``min_clients``: the smallest roster it joins; ``require_dp``: refuse
     rounds without distributed DP; ``min_noise_stddev``: the smallest per-node noise
     standard deviation (in the update's units) it adds; ``snapshot_key``: a node secret
-    that authenticates the round snapshot (HMAC, see ``secagg.resume``)."""
+    that authenticates the round snapshot (HMAC, see ``secagg.resume``).
+
+    Malicious mode: ``signing_key`` is this node's Ed25519 identity and ``trusted_keys``
+    the enrolled nodes' verification keys (distributed out of band). The node joins a
+    malicious-mode round only if the setup gives it its own key and every other key is
+    enrolled, so the server cannot slip in identities of its own."""
 
     min_clients: int = 2
     require_dp: bool = False
     min_noise_stddev: float = 0.0
     snapshot_key: bytes = b""
+    signing_key: SigningKey | None = None
+    trusted_keys: frozenset[bytes] = frozenset()
 
-    def check(self, setup: RoundSetup) -> None:
+    def check(self, setup: RoundSetup, client_id: int | None = None) -> None:
         if setup.num_clients < self.min_clients:
             raise SetupError(f"the round has {setup.num_clients} nodes; this node joins "
                              f"rounds of at least {self.min_clients}")
@@ -58,14 +65,32 @@ class NodePolicy:
         if setup.dp is not None and setup.dp.noise_stddev < self.min_noise_stddev:
             raise SetupError(f"the round asks for noise stddev {setup.dp.noise_stddev:.4g}; "
                              f"this node adds at least {self.min_noise_stddev:.4g}")
+        if setup.security == "malicious" and client_id is not None:
+            if self.signing_key is None:
+                raise SetupError("a malicious-mode round needs this node's signing key: "
+                                 "give NodePolicy(signing_key=..., trusted_keys=...)")
+            if setup.verify_keys[client_id - 1] != self.signing_key.public:
+                raise SetupError("the setup gives this node a verify key that is not its own")
+            strangers = [i + 1 for i, key in enumerate(setup.verify_keys)
+                         if key not in self.trusted_keys]
+            if strangers:
+                raise SetupError(f"the setup names verify keys that are not enrolled "
+                                 f"(roster positions {strangers[:10]}); refused")
+
+    def identity(self, setup: RoundSetup) -> dict[str, Any]:
+        """The keyword arguments secagg.Client needs for this round's security mode."""
+        if setup.security != "malicious":
+            return {}
+        return {"signing_key": self.signing_key, "verify_keys": setup.peer_keys()}
 
 
 Mod = Callable[[Any, Any, Callable[[Any, Any], Any]], Any]
 
 
-def make_secagg_mod(policy: NodePolicy | None = None) -> Mod:
-    """A Flower mod with this node's policy (see :class:`NodePolicy`)."""
-    node_policy = policy or NodePolicy()
+def make_secagg_mod(policy: NodePolicy | Callable[[Any], NodePolicy] | None = None) -> Mod:
+    """A Flower mod with this node's policy (see :class:`NodePolicy`), or a function of the
+    node's ``Context`` that returns it (e.g. loading the node's signing key from a path in
+    ``context.node_config``)."""
 
     def secagg_mod(msg: Any, context: Any, call_next: Callable[[Any, Any], Any]) -> Any:
         if msg.metadata.message_type.split(".")[0] != "train":
@@ -73,6 +98,8 @@ def make_secagg_mod(policy: NodePolicy | None = None) -> Mod:
         record = secagg_record(msg)
         if record is None:
             return call_next(msg, context)
+        node_policy = (policy if isinstance(policy, NodePolicy)
+                       else NodePolicy() if policy is None else policy(context))
         if SETUP in record:
             return _start(msg, context, call_next, record, node_policy)
         return _continue(msg, context, record, node_policy)
@@ -112,7 +139,7 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
         raise SetupError(f"the setup names run {setup.run_id}; this message belongs to run "
                          f"{msg.metadata.run_id}")
     client_id = setup.client_id(msg.metadata.dst_node_id)
-    policy.check(setup)
+    policy.check(setup, client_id)
     config = setup.config(encoded_dim(setup))
     context.state.config_records.pop(STATE, None)  # an unfinished earlier round is gone
     sent = None
@@ -123,7 +150,8 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
     if reply.has_error():
         return reply
     client = Client(config, client_id, reply_vector(setup, reply.content, sent),
-                    roster=range(1, setup.num_clients + 1), context=setup.context())
+                    roster=range(1, setup.num_clients + 1), context=setup.context(),
+                    **policy.identity(setup))
     advertisement = encode(client.advertise())
     _save(context, setup, client, policy)
     return _reply(msg, client.session_id, advertisement)
@@ -147,7 +175,8 @@ def _continue(msg: Any, context: Any, record: Any, policy: NodePolicy) -> Any:
     client = Client.restore(saved.get("snapshot"), config=setup.config(encoded_dim(setup)),
                             client_id=setup.client_id(msg.metadata.dst_node_id),
                             context=setup.context(),
-                            roster=range(1, setup.num_clients + 1), key=policy.snapshot_key)
+                            roster=range(1, setup.num_clients + 1), key=policy.snapshot_key,
+                            **policy.identity(setup))
     try:
         out = client.handle(payload)
     except ProtocolAbort:

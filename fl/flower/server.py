@@ -15,6 +15,9 @@ Protocol choices per round (n = the nodes the strategy sampled): ``neighbors="au
 takes SecAgg+'s (k, t) from ``secagg.secagg_plus_parameters(n, dropout_rate,
 corrupt_rate)`` (the complete graph when no sparse one is safe); ``neighbors=None`` is
 SecAgg over the complete graph with ``threshold`` (default: the protocol's floor).
+``security="malicious"`` adds signatures and the consistency check; it needs
+``verify_keys`` (Flower node id -> enrolled Ed25519 key), sent to the nodes in the setup,
+which each node checks against its own enrolment list (``NodePolicy.trusted_keys``).
 ``privacy=DistributedDP(...)`` switches the encoding to distributed DP (:mod:`dp`): the
 per-node noise comes from ``fl.privacy.distributed_plan`` (calibrated so any ``t``
 survivors carry the target noise) and a round that would overshoot the budget is not run.
@@ -25,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -107,11 +110,13 @@ class SecureAggregation(Strategy):
                  threshold: int | None = None, dropout_rate: float = 0.1,
                  corrupt_rate: float = 0.0, security: str = "semi-honest", bits: int = 64,
                  frac_bits: int = 24, metrics: Sequence[str] = (),
-                 privacy: DistributedDP | None = None, stage_timeout: float | None = None
-                 ) -> None:
-        if security != "semi-honest":
-            raise ValueError(f"security={security!r}: the Flower adapter runs semi-honest "
-                             "rounds; use secagg's own transport for malicious mode")
+                 privacy: DistributedDP | None = None, stage_timeout: float | None = None,
+                 verify_keys: Mapping[int, bytes] | None = None) -> None:
+        if security not in ("semi-honest", "malicious"):
+            raise ValueError(f"security={security!r}: use 'semi-honest' or 'malicious'")
+        if security == "malicious" and not verify_keys:
+            raise ValueError("security='malicious' needs verify_keys: Flower node id -> the "
+                             "node's enrolled Ed25519 verification key (32 bytes)")
         if not (neighbors is None or neighbors == "auto" or isinstance(neighbors, int)):
             raise ValueError(f"neighbors={neighbors!r}: use 'auto' (SecAgg+), None (SecAgg) "
                              "or an integer k")
@@ -131,6 +136,7 @@ class SecureAggregation(Strategy):
         self.metrics = tuple(metrics)
         self.privacy = privacy
         self.stage_timeout = stage_timeout
+        self.verify_keys = dict(verify_keys or {})
         self.budget = (PrivacyBudget(privacy.epsilon, privacy.delta)
                        if privacy is not None and privacy.epsilon is not None else None)
         self.reports: list[RoundReport] = []
@@ -199,7 +205,8 @@ class SecureAggregation(Strategy):
         if setup is None:
             return []
         server = Server(setup.config(encoded_dim(setup)),
-                        roster=range(1, setup.num_clients + 1), context=setup.context())
+                        roster=range(1, setup.num_clients + 1), context=setup.context(),
+                        verify_keys=setup.peer_keys() if setup.verify_keys else None)
         driver = RoundDriver(grid, setup, server, messages[0].metadata.message_type,
                              self.stage_timeout if self.stage_timeout is not None else timeout)
         report = driver.run(messages)
@@ -250,13 +257,19 @@ class SecureAggregation(Strategy):
         probe = Config(num_clients=len(roster), threshold=t, neighbors=k,
                        security=self.security, **rates)
         nonce = os.urandom(32)
+        keys: tuple[bytes, ...] = ()
+        if self.security == "malicious":
+            unknown = [node for node in roster if node not in self.verify_keys]
+            if unknown:
+                raise ValueError(f"no enrolled verify key for nodes {unknown[:10]}")
+            keys = tuple(self.verify_keys[node] for node in roster)
         setup = RoundSetup(
             run_id=int(grid.run.run_id), server_round=server_round, nonce=nonce,
             roster=tuple(roster), threshold=int(probe.threshold or 0),
             neighbors=probe.neighbors, bits=self.bits, security=self.security,
             arrays=specs, metrics=self.metrics, weight_key=self._weight_key(),
             encoding="fixed", frac_bits=self.frac_bits, dropout_rate=self.dropout_rate,
-            corrupt_rate=self.corrupt_rate)
+            corrupt_rate=self.corrupt_rate, verify_keys=keys)
         if self.privacy is None:
             return setup
         plan = self._plan(setup.model_dim, setup)

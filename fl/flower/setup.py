@@ -26,6 +26,7 @@ from secagg import Config
 
 VERSION = 1
 ENCODINGS = ("fixed", "ddp")
+SECURITY = ("semi-honest", "malicious")
 MECHANISMS = ("dgauss", "skellam")
 MAX_ROSTER = 1 << 16
 MAX_ARRAYS = 1 << 12
@@ -84,6 +85,7 @@ class RoundSetup:
     dp: DpSpec | None = None
     dropout_rate: float = 0.0
     corrupt_rate: float = 0.0
+    verify_keys: tuple[bytes, ...] = ()
 
     # --- derived ----------------------------------------------------------------------------
 
@@ -117,6 +119,10 @@ class RoundSetup:
         except ValueError as exc:
             raise SetupError(f"unsafe or invalid protocol parameters: {exc}") from None
 
+    def peer_keys(self) -> dict[int, bytes]:
+        """Client id -> Ed25519 verification key (malicious mode; empty otherwise)."""
+        return {i + 1: key for i, key in enumerate(self.verify_keys)}
+
     def context(self) -> bytes:
         """The bytes every party hands secagg as ``context`` (the whole setup)."""
         return self.to_bytes()
@@ -135,6 +141,7 @@ class RoundSetup:
                 self.dp.clip_norm, self.dp.scale, self.dp.bits, self.dp.noise_stddev,
                 self.dp.rotation_seed, self.dp.mechanism, self.dp.beta, self.dp.threshold],
             "rates": [self.dropout_rate, self.corrupt_rate],
+            "vk": list(self.verify_keys),
         }
         return bytes(msgpack.packb(body, use_bin_type=True))
 
@@ -186,6 +193,17 @@ class RoundSetup:
         if encoding not in ENCODINGS:
             raise SetupError(f"encoding {encoding!r}: use one of {ENCODINGS}")
         security = _str(body, "security")
+        if security not in SECURITY:
+            raise SetupError(f"security {security!r}: use one of {SECURITY}")
+        keys = body.get("vk")
+        if not isinstance(keys, list) or not all(isinstance(k, bytes) and len(k) == 32
+                                                 for k in keys):
+            raise SetupError("verify keys must be a list of 32-byte Ed25519 public keys")
+        if security == "malicious" and (len(keys) != len(roster)
+                                        or len(set(keys)) != len(keys)):
+            raise SetupError("a malicious-mode setup needs one distinct verify key per node")
+        if security == "semi-honest" and keys:
+            raise SetupError("a semi-honest setup carries no verify keys")
         k = _int(body, "k", 0, MAX_ROSTER)
         frac_bits = _int(body, "frac_bits", 0, 62)
         dp = _dp_spec(body.get("dp")) if encoding == "ddp" else None
@@ -205,7 +223,8 @@ class RoundSetup:
                    neighbors=k or None, bits=_int(body, "bits", 8, 64), security=security,
                    arrays=specs, metrics=tuple(metrics), weight_key=weight,
                    encoding=encoding, frac_bits=frac_bits, dp=dp,
-                   dropout_rate=dropout_rate, corrupt_rate=corrupt_rate)
+                   dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
+                   verify_keys=tuple(keys))
 
 
 def _int(body: dict[str, Any], key: str, low: int, high: int) -> int:

@@ -157,12 +157,12 @@ def test_a_message_of_another_session_is_refused_and_changes_nothing() -> None:
     grid, _ = _stalled_round()
     node = grid.nodes[0]
     request = _request_to(grid, node).content[RECORD]
-    before = grid.contexts[node].SerializeToString()
+    before = dict(grid.state(node).config_records[STATE])
     forged = RecordDict({RECORD: ConfigRecord({SESSION: bytes(32),
                                                PAYLOAD: request[PAYLOAD]})})
     reply = _send(grid, node, forged)
     assert reply.has_error() and "RoundStateError" in reply.error.reason
-    assert grid.contexts[node].SerializeToString() == before
+    assert dict(grid.state(node).config_records[STATE]) == before
 
 
 def test_a_stale_round_message_is_refused_after_a_new_round_started() -> None:
@@ -319,7 +319,7 @@ def test_a_round_without_safe_parameters_is_not_run() -> None:
 
 
 def test_unsupported_wrapper_settings_are_refused_with_what_to_change() -> None:
-    with pytest.raises(ValueError, match="semi-honest"):
+    with pytest.raises(ValueError, match="verify_keys"):
         SecureAggregation(FedAvg(), security="malicious")
     with pytest.raises(ValueError, match="metrics"):
         SecureAggregation(FedAvg(), metrics=("loss",), privacy=DistributedDP(1.0, epsilon=1))
@@ -350,3 +350,52 @@ def test_the_adapter_imports_without_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _malicious(n: int, drops: dict[int, str] | None = None
+               ) -> tuple[LocalGrid, apps.DropPlan, dict[int, Any]]:
+    from secagg import SigningKey
+
+    grid = LocalGrid(None, n)
+    keys = {node: SigningKey.generate() for node in grid.nodes}
+    enrolled = frozenset(k.public for k in keys.values())
+    mod = make_secagg_mod(lambda ctx: NodePolicy(signing_key=keys[ctx.node_id],
+                                                 trusted_keys=enrolled))
+    plan = _plan_by_position(grid, drops or {})
+    grid.app = apps.client_app(plan, [mod])
+    return grid, plan, keys
+
+
+def test_malicious_mode_rounds_are_exact_with_dropouts_including_the_consistency_check(
+        ) -> None:
+    drops = {0: "share_keys", 3: "masked_input", 5: "consistency_check", 8: "unmasking"}
+    grid, plan, keys = _malicious(16, drops)  # t = 11: more than 2/3 of 16
+    wrapper = SecureAggregation(
+        FedAvg(fraction_evaluate=0.0, min_available_nodes=16), neighbors=None,
+        security="malicious", verify_keys={n: k.public for n, k in keys.items()})
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    (report,) = wrapper.reports
+    assert report.setup.security == "malicious"
+    assert report.dropped == {grid.nodes[i]: s for i, s in drops.items()}
+    assert report.included == frozenset(grid.nodes) - {grid.nodes[0], grid.nodes[3]}
+    assert report.included == apps.expected_included(report, plan)
+    assert np.array_equal(report.total, apps.expected_total(report))
+    assert any(apps.stage_of(m) == "consistency_check" for m in grid.sent)
+
+
+def test_malicious_mode_nodes_refuse_a_verify_key_that_is_not_enrolled() -> None:
+    """A server that swaps in a key of its own (to impersonate a node) gets no round."""
+    from secagg import SigningKey
+
+    grid, _, keys = _malicious(6)
+    forged = {n: k.public for n, k in keys.items()}
+    forged[grid.nodes[2]] = SigningKey.generate().public
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=6),
+                                neighbors=None, security="malicious", verify_keys=forged)
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    (report,) = wrapper.reports
+    assert report.aborted is not None and report.total is None
+    reasons = [r.error.reason for r in grid.replies]
+    assert len(reasons) == 6 and all("SetupError" in r for r in reasons)
+    assert sum("not its own" in r for r in reasons) == 1
+    assert sum("not enrolled" in r for r in reasons) == 5
