@@ -90,7 +90,7 @@ def test_config_file_json_quiet_progress_and_saved_model(
                       'dataset = "breast-cancer"\nmodel = "mlp"\n')
     model_path = tmp_path / "model.pt"
     assert main(["train", "--config", str(config), "--rounds", "2", "--json",
-                 "--save-model", str(model_path)]) == 0
+                 "--save-model", str(model_path), "--checkpoint", str(tmp_path / "ckpt")]) == 0
     out, err = capsys.readouterr()
     report = json.loads(out)  # stdout is exactly one JSON object
     assert len(report["rounds"]) == 2  # the flag overrode the file's rounds = 1
@@ -98,6 +98,11 @@ def test_config_file_json_quiet_progress_and_saved_model(
     assert "round   1/2" in err and "left]" in err and "elapsed" in err
     model = make_model("mlp", 30, 2)
     model.load_state_dict(torch.load(model_path))  # one line of plain torch
+    checkpointed = make_model("mlp", 30, 2)  # a checkpoint's model loads the same way
+    checkpointed.load_state_dict(torch.load(tmp_path / "ckpt" / "model.pt"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 checkpointed.state_dict().values(),
+                                                 strict=True))
     meta = json.loads((tmp_path / "model.pt.json").read_text())
     assert meta["model"] == "mlp" and meta["num_classes"] == 2 and len(meta["scaler"]["mean"]) == 30
     assert meta["final_accuracy"] == report["final_accuracy"]
