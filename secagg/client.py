@@ -37,6 +37,7 @@ from .crypto import (
     KeyPair,
     Masker,
     SigningKey,
+    clamp,
     dtype_for_bits,
     load_public_key,
     open_sealed,
@@ -224,8 +225,8 @@ class Client:
         self._setup(config, client_id, roster, context, signing_key, verify_keys, nonce)
         encryption, masking = bytearray(32), bytearray(32)
         for buffer in (encryption, masking):
-            fresh = X25519PrivateKey.generate().private_bytes_raw()
-            buffer[:] = fresh
+            buffer[:] = X25519PrivateKey.generate().private_bytes_raw()
+            clamp(buffer)  # canonical form: the same key, one-to-one with its public key
         seed = bytearray(os.urandom(32))
         self._secrets = _Secrets(encryption, masking, seed, check_input(input_vector, config))
         self._wipeable: list[bytearray | np.ndarray] = [encryption, masking, seed,
@@ -625,15 +626,18 @@ class Client:
     @classmethod
     def restore(cls, data: bytes, *, config: Config, client_id: int, context: bytes = b"",
                 roster: Iterable[int] | None = None, signing_key: SigningKey | None = None,
-                verify_keys: Mapping[int, bytes] | None = None, key: bytes = b"") -> Client:
+                verify_keys: Mapping[int, bytes] | None = None, key: bytes = b"",
+                min_stage: Stage | None = None) -> Client:
         """The client ``snapshot()`` saved; raises ``StaleSnapshot`` for a snapshot of
         another session (config, roster, context) or client, under another ``key``, or
-        corrupted or truncated bytes."""
+        corrupted or truncated bytes, and for one whose stage is before ``min_stage`` (the
+        host's forward-only guard against rollback: pass the stage this client had reached
+        in this session, recorded outside the snapshot; see ``secagg.resume``)."""
         from .resume import restore
 
         return restore(cls, data, config=config, client_id=client_id, context=context,
                        roster=roster, signing_key=signing_key, verify_keys=verify_keys,
-                       key=key)
+                       key=key, min_stage=min_stage)
 
 
 _HANDLERS: Mapping[type, Callable[[Client, object], ClientMessage]] = {

@@ -69,6 +69,22 @@ def constant_time_equal(a: bytes, b: bytes) -> bool:
 # --- X25519 ------------------------------------------------------------------------------
 
 
+def clamp(private_key: bytearray) -> None:
+    """Put a raw X25519 private key in its canonical clamped form, in place (RFC 7748:
+    clear bits 0-2 and 255, set bit 254). X25519 ignores those bits, so the key is the same;
+    among clamped keys the map to public keys is one-to-one, which the server's check of a
+    reconstructed masking key relies on (docs/protocol.md section 8)."""
+    private_key[0] &= 248
+    private_key[31] &= 127
+    private_key[31] |= 64
+
+
+def is_clamped(private_key: bytes) -> bool:
+    """True when a raw X25519 private key is in canonical clamped form."""
+    return len(private_key) == 32 and private_key[0] & 7 == 0 and \
+        private_key[31] & 0xC0 == 0x40
+
+
 def is_small_order(public_key: bytes) -> bool:
     """True when ``public_key`` is a small-order (or non-canonical small-order) point."""
     u = int.from_bytes(public_key, "little") & ((1 << 255) - 1)

@@ -3,8 +3,26 @@
 A driver that rebuilds the client for every server message (e.g. a Flower ``ClientApp``,
 which keeps state between messages as bytes in the node's context) saves
 ``client.snapshot(key)`` after each reply and rebuilds with ``Client.restore(data, ...)``
-before handling the next message. The restored client behaves exactly as the original
-would have: same replies, same redelivery cache, same checks.
+before handling the next message. A client restored from the latest snapshot gives the
+replies the original would have given from that state (``tests/secagg/test_resume.py``).
+
+**The host's duty (rollback).** The client's guard that it reveals one share per peer
+(``revealed``) lives in the snapshot. A client restored from an *older* snapshot has
+forgotten what it revealed since: a server that then sends it a different unmasking
+request obtains the other share of a peer, i.e. that peer's input. So the host must
+
+1. persist the snapshot taken after handling a message *before* the reply leaves, keep
+   only the latest one, and never restore an older one;
+2. record the stage this client reached in the session (``client.session_id``,
+   ``client.stage``) where a failed or concurrent snapshot write cannot roll it back, and
+   restore with ``min_stage=`` that stage: ``restore`` then refuses (``StaleSnapshot``)
+   any snapshot from before it (``tests/security/test_protocol_findings.py::
+   test_rollback_to_an_earlier_snapshot_is_refused_with_the_hosts_stage_record``);
+3. handle one message per client at a time.
+
+A host that breaks these rules gives up "one share per peer"
+(``test_rollback_without_the_hosts_stage_record_reveals_both_shares``, a documented
+limitation).
 
 The snapshot holds the round's **secrets** (both X25519 private keys, the self-mask seed,
 the input or masked input, the shares received): it is node-local and must never be sent
@@ -12,12 +30,10 @@ to the server or anyone else. It is authenticated with HMAC-SHA256 under ``key``
 default empty key the MAC detects corruption and truncation only; with a key the node
 keeps outside the stored state it also detects tampering. ``restore`` refuses
 (``StaleSnapshot``) bytes that fail the MAC, do not parse exactly, belong to another
-session (config, roster, context) or another client id, or whose keys and commitment do
-not match the secrets they carry. A snapshot of an *earlier round with the same context*
-has the same session id and restores, but that client answers no message of the new
-round: every server message it would need binds this round's fresh keys (K2, the share
-ciphertexts' associated data) and it aborts; give each round its own context to have it
-refused at ``restore`` already.
+session (config, roster, context) or another client id, whose keys and commitment do not
+match the secrets they carry, or that are before ``min_stage``. A snapshot of an earlier
+round with the same context has the same session id: give each round its own context (or
+record the stage per session as above) so that it is refused at ``restore``.
 
 Layout (msgpack array, then a 32-byte MAC): magic ``"SAS1"``, session id, client id,
 state code (0 advertised, 1 shared, 2 masked, 3 checked, 4 finished, 5 aborted), the
@@ -50,6 +66,8 @@ MAGIC = b"SAS1"
 _MAC_BYTES = 32
 _STATES = ("advertised", "shared", "masked", "checked", "finished", "aborted")
 _REVEALED = ("self_mask", "masking_key")
+_STAGE_OF_STATE = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT,
+                   Stage.CONSISTENCY_CHECK, Stage.UNMASKING, Stage.UNMASKING)
 
 
 def _mac(key: bytes, body: bytes) -> bytes:
@@ -103,7 +121,8 @@ def _ids(value: Any, what: str) -> list[int]:
 
 def restore(cls: type[Client], data: bytes, *, config: Config, client_id: int,
             context: bytes, roster: Iterable[int] | None, signing_key: SigningKey | None,
-            verify_keys: Mapping[int, bytes] | None, key: bytes) -> Client:
+            verify_keys: Mapping[int, bytes] | None, key: bytes,
+            min_stage: Stage | None = None) -> Client:
     from .client import (
         _PAIR,
         _Aborted,
@@ -142,6 +161,12 @@ def restore(cls: type[Client], data: bytes, *, config: Config, client_id: int,
         raise _refuse(f"it belongs to client {cid!r}, not {client_id}")
     if type(code) is not int or not 0 <= code < len(_STATES):
         raise _refuse("unknown state")
+    reached = (Stage(abort_stage) if code == 5 and type(abort_stage) is int
+               and abort_stage in set(Stage) else _STAGE_OF_STATE[code])
+    if min_stage is not None and reached < min_stage:
+        raise _refuse(f"it is at {reached.label}, before {min_stage.label}, which this client "
+                      "already reached in this session: restoring it would roll the round "
+                      "back (a second unmasking answer could reveal both shares of a peer)")
     try:
         advert = decode(advert_raw)
     except ProtocolError as exc:

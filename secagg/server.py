@@ -28,6 +28,7 @@ from .crypto import (
     check_public_key,
     constant_time_equal,
     dtype_for_bits,
+    is_clamped,
     self_mask_commitment,
     verify_signature,
 )
@@ -469,8 +470,10 @@ class Server:
             advertised = self._adverts[owner].masking_key
 
             def key_ok(secret: bytes, advertised: bytes = advertised) -> bool:
-                return constant_time_equal(KeyPair.from_private_bytes(secret).public,
-                                           advertised)
+                # only the canonical clamped form: X25519 ignores 5 bits of a private key,
+                # and a shifted secret that differs in them must not "verify"
+                return is_clamped(secret) and constant_time_equal(
+                    KeyPair.from_private_bytes(secret).public, advertised)
 
             private_keys[owner] = KeyPair.from_private_bytes(
                 self._reconstruct(owner, shares, key_ok, corrupt))

@@ -27,6 +27,7 @@ from secagg import (
     Server,
     SigningKey,
     Stage,
+    StaleSnapshot,
     encode,
     round_stages,
 )
@@ -276,42 +277,152 @@ def test_colluding_holders_with_offset_shares_cannot_frame_honest_holders(
     config = Config(num_clients=7, threshold=5 if security == "malicious" else 4, dim=DIM,
                     bits=BITS, security=security)
     t = config.threshold or 0
-    signing = {i: SigningKey.generate() for i in range(1, 8)}
-    rnd = Recorded(config, signing, seed=5)
-    for stage in round_stages(config)[:-1]:
-        rnd.stage(stage)
-        rnd.close()
     owner, colluders = 7, (1, 2)
     base = tuple(range(1, t + 1))  # the lowest ids, where the server starts
     weights = dict(zip(base, lagrange_weights(base), strict=True))
     # l_1 d_1 + l_2 d_2 = 0: the interpolation through ``base`` keeps the secret
     offsets = {1: 1, 2: (-weights[1] * pow(weights[2], -1, PRIME)) % PRIME}
+    rnd = _round_with_shifted_shares(config, owner, offsets, seed_shares=True)
+    _assert_nobody_honest_named(rnd, colluders, owner)
+
+
+def _round_with_shifted_shares(config: Config, owner: int, offsets: Mapping[int, int], *,
+                               seed_shares: bool, drop: frozenset[int] | set[int] = frozenset()
+                               ) -> Recorded:
+    """A round whose colluders (the keys of ``offsets``) add their offset to the share of
+    ``owner``'s self-mask seed (or masking key) they send, signing it in malicious mode."""
     from secagg import decode
 
-    for cid, client in rnd.clients.items():
-        reply = client.handle(rnd.out[cid])
+    signing = {i: SigningKey.generate() for i in range(1, config.num_clients + 1)}
+    rnd = Recorded(config, signing, seed=5)
+    for stage in round_stages(config)[:-1]:
+        rnd.stage(stage, drop if stage is Stage.MASKED_INPUT else set())
+        rnd.close()
+    for cid in sorted(rnd.out):
+        reply = rnd.clients[cid].handle(rnd.out[cid])
         assert isinstance(reply, UnmaskingShares)
-        if cid in colluders:
-            seeds = dict(reply.self_mask_shares)
-            value = (int.from_bytes(seeds[owner], "big") + offsets[cid]) % PRIME
-            seeds[owner] = value.to_bytes(33, "big")
-            reply = UnmaskingShares(reply.session_id, cid, seeds, reply.masking_key_shares)
+        if cid in offsets:
+            seeds, keys = dict(reply.self_mask_shares), dict(reply.masking_key_shares)
+            shares = seeds if seed_shares else keys
+            value = (int.from_bytes(shares[owner], "big") + offsets[cid]) % PRIME
+            shares[owner] = value.to_bytes(33, "big")
+            reply = UnmaskingShares(reply.session_id, cid, seeds, keys)
             if config.malicious:  # a corrupt client signs whatever it sends
                 key_list = decode(rnd.got[(Stage.SHARE_KEYS, cid)])
                 assert isinstance(key_list, KeyList)
                 key_set = key_set_digest(reply.session_id, dict(key_list.keys))
-                reply = UnmaskingShares(reply.session_id, cid, seeds, reply.masking_key_shares,
-                                        signing[cid].sign(client_message_transcript(reply,
-                                                                                    key_set)))
+                reply = UnmaskingShares(reply.session_id, cid, seeds, keys, signing[cid].sign(
+                    client_message_transcript(reply, key_set)))
         rnd.server.receive(cid, encode(reply))
     rnd.close()
+    return rnd
+
+
+def _assert_nobody_honest_named(rnd: Recorded, colluders: tuple[int, ...], owner: int) -> None:
     result = rnd.server.result
     assert result is not None
-    assert result.total.tolist() == rnd.expected()  # the secret still verified
-    honest = set(range(1, 8)) - set(colluders)
+    assert result.total.tolist() == rnd.expected()  # the true secret still verified
+    honest = set(rnd.clients) - set(colluders)
     framed = honest & set(result.corrupt_shares)
     assert not framed, f"honest holders {sorted(framed)} were named"
     assert owner in result.unattributable
+
+
+@threat(attack="Colluding share holders frame honest holders through X25519's ignored bits",
+        adversary="malicious client",
+        controls="two holders shift their shares of a dropped client's masking key by a "
+                 "polynomial h with h(0) = 2^248 (a bit X25519 clamps away) that vanishes at "
+                 "t-1 honest holders, so the shifted key maps to the advertised public key",
+        protocol="masking keys are generated and accepted only in canonical clamped form, "
+                 "where X25519 is one-to-one: the shifted value does not verify",
+        mode="both")
+@pytest.mark.parametrize("security", ["semi-honest", "malicious"])
+def test_colluders_shifting_a_masking_key_by_x25519_ignored_bits_cannot_frame_honest_holders(
+        security: str) -> None:
+    n, t = (8, 5) if security == "semi-honest" else (10, 7)
+    config = Config(num_clients=n, threshold=t, dim=DIM, bits=BITS, security=security)
+    victim, colluders = n, (1, 2)
+    holders = [c for c in range(1, n + 1) if c != victim]
+    zeros = [h for h in holders if h not in colluders][:t - 1]
+
+    def h(x: int) -> int:  # h(0) = 2^248, h(z) = 0 at t-1 honest holders
+        num = den = 1
+        for z in zeros:
+            num, den = num * (x - z) % PRIME, den * (0 - z) % PRIME
+        return (1 << 248) * num * pow(den, -1, PRIME) % PRIME
+
+    rnd = _round_with_shifted_shares(config, victim, {c: h(c) for c in colluders},
+                                     seed_shares=False, drop={victim})
+    _assert_nobody_honest_named(rnd, colluders, victim)
+
+
+# --- rollback of a restored client ---------------------------------------------------------
+
+
+def _answered_round(security: str) -> tuple[Recorded, bytes, UnmaskRequest]:
+    """Client 2 snapshotted before its unmasking request, then answered it honestly."""
+    from secagg import decode
+
+    config = Config(num_clients=N, dim=DIM, bits=BITS, security=security)
+    signing = {i: SigningKey.generate() for i in range(1, N + 1)}
+    rnd = Recorded(config, signing, seed=7)
+    for stage in round_stages(config)[:-1]:
+        rnd.stage(stage)
+        rnd.close()
+    before = rnd.clients[2].snapshot()
+    request = decode(rnd.out[2])
+    assert isinstance(request, UnmaskRequest)
+    rnd.clients[2].handle(rnd.out[2])  # reveals the self-mask share of every survivor
+    assert rnd.clients[2].revealed[1] == "self_mask"
+    return rnd, before, request
+
+
+def _restore(rnd: Recorded, data: bytes, min_stage: Stage | None) -> Client:
+    cid = 2
+    verify = dict(rnd.clients[cid]._verify_keys) or None  # the node's copy of the PKI
+    return Client.restore(data, config=rnd.config, client_id=cid, min_stage=min_stage,
+                          signing_key=rnd.clients[cid]._signing_key, verify_keys=verify)
+
+
+ROLLBACK = dict(
+    attack="Rollback: a client restored from an earlier snapshot is asked again",
+    adversary="malicious server",
+    controls="the host restores a snapshot taken before the client's unmasking answer "
+             "(lost write, concurrent handling); the server then asks for the masking-key "
+             "share of a peer whose self-mask share it already got",
+    protocol="Client.restore(min_stage=) refuses a snapshot from before the stage the host "
+             "recorded for the session (secagg/resume.py: the host's duty)", mode="both")
+
+
+@threat(**ROLLBACK)
+@pytest.mark.parametrize("security", ["semi-honest", "malicious"])
+def test_rollback_to_an_earlier_snapshot_is_refused_with_the_hosts_stage_record(
+        security: str) -> None:
+    rnd, before, _ = _answered_round(security)
+    recorded = rnd.clients[2].stage  # the host's record, kept outside the snapshot store
+    assert recorded is Stage.UNMASKING
+    with pytest.raises(StaleSnapshot, match="roll the round back"):
+        _restore(rnd, before, min_stage=recorded)
+    latest = _restore(rnd, rnd.clients[2].snapshot(), min_stage=recorded)
+    assert latest.done and latest.revealed == rnd.clients[2].revealed
+
+
+@threat(**{**ROLLBACK, "controls": ROLLBACK["controls"] + "; the host keeps no stage record",
+           "protocol": "none: the one-share-per-peer guard lives in the snapshot, so a host "
+                       "that restores an older one gives it up (its duty, secagg/resume.py)",
+           "mode": "semi-honest"}, shows="limitation")
+@documented_limitation("secagg/resume.py, docs/protocol.md 3.2: a host that restores an "
+                       "older snapshot without min_stage lets the server ask again and "
+                       "obtain both shares of a peer")
+def test_rollback_without_the_hosts_stage_record_reveals_both_shares() -> None:
+    rnd, before, request = _answered_round("semi-honest")
+    restored = _restore(rnd, before, min_stage=None)
+    survivors = tuple(c for c in request.survivors if c != 1)
+    reply = restored.handle(encode(UnmaskRequest(request.session_id, 2, survivors, (1,))))
+    assert isinstance(reply, UnmaskingShares)
+    if 1 in reply.masking_key_shares:
+        raise AttackSucceeded("the restored client revealed client 1's masking-key share "
+                              "after it had revealed its self-mask share")
 
 
 # --- SecAgg+ isolation ----------------------------------------------------------------------
