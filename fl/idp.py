@@ -140,6 +140,11 @@ def finish_report(settings: TrainSettings, sites: dict[int, Site], report: dict[
     report["privacy"] = description
     report["model_info"]["privacy"] = description
     report["dp_events"] = None  # per-group RDP curves: see "idp"
+    for release in report["releases"]:  # the coordinator's plan was only the round's task
+        for key in ("noise_multiplier", "sample_rate", "count_stddev", "dp_event"):
+            release.pop(key, None)
+        release["mechanism"] = ("sampled Gaussian with individual per-record rates per rate "
+                                "group at each site (see 'idp')")
     report["idp"] = {str(cid): {**p.plan.report(), "groups": p.ledger.report()}
                      for cid, p in plans.items()}
     return report

@@ -76,6 +76,8 @@ def test_train_reports_every_group_within_its_budget(tmp_path: Path) -> None:
             assert k == 1 or rate[(k, 3.0)] < rate[(k - 1, 3.0)]
     eps = [r["epsilon"] for r in report["rounds"]]
     assert eps[0] < eps[1] == pytest.approx(worst) and eps[1] <= 3.0
+    assert all("noise_multiplier" not in r and "'idp'" in r["mechanism"]
+               for r in report["releases"])
     json.dumps(report)  # the report is plain JSON
 
 
