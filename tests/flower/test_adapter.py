@@ -399,3 +399,24 @@ def test_malicious_mode_nodes_refuse_a_verify_key_that_is_not_enrolled() -> None
     assert len(reasons) == 6 and all("SetupError" in r for r in reasons)
     assert sum("not its own" in r for r in reasons) == 1
     assert sum("not enrolled" in r for r in reasons) == 5
+
+
+def test_a_tampered_snapshot_is_refused_under_the_node_snapshot_key() -> None:
+    grid, _ = _grid(5, mods=[make_secagg_mod(NodePolicy(snapshot_key=b"node secret"))])
+    grid.silent = lambda node, msg: apps.stage_of(msg) == "unmasking"
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=5),
+                                neighbors=None)
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    grid.silent = lambda node, msg: False
+    node = grid.nodes[0]
+    from flwr.common.serde import context_from_proto, context_to_proto
+
+    ctx = context_from_proto(grid.contexts[node])
+    saved = ctx.state.config_records[STATE]
+    blob = bytearray(saved["snapshot"])
+    blob[len(blob) // 2] ^= 1
+    saved["snapshot"] = bytes(blob)
+    grid.contexts[node] = context_to_proto(ctx)
+    record = _request_to(grid, node).content[RECORD]
+    reply = _send(grid, node, RecordDict({RECORD: ConfigRecord(dict(record.items()))}))
+    assert reply.has_error() and "StaleSnapshot" in reply.error.reason

@@ -24,6 +24,7 @@ def test_fifty_virtual_nodes_dropping_at_random_stages_every_aggregate_is_exact(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
+    monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     plan = apps.random_drops(0.1, seed=11)
     wrapper = SecureAggregation(
         FedAvg(fraction_evaluate=0.0, min_train_nodes=NODES, min_available_nodes=NODES),
