@@ -135,8 +135,11 @@ def parse_broker_url(url: str, **overrides: object) -> BrokerSettings:
 
 async def _discard(client: aiomqtt.Client) -> None:
     """Close a client that failed or was cancelled while connecting; bounded, silent."""
-    with contextlib.suppress(BaseException):
-        await asyncio.wait_for(asyncio.shield(client.__aexit__(None, None, None)), 1.0)
+    connected = getattr(client, "_connected", None)
+    if (isinstance(connected, asyncio.Future) and connected.done()
+            and not connected.cancelled() and connected.exception() is None):
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(asyncio.shield(client.__aexit__(None, None, None)), 1.0)
     # aiomqtt leaves the socket registered with the loop when __aenter__ was cancelled;
     # closing it through paho unregisters it, so no callback fires into a dead client.
     paho = getattr(client, "_client", None)

@@ -243,8 +243,9 @@ def test_a_subscriber_that_never_reads_blocks_nobody() -> None:
         controls="a valid login: many subscriptions, many connections, many sockets that "
                  "never log in, and a flood of packets on one connection",
         protocol="caps on subscriptions per session and overall, connections per user and "
-                 "overall, and connections before login; the packet loop yields every few "
-                 "packets so other clients are served")
+                 "overall; at most max_pending_logins connections are read before login "
+                 "(the others wait their turn unread, with no buffer); the packet loop "
+                 "yields every few packets so other clients are served")
 def test_subscriptions_connections_and_prelogin_sockets_are_capped() -> None:
     async def scenario() -> None:
         async with broker(max_subscriptions=8, max_connections_per_user=3,
@@ -258,11 +259,13 @@ def test_subscriptions_connections_and_prelogin_sockets_are_capped() -> None:
             refused.send(connect_packet("site-9-x", "site-9", USERS["site-9"]))
             assert (await refused.connack())[1] == 3
             lurkers = [await RawClient.open(b.port) for _ in range(4)]
-            late = await RawClient.open(b.port)
-            assert await late.closed(2.0)
+            await asyncio.sleep(0.1)
+            late = await RawClient.open(b.port)  # waits for a login slot, unread
+            late.send(connect_packet("server", "server", USERS["server"]))
+            assert await late.no_packet(0.5)
             for lurker in lurkers:
                 lurker.drop()
-            await asyncio.sleep(0.1)
+            assert await late.connack(2.0) == (False, 0)  # its turn came
             # A flood of 40,000 packets on one connection does not starve another client.
             site9.send(packet(0xC0, b"") * 40_000)
             server = await login(b.port, "server")

@@ -84,6 +84,7 @@ class EmbeddedBroker:
         self._connections: set[Connection] = set()
         self._per_user: dict[str, int] = {}
         self._watchdog: asyncio.Task[None] | None = None
+        self.login_slots = asyncio.Semaphore(self.limits.max_pending_logins)  # per start()
         self._stopping = False
 
     # -- public ------------------------------------------------------------------------
@@ -128,6 +129,7 @@ class EmbeddedBroker:
                 "port or port=0 for a free one"
             ) from exc
         self._stopping = False
+        self.login_slots = asyncio.Semaphore(self.limits.max_pending_logins)
         self._server = server
         # With a host name resolving to several addresses each socket may get its own port.
         self._port = int(server.sockets[0].getsockname()[1])
@@ -289,13 +291,10 @@ class EmbeddedBroker:
                     connection.abort()
 
     def _accept(self, stream: Stream) -> None:
-        pending = sum(1 for c in self._connections if not c.connected)
-        if (self._stopping or len(self._connections) >= self.limits.max_connections
-                or pending >= self.limits.max_pending_logins):
+        if self._stopping or len(self._connections) >= self.limits.max_connections:
             self.stats.connections_refused += 1
-            logger.warning("connection from %s refused: %d connections, %d before login "
-                           "(caps %d, %d)", stream.peer, len(self._connections), pending,
-                           self.limits.max_connections, self.limits.max_pending_logins)
+            logger.warning("connection from %s refused: %d connections (cap %d)", stream.peer,
+                           len(self._connections), self.limits.max_connections)
             stream.abort()
             return
         connection = Connection(self, stream)

@@ -68,6 +68,7 @@ class BrokerCore(Protocol):
     auth: Authenticator
     throttle: LoginThrottle
     allow_anonymous: bool
+    login_slots: asyncio.Semaphore
 
     def open_session(self, connection: Connection, clean: bool) -> tuple[Session, bool]:
         """Attach ``connection`` to its (username, client id) session; (session, present)."""
@@ -163,10 +164,13 @@ class Connection:
         return packet_type, flags, body
 
     async def serve(self) -> None:
-        """CONNECT handshake, then the packet loop until DISCONNECT or an error."""
-        _, _, body = await self.read_packet()
-        if not await self._on_connect(_join(body)):
-            return
+        """CONNECT handshake (holding one of the broker's login slots: at most
+        ``max_pending_logins`` connections are read before they log in, later ones wait
+        their turn unread), then the packet loop until DISCONNECT or an error."""
+        async with self.broker.login_slots:
+            _, _, body = await self.read_packet()
+            if not await self._on_connect(_join(body)):
+                return
         handled = 0
         while True:
             packet_type, flags, body = await self.read_packet()

@@ -34,7 +34,7 @@ class Stream(asyncio.BufferedProtocol):
 
     def __init__(self, on_connect: Callable[[Stream], None]) -> None:
         self._on_connect = on_connect
-        self._stage = bytearray(_STAGE_SIZE)
+        self._stage = bytearray()  # allocated when the connection is first read
         self._start = 0
         self._end = 0
         self._pieces: list[bytearray] | None = None
@@ -61,6 +61,9 @@ class Stream(asyncio.BufferedProtocol):
         self.peer = str(peer)
         self.peer_host = str(peer[0]) if isinstance(peer, tuple) and peer else self.peer
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        # Nothing is read (or buffered) until the broker serves this connection: one that
+        # waits for a login slot costs its socket, not a staging buffer.
+        self._pause_reading()
         self._on_connect(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -136,6 +139,8 @@ class Stream(asyncio.BufferedProtocol):
             self.transport.resume_reading()
 
     async def _wait(self) -> None:
+        if not self._stage:
+            self._stage = bytearray(_STAGE_SIZE)
         self._resume_reading()
         self._waiter = asyncio.get_running_loop().create_future()
         try:
