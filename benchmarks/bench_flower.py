@@ -49,9 +49,8 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from fl.flower import SecureAggregation, secagg_mod  # noqa: E402
 from fl.flower.local import LocalGrid  # noqa: E402
-from fl.flower.records import RECORD, SETUP  # noqa: E402
+from fl.flower.records import stage_of  # noqa: E402
 from secagg import secagg_plus_parameters  # noqa: E402
-from secagg.messages import Ciphertexts, KeyList, UnmaskRequest, decode  # noqa: E402
 
 LEGACY_STAGE = {"advertise_keys": LegacyStage.SETUP, "share_keys": LegacyStage.SHARE_KEYS,
                 "masked_input": LegacyStage.COLLECT_MASKED_VECTORS,
@@ -63,16 +62,6 @@ def update(node: int, dim: int) -> tuple[np.ndarray, int]:
     return rng.uniform(-1, 1, dim).astype(np.float32), 1 + node % 7
 
 
-def _our_stage(msg: Message) -> str | None:
-    record = msg.content.config_records.get(RECORD) if msg.has_content() else None
-    if record is None:
-        return None
-    if SETUP in record:
-        return "advertise_keys"
-    return {KeyList: "share_keys", Ciphertexts: "masked_input",
-            UnmaskRequest: "unmasking"}.get(type(decode(record["msg"])))
-
-
 def _drop_mod(drops: set[int], stage: str, legacy: bool) -> Any:
     def mod(msg: Message, context: Context, call_next: Any) -> Message:
         if msg.metadata.dst_node_id in drops:
@@ -81,7 +70,7 @@ def _drop_mod(drops: set[int], stage: str, legacy: bool) -> Any:
                 now = None if configs is None else configs.get(Key.STAGE)
                 if now == LEGACY_STAGE[stage]:
                     raise RuntimeError("planned dropout")
-            elif _our_stage(msg) == stage:
+            elif stage_of(msg) == stage:
                 raise RuntimeError("planned dropout")
         return call_next(msg, context)
 

@@ -32,3 +32,19 @@ def payload_of(message: Any) -> bytes:
     if not isinstance(value, bytes):
         raise ValueError("the reply carries no secure-aggregation message")
     return value
+
+
+def stage_of(message: Any) -> str | None:
+    """The secagg stage whose client message a server message asks for (``None``: not a
+    secure-aggregation message): e.g. for a mod that logs or a test that injects dropouts."""
+    from secagg.messages import Ciphertexts, KeyList, SurvivorList, UnmaskRequest, decode
+
+    record = secagg_record(message)
+    if record is None:
+        return None
+    if SETUP in record:
+        return "advertise_keys"
+    kinds = {KeyList: "share_keys", Ciphertexts: "masked_input",
+             SurvivorList: "consistency_check", UnmaskRequest: "unmasking"}
+    payload = record.get(PAYLOAD)
+    return kinds.get(type(decode(payload))) if isinstance(payload, bytes) else None

@@ -196,6 +196,11 @@ class SecureAggregation(Strategy):
             raise ValueError("secure aggregation needs train messages with exactly one "
                              "ArrayRecord (the arrays the nodes train from)")
         arrays = next(iter(first.array_records.values()))
+        if self.privacy is not None and len({
+                next(iter(m.content.array_records.values())).object_id
+                for m in messages if len(m.content.array_records) == 1}) != 1:
+            raise ValueError("distributed DP decodes updates against the arrays sent: the "
+                             "strategy must send every node the same ArrayRecord")
         server_round = self._server_round(first)
         try:
             setup = self._setup(grid, sorted(nodes), server_round, layout_of(arrays))

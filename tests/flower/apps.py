@@ -17,8 +17,7 @@ from flwr.clientapp import ClientApp
 
 from fl.flower import RoundReport, RoundSetup, secagg_mod
 from fl.flower.client import reply_vector
-from fl.flower.records import PAYLOAD, RECORD, SETUP
-from secagg.messages import Ciphertexts, KeyList, SurvivorList, UnmaskRequest, decode
+from fl.flower.records import RECORD, SETUP, stage_of
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 STAGES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
@@ -48,18 +47,6 @@ def random_drops(rate: float, seed: int, stages: Iterable[str] = STAGES) -> Drop
         return rng.choice(choices) if rng.random() < rate else None
 
     return plan
-
-
-def stage_of(msg: Message) -> str | None:
-    """The stage whose client message ``msg`` asks for (None: not a secure round)."""
-    record = msg.content.config_records.get(RECORD) if msg.has_content() else None
-    if record is None:
-        return None
-    if SETUP in record:
-        return "advertise_keys"
-    kind = type(decode(record[PAYLOAD]))
-    return {KeyList: "share_keys", Ciphertexts: "masked_input",
-            SurvivorList: "consistency_check", UnmaskRequest: "unmasking"}[kind]
 
 
 def round_of(msg: Message) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import Array, ConfigRecord, Message, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg
 
 from fl.flower import (
@@ -420,3 +420,18 @@ def test_a_tampered_snapshot_is_refused_under_the_node_snapshot_key() -> None:
     record = _request_to(grid, node).content[RECORD]
     reply = _send(grid, node, RecordDict({RECORD: ConfigRecord(dict(record.items()))}))
     assert reply.has_error() and "StaleSnapshot" in reply.error.reason
+
+
+def test_distributed_dp_refuses_a_strategy_that_sends_nodes_different_arrays() -> None:
+    grid, _ = _grid(4)
+    wrapper = SecureAggregation(FedAvg(), neighbors=None,
+                                privacy=DistributedDP(clip_norm=1.0, noise_multiplier=1.0))
+    messages = []
+    for i, node in enumerate(grid.nodes):
+        arrays = apps.initial_arrays()
+        arrays["b"] = Array(np.full(4, float(i), dtype=np.float32))
+        messages.append(Message(RecordDict({"arrays": arrays, "config": ConfigRecord(
+            {"server-round": 1})}), dst_node_id=node, message_type="train"))
+    with pytest.raises(ValueError, match="same ArrayRecord"):
+        wrapper.secure_round(grid, messages, 5)
+    assert grid.sent == []
