@@ -199,7 +199,8 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
             model, layout, noise_multiplier=task.noise_multiplier, clip_norm=task.clip_norm,
             sample_rate=task.sample_rate, steps=task.steps, lr=task.lr, unit=task.unit,
             **({} if task.count_stddev is None else {
-                "target_quantile": task.target_quantile, "count_stddev": task.count_stddev}))
+                "target_quantile": task.target_quantile, "count_stddev": task.count_stddev}),
+            **({"round_number": task.round} if task.unit == "patient-idp" else {}))
         weight = 1  # uniform: a site's count is not protected in site mode
     else:
         delta = trainer.fedavg_update(model, layout, epochs=task.local_epochs, lr=task.lr,

@@ -53,16 +53,24 @@ class SiteIdp:
                              steps=settings.rounds * settings.steps_per_round,
                              clip_norm=settings.clip_norm)
         self.ledger = GroupLedger(self.plan)
+        self.charged: set[int] = set()
 
     def update(self, site: Site, model: torch.nn.Module, layout: ParameterLayout, *,
-               steps: int, lr: float) -> np.ndarray:
+               steps: int, lr: float, round_number: int | None = None) -> np.ndarray:
         """``w_local - w_global`` after ``steps`` steps; refuses (``BudgetExceeded``) a round
-        that would take any of this site's groups past its target."""
+        that would take any of this site's groups past its target.
+
+        A retried attempt of an already charged ``round_number`` is not charged again: an
+        aborted round releases nothing and the coordinator charges each round once
+        (:class:`fl.coordinator.Coordinator`, write-ahead).
+        """
         from torch.utils.data import TensorDataset
 
         from dp.idp_engine import IdpSgd
 
-        self.ledger.check(steps)
+        charge = round_number is None or round_number not in self.charged
+        if charge:
+            self.ledger.check(steps)
         local = copy.deepcopy(model)
         local.train()
         optimizer = torch.optim.SGD([p for p in local.parameters() if p.requires_grad], lr=lr)
@@ -71,7 +79,12 @@ class SiteIdp:
                         record_group=self.groups.record_group, ledger=self.ledger)
         with warnings.catch_warnings():  # inputs need no grad; Opacus' hook warns about it
             warnings.simplefilter("ignore", UserWarning)
-            engine.train_round(steps)
+            for _ in range(steps):
+                engine.step()
+        if charge:
+            self.ledger.spend(steps)
+            if round_number is not None:
+                self.charged.add(round_number)
         update: np.ndarray = layout.to_vector(engine.model) - layout.to_vector(model)
         engine.close()
         return update

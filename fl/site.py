@@ -98,7 +98,8 @@ class Site:
                        noise_multiplier: float, clip_norm: float, sample_rate: float,
                        steps: int, lr: float, unit: str = "patient",
                        target_quantile: float | None = None,
-                       count_stddev: float | None = None) -> F64:
+                       count_stddev: float | None = None,
+                       round_number: int | None = None) -> F64:
         """``w_local - w_global`` after ``steps`` DP-SGD steps (Poisson-sampled patients);
         with ``target_quantile``/``count_stddev``, private adaptive clipping per step.
         ``unit="patient-idp"``: this site's own rates and noise (:mod:`fl.idp`) instead."""
@@ -108,7 +109,8 @@ class Site:
             if self.idp is None:
                 raise ValueError(f"site {self.site_id}: --unit patient-idp needs the site's "
                                  "plan (fl.idp.configure)")
-            return self.idp.update(self, model, layout, steps=steps, lr=lr)
+            return self.idp.update(self, model, layout, steps=steps, lr=lr,
+                                   round_number=round_number)
 
         from dp.opacus_glue import SitePrivacyEngine
 

@@ -88,3 +88,30 @@ def test_cli_refuses_remote_roles(capsys: pytest.CaptureFixture[str]) -> None:
                  "site", "--epsilon", "2", "--unit", "patient-idp",
                  "--broker", "mqtt://127.0.0.1:1"])
     assert code == 2 and "--role all only" in capsys.readouterr().err
+
+
+def test_site_charges_each_round_once(tmp_path: Path) -> None:
+    """A retried attempt of a round is not charged twice; a round past the plan is refused."""
+    from dp.errors import BudgetExceeded
+    from fl.idp import SiteIdp
+    from fl.models import make_model
+    from fl.site import Site
+    from fl.vector import ParameterLayout
+
+    table = load_csv(_table(tmp_path / "t.csv", patients=30), patient_column="pid",
+                     label_column="label", budget_column="budget")
+    settings = TrainSettings(rounds=1, dp="site", epsilon=3.0, delta=1e-4, unit="patient-idp",
+                             sample_rate=0.5)
+    site = Site(1, table)
+    site.idp = SiteIdp(site, settings)
+    model = make_model("logreg", 3, 2)
+    layout = ParameterLayout.of(model)
+    for _ in range(2):  # round 1, then a retry of round 1
+        site.site_dp_update(model, layout, noise_multiplier=1.0, clip_norm=1.0,
+                            sample_rate=0.5, steps=2, lr=0.1, unit="patient-idp",
+                            round_number=1)
+    assert site.idp.ledger.steps_done == 2
+    with pytest.raises(BudgetExceeded, match="target"):
+        site.site_dp_update(model, layout, noise_multiplier=1.0, clip_norm=1.0,
+                            sample_rate=0.5, steps=2, lr=0.1, unit="patient-idp",
+                            round_number=2)
