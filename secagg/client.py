@@ -5,7 +5,7 @@ Sans-IO: ``advertise()`` returns the first message, ``handle(message)`` consumes
 message (object or wire bytes) and returns the reply. The caller owns time and sockets.
 ``snapshot()`` / ``Client.restore`` carry a round across process restarts (secagg/resume.py).
 
-The state is one record per stage (``_Shared``, ``_Masked``, ``_Checked``, ...): each holds
+The state is one record per stage (secagg/client_state.py: ``Shared``, ``Masked``, ...): each holds
 exactly the data that stage has, so nothing is an ``Optional`` guarded by an assert.
 ``CLIENT_ACCEPTS`` (module-level data) says which server message each stage accepts.
 
@@ -25,12 +25,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TypeVar, cast
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
+from .client_state import (
+    PAIR,
+    Aborted,
+    Advertised,
+    Checked,
+    Finished,
+    Masked,
+    Secrets,
+    Shared,
+    State,
+    wipe,
+)
 from .config import Config
 from .crypto import (
     CryptoError,
@@ -95,7 +107,6 @@ CLIENT_ACCEPTS: Mapping[tuple[Stage, bool], type] = {
     (Stage.CONSISTENCY_CHECK, True): UnmaskRequest,
 }
 
-_PAIR = 2 * SHARE_BYTES  # one peer's two shares, masking key then seed
 
 
 def check_input(vector: object, config: Config, who: str = "input") -> np.ndarray:
@@ -123,85 +134,6 @@ def _reencode(message: object, stage: Stage, client_id: int | None = None) -> by
                             stage=stage, client_id=client_id) from None
 
 
-def _wipe(buffer: bytearray | np.ndarray) -> None:
-    if isinstance(buffer, np.ndarray):
-        buffer.fill(0)
-    else:
-        memoryview(buffer)[:] = bytes(len(buffer))
-
-
-# --- per-stage records ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class _Secrets:
-    """The client's own secrets, in buffers wiped in place by ``_erase`` (docs/protocol.md
-    section 7.1 says what that does and does not guarantee)."""
-
-    encryption: bytearray  # c_u, 32 bytes
-    masking: bytearray  # s_u, 32 bytes
-    seed: bytearray  # b_u, 32 bytes
-    input: np.ndarray  # x_u, then y_u (masked in place; y_u is public and not wiped)
-
-    def key(self, which: bytearray) -> X25519PrivateKey:
-        return X25519PrivateKey.from_private_bytes(which)
-
-
-@dataclass(frozen=True, eq=False)
-class _Advertised:
-    """Sent ``AdvertiseKeys``; waits for the ``KeyList``."""
-
-    stage = Stage.ADVERTISE_KEYS
-
-
-@dataclass(frozen=True, eq=False)
-class _Shared:
-    """Sent ``ShareKeys``; waits for the ``Ciphertexts``."""
-
-    keys: Mapping[int, KeyEntry]  # KL(u), own entry included
-    key_set: bytes  # key_set_digest(KL(u)): binds every later signature to this round
-    adverts: Mapping[int, bytes]  # advertisement digest of every member of KL(u)
-    loaded: Mapping[bytes, X25519PublicKey]  # checked public keys of KL(u)
-    own_shares: bytearray  # u's own share of s_u and of b_u
-    secrets: bytearray  # X25519(c_u, C_v) for each peer, 32 bytes each, in ``order``
-    order: Mapping[int, int]  # peer -> offset in ``secrets``
-    stage = Stage.SHARE_KEYS
-
-
-@dataclass(frozen=True, eq=False)
-class _Masked:
-    """Sent ``MaskedInput``; waits for the ``UnmaskRequest`` (or ``SurvivorList``)."""
-
-    shared: _Shared
-    peers: frozenset[int]  # F(u)
-    received: bytearray  # each peer's two shares for u, 66 bytes each, in ``index``
-    index: Mapping[int, int]  # peer -> offset in ``received``
-    stage = Stage.MASKED_INPUT
-
-
-@dataclass(frozen=True, eq=False)
-class _Checked:
-    """Sent ``ConsistencySignature`` over ``survivors`` (malicious); waits for the request."""
-
-    masked: _Masked
-    survivors: tuple[int, ...]
-    stage = Stage.CONSISTENCY_CHECK
-
-
-@dataclass(frozen=True, eq=False)
-class _Finished:
-    """Sent ``UnmaskingShares``: done; answers only redeliveries."""
-
-    stage = Stage.UNMASKING
-
-
-@dataclass(frozen=True, eq=False)
-class _Aborted:
-    error: ProtocolAbort
-    stage: Stage
-
-
-_State = _Advertised | _Shared | _Masked | _Checked | _Finished | _Aborted
 _Signable = TypeVar("_Signable", ShareKeys, MaskedInput, UnmaskingShares)
 
 
@@ -228,11 +160,11 @@ class Client:
             buffer[:] = X25519PrivateKey.generate().private_bytes_raw()
             clamp(buffer)  # canonical form: the same key, one-to-one with its public key
         seed = bytearray(os.urandom(32))
-        self._secrets = _Secrets(encryption, masking, seed, check_input(input_vector, config))
+        self._secrets = Secrets(encryption, masking, seed, check_input(input_vector, config))
         self._wipeable: list[bytearray | np.ndarray] = [encryption, masking, seed,
                                                         self._secrets.input]
         self._advertisement = self._build_advertisement()
-        self._state: _State = _Advertised()
+        self._state: State = Advertised()
         self._answered: dict[bytes, ClientMessage] = {}  # digest of server message -> reply
         self.revealed: dict[int, str] = {}  # peer -> "self_mask" | "masking_key"
 
@@ -282,11 +214,11 @@ class Client:
 
     @property
     def done(self) -> bool:
-        return isinstance(self._state, _Finished)
+        return isinstance(self._state, Finished)
 
     @property
     def aborted(self) -> ProtocolAbort | None:
-        return self._state.error if isinstance(self._state, _Aborted) else None
+        return self._state.error if isinstance(self._state, Aborted) else None
 
     @property
     def own_entry(self) -> KeyEntry:
@@ -302,7 +234,7 @@ class Client:
         stage = self._state.stage
         error = ProtocolAbort(f"client {self.client_id} aborted in {stage.label}: "
                               f"{reason}", stage=stage, client_id=self.client_id)
-        self._state = _Aborted(error, stage)
+        self._state = Aborted(error, stage)
         self._answered = {}
         self._erase()
         return error
@@ -313,7 +245,7 @@ class Client:
         public), the X25519 share-key secrets, its own shares and those it received. What
         was revealed stays in the cached replies only."""
         for buffer in self._wipeable:
-            _wipe(buffer)
+            wipe(buffer)
         self._wipeable = []
 
     def _hold(self, buffer: bytearray) -> bytearray:
@@ -354,13 +286,13 @@ class Client:
             raise ProtocolError(
                 f"message for client {msg.recipient} delivered to client {self.client_id}",
                 stage=stage, client_id=self.client_id)
-        if isinstance(self._state, _Aborted):
+        if isinstance(self._state, Aborted):
             raise ProtocolError(f"client {self.client_id} has aborted: {self._state.error}",
                                 stage=stage, client_id=self.client_id)
         digest = sha256(raw)
         if digest in self._answered:
             return self._answered[digest]  # a redelivered message gets the same answer
-        if isinstance(self._state, _Finished):
+        if isinstance(self._state, Finished):
             raise ProtocolError(f"client {self.client_id} has finished the round",
                                 stage=stage, client_id=self.client_id)
         if msg.session_id != self.session_id:
@@ -374,7 +306,7 @@ class Client:
         except (CryptoError, ShamirError) as exc:
             raise self._abort(str(exc)) from None
         self._answered[digest] = reply
-        if isinstance(self._state, _Finished):
+        if isinstance(self._state, Finished):
             self._erase()
         return reply
 
@@ -434,7 +366,7 @@ class Client:
                 sid, me, peer, adverts[me], adverts[peer]))
         own = self._hold(bytearray(masking_shares[me] + seed_shares[me]))
         key_set = key_set_digest(sid, keys)
-        self._state = _Shared(keys, key_set, adverts, loaded, own, pair_secrets,
+        self._state = Shared(keys, key_set, adverts, loaded, own, pair_secrets,
                               {p: 32 * i for i, p in enumerate(peers)})
         return self._signed(ShareKeys(sid, me, ciphertexts), key_set)
 
@@ -442,7 +374,7 @@ class Client:
 
     def _on_ciphertexts(self, msg: Ciphertexts) -> MaskedInput:
         state = self._state
-        assert isinstance(state, _Shared)  # guaranteed by CLIENT_ACCEPTS
+        assert isinstance(state, Shared)  # guaranteed by CLIENT_ACCEPTS
         t = self.config.threshold or 0
         sid, me = self.session_id, self.client_id
         senders = set(msg.ciphertexts)
@@ -456,7 +388,7 @@ class Client:
                               f"is {t}")
         own_public = self._advertisement.encryption_key
         order = sorted(senders)
-        received = self._hold(bytearray(_PAIR * len(order)))
+        received = self._hold(bytearray(PAIR * len(order)))
         for i, sender in enumerate(order):
             peer_key = state.keys[sender].encryption_key
             offset = state.order[sender]
@@ -473,14 +405,14 @@ class Client:
                 raise self._abort(f"the shares from client {sender} name the wrong clients")
             decode_share(plaintext[8:8 + SHARE_BYTES])
             decode_share(plaintext[8 + SHARE_BYTES:])
-            received[_PAIR * i:_PAIR * i + _PAIR] = plaintext[8:]
+            received[PAIR * i:PAIR * i + PAIR] = plaintext[8:]
         masked = self._mask_input(state, order)
-        self._state = _Masked(state, frozenset(senders), received,
-                              {p: _PAIR * i for i, p in enumerate(order)})
+        self._state = Masked(state, frozenset(senders), received,
+                              {p: PAIR * i for i, p in enumerate(order)})
         return self._signed(MaskedInput(sid, me, self.config.bits, self.config.dim, masked,
                                         peers_digest(senders)), state.key_set)
 
-    def _mask_input(self, state: _Shared, peers: list[int]) -> bytes:
+    def _mask_input(self, state: Shared, peers: list[int]) -> bytes:
         """y = x + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)."""
         cfg = self.config
         secrets = self._secrets
@@ -510,7 +442,7 @@ class Client:
 
     def _on_survivor_list(self, msg: SurvivorList) -> ConsistencySignature:
         state = self._state
-        assert isinstance(state, _Masked) and self._signing_key is not None
+        assert isinstance(state, Masked) and self._signing_key is not None
         t = self.config.threshold or 0
         me = self.client_id
         survivors = set(msg.survivors)
@@ -526,16 +458,16 @@ class Client:
                               f"threshold is {t}")
         signature = self._signing_key.sign(survivors_transcript(
             self.session_id, me, msg.survivors, state.shared.adverts[me]))
-        self._state = _Checked(state, tuple(sorted(survivors)))
+        self._state = Checked(state, tuple(sorted(survivors)))
         return ConsistencySignature(self.session_id, me, signature)
 
     # --- stage unmasking ------------------------------------------------------------------
 
     def _on_unmask_request(self, msg: UnmaskRequest) -> UnmaskingShares:
         state = self._state
-        checked = state if isinstance(state, _Checked) else None
-        masked = state.masked if isinstance(state, _Checked) else state
-        assert isinstance(masked, _Masked)
+        checked = state if isinstance(state, Checked) else None
+        masked = state.masked if isinstance(state, Checked) else state
+        assert isinstance(masked, Masked)
         t = self.config.threshold or 0
         me = self.client_id
         listed, dropped = set(msg.survivors), set(msg.dropped)
@@ -578,11 +510,11 @@ class Client:
         key_shares = {p: self._share_of(masked, p, seed=False) for p in dropped}
         self.revealed.update({p: "self_mask" for p in survivors})
         self.revealed.update({p: "masking_key" for p in dropped})
-        self._state = _Finished()
+        self._state = Finished()
         return self._signed(UnmaskingShares(self.session_id, me, seed_shares, key_shares),
                             masked.shared.key_set)
 
-    def _share_of(self, masked: _Masked, peer: int, *, seed: bool) -> bytes:
+    def _share_of(self, masked: Masked, peer: int, *, seed: bool) -> bytes:
         if peer == self.client_id:
             pair, offset = masked.shared.own_shares, 0
         else:
@@ -590,7 +522,7 @@ class Client:
         start = offset + (SHARE_BYTES if seed else 0)
         return bytes(pair[start:start + SHARE_BYTES])
 
-    def _check_consistency(self, msg: UnmaskRequest, checked: _Checked, survivors: set[int],
+    def _check_consistency(self, msg: UnmaskRequest, checked: Checked, survivors: set[int],
                            t: int) -> None:
         if set(msg.survivors) != set(checked.survivors):
             raise self._abort("the unmasking request's survivors differ from the survivor "

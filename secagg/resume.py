@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
+from .client_state import PAIR, Aborted, Advertised, Checked, Finished, Masked, Secrets, Shared
 from .config import Config
 from .crypto import KeyPair, SigningKey, dtype_for_bits, load_public_key, self_mask_commitment
 from .errors import ProtocolAbort, ProtocolError, StaleSnapshot
@@ -75,14 +76,13 @@ def _mac(key: bytes, body: bytes) -> bytes:
 
 
 def snapshot(client: Client, key: bytes = b"") -> bytes:
-    from .client import _Aborted, _Checked, _Finished, _Masked, _Shared
 
     state = client._state
-    code = {_Shared: 1, _Masked: 2, _Checked: 3, _Finished: 4, _Aborted: 5}.get(
+    code = {Shared: 1, Masked: 2, Checked: 3, Finished: 4, Aborted: 5}.get(
         type(state), 0)
-    shared = state if isinstance(state, _Shared) else None
-    masked = state.masked if isinstance(state, _Checked) else (
-        state if isinstance(state, _Masked) else None)
+    shared = state if isinstance(state, Shared) else None
+    masked = state.masked if isinstance(state, Checked) else (
+        state if isinstance(state, Masked) else None)
     if masked is not None:
         shared = masked.shared
     live = code < 4
@@ -99,11 +99,11 @@ def snapshot(client: Client, key: bytes = b"") -> bytes:
         keylist, own,
         sorted(masked.peers) if masked is not None else [],
         bytes(masked.received) if masked is not None else b"",
-        list(state.survivors) if isinstance(state, _Checked) else [],
+        list(state.survivors) if isinstance(state, Checked) else [],
         [[p, _REVEALED.index(kind)] for p, kind in sorted(client.revealed.items())],
         [[digest, encode(reply)] for digest, reply in client._answered.items()],
-        str(state.error) if isinstance(state, _Aborted) else "",
-        int(state.stage) if isinstance(state, _Aborted) else 0,
+        str(state.error) if isinstance(state, Aborted) else "",
+        int(state.stage) if isinstance(state, Aborted) else 0,
         client.nonce,
     ], use_bin_type=True)
     return bytes(body) + _mac(key, body)
@@ -123,16 +123,6 @@ def restore(cls: type[Client], data: bytes, *, config: Config, client_id: int,
             context: bytes, roster: Iterable[int] | None, signing_key: SigningKey | None,
             verify_keys: Mapping[int, bytes] | None, key: bytes,
             min_stage: Stage | None = None) -> Client:
-    from .client import (
-        _PAIR,
-        _Aborted,
-        _Advertised,
-        _Checked,
-        _Finished,
-        _Masked,
-        _Secrets,
-        _Shared,
-    )
 
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) <= _MAC_BYTES:
         raise _refuse("not snapshot bytes (empty or truncated)")
@@ -181,14 +171,14 @@ def restore(cls: type[Client], data: bytes, *, config: Config, client_id: int,
             raise _refuse("the secrets are malformed")
         if type(vector) is not bytes or len(vector) != config.dim * width:
             raise _refuse("the input has the wrong length for this config")
-        secrets = _Secrets(bytearray(enc), bytearray(mask), bytearray(seed),
+        secrets = Secrets(bytearray(enc), bytearray(mask), bytearray(seed),
                            np.frombuffer(bytearray(vector), dtype=dtype_for_bits(config.bits)))
         if (KeyPair(secrets.key(secrets.encryption)).public != advert.encryption_key
                 or KeyPair(secrets.key(secrets.masking)).public != advert.masking_key
                 or self_mask_commitment(seed, sid, client_id) != advert.self_mask_commitment):
             raise _refuse("the secrets do not match the advertisement")
     else:
-        secrets = _Secrets(bytearray(32), bytearray(32), bytearray(32),
+        secrets = Secrets(bytearray(32), bytearray(32), bytearray(32),
                            np.zeros(config.dim, dtype=dtype_for_bits(config.bits)))
     client._secrets = secrets
     client._wipeable = [secrets.encryption, secrets.masking, secrets.seed, secrets.input]
@@ -212,17 +202,17 @@ def restore(cls: type[Client], data: bytes, *, config: Config, client_id: int,
             raise _refuse(f"a cached reply does not decode: {exc}") from None
         client._answered[item[0]] = reply  # type: ignore[assignment]
     if code == 0:
-        client._state = _Advertised()
+        client._state = Advertised()
         return client
     if code == 5:
         if type(abort_stage) is not int or abort_stage not in set(Stage):
             raise _refuse("the abort stage is malformed")
         stage = Stage(abort_stage)
-        client._state = _Aborted(ProtocolAbort(str(reason), stage=stage, client_id=client_id),
+        client._state = Aborted(ProtocolAbort(str(reason), stage=stage, client_id=client_id),
                                  stage)
         return client
     if code == 4:
-        client._state = _Finished()
+        client._state = Finished()
         return client
     try:
         key_list = decode_server_message(keylist, len(client.roster))
@@ -244,7 +234,7 @@ def restore(cls: type[Client], data: bytes, *, config: Config, client_id: int,
         pair_secrets[32 * i:32 * i + 32] = encryption.exchange(loaded[keys[peer].encryption_key])
     own_shares = bytearray(own)
     client._wipeable += [pair_secrets, own_shares]
-    shared = _Shared(keys, key_set_digest(sid, keys),
+    shared = Shared(keys, key_set_digest(sid, keys),
                      {c: advertisement_digest(sid, c, e) for c, e in keys.items()}, loaded,
                      own_shares, pair_secrets,
                      {p: 32 * i for i, p in enumerate(peers_of_key_list)})
@@ -253,14 +243,14 @@ def restore(cls: type[Client], data: bytes, *, config: Config, client_id: int,
         return client
     order = sorted(_ids(peers, "F(u)"))
     if not set(order) <= set(peers_of_key_list) or type(received) is not bytes \
-            or len(received) != _PAIR * len(order):
+            or len(received) != PAIR * len(order):
         raise _refuse("the received shares are malformed")
     shares = bytearray(received)
     client._wipeable.append(shares)
-    masked = _Masked(shared, frozenset(order), shares,
-                     {p: _PAIR * i for i, p in enumerate(order)})
+    masked = Masked(shared, frozenset(order), shares,
+                     {p: PAIR * i for i, p in enumerate(order)})
     if code == 2:
         client._state = masked
         return client
-    client._state = _Checked(masked, tuple(sorted(_ids(survivors, "survivors"))))
+    client._state = Checked(masked, tuple(sorted(_ids(survivors, "survivors"))))
     return client
