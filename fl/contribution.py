@@ -23,9 +23,9 @@ for the same reason.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,6 +33,7 @@ import numpy.typing as npt
 import torch
 
 from dp.encoding import EncodingParams
+from fl import fields
 from fl.codec import DistributedCodec, FixedPointCodec
 from fl.privacy import DistributedPlan, Plan, SiteDpPlan
 from fl.settings import TrainSettings
@@ -49,6 +50,11 @@ Decoder = Callable[[U64, int], tuple[F64, float]]
 
 class TaskError(ValueError):
     """A round task field is missing or out of range: the site refuses the round."""
+
+
+_int = partial(fields.integer, error=TaskError, what="task field")
+_float = partial(fields.number, error=TaskError, what="task field")
+_str = partial(fields.text, error=TaskError, what="task field")
 
 
 class Trainer(Protocol):
@@ -262,28 +268,3 @@ def _adaptive(body: Mapping[str, Any]) -> dict[str, float]:
         raise TaskError("task field 'target_quantile' must be below 1")
     return {"target_quantile": quantile,
             "count_stddev": _float(body, "count_stddev", low_open=True)}
-
-
-def _int(body: Mapping[str, Any], key: str, low: int, high: int) -> int:
-    value = body.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise TaskError(f"task field {key!r} must be an integer in [{low}, {high}]")
-    return value
-
-
-def _float(body: Mapping[str, Any], key: str, low: float = 0.0, high: float = math.inf, *,
-           low_open: bool = False) -> float:
-    value = body.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TaskError(f"task field {key!r} must be a number")
-    value = float(value)
-    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
-        raise TaskError(f"task field {key!r}={value} is out of range")
-    return value
-
-
-def _str(body: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
-    value = body.get(key)
-    if not isinstance(value, str) or value not in choices:
-        raise TaskError(f"task field {key!r} must be one of {choices}")
-    return value

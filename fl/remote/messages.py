@@ -27,10 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
+from fl import fields
+from fl.fields import MAX_ROSTER
+from secagg.config import SECURITY_MODES
 from transport.control import ControlError
 from transport.framing import HEADER_BYTES, frame
 from transport.link import Will
@@ -40,8 +44,6 @@ VERSION = 1
 MAX_CONTROL_BYTES = 1 << 20
 """Federation messages carry ids, names and hashes only (and, opt-in, one input vector)."""
 MAX_BLOB_BYTES = 256 << 20
-MAX_SITE_ID = (1 << 32) - 1
-MAX_ROSTER = 1 << 16
 KINDS = ("train", "scaler")
 PHASES = ("open", "go")
 FETCH, HELLO, READY, DECLINE, OFFLINE = "fetch", "hello", "ready", "decline", "offline"
@@ -94,7 +96,9 @@ class Announce:
     ``phase="open"``: the ``cohort`` fetches the blob (``blob`` = its SHA-256, ``size``
     bytes), computes its input and answers :class:`Ready`. ``phase="go"``: the secagg round
     ``name`` runs with ``roster`` (the ready sites) and ``threshold``; sites outside the
-    roster sit it out.
+    roster sit it out. ``security``: the secagg mode of the round; ``"malicious"`` when the
+    coordinator has the sites' public keys (``--peer-keys``, fl/identity.py), and a site with
+    its own peer keys refuses any other.
     """
 
     run: bytes
@@ -109,6 +113,7 @@ class Announce:
     roster: tuple[int, ...] = ()
     threshold: int = 0
     verify: bool = False
+    security: str = "semi-honest"
 
     @property
     def key(self) -> tuple[bytes, int, int, str]:
@@ -226,46 +231,11 @@ def unpack(data: bytes, limit: int) -> dict[Any, Any]:
     return body
 
 
-def get_int(body: Mapping[Any, Any], key: str, low: int = 0, high: int = MAX_SITE_ID) -> int:
-    value = body.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise WireError(f"field {key!r} must be an integer in [{low}, {high}]")
-    return value
-
-
-def get_bytes(body: Mapping[Any, Any], key: str, sizes: tuple[int, ...] = ()) -> bytes:
-    value = body.get(key)
-    if not isinstance(value, bytes) or (sizes and len(value) not in sizes):
-        raise WireError(f"field {key!r} must be {' or '.join(map(str, sizes)) or 'some'} bytes")
-    return value
-
-
-def get_str(body: Mapping[Any, Any], key: str, choices: tuple[str, ...] = (),
-            limit: int = 4096) -> str:
-    value = body.get(key)
-    if not isinstance(value, str) or len(value) > limit or (choices and value not in choices):
-        raise WireError(f"field {key!r} must be " + (f"one of {choices}" if choices
-                                                     else "a string"))
-    return value
-
-
-def get_ids(body: Mapping[Any, Any], key: str) -> tuple[int, ...]:
-    value = body.get(key)
-    if not isinstance(value, list) or len(value) > MAX_ROSTER or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SITE_ID
-            for v in value):
-        raise WireError(f"field {key!r} must be a list of site ids")
-    if len(set(value)) != len(value):
-        raise WireError(f"field {key!r} repeats a site id")
-    return tuple(sorted(value))
-
-
-def get_names(body: Mapping[Any, Any], key: str) -> tuple[str, ...]:
-    value = body.get(key)
-    if not isinstance(value, list) or len(value) > 100_000 or not all(
-            isinstance(v, str) and len(v) <= 1024 for v in value):
-        raise WireError(f"field {key!r} must be a list of strings")
-    return tuple(value)
+get_int = partial(fields.integer, error=WireError)
+get_bytes = partial(fields.raw, error=WireError)
+get_str = partial(fields.text, error=WireError)
+get_ids = partial(fields.site_ids, error=WireError)
+get_names = partial(fields.names, error=WireError)
 
 
 def _announce(body: Mapping[Any, Any]) -> Announce:
@@ -282,6 +252,9 @@ def _announce(body: Mapping[Any, Any]) -> Announce:
         raise WireError("field 'verify' must be a boolean")
     if not cohort:
         raise WireError("the cohort is empty")
+    security = body.get("security", "semi-honest")
+    if security not in SECURITY_MODES:
+        raise WireError(f"field 'security' must be one of {SECURITY_MODES}")
     if phase == "go" and (not set(roster) <= set(cohort) or len(roster) < 2
                           or not len(roster) / 2 < threshold <= len(roster)):
         raise WireError(f"roster {list(roster)[:10]} / threshold {threshold} is not a valid "
@@ -289,7 +262,8 @@ def _announce(body: Mapping[Any, Any]) -> Announce:
     return Announce(get_bytes(body, "run", (16,)), get_int(body, "round", 0, 1 << 31),
                     get_int(body, "attempt", 0, 1 << 16), get_str(body, "kind", KINDS), name,
                     cohort, get_bytes(body, "blob", (32,)),
-                    get_int(body, "size", 1, MAX_BLOB_BYTES), phase, roster, threshold, verify)
+                    get_int(body, "size", 1, MAX_BLOB_BYTES), phase, roster, threshold, verify,
+                    security)
 
 
 def decode_coordinator_message(data: bytes) -> CoordinatorMessage:

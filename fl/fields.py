@@ -1,0 +1,80 @@
+"""Field-by-field checks of decoded msgpack maps, in the style of ``transport.control``.
+
+One set of checks for everything ``fl`` decodes from a peer: the round task
+(:mod:`fl.contribution`) and the federation messages (:mod:`fl.remote.messages`). Each
+caller names the error type its readers catch (``error=``) and how a field is called in
+messages (``what=``); anything of the wrong type or out of range raises it, so a hostile
+peer can make a party refuse a message, never crash it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+MAX_SITE_ID = (1 << 32) - 1
+MAX_ROSTER = 1 << 16
+
+
+class FieldError(ValueError):
+    """A field is missing, of the wrong type or out of range."""
+
+
+def integer(body: Mapping[Any, Any], key: str, low: int = 0, high: int = MAX_SITE_ID, *,
+            error: type[ValueError] = FieldError, what: str = "field") -> int:
+    value = body.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise error(f"{what} {key!r} must be an integer in [{low}, {high}]")
+    return value
+
+
+def number(body: Mapping[Any, Any], key: str, low: float = 0.0, high: float = math.inf, *,
+           low_open: bool = False, error: type[ValueError] = FieldError,
+           what: str = "field") -> float:
+    value = body.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise error(f"{what} {key!r} must be a number")
+    value = float(value)
+    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+        raise error(f"{what} {key!r}={value} is out of range")
+    return value
+
+
+def text(body: Mapping[Any, Any], key: str, choices: tuple[str, ...] = (),
+         limit: int = 4096, *, error: type[ValueError] = FieldError,
+         what: str = "field") -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or len(value) > limit or (choices and value not in choices):
+        raise error(f"{what} {key!r} must be " + (f"one of {choices}" if choices
+                                                   else "a string"))
+    return value
+
+
+def raw(body: Mapping[Any, Any], key: str, sizes: tuple[int, ...] = (), *,
+        error: type[ValueError] = FieldError, what: str = "field") -> bytes:
+    value = body.get(key)
+    if not isinstance(value, bytes) or (sizes and len(value) not in sizes):
+        raise error(f"{what} {key!r} must be {' or '.join(map(str, sizes)) or 'some'} bytes")
+    return value
+
+
+def site_ids(body: Mapping[Any, Any], key: str, *, error: type[ValueError] = FieldError,
+             what: str = "field") -> tuple[int, ...]:
+    value = body.get(key)
+    if not isinstance(value, list) or len(value) > MAX_ROSTER or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SITE_ID
+            for v in value):
+        raise error(f"{what} {key!r} must be a list of site ids")
+    if len(set(value)) != len(value):
+        raise error(f"{what} {key!r} repeats a site id")
+    return tuple(sorted(value))
+
+
+def names(body: Mapping[Any, Any], key: str, *, error: type[ValueError] = FieldError,
+          what: str = "field") -> tuple[str, ...]:
+    value = body.get(key)
+    if not isinstance(value, list) or len(value) > 100_000 or not all(
+            isinstance(v, str) and len(v) <= 1024 for v in value):
+        raise error(f"{what} {key!r} must be a list of strings")
+    return tuple(value)
