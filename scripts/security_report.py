@@ -264,7 +264,7 @@ documented non-guarantees are strict xfails in section 4.
 12. *Replay across rounds* (issue 9) - **fixed in malicious mode.** With the same roster
     and an empty context a recorded MaskedInput, UnmaskingShares, ShareKeys or consistency
     signature used to verify in a new round (wrong sum, blame of an honest client);
-    now every transcript binds the round's fresh keys (`test_replay_*` pass). A replayed
+    now every transcript binds the round's fresh keys (`test_protocol_replay.py::test_replay_*` pass). A replayed
     advertisement can still exclude the real client (strict xfail, docs/protocol.md 9.2).
 13. *Framing honest share holders* (issue 9) - **fixed.** Only attributable blame
     (`test_colluding_holders_with_offset_shares_cannot_frame_honest_holders`).
@@ -329,8 +329,9 @@ def render(cases: list[Case], code: int, seconds: float) -> str:
     rows: OrderedDict[str, list[Case]] = OrderedDict()
     unclassified = [c for c in cases if "threat.attack" not in c.props]
     order = ["test_malicious_server", "test_collusion_and_output", "test_malicious_clients",
-             "test_protocol_findings", "test_parsing_robustness", "test_transport_broker",
-             "test_transport_reassembly", "test_gradient_leakage", "test_privacy_audit"]
+             "test_protocol_replay", "test_protocol_findings", "test_parsing_robustness",
+             "test_transport_broker", "test_transport_reassembly", "test_gradient_leakage",
+             "test_privacy_audit"]
 
     def rank(c: Case) -> int:
         module = c.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")

@@ -16,7 +16,7 @@ request obtains the other share of a peer, i.e. that peer's input. So the host m
 2. record the stage this client reached in the session (``client.session_id``,
    ``client.stage``) where a failed or concurrent snapshot write cannot roll it back, and
    restore with ``min_stage=`` that stage: ``restore`` then refuses (``StaleSnapshot``)
-   any snapshot from before it (``tests/security/test_protocol_findings.py::
+   any snapshot from before it (``tests/security/test_protocol_replay.py::
    test_rollback_to_an_earlier_snapshot_is_refused_with_the_hosts_stage_record``);
 3. handle one message per client at a time.
 

@@ -20,13 +20,23 @@ turns into the attack table of docs/security.md.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 
-from secagg import Client, Config, ProtocolAbort, ProtocolError, SigningKey
+from secagg import (
+    Client,
+    Config,
+    ProtocolAbort,
+    ProtocolError,
+    Server,
+    SigningKey,
+    Stage,
+    round_stages,
+)
 from secagg.crypto import (
     CryptoError,
     KeyPair,
@@ -494,3 +504,69 @@ __all__ = [
     "recover_input", "threat", "uniformity_chi2", "wire_log",
 ]
 
+
+# --- recorded rounds between real parties ------------------------------------------------
+
+
+class RecordedRound:
+    """One round between a real ``Server`` and real ``Client`` objects with an EMPTY
+    context, every byte recorded; stages run one at a time so a test can inject."""
+
+    def __init__(self, config: Config, signing: Mapping[int, SigningKey], seed: int,
+                 nonce: bool = False) -> None:
+        self.config = config
+        rng = np.random.default_rng(seed)
+        self.inputs = {i: rng.integers(0, config.modulus, config.dim, dtype=np.uint64)
+                       for i in range(1, config.num_clients + 1)}
+        verify = {i: k.public for i, k in signing.items()} if config.malicious else None
+        self.server = Server(config, verify_keys=verify,
+                             nonce=os.urandom(32) if nonce else None)
+        self.clients = {i: Client(config, i, v, signing_key=signing.get(i), verify_keys=verify,
+                                  nonce=self.server.nonce) for i, v in self.inputs.items()}
+        self.sent: dict[tuple[Stage, int], bytes] = {}
+        self.got: dict[tuple[Stage, int], bytes] = {}
+        self.out: dict[int, bytes] = {}
+        self.rejected: dict[int, ProtocolError] = {}
+
+    def stage(self, stage: Stage, skip: frozenset[int] | set[int] = frozenset()) -> None:
+        for cid, client in self.clients.items():
+            if cid in skip:
+                continue
+            if stage is Stage.ADVERTISE_KEYS:
+                raw = encode(client.advertise())
+            elif cid in self.out:
+                self.got[(stage, cid)] = self.out[cid]
+                try:
+                    raw = encode(client.handle(self.out[cid]))
+                except ProtocolAbort:
+                    continue
+            else:
+                continue
+            self.sent[(stage, cid)] = raw
+            try:
+                self.server.receive(cid, raw)
+            except ProtocolError as exc:  # the server rejected it: the client sits out
+                self.rejected[cid] = exc
+
+    def close(self) -> None:
+        self.out = {cid: encode(m) for cid, m in self.server.advance().items()}
+
+    def run(self, skip: Mapping[Stage, set[int]] | None = None) -> None:
+        for stage in round_stages(self.config):
+            self.stage(stage, (skip or {}).get(stage, set()))
+            self.close()
+
+    def expected(self) -> list[int]:
+        result = self.server.result
+        assert result is not None
+        return [int(x) % self.config.modulus
+                for x in sum(self.inputs[i].astype(object) for i in result.included)]
+
+
+def rejected_without_change(server: Server, cid: int, raw: bytes) -> None:
+    before = (server.stage, server.received, dict(server.dropped), server._sum.tobytes())
+    with pytest.raises(ProtocolError) as info:
+        server.receive(cid, raw)
+    assert not isinstance(info.value, ProtocolAbort)
+    assert (server.stage, server.received, dict(server.dropped),
+            server._sum.tobytes()) == before
