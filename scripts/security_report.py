@@ -264,8 +264,16 @@ documented non-guarantees are strict xfails in section 4.
 12. *Replay across rounds* (issue 9) - **fixed in malicious mode.** With the same roster
     and an empty context a recorded MaskedInput, UnmaskingShares, ShareKeys or consistency
     signature used to verify in a new round (wrong sum, blame of an honest client);
-    now every transcript binds the round's fresh keys (`test_protocol_replay.py::test_replay_*` pass). A replayed
-    advertisement can still exclude the real client (strict xfail, docs/protocol.md 9.2).
+    now every transcript binds the round's fresh keys
+    (`test_protocol_replay.py::test_replay_*` pass). Without the server's round nonce a
+    replayed advertisement can still exclude the real client (strict xfail, 9.2).
+17. *Rollback of a restored client* (lead's review) - **guarded.** A host restoring an
+    older snapshot lost the one-share-per-peer record; `Client.restore(min_stage=)` refuses
+    it (`test_rollback_to_an_earlier_snapshot_is_refused_with_the_hosts_stage_record`);
+    without the host's record it is a strict xfail (the host's duty, secagg/resume.py).
+18. *Framing through X25519's ignored bits* (lead's review) - **fixed.** Masking keys are
+    accepted only in clamped form
+    (`test_colluders_shifting_a_masking_key_by_x25519_ignored_bits_cannot_frame_honest_holders`).
 13. *Framing honest share holders* (issue 9) - **fixed.** Only attributable blame
     (`test_colluding_holders_with_offset_shares_cannot_frame_honest_holders`).
 14. *SecAgg+ isolation* (issue 9) - **fixed for what clients can see.** neighbors=5 on 12
