@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -181,12 +182,14 @@ def mechanism_of(plan: Plan) -> str:
 
 
 def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
-             accountant: str = "rdp", threshold: int, max_affordable: int = 100_000
-             ) -> dict[str, Any]:
+             accountant: str = "rdp", threshold: int, max_affordable: int = 100_000,
+             prior: Sequence[Event] = ()) -> dict[str, Any]:
     """The privacy plan of a run: the budget the coordinator keeps (:func:`make_budget`),
     spent round by round with the plan's event exactly as :class:`fl.coordinator.Coordinator`
-    does, until ``rounds`` or the budget stops it. ``secagg train --plan`` prints it; the
-    run follows it (tests/fl/test_site_policy.py)."""
+    does, until ``rounds`` or the budget stops it. ``prior``: releases before the first
+    round (the noised feature statistics, :mod:`fl.private_scaler`), spent first as the run
+    spends them. ``secagg train --plan`` prints it; the run follows it
+    (tests/fl/test_site_policy.py)."""
     out: dict[str, Any] = {"mode": plan.mode, "mechanism": mechanism_of(plan),
                            "accountant": accountant, "delta": delta, "epsilon_budget": epsilon,
                            "secagg_threshold": threshold, "rounds_requested": rounds}
@@ -209,18 +212,21 @@ def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
                    epsilon_final=None)
         return out
     budget = make_budget(epsilon, delta, accountant)
+    for release in prior:
+        budget.spend(release)
+    out["epsilon_before_rounds"] = budget.spent[0]
     after: list[float] = []
     while len(after) < rounds and budget.can_run(event):
         after.append(budget.spend(event)[0])
     out.update(rounds_run=len(after), epsilon_after=after,
                epsilon_final=after[-1] if after else 0.0,
                rounds_affordable=_affordable(event, epsilon, delta, accountant, len(after),
-                                             rounds, max_affordable))
+                                             rounds, max_affordable, prior))
     return out
 
 
 def _affordable(event: Event, epsilon: float | None, delta: float, accountant: str,
-                run: int, rounds: int, cap: int) -> int | None:
+                run: int, rounds: int, cap: int, prior: Sequence[Event] = ()) -> int | None:
     """Rounds the budget affords in all (None: no epsilon budget, or more than ``cap``)."""
     from dp.accounting import rdp_to_epsilon
 
@@ -231,8 +237,10 @@ def _affordable(event: Event, epsilon: float | None, delta: float, accountant: s
     if accountant != "rdp":
         return None if run >= cap else run
 
+    before = sum((e.rdp() for e in prior), start=0.0 * event.rdp())
+
     def fits(r: int) -> bool:
-        return rdp_to_epsilon(event.rdp() * r, delta) <= epsilon
+        return rdp_to_epsilon(before + event.rdp() * r, delta) <= epsilon
 
     lo, hi = run, max(run * 2, 1)
     while hi <= cap and fits(hi):
@@ -288,9 +296,30 @@ def site_proposal(task: Any, *, secagg_threshold: int, label: str = "") -> Propo
     return Proposal.exact("train", secagg_threshold=secagg_threshold, label=label)
 
 
+def lone_share(task: Any, proposal: Proposal) -> Proposal:
+    """``proposal`` as a site must count it when the coordinator alone picks the roster: it
+    may fill the round with sites it simulates (zero noise), so only this site's own share
+    of a distributed round's noise is certain -- the event and noise multiplier of
+    calibration threshold 1 (the policy's other rules still see the proposed thresholds).
+    Site-mode rounds (each site's update private on its own) and exact sums are unchanged.
+    """
+    if task is None or task.mode != "distributed":
+        return proposal
+    alone = Proposal.distributed(replace(task.params, threshold=1),
+                                 sample_rate=task.sample_rate,
+                                 secagg_threshold=proposal.secagg_threshold,
+                                 label=proposal.label)
+    return replace(proposal, noise_multiplier=alone.noise_multiplier, event=alone.event)
+
+
 class SiteGuard:
     """A site process's privacy gate: every release is checked against the operator's
     policy and charged to the site's ledger *before* the input is computed (write-ahead).
+
+    ``authenticated_roster`` (set by the site role when its operator configured the
+    federation's keys, fl/identity.py) is what lets a distributed round count the noise of
+    the other sites it is calibrated to; without it every round is charged as
+    :func:`lone_share` (docs/privacy.md section 1).
 
     The site role calls :meth:`admit` before computing its input (a refusal is a
     :class:`dp.policy.PolicyRefused` naming the rule: the site sits the round out), and
@@ -304,6 +333,7 @@ class SiteGuard:
         self.ledger = ledger
         self.log = log or (lambda text: None)
         self.pending: dict[Any, tuple[Charge, int]] = {}
+        self.authenticated_roster = False
         warning = check_delta(ledger.policy.delta, num_units) if num_units else None
         if warning:
             self.log(f"warning: {warning}")
@@ -312,8 +342,10 @@ class SiteGuard:
               ) -> Charge:
         """Check and charge the round (raises :class:`dp.policy.PolicyRefused`); ``key``
         (the announcement's) lets :meth:`check_go` and :meth:`not_sent` find the charge."""
-        charge = self.ledger.charge(site_proposal(task, secagg_threshold=secagg_threshold,
-                                                  label=label))
+        proposal = site_proposal(task, secagg_threshold=secagg_threshold, label=label)
+        if not self.authenticated_roster:
+            proposal = lone_share(task, proposal)
+        charge = self.ledger.charge(proposal)
         if key is not None:
             self.pending = {key: (charge, secagg_threshold)}
         if charge.event is not None:

@@ -54,6 +54,11 @@ class TrainSettings:
     clip_count_stddev: float | None = None
     scaler_file: str | None = None
     budget_column: str | None = None
+    feature_bounds: str | None = None
+    """``--feature-bounds FILE``: public per-feature ranges for the noised scaler
+    (:mod:`fl.private_scaler`)."""
+    scaler_epsilon: float | None = None
+    """The noised feature statistics' share of ``--epsilon`` (default 10 %)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,6 +90,12 @@ class TrainSettings:
         if self.scaler_file is not None and self.scaling == "secure":
             problems.append("--scaler (public statistics) and --scaling secure contradict: "
                             "give one")
+        if self.scaler_epsilon is not None and not (
+                self.scaler_epsilon > 0 and math.isfinite(self.scaler_epsilon)):
+            problems.append(f"--scaler-epsilon {self.scaler_epsilon}: need a positive number")
+        if self.scaler_epsilon is not None and self.dp == "none":
+            problems.append("--scaler-epsilon without --dp: the feature statistics are "
+                            "noised only in the DP modes")
         if self.dp != "none" and self.scaling == "secure":
             problems.append("--scaling secure releases exact feature sums outside the privacy "
                             "budget: with --dp use pre-scaled data or --scaling none")

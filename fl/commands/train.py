@@ -82,6 +82,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--rounds", type=int, metavar="R", help="training rounds (not for sites)")
     t.add_argument("--site-id", type=int, metavar="N", help="--role site: this site's id "
                    "(it connects as MQTT user site-N)")
+    t.add_argument("--signing-key", metavar="site-N.key",
+                   help="site: this site's identity key (secagg keygen); with --peer-keys")
+    n.add_argument("--peer-keys", metavar="DIR",
+                   help="coordinator/site: the federation's public keys, one site-<id>.pub "
+                        "per site, from the operators (out of band): rounds run "
+                        "authenticated (secagg malicious mode) and a site refuses a round "
+                        "naming a site it has no key for (docs/privacy.md)")
     n.add_argument("--federation", default="fl", metavar="NAME",
                    help="coordinator/site: the federation's topic name (default fl); lets "
                         "several federations share a broker")
@@ -179,6 +186,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--scaler", metavar="SCALER.json",
                    help="public feature statistics {\"mean\": [..], \"std\": [..]} (e.g. of a "
                         "reference population): scales without releasing anything")
+    c.add_argument("--feature-bounds", metavar="BOUNDS.json",
+                   help="public per-feature ranges {\"low\": [..], \"high\": [..]}: with --dp "
+                        "the feature scaler is a noised secure sum of the features clipped "
+                        "to them, charged to the budget (bundled breast-cancer: published)")
+    c.add_argument("--scaler-epsilon", type=float, metavar="E",
+                   help="--dp: the noised feature statistics' share of --epsilon (default "
+                        "10 %%; 0.5 without --epsilon); the rounds get the rest")
     c.add_argument("--plan", action="store_true",
                    help="print the privacy plan (mode, mechanism, noise, threshold, epsilon "
                         "after each round) computed by the code the run uses, and exit")
@@ -244,7 +258,8 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         cohort=args.cohort, scaling=args.scaling,
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
         max_units=args.max_units, adaptive_clip=args.adaptive_clip, scaler_file=args.scaler,
-        clip_count_stddev=args.clip_count_stddev, budget_column=args.budget_column)
+        clip_count_stddev=args.clip_count_stddev, budget_column=args.budget_column,
+        feature_bounds=args.feature_bounds, scaler_epsilon=args.scaler_epsilon)
 
 
 def site_policy_from_args(args: argparse.Namespace) -> Any:
@@ -305,6 +320,9 @@ def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
         print(f"  {plan['rounds_run']} of {plan['rounds_requested']} rounds run"
               + (f" (budget epsilon {budget:g} affords "
                  f"{plan['rounds_affordable'] or 'more than 100000'})" if budget else ""))
+        if plan.get("epsilon_before_rounds"):
+            print(f"  before round    1: epsilon {plan['epsilon_before_rounds']:.4f} "
+                  "(the noised feature statistics)")
         for r, e in enumerate(eps, 1):
             if r <= 3 or r > len(eps) - 3 or r % max(1, len(eps) // 10) == 0:
                 print(f"  after round {r:4d}: epsilon {e:.4f}")
@@ -403,6 +421,12 @@ def run_remote(args: argparse.Namespace) -> int:
                                  "shards) to pick its shard by --site-id and --seed")
         elif args.site_id is not None:
             raise ValueError("--site-id is for --role site")
+        if args.role == "site" and (args.signing_key is None) != (args.peer_keys is None):
+            raise ValueError("--signing-key and --peer-keys go together: this site's key and "
+                             "the federation's public keys (secagg keygen)")
+        if args.role != "site" and args.signing_key is not None:
+            raise ValueError("--signing-key is a site's (--role site); the coordinator "
+                             "needs only --peer-keys")
         if args.drop_rate:
             raise ValueError("--drop-rate simulates dropouts in --role all; across machines "
                              "stop or kill a site instead")
@@ -443,8 +467,15 @@ def run_remote(args: argparse.Namespace) -> int:
             print(f"secagg train: error: {exc}", file=sys.stderr)
             return 2
         from dp.errors import PrivacyError
+        from fl.identity import SiteIdentity, fingerprint
         from fl.privacy import open_site_guard
 
+        try:
+            identity = None if args.peer_keys is None else SiteIdentity.load(
+                args.site_id, args.signing_key, args.peer_keys)
+        except ValueError as exc:
+            print(f"secagg train: error: {exc}", file=sys.stderr)
+            return 2
         try:
             ledger = args.ledger or default_ledger(args, broker)
             guard = open_site_guard(policy=site_policy_from_args(args), ledger_path=ledger,
@@ -456,7 +487,15 @@ def run_remote(args: argparse.Namespace) -> int:
             f"({guard.ledger.releases} releases, epsilon {guard.ledger.epsilon:.4g})")
         options = SiteOptions(federation=args.federation, insecure_verify=args.insecure_verify,
                               require_dp=args.dp, idle_timeout=args.idle_timeout,
-                              stage_timeout=args.stage_timeout, guard=guard)
+                              stage_timeout=args.stage_timeout, guard=guard,
+                              identity=identity)
+        if identity is not None:
+            log(f"federation roster: {len(identity.peers)} site keys from {args.peer_keys}; "
+                f"this site's key {fingerprint(identity.signing_key.public)}; rounds run "
+                "authenticated (secagg malicious mode)")
+        else:
+            log("no --peer-keys: the roster is the coordinator's word, so a distributed "
+                "round is charged as if this site's noise share were the only noise")
         import asyncio
 
         from transport.link import LinkLost
@@ -472,10 +511,18 @@ def run_remote(args: argparse.Namespace) -> int:
     from transport.link import LinkLost
 
     labels = tuple(v.strip() for v in args.labels.split(",")) if args.labels else None
+    try:
+        from fl.identity import load_peer_keys
+
+        peer_keys = None if args.peer_keys is None else load_peer_keys(args.peer_keys)
+    except ValueError as exc:
+        print(f"secagg train: error: {exc}", file=sys.stderr)
+        return 2
     options = RemoteOptions(site_ids=ids, federation=args.federation, labels=labels,
                             eval_csv=args.eval_csv, join_timeout=args.join_timeout,
                             ready_timeout=args.ready_timeout, stage_timeout=args.stage_timeout,
-                            max_units=args.max_units, insecure_verify=args.insecure_verify)
+                            max_units=args.max_units, insecure_verify=args.insecure_verify,
+                            peer_keys=peer_keys)
     try:
         report = train_coordinator(settings, options, MqttNetwork(broker), log=log)
     except (CheckpointError, DataError, ValueError) as exc:

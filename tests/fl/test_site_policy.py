@@ -82,14 +82,17 @@ def test_epsilon_is_always_known_and_contradictions_are_refused(
 
 def test_dp_runs_release_no_exact_feature_statistics() -> None:
     """breast-cancer is not on a public scale: without DP the federation scales it with an
-    exact secure sum; with DP it must not (the only aggregations are the rounds)."""
+    exact secure sum; with DP it must not (the statistics are noised and charged instead:
+    tests/fl/test_private_scaler.py; with --scaling none the only aggregations are the
+    rounds)."""
     base = TrainSettings(sites=3, rounds=1, broker="inprocess", dp="site",
                          noise_multiplier=1.0, site_steps=1)
     dims: list[int] = []
     train(base, on_capture=lambda c: dims.append(c.config.dim))
     report = train(replace(base, dp="none", noise_multiplier=None))
     assert len(dims) == 1 and report["rounds"]
-    assert privacy_plan(base)["feature_scaling"] == "none"
+    assert privacy_plan(base)["feature_scaling"].startswith("noised secure sum")
+    assert privacy_plan(replace(base, scaling="none"))["feature_scaling"] == "none"
     assert privacy_plan(replace(base, dp="none", noise_multiplier=None)
                         )["feature_scaling"].startswith("exact")
 
