@@ -94,6 +94,13 @@ def test_a_site_contributes_with_its_own_optimizer_or_train_function() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, site.module.parameters(), strict=True))
     assert len(site.optimizer.state) > 0  # Adam's state: the user's optimizer stepped
 
+    # Site mode: Opacus DP-SGD on a copy of the global model; the count is only "one site".
+    private = site.contribute(RoundTask(mode="site", round=1, cohort=3, seed=0,
+                                        noise_multiplier=1.0, clip_norm=1.0, sample_rate=0.3,
+                                        steps=2, lr=0.5))
+    assert private.count == 1 and private.vector.view(np.int64)[-1] == 2**24
+    assert all(torch.equal(a, b) for a, b in zip(before, site.module.parameters(), strict=True))
+
     calls: list[int] = []
 
     def train_fn(module: torch.nn.Module) -> None:
