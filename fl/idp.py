@@ -26,6 +26,7 @@ import torch
 from dp.idp import GroupLedger, group_patients, plan_idp
 
 if TYPE_CHECKING:
+    from fl.data import Table
     from fl.settings import TrainSettings
     from fl.site import Site
     from fl.vector import ParameterLayout
@@ -161,3 +162,22 @@ def finish_report(settings: TrainSettings, sites: dict[int, Site], report: dict[
     report["idp"] = {str(cid): {**p.plan.report(), "groups": p.ledger.report()}
                      for cid, p in plans.items()}
     return report
+
+
+def plan_summary(settings: TrainSettings, tables: list[Table], out: dict[str, Any]) -> None:
+    """``secagg train --plan`` under ``--unit patient-idp``: every site's rate groups and the
+    largest group epsilon after each round, in place of the patient-unit schedule."""
+    from fl.site import Site
+
+    sites = {i + 1: Site(i + 1, t) for i, t in enumerate(tables)}
+    out["description"] = configure(settings, sites)
+    budget = FederationBudget(settings, sites)
+    eps = [budget._worst(r)[0] for r in range(1, settings.rounds + 1)]
+    for key in ("noise_multiplier", "effective_noise_multiplier", "sample_rate",
+                "count_stddev"):
+        out.pop(key, None)
+    out.update(mechanism="sampled Gaussian with individual per-record rates per rate group "
+                         "(see 'idp')", epsilon_after=eps, epsilon_final=eps[-1],
+               rounds_run=settings.rounds, rounds_affordable=settings.rounds,
+               idp={str(cid): s.idp.plan.report() for cid, s in sites.items()
+                    if s.idp is not None})

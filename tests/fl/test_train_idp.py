@@ -115,3 +115,18 @@ def test_site_charges_each_round_once(tmp_path: Path) -> None:
         site.site_dp_update(model, layout, noise_multiplier=1.0, clip_norm=1.0,
                             sample_rate=0.5, steps=2, lr=0.1, unit="patient-idp",
                             round_number=2)
+
+
+def test_plan_shows_the_groups_not_patient_units(tmp_path: Path) -> None:
+    from fl.federation import privacy_plan
+
+    settings = TrainSettings(sites=2, rounds=3, csv=str(_table(tmp_path / "t.csv")),
+                             patient_column="pid", label_column="label", dp="site",
+                             epsilon=3.0, delta=1e-4, unit="patient-idp",
+                             budget_column="budget", sample_rate=0.34, scaling="none")
+    out = privacy_plan(settings)
+    assert "individual privacy assignment" in out["description"]
+    eps = out["epsilon_after"]
+    assert len(eps) == 3 and eps == sorted(eps) and eps[-1] <= 3.0 * (1 + 1e-9)
+    assert {g["target_epsilon"] for s in out["idp"].values() for g in s["groups"]} == {1.0, 3.0}
+    assert "noise_multiplier" not in out
