@@ -23,6 +23,7 @@ from dp.audit import run_json
 from dp.budget import event_from_json
 from fl import checkpoint as ckpt
 from fl import idp as fl_idp
+from fl import private_scaler
 from fl.aggregation import Aggregator, Tap, open_aggregator
 from fl.contribution import scaler_from_sum, scaler_input
 from fl.coordinator import Coordinator, RoundCapture, evaluate
@@ -93,9 +94,20 @@ def public_scaler(settings: TrainSettings, num_features: int) -> Scaler | None:
     return Scaler(mean, std)
 
 
-def secure_scaler(sites: dict[int, Site], aggregator: Aggregator) -> Scaler:
-    """Federation-wide mean and std from one secure sum of every site's feature sums."""
+def secure_scaler(sites: dict[int, Site], aggregator: Aggregator,
+                  noised: private_scaler.ScalerPlan | None = None, unit: str = "patient"
+                  ) -> Scaler:
+    """Federation-wide mean and std from one secure sum of every site's feature sums:
+    exact (``--dp none``), or with ``noised`` the bounded, noised statistics of
+    :mod:`fl.private_scaler` (the DP modes; charged to the budget by the caller)."""
     f = next(iter(sites.values())).table.num_features
+    if noised is not None:
+        inputs = {cid: private_scaler.site_input(noised, site.table, unit)
+                  for cid, site in sites.items()}
+        config = Config(num_clients=len(sites), dim=noised.params.encoded_dim,
+                        bits=noised.params.bits)
+        outcome = aggregator.aggregate(config, inputs, {})
+        return private_scaler.from_sum(noised, outcome.total, len(outcome.included))
     inputs = {cid: scaler_input(site.feature_sums(), len(sites))
               for cid, site in sites.items()}
     config = Config(num_clients=len(sites), dim=2 * f + 1, bits=64)
@@ -103,12 +115,16 @@ def secure_scaler(sites: dict[int, Site], aggregator: Aggregator) -> Scaler:
 
 
 def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim: int,
-              threshold: int, *, max_units: int | None = None) -> Plan:
+              threshold: int, *, max_units: int | None = None, scaler_epsilon: float = 0.0
+              ) -> Plan:
     """The privacy plan. Distributed DP sizes the modulus for a *public* bound on the units
     a site sums (``max_units``, ``--max-units``, else :data:`fl.privacy.DEFAULT_MAX_UNITS`),
-    never for a site's actual patient count: ``bits`` is published. ``sites`` is unused."""
+    never for a site's actual patient count: ``bits`` is published. ``sites`` is unused.
+    The rounds are calibrated to ``--epsilon`` minus ``scaler_epsilon`` (the noised
+    feature statistics' share, :mod:`fl.private_scaler`)."""
+    epsilon = None if settings.epsilon is None else settings.epsilon - scaler_epsilon
     if settings.dp == "site":
-        return site_plan(epsilon=settings.epsilon, delta=settings.delta,
+        return site_plan(epsilon=epsilon, delta=settings.delta,
                          sample_rate=settings.sample_rate, steps=settings.steps_per_round,
                          rounds=settings.rounds, clip_norm=settings.clip_norm,
                          noise_multiplier=settings.noise_multiplier,
@@ -116,7 +132,7 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
                          count_stddev=settings.clip_count_stddev)
     if settings.dp == "distributed":
         units = max_units or settings.max_units or DEFAULT_MAX_UNITS
-        return distributed_plan(model_dim=model_dim, epsilon=settings.epsilon,
+        return distributed_plan(model_dim=model_dim, epsilon=epsilon,
                                 delta=settings.delta, sample_rate=settings.sample_rate,
                                 rounds=settings.rounds, clip_norm=settings.clip_norm,
                                 num_sites=settings.cohort_size, threshold=threshold,
@@ -125,14 +141,15 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
     return NoPrivacy()
 
 
-def federation_plan(settings: TrainSettings, num_features: int, num_classes: int
-                    ) -> tuple[int, int, Plan]:
+def federation_plan(settings: TrainSettings, num_features: int, num_classes: int, *,
+                    scaler_epsilon: float = 0.0) -> tuple[int, int, Plan]:
     """``(model parameters, secagg threshold, privacy plan)`` of a run: what ``secagg train
     --plan`` prints and what the run uses."""
     model = make_model(settings.model, num_features, num_classes, settings.seed)
     dim = ParameterLayout.of(model).size
     threshold = int(Config(num_clients=settings.cohort_size, dim=1).threshold or 2)
-    return dim, threshold, make_plan(settings, None, dim, threshold)
+    return dim, threshold, make_plan(settings, None, dim, threshold,
+                                     scaler_epsilon=scaler_epsilon)
 
 
 def plan_warnings(settings: TrainSettings, split: Split) -> list[str]:
@@ -149,15 +166,19 @@ def privacy_plan(settings: TrainSettings) -> dict[str, Any]:
     """The run's privacy plan without training (``secagg train --plan``): mode, mechanism,
     noise, thresholds, the rounds the budget affords and epsilon after each round."""
     split = load_split(settings)
-    dim, threshold, plan = federation_plan(settings, split.train.num_features,
-                                           split.train.num_classes)
+    noised = private_scaler.scaler_plan(settings, split.train)
+    dim, threshold, plan = federation_plan(
+        settings, split.train.num_features, split.train.num_classes,
+        scaler_epsilon=0.0 if noised is None else noised.epsilon_target)
     out = schedule(plan, rounds=settings.rounds, epsilon=settings.epsilon,
-                   delta=settings.delta, accountant=settings.accountant, threshold=threshold)
+                   delta=settings.delta, accountant=settings.accountant, threshold=threshold,
+                   prior=() if noised is None else (noised.event(),))
     out.update(description=plan.describe(), model_parameters=dim, sites=settings.sites,
                cohort=settings.cohort_size, warnings=plan_warnings(settings, split),
                feature_scaling=("public (--scaler)" if settings.scaler_file else
                                 "exact secure sum (no DP: --dp none)"
-                                if uses_scaler(settings, split.train) else "none"))
+                                if uses_scaler(settings, split.train) else
+                                noised.describe() if noised is not None else "none"))
     if settings.unit == "patient-idp":
         fl_idp.plan_summary(settings, split.site_tables, out)
     return out
@@ -203,7 +224,8 @@ def report(settings: TrainSettings, plan: Plan, threshold: int, dim: int,
                            "privacy": plan.describe()},
             "settings": {k: v for k, v in vars(settings).items()},
             "privacy": plan.describe(), "threshold": threshold, "model_parameters": dim,
-            "releases": [row["release"] for row in coordinator.history if "release" in row],
+            "releases": private_scaler.releases(coordinator.scaler)
+            + [row["release"] for row in coordinator.history if "release" in row],
             "dp_events": run_json([event_from_json(e) for e in coordinator.events]),
             "rounds": coordinator.history, "stopped": coordinator.stopped,
             "final_accuracy": final.get("accuracy"), "final_epsilon": final.get("epsilon"),
@@ -226,11 +248,21 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
             scaler = public_scaler(settings, split.train.num_features)
         elif uses_scaler(settings, split.train):
             scaler = secure_scaler(raw_sites, aggregator)
+        noised = private_scaler.scaler_plan(settings, split.train)
+        released = None
+        if scaler is None and noised is not None:
+            released = private_scaler.release(noised, settings, saved, split.train,
+                                              lambda: secure_scaler(raw_sites, aggregator,
+                                                                    noised, settings.unit))
+            scaler = released.scaler
+            say(f"feature scaling: {noised.describe()}; epsilon "
+                f"{released.record['epsilon_after']:.4g} after it")
         sites = {cid: Site(cid, s.table, scaler) for cid, s in raw_sites.items()}
         model = make_model(settings.model, split.train.num_features, split.train.num_classes,
                            settings.seed)
-        dim, threshold, plan = federation_plan(settings, split.train.num_features,
-                                               split.train.num_classes)
+        dim, threshold, plan = federation_plan(
+            settings, split.train.num_features, split.train.num_classes,
+            scaler_epsilon=0.0 if noised is None else noised.epsilon_target)
         for warning in plan_warnings(settings, split):
             say(f"warning: {warning}")
         say(f"{settings.sites} sites ({', '.join(str(len(s.table)) for s in sites.values())} "
@@ -240,6 +272,10 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
         say(f"privacy: {idp_text or plan.describe()}")
         scaler_json = (None if scaler is None else
                        {"mean": scaler.mean.tolist(), "std": scaler.std.tolist()})
+        if released is not None:
+            scaler_json = released.scaler_json()
+        elif saved is not None and saved.scaler is not None:
+            scaler_json = saved.scaler  # keeps the record of how it was released
         coordinator = Coordinator(settings, model, sites, tensors(split.test, scaler), plan,
                                   aggregator, scaler=scaler_json, log=say,
                                   on_capture=on_capture)
@@ -248,6 +284,8 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
         if saved is not None:
             coordinator.restore(saved)
             say(f"resumed from {settings.checkpoint} after round {saved.round}")
+        if released is not None:  # the feature statistics' release is on the budget
+            released.attach(coordinator)
         coordinator.run()
     if coordinator.stopped is None and coordinator.round >= settings.rounds:
         say(f"done: {coordinator.round} rounds")
