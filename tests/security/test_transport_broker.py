@@ -26,6 +26,7 @@ from tests.transport.mqtt_raw import (
     connect_packet,
     packet,
     publish_packet,
+    subscribe_packet,
     varint,
 )
 from transport.broker import EmbeddedBroker
@@ -108,10 +109,15 @@ def test_another_user_cannot_take_over_a_client_id(kind: str) -> None:
 def test_retained_flood_is_refused_and_capped() -> None:
     async def scenario() -> None:
         async with broker(max_retained_per_user=4, max_payload=1 << 20) as b:
+            live = await login(b.port, "server", client_id="server-live")
+            await live.subscribe([("secagg/+/server/#", 1)])
             site9 = await login(b.port, "site-9")
             for stage in ("advertise_keys", "share_keys", "masked_input", "x1", "x2"):
                 await site9.publish(f"secagg/r1/server/{stage}/site-9", bytes(1 << 20),
                                     qos=1, retain=True)
+            for _ in range(5):  # delivered live all the same, only not retained
+                got = await live.read_kind(PUBLISH)
+                assert not got.retain and len(got.payload) == 1 << 20
             site9.drop()
             server = await login(b.port, "server")
             await server.subscribe([("secagg/+/server/#", 1)])
@@ -238,6 +244,58 @@ def test_a_subscriber_that_never_reads_blocks_nobody() -> None:
     run(scenario)
 
 
+@threat(attack="Slow subscriber stalls routing",
+        adversary="malicious client",
+        controls="a valid login that reconnects a never-reading subscriber each time it is "
+                 "dropped",
+        protocol="after a user was dropped as a slow consumer, for slow_consumer_penalty "
+                 "seconds no publisher waits for its subscriptions: over the limit they are "
+                 "dropped at once")
+def test_reconnecting_a_stuck_subscriber_stalls_publishers_only_once() -> None:
+    async def scenario() -> None:
+        async with broker(max_queued_bytes=256 << 10, slow_consumer_timeout=1.5) as b:
+            honest = await login(b.port, "server")
+            await honest.subscribe([("secagg/r1/server/#", 0)])
+            site3 = await login(b.port, "site-3")
+            topic = T.stage_upstream(3, Stage.MASKED_INPUT)
+            seconds = []
+            for attempt in range(2):
+                stuck = await login(b.port, "server", client_id=f"server-stuck{attempt}",
+                                    recv_buffer=4096)
+                await stuck.subscribe([("secagg/r1/server/#", 0)])
+                started = time.monotonic()
+                for _ in range(200):
+                    site3.send(publish_packet(topic, bytes(64 << 10)))
+                for _ in range(200):
+                    await honest.read_kind(PUBLISH, 5.0)
+                seconds.append(time.monotonic() - started)
+                assert await stuck.closed(3.0)
+            assert b.stats.slow_consumers_dropped == 2
+            assert seconds[0] >= 1.5 > seconds[1], seconds  # waited once, not again
+
+    run(scenario)
+
+
+@threat(attack="Resource exhaustion with one login",
+        adversary="any sender of bytes",
+        controls="sockets that connect and never send CONNECT, as many as the login slots",
+        protocol="a connection holding a login slot must send CONNECT within login_timeout; "
+                 "slots are also capped per address, so others wait their turn briefly")
+def test_idle_sockets_hold_login_slots_only_briefly() -> None:
+    async def scenario() -> None:
+        async with broker(max_pending_logins=4, login_timeout=0.5) as b:
+            lurkers = [await RawClient.open(b.port) for _ in range(4)]
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            client = await login(b.port, "site-3")
+            assert time.monotonic() - started < 1.5
+            await client.ping()
+            for lurker in lurkers:
+                assert await lurker.closed(1.0)
+
+    run(scenario)
+
+
 @threat(attack="Resource exhaustion with one login",
         adversary="malicious client",
         controls="a valid login: many subscriptions, many connections, many sockets that "
@@ -251,9 +309,12 @@ def test_subscriptions_connections_and_prelogin_sockets_are_capped() -> None:
         async with broker(max_subscriptions=8, max_connections_per_user=3,
                           max_pending_logins=4) as b:
             site9 = await login(b.port, "site-9")
-            codes = await site9.subscribe([(f"secagg/r{i}/client/site-9/#", 1)
-                                           for i in range(12)])
-            assert codes == [1] * 8 + [0x80] * 4
+            filters = [(f"secagg/r{i}/client/site-9/#", 1) for i in range(12)]
+            assert await site9.subscribe(filters[:8]) == [1] * 8
+            assert await site9.subscribe(filters[8:], packet_id=2) == [0x80] * 4
+            greedy = await login(b.port, "site-9", client_id="site-9-g")
+            greedy.send(subscribe_packet(filters))  # more filters than a session may hold
+            assert await greedy.closed()
             extra = [await login(b.port, "site-9", client_id=f"site-9-{i}") for i in range(2)]
             refused = await RawClient.open(b.port)
             refused.send(connect_packet("site-9-x", "site-9", USERS["site-9"]))
@@ -299,3 +360,39 @@ def test_failed_logins_are_throttled_and_passwords_not_kept() -> None:
             assert time.monotonic() - started >= 0.9  # 0.3 + 0.6 after three failures
 
     run(scenario)
+
+
+@threat(attack="Password guessing",
+        adversary="network attacker",
+        controls="many wrong passwords sent in parallel connections; unknown usernames",
+        protocol="every attempt from a penalised address books its own later turn, so "
+                 "parallel guesses are spaced like sequential ones; an unknown username "
+                 "costs as much scrypt time as the most expensive known one")
+def test_parallel_guesses_are_spaced_and_unknown_users_cost_the_same() -> None:
+    async def guess(port: int, user: str) -> float:
+        client = await RawClient.open(port)
+        client.send(connect_packet(user, user, "guess"))
+        assert (await client.connack(10.0))[1] == 5
+        return time.monotonic()
+
+    async def scenario() -> None:
+        async with broker(login_failure_delay=0.2) as b:
+            await guess(b.port, "site-3")  # one failure: the address is penalised
+            started = time.monotonic()
+            answers = await asyncio.gather(*(guess(b.port, "site-3") for _ in range(5)))
+            assert max(answers) - started >= 0.9  # 5 turns, at least 0.2 s apart
+
+    run(scenario)
+    from transport.broker.auth import Authenticator, hash_password
+
+    auth = Authenticator({"site-1": hash_password("pw", log2_n=12)})
+
+    def cost(user: str) -> float:
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            auth.verify(user, b"wrong")
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    assert cost("nobody") > cost("site-1") / 4

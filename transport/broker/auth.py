@@ -3,8 +3,9 @@
 The broker keeps only hashes (``$scrypt$ln=14,r=8,p=1$salt$hash``, standard library
 ``hashlib.scrypt``): a users file holds hashes (``python -m transport.broker hash-password``
 prints one), and plaintext passwords handed to :class:`Authenticator` are hashed at once and
-forgotten. Failed logins are throttled per (peer address, username) and per peer address:
-each failure doubles the wait before that key's next attempt is even checked, up to a cap.
+forgotten. Failed logins are throttled per peer address: after a failure, attempts from
+that address are spaced out (parallel ones too), each failure doubling the spacing up to a
+cap; an unknown username costs as much time as a known one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import hashlib
 import hmac
 import secrets
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from .errors import BrokerConfigError
 
@@ -72,7 +73,10 @@ class Authenticator:
         for name, value in users.items():
             stored = value if is_password_hash(value) else hash_password(value, log2_n=log2_n)
             self._users[name] = _parse(stored)
-        self._dummy = _parse(hash_password(secrets.token_hex(8), log2_n=log2_n))
+        # An unknown user costs what the most expensive known one does: the answer's timing
+        # must not tell which names exist.
+        dummy_cost = max((entry[0] for entry in self._users.values()), default=log2_n)
+        self._dummy = _parse(hash_password(secrets.token_hex(8), log2_n=dummy_cost))
 
     def __contains__(self, username: str) -> bool:
         return username in self._users
@@ -89,9 +93,13 @@ class Authenticator:
 
 
 class LoginThrottle:
-    """Exponential delay per key after failed logins; keys are forgotten after ``forget`` s.
+    """Exponential spacing of login attempts per key (a peer address) after failures.
 
-    Bounded: at most ``max_keys`` keys are remembered (the oldest go first).
+    Every attempt under a key with failures books the next free time for that key, so
+    parallel guesses are spaced out like sequential ones; each failure doubles the spacing
+    up to ``cap``. A success does not clear it (an attacker with one valid login could
+    otherwise reset its own penalty); keys are forgotten ``forget`` s after their last
+    booking, and at most ``max_keys`` are remembered (the oldest go first).
     """
 
     def __init__(self, base: float, cap: float, *, forget: float = 300.0,
@@ -102,25 +110,25 @@ class LoginThrottle:
         self.max_keys = max_keys
         self._keys: OrderedDict[object, tuple[int, float]] = OrderedDict()
 
-    def wait(self, keys: Iterable[object], now: float) -> float:
-        """Seconds before an attempt under ``keys`` may be checked (0 when none failed)."""
-        worst = 0.0
-        for key in keys:
-            entry = self._keys.get(key)
-            if entry is not None:
-                worst = max(worst, entry[1] - now)
-        return worst
+    def _delay(self, failures: int) -> float:
+        return float(min(self.cap, self.base * 2.0 ** min(failures - 1, 30)))
 
-    def failed(self, keys: Iterable[object], now: float) -> None:
-        for key in keys:
-            count, until = self._keys.pop(key, (0, now))
-            if now - until > self.forget:
-                count = 0
-            count += 1
-            delay = min(self.cap, self.base * (2 ** min(count - 1, 30)))
-            self._keys[key] = (count, max(until, now) + delay)
+    def admit(self, key: object, now: float) -> float:
+        """Seconds this attempt must wait before it is read (0 without failures)."""
+        entry = self._keys.get(key)
+        if entry is None:
+            return 0.0
+        failures, next_at = entry
+        if now - next_at > self.forget:
+            del self._keys[key]
+            return 0.0
+        at = max(now, next_at)
+        self._keys[key] = (failures, at + self._delay(failures))
+        return at - now
+
+    def failed(self, key: object, now: float) -> None:
+        failures, next_at = self._keys.pop(key, (0, now))
+        failures += 1
+        self._keys[key] = (failures, max(next_at, now + self._delay(failures)))
         while len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)
-
-    def succeeded(self, key: object) -> None:
-        self._keys.pop(key, None)

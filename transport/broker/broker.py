@@ -15,7 +15,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 
 from .auth import Authenticator, LoginThrottle
 from .config import BrokerLimits, BrokerStats
@@ -76,7 +76,8 @@ class EmbeddedBroker:
         self.ssl_context = ssl_context
         self.allow_anonymous = allow_anonymous
         self.stats = BrokerStats()
-        self.router = Router(self.limits, self.stats, self._drop_slow)
+        self.router = Router(self.limits, self.stats, self._drop_slow, self._penalized)
+        self._slow_users: dict[str, float] = {}
         self._server: asyncio.Server | None = None
         self._port: int | None = None
         self._sessions: dict[SessionKey, Session] = {}
@@ -84,7 +85,8 @@ class EmbeddedBroker:
         self._connections: set[Connection] = set()
         self._per_user: dict[str, int] = {}
         self._watchdog: asyncio.Task[None] | None = None
-        self.login_slots = asyncio.Semaphore(self.limits.max_pending_logins)  # per start()
+        self._login_slots = asyncio.Semaphore(self.limits.max_pending_logins)  # per start()
+        self._address_slots: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
         self._stopping = False
 
     # -- public ------------------------------------------------------------------------
@@ -129,7 +131,8 @@ class EmbeddedBroker:
                 "port or port=0 for a free one"
             ) from exc
         self._stopping = False
-        self.login_slots = asyncio.Semaphore(self.limits.max_pending_logins)
+        self._login_slots = asyncio.Semaphore(self.limits.max_pending_logins)
+        self._address_slots = {}
         self._server = server
         # With a host name resolving to several addresses each socket may get its own port.
         self._port = int(server.sockets[0].getsockname()[1])
@@ -216,6 +219,23 @@ class EmbeddedBroker:
         self._per_user[connection.username] = self.user_connections(connection.username) + 1
         return session, present
 
+    @contextlib.asynccontextmanager
+    async def login_slot(self, address: str) -> AsyncIterator[None]:
+        """One of ``max_pending_logins`` slots (and of ``max_pending_logins_per_address``
+        for ``address``) for reading a CONNECT; waits its turn, first come first served."""
+        entry = self._address_slots.get(address)
+        if entry is None:
+            entry = (asyncio.Semaphore(self.limits.max_pending_logins_per_address), [0])
+            self._address_slots[address] = entry
+        entry[1][0] += 1
+        try:
+            async with entry[0], self._login_slots:
+                yield
+        finally:
+            entry[1][0] -= 1
+            if not entry[1][0] and self._address_slots.get(address) is entry:
+                del self._address_slots[address]
+
     def spawn_writer(self, connection: Connection) -> None:
         task = asyncio.get_running_loop().create_task(self._run_writer(connection))
         connection.writer_task = task
@@ -251,10 +271,19 @@ class EmbeddedBroker:
         if connection is None or connection.closed:
             return
         self.stats.slow_consumers_dropped += 1
+        now = time.monotonic()
+        self._slow_users[session.username] = now
+        if len(self._slow_users) > 10_000:  # bounded: forget the expired
+            self._slow_users = {u: t for u, t in self._slow_users.items()
+                                if now - t < self.limits.slow_consumer_penalty}
         logger.warning("%r: dropped as a slow consumer (%d bytes queued, no progress for "
                        "%.1f s)", connection, session.queued_bytes,
                        time.monotonic() - session.progress_at)
         connection.abort()
+
+    def _penalized(self, username: str) -> bool:
+        at = self._slow_users.get(username)
+        return at is not None and time.monotonic() - at < self.limits.slow_consumer_penalty
 
     def _publish_will(self, connection: Connection) -> None:
         will = connection.will

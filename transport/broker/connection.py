@@ -13,6 +13,7 @@ import contextlib
 import logging
 import secrets
 import time
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from .auth import Authenticator, LoginThrottle
@@ -68,7 +69,8 @@ class BrokerCore(Protocol):
     auth: Authenticator
     throttle: LoginThrottle
     allow_anonymous: bool
-    login_slots: asyncio.Semaphore
+
+    def login_slot(self, address: str) -> AbstractAsyncContextManager[None]: ...
 
     def open_session(self, connection: Connection, clean: bool) -> tuple[Session, bool]:
         """Attach ``connection`` to its (username, client id) session; (session, present)."""
@@ -100,6 +102,7 @@ class Connection:
         self.packet_started: float | None = None
         self._qos2_pending: set[int] = set()
         self.writer_task: asyncio.Task[None] | None = None
+        self.refusals = 0
 
     def __repr__(self) -> str:
         return f"<client {self.client_id or '?'} user={self.username or '?'} peer={self.peer}>"
@@ -128,6 +131,14 @@ class Connection:
         if not self.busy and now - self.stream.last_received > self.idle_limit:
             return f"nothing received for {self.idle_limit:g} s (1.5 x keepalive)"
         return None
+
+    def _log_refusal(self, text: str, *args: object) -> None:
+        """Log what was refused: the first few per connection, then every thousandth (a
+        flood of refused requests must not become a flood of log lines)."""
+        self.refusals += 1
+        if self.refusals <= 10 or self.refusals % 1000 == 0:
+            suffix = f" ({self.refusals} refusals on this connection)" if self.refusals > 10 else ""
+            logger.warning("%r: " + text + suffix, self, *args)
 
     # -- reading -----------------------------------------------------------------------
 
@@ -164,11 +175,23 @@ class Connection:
         return packet_type, flags, body
 
     async def serve(self) -> None:
-        """CONNECT handshake (holding one of the broker's login slots: at most
-        ``max_pending_logins`` connections are read before they log in, later ones wait
-        their turn unread), then the packet loop until DISCONNECT or an error."""
-        async with self.broker.login_slots:
-            _, _, body = await self.read_packet()
+        """CONNECT handshake, then the packet loop until DISCONNECT or an error.
+
+        Before login a connection waits out its address's login throttle, then for one of
+        the broker's login slots (``max_pending_logins``, ``max_pending_logins_per_address``)
+        unread; holding one, its CONNECT must arrive within ``login_timeout``."""
+        broker = self.broker
+        host = self.stream.peer_host
+        wait = broker.throttle.admit(host, time.monotonic())
+        if wait > 0:
+            await asyncio.sleep(wait)  # failed logins from here: nothing is read meanwhile
+        async with broker.login_slot(host):
+            try:
+                async with asyncio.timeout(self.limits.login_timeout):
+                    _, _, body = await self.read_packet()
+            except TimeoutError:
+                raise ProtocolViolation(f"no CONNECT within {self.limits.login_timeout:g} s "
+                                        "of being read") from None
             if not await self._on_connect(_join(body)):
                 return
         handled = 0
@@ -267,17 +290,10 @@ class Connection:
         broker = self.broker
         if broker.allow_anonymous and username is None:
             return True
-        host = self.stream.peer_host
-        keys = (host, (host, username))
-        wait = broker.throttle.wait(keys, time.monotonic())
-        if wait > 0:
-            await asyncio.sleep(wait)  # earlier failures from here: slow down every guess
-        ok = await asyncio.to_thread(broker.auth.verify, username, password)
-        if ok:
-            broker.throttle.succeeded((host, username))
+        if await asyncio.to_thread(broker.auth.verify, username, password):
             return True
         broker.stats.auth_failures += 1
-        broker.throttle.failed(keys, time.monotonic())
+        broker.throttle.failed(self.stream.peer_host, time.monotonic())
         return False
 
     # -- PUBLISH -----------------------------------------------------------------------
@@ -321,19 +337,17 @@ class Connection:
         stats = broker.stats
         if not broker.acl.allowed(self.username, self.client_id, "publish", message.topic):
             stats.acl_denials += 1
-            logger.warning("%r: PUBLISH to %r denied by ACL; dropped", self, message.topic)
+            self._log_refusal("PUBLISH to %r denied by ACL; dropped", message.topic)
             return
         if retain:
             if not broker.acl.allowed(self.username, self.client_id, "retain", message.topic):
                 stats.retain_denials += 1
-                logger.warning("%r: RETAIN on %r is not allowed for this user; dropped", self,
-                               message.topic)
-                return
-            if not broker.router.retained.set(message, self.username):
+                self._log_refusal("RETAIN on %r is not allowed for this user; delivered "
+                                  "without retaining", message.topic)
+            elif not broker.router.retained.set(message, self.username):
                 stats.retain_denials += 1
-                logger.warning("%r: retained message on %r refused: the user's retained "
-                               "messages are at their cap", self, message.topic)
-                return
+                self._log_refusal("retained message on %r too large or the store is full; "
+                                  "delivered without retaining", message.topic)
             stats.retained_messages = len(broker.router.retained)
         late = broker.router.fan_out(message)
         if late:
@@ -353,6 +367,9 @@ class Connection:
         codes = bytearray()
         granted: list[tuple[list[str], int]] = []
         while off < len(body):
+            if len(codes) >= self.limits.max_subscriptions:
+                raise ProtocolViolation(f"SUBSCRIBE with more than "
+                                        f"{self.limits.max_subscriptions} filters")
             topic_filter, off = read_string(body, off)
             if off >= len(body):
                 raise ProtocolViolation("SUBSCRIBE filter without requested QoS")
@@ -374,19 +391,19 @@ class Connection:
         try:
             validate_topic_filter(topic_filter)
         except ValueError as exc:
-            logger.warning("%r: bad SUBSCRIBE filter refused: %s", self, exc)
+            self._log_refusal("bad SUBSCRIBE filter refused: %s", exc)
             return SUBACK_FAILURE
         broker = self.broker
         if not broker.acl.allowed(self.username, self.client_id, "subscribe", topic_filter):
             broker.stats.acl_denials += 1
-            logger.warning("%r: SUBSCRIBE to %r denied by ACL", self, topic_filter)
+            self._log_refusal("SUBSCRIBE to %r denied by ACL", topic_filter)
             return SUBACK_FAILURE
         index = broker.router.index
         if topic_filter not in session.subscriptions and (
                 len(session.subscriptions) >= self.limits.max_subscriptions
                 or index.count >= self.limits.max_subscriptions_total):
-            logger.warning("%r: SUBSCRIBE to %r refused: subscription cap reached", self,
-                           topic_filter)
+            self._log_refusal("SUBSCRIBE to %r refused: subscription cap reached",
+                              topic_filter)
             return SUBACK_FAILURE
         session.subscriptions[topic_filter] = qos
         index.add(topic_filter, session, qos)

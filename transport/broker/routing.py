@@ -151,12 +151,14 @@ class Router:
     """Fans a message out to the matching sessions; drops subscribers that stop draining."""
 
     def __init__(self, limits: BrokerLimits, stats: BrokerStats,
-                 drop_slow: Callable[[Session], None]) -> None:
+                 drop_slow: Callable[[Session], None],
+                 penalized: Callable[[str], bool]) -> None:
         self.limits = limits
         self.stats = stats
         self.index = SubscriptionIndex()
         self.retained = RetainedStore(limits)
         self._drop_slow = drop_slow
+        self._penalized = penalized
 
     def deliver(self, session: Session, message: Message, qos: int, retain: bool) -> None:
         if session.deliver(message, qos, retain):
@@ -175,7 +177,11 @@ class Router:
         for session, granted in self.index.match(message.topic).items():
             qos = min(granted, message.qos)
             if wait and session.connection is not None and session.over():
-                late.append((session, qos))
+                if self._penalized(session.username):
+                    self._drop_slow(session)  # dropped as slow recently: no more waiting
+                    self.deliver(session, message, qos, retain=False)
+                else:
+                    late.append((session, qos))
             else:
                 self.deliver(session, message, qos, retain=False)
         return late
