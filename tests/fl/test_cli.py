@@ -69,6 +69,12 @@ def test_errors_have_one_shape(capsys: pytest.CaptureFixture[str], tmp_path: Pat
         capsys.readouterr().err)
     assert main(["train", *FAST, "--save-model", str(tmp_path / "no" / "m.pt")]) == 2
     assert "secagg train: error:" in capsys.readouterr().err
+    # Every command, the same shape.
+    assert main(["budget", "--epsilon", "-1", "--delta", "1e-5", "--sample-rate", "0.1",
+                 "--rounds", "3"]) == 2
+    assert capsys.readouterr().err.startswith("secagg budget: error: --epsilon")
+    assert main(["simulate", "--clients", "1"]) == 2
+    assert capsys.readouterr().err.startswith("secagg simulate: error: --clients 1")
 
 
 def test_an_unreachable_broker_is_a_runtime_error_without_traceback(tmp_path: Path) -> None:
