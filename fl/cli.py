@@ -26,7 +26,7 @@ from fl.commands._common import (
     verbosity,
 )
 
-_COMMANDS = ("simulate", "train", "budget")
+_COMMANDS = ("simulate", "train", "budget", "keygen")
 EXAMPLES = {
     None: """examples:
   secagg simulate --clients 20 --drop-rate 0.3 --report round.json
@@ -51,6 +51,9 @@ run `secagg COMMAND --help` for a command's options""",
     "budget": """examples:
   secagg budget --epsilon 4 --delta 1e-5 --sample-rate 0.1 --noise-multiplier 1.1
   secagg budget --epsilon 4 --delta 1e-5 --sample-rate 0.1 --rounds 40 --json""",
+    "keygen": """examples:
+  secagg keygen --out site-3.key     (writes site-3.key, mode 0600, and site-3.pub)
+  secagg train --role site --site-id 3 --signing-key site-3.key --peer-keys federation/ ...""",
 }
 
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -77,8 +77,13 @@ class CoordinatorChannel:
 
     def __init__(self, network: Network, federation: str, site_ids: Sequence[int],
                  log: Log, *, max_input_bytes: int = 64 << 20,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+                 max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 verify_keys: Mapping[int, bytes] | None = None) -> None:
         self.network = network
+        # The sites' public keys (--peer-keys, fl/identity.py): rounds then run in secagg's
+        # malicious mode (signed messages, consistency check; round_stages has the schedule).
+        self.verify_keys = dict(verify_keys) if verify_keys else None
+        self.security = "semi-honest" if self.verify_keys is None else "malicious"
         self.federation = federation
         self.topics = FedTopics(federation)
         self.site_ids = frozenset(site_ids)
@@ -242,7 +247,8 @@ class CoordinatorChannel:
         digest = blob_digest(blob)
         topics = Topics(new_round_name())
         ann = Announce(self.run_id, round_number, attempt, kind, topics.round_name,
-                       tuple(sorted(cohort)), digest, len(blob), "open", (), threshold, verify)
+                       tuple(sorted(cohort)), digest, len(blob), "open", (), threshold, verify,
+                       self.security)
         self._key, self._blob, self._digest = ann.key, blob, digest
         self.readies, self.declines = {}, {}
         with self._party.round(topics) as view:
@@ -267,9 +273,9 @@ class CoordinatorChannel:
                                          f"(absent: {sorted(absent)}); the threshold is "
                                          f"{threshold}")
                 config = Config(num_clients=len(roster), threshold=threshold, dim=dim,
-                                bits=bits)
+                                bits=bits, security=self.security)
                 go = replace(ann, phase="go", roster=roster)
-                server = Server(config, roster=roster,
+                server = Server(config, roster=roster, verify_keys=self.verify_keys,
                                 context=round_context(self.federation, go))
                 await self._publish_control(framed(go))
                 driver = ServerDriver(server, view, topics, timeouts=timeouts,

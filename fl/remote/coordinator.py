@@ -64,6 +64,9 @@ class RemoteOptions:
     stage_timeout: float = 60.0
     max_units: int | None = None
     insecure_verify: bool = False
+    peer_keys: Mapping[int, bytes] | None = None
+    """Every site's Ed25519 public key (``--peer-keys``, fl/identity.py): the rounds then run
+    in secagg's malicious mode, as sites with their own peer keys require."""
 
 
 async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, *, kind: str,
@@ -236,8 +239,13 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
     # site's real patient count: bits is published.
     max_units = max_units or settings.max_units or DEFAULT_MAX_UNITS
     options = replace(options, site_ids=ids, max_units=max_units)
-    everyone = int(Config(num_clients=len(ids), dim=1).threshold or 2)
-    async with CoordinatorChannel(network, options.federation, ids, say) as channel:
+    security = "semi-honest" if options.peer_keys is None else "malicious"
+    unkeyed = sorted(set(ids) - set(options.peer_keys or ids))
+    if unkeyed:
+        raise ValueError(f"--peer-keys has no site-<id>.pub for sites {unkeyed[:10]}")
+    everyone = int(Config(num_clients=len(ids), dim=1, security=security).threshold or 2)
+    async with CoordinatorChannel(network, options.federation, ids, say,
+                                  verify_keys=options.peer_keys) as channel:
         say(f"coordinator of federation {options.federation!r}; waiting for sites "
             f"{list(ids)}")
         hellos = await channel.wait_for_sites(options.join_timeout, everyone)
@@ -261,7 +269,8 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
         model = make_model(settings.model, len(schema.features), len(schema.labels),
                            settings.seed)
         dim = ParameterLayout.of(model).size
-        threshold = int(Config(num_clients=settings.cohort_size, dim=1).threshold or 2)
+        threshold = int(Config(num_clients=settings.cohort_size, dim=1,
+                               security=security).threshold or 2)
         plan = make_plan(settings, None, dim, threshold, max_units=max_units)
         say(f"{len(ids)} site processes, test "
             + (f"{len(test_table)} records" if test_table is not None else "none (no "

@@ -71,6 +71,12 @@ class SiteOptions:
     max_payload: int = DEFAULT_MAX_PAYLOAD
     guard: Any = None
     """The site operator's privacy policy and ledger (:class:`fl.privacy.SiteGuard`)."""
+    identity: Any = None
+    """The site's key and its operator's federation roster (:class:`fl.identity.SiteIdentity`):
+    rounds run in secagg's malicious mode with the peers' keys from the site's own directory,
+    and a cohort or roster naming a site without a key is refused. Without it the roster is
+    the coordinator's word and the guard charges as if this site's noise were the only noise
+    (docs/privacy.md section 1)."""
 
 
 class SiteProcess:
@@ -82,6 +88,8 @@ class SiteProcess:
         self.site_id = data.site_id
         self.name = site_name(data.site_id)
         self.options = options
+        if options.guard is not None:  # the charge follows how the roster is authenticated
+            options.guard.authenticated_roster = options.identity is not None
         self.topics = FedTopics(options.federation)
         self.network = network
         self.log = log
@@ -263,9 +271,30 @@ class SiteProcess:
         if self.options.guard is not None and clear is None:
             self.options.guard.not_sent(ann.key, reason)
 
+    def _check_roster(self, ann: Announce, ids: tuple[int, ...], what: str) -> None:
+        """With the operator's peer keys: only malicious-mode rounds whose ``ids`` all have a
+        key in this site's own directory, and at least the policy's ``min_threshold`` of
+        them (raises :class:`WireError` naming the rule; fl/identity.py)."""
+        identity = self.options.identity
+        if identity is None:
+            return
+        from fl.identity import RosterRefused, check_roster
+
+        guard = self.options.guard
+        try:
+            if ann.security != "malicious":
+                raise RosterRefused("peer_keys", f"the round runs secure aggregation in "
+                                    f"{ann.security} mode; with --peer-keys this site takes "
+                                    "part only in authenticated (malicious-mode) rounds")
+            check_roster(ids, identity.peers, what=what, min_sites=(
+                2 if guard is None else guard.ledger.policy.min_threshold))
+        except RosterRefused as exc:
+            raise WireError(str(exc)) from None
+
     async def _take_part(self, ann: Announce) -> None:
         label = f"round {ann.round}" if ann.kind == "train" else "feature scaling"
         try:
+            self._check_roster(ann, ann.cohort, "cohort")  # before anything is charged
             data = await self._blob(ann)
             if data is None:
                 self.log(f"{label}: the model never arrived; skipping")
@@ -300,16 +329,22 @@ class SiteProcess:
                 self._not_sent(ann, clear, "not in the round's roster")
                 self.log(f"{label}: not in the round's roster; sitting it out")
                 return
+            identity = self.options.identity
             try:
+                self._check_roster(go, go.roster, "roster")
                 if self.options.guard is not None:
                     self.options.guard.check_go(ann.key, go.threshold)
                 config = Config(num_clients=len(go.roster), threshold=go.threshold,
-                                dim=int(vector.size), bits=get_int(blob.task, "bits", 8, 64))
+                                dim=int(vector.size), bits=get_int(blob.task, "bits", 8, 64),
+                                security=go.security)
                 client = Client(config, self.site_id, vector, roster=go.roster,
-                                context=round_context(self.options.federation, go))
+                                context=round_context(self.options.federation, go),
+                                signing_key=None if identity is None else identity.signing_key,
+                                verify_keys=None if identity is None else
+                                identity.verify_keys(go.roster))
             except (ValueError, PrivacyError) as exc:
                 self._not_sent(ann, clear, f"refused at go: {exc}")
-                self.log(f"{label}: refusing the round: {exc}")
+                await self._decline(ann, label, str(exc))
                 return
             driver = ClientDriver(client, view, topics,
                                   timeouts=round_timeouts(self.options.stage_timeout),
