@@ -113,6 +113,10 @@ def test_config_file_json_quiet_progress_and_saved_model(
     assert meta["model"] == "mlp" and meta["num_classes"] == 2 and len(meta["scaler"]["mean"]) == 30
     assert meta["final_accuracy"] == report["final_accuracy"]
 
+    assert main(["budget", "--epsilon", "4", "--delta", "1e-5", "--sample-rate", "0.1",
+                 "--rounds", "40", "--json", "-q"]) == 0
+    assert json.loads(capsys.readouterr().out)["rounds"] == 40  # every command: --json
+
     assert main(["train", *FAST, "--rounds", "1", "-q"]) == 0
     out, err = capsys.readouterr()
     assert err == "" and out.startswith("secagg train: 1 rounds")
