@@ -23,12 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fl.flower.encoding import F64, U64, ReplyError, encode_reply, encoded_dim, flatten
+from fl.flower.guard import ABORTED, GuardError, default_directory, hold
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE, secagg_record
 from fl.flower.setup import RoundSetup, SetupError
-from secagg import Client, ProtocolAbort, SigningKey, encode
+from secagg import Client, ProtocolAbort, SigningKey, Stage, encode
 
 
 class RoundStateError(RuntimeError):
@@ -47,7 +49,10 @@ class NodePolicy:
     Malicious mode: ``signing_key`` is this node's Ed25519 identity and ``trusted_keys``
     the enrolled nodes' verification keys (distributed out of band). The node joins a
     malicious-mode round only if the setup gives it its own key and every other key is
-    enrolled, so the server cannot slip in identities of its own."""
+    enrolled, so the server cannot slip in identities of its own.
+
+    ``stage_dir``: where the node records, per round, the last stage it answered
+    (:mod:`fl.flower.guard`; default ``<tmp>/secagg-flower/node-<id>``)."""
 
     min_clients: int = 2
     require_dp: bool = False
@@ -55,6 +60,11 @@ class NodePolicy:
     snapshot_key: bytes = b""
     signing_key: SigningKey | None = None
     trusted_keys: frozenset[bytes] = frozenset()
+    stage_dir: str | None = None
+
+    def directory(self, context: Any) -> Path:
+        """Where this node keeps its forward-only stage records (fl.flower.guard)."""
+        return Path(self.stage_dir) if self.stage_dir else default_directory(context.node_id)
 
     def check(self, setup: RoundSetup, client_id: int | None = None) -> None:
         if setup.num_clients < self.min_clients:
@@ -151,9 +161,14 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
         return reply
     client = Client(config, client_id, reply_vector(setup, reply.content, sent),
                     roster=range(1, setup.num_clients + 1), context=setup.context(),
-                    **policy.identity(setup))
+                    nonce=setup.nonce, **policy.identity(setup))
     advertisement = encode(client.advertise())
-    _save(context, setup, client, policy)
+    with hold(policy.directory(context), client.session_id, client_id) as record:
+        if record.stage is not None:
+            raise GuardError("this node already joined this round (same session); a round "
+                             "is joined once")
+        record.answer(int(client.stage), advertisement)
+        _save(context, setup, client, policy)
     return _reply(msg, client.session_id, advertisement)
 
 
@@ -172,21 +187,37 @@ def _continue(msg: Any, context: Any, record: Any, policy: NodePolicy) -> Any:
     setup = RoundSetup.from_bytes(saved.get(SETUP))
     if setup.run_id != msg.metadata.run_id:
         raise RoundStateError("the round in progress belongs to another run")
-    client = Client.restore(saved.get("snapshot"), config=setup.config(encoded_dim(setup)),
-                            client_id=setup.client_id(msg.metadata.dst_node_id),
-                            context=setup.context(),
-                            roster=range(1, setup.num_clients + 1), key=policy.snapshot_key,
-                            **policy.identity(setup))
-    try:
-        out = client.handle(payload)
-    except ProtocolAbort:
-        context.state.config_records.pop(STATE, None)  # the round's secrets are gone
-        raise
-    if client.done:
-        context.state.config_records.pop(STATE, None)
-    else:
-        _save(context, setup, client, policy)
-    return _reply(msg, client.session_id, encode(out))
+    client_id = setup.client_id(msg.metadata.dst_node_id)
+    with hold(policy.directory(context), session, client_id) as stage_record:
+        if stage_record.stage == ABORTED:
+            raise GuardError("this node aborted the round; it answers nothing more in it")
+        client = Client.restore(
+            saved.get("snapshot"), config=setup.config(encoded_dim(setup)),
+            client_id=client_id, context=setup.context(),
+            roster=range(1, setup.num_clients + 1), key=policy.snapshot_key,
+            min_stage=None if stage_record.stage is None else Stage(stage_record.stage),
+            **policy.identity(setup))
+        try:
+            out = encode(client.handle(payload))
+        except ProtocolAbort as exc:
+            # returned, not raised: Flower saves the Context (the round's secrets are gone)
+            stage_record.abort()
+            context.state.config_records.pop(STATE, None)
+            return _error(msg, f"ProtocolAbort: {exc}")
+        stage_record.answer(int(client.stage), out)
+        if client.done:
+            context.state.config_records.pop(STATE, None)
+        else:
+            _save(context, setup, client, policy)
+    return _reply(msg, client.session_id, out)
+
+
+def _error(msg: Any, reason: str) -> Any:
+    from flwr.app import Error, Message
+    from flwr.common.constant import ErrorCode
+
+    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
+                   reply_to=msg)
 
 
 def _save(context: Any, setup: RoundSetup, client: Client, policy: NodePolicy) -> None:

@@ -211,7 +211,8 @@ class SecureAggregation(Strategy):
             return []
         server = Server(setup.config(encoded_dim(setup)),
                         roster=range(1, setup.num_clients + 1), context=setup.context(),
-                        verify_keys=setup.peer_keys() if setup.verify_keys else None)
+                        verify_keys=setup.peer_keys() if setup.verify_keys else None,
+                        nonce=setup.nonce)
         driver = RoundDriver(grid, setup, server, messages[0].metadata.message_type,
                              self.stage_timeout if self.stage_timeout is not None else timeout)
         report = driver.run(messages)

@@ -4,6 +4,11 @@ collected (the header of the pytest run says so) and the rest of the suite runs.
 from __future__ import annotations
 
 import importlib.util
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 
 def _have_flwr() -> bool:
@@ -18,3 +23,10 @@ if not _have_flwr():
 
     def pytest_report_header() -> str:
         return "tests/flower not collected: flwr is not installed (pip install 'secagg[flower]')"
+
+
+@pytest.fixture(autouse=True)
+def _own_stage_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """In-process nodes keep their forward-only stage records (fl.flower.guard) per test."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    yield

@@ -435,3 +435,60 @@ def test_distributed_dp_refuses_a_strategy_that_sends_nodes_different_arrays() -
     with pytest.raises(ValueError, match="same ArrayRecord"):
         wrapper.secure_round(grid, messages, 5)
     assert grid.sent == []
+
+
+def test_a_rolled_back_context_cannot_answer_a_second_unmasking_request() -> None:
+    """Flower may run two messages of one node from the same saved Context (concurrent
+    messages, or an exception that skips the save): the node's stage record outside the
+    Context refuses a second, different unmasking answer from the older snapshot."""
+    grid, _ = _stalled_round()
+    node = grid.nodes[0]
+    before = grid.contexts[node]  # saved Context with the masked-stage snapshot
+    record = _request_to(grid, node).content[RECORD]
+    honest = decode(record[PAYLOAD])
+    first = _send(grid, node, RecordDict({RECORD: ConfigRecord(dict(record.items()))}))
+    assert not first.has_error()
+    grid.contexts[node] = before  # the rollback
+    victim = max(honest.survivors)
+    other = UnmaskRequest(honest.session_id, honest.recipient,
+                          tuple(p for p in honest.survivors if p != victim),
+                          (*honest.dropped, victim), {})
+    reply = _send(grid, node, RecordDict({RECORD: ConfigRecord(
+        {SESSION: record[SESSION], PAYLOAD: encode(other)})}))
+    assert reply.has_error() and "StaleSnapshot" in reply.error.reason
+
+
+def test_an_aborted_round_stays_aborted_even_if_the_context_was_not_saved() -> None:
+    grid, _ = _stalled_round()
+    node = grid.nodes[0]
+    before = grid.contexts[node]
+    record = _request_to(grid, node).content[RECORD]
+    honest = decode(record[PAYLOAD])
+    evil = UnmaskRequest(honest.session_id, honest.recipient, honest.survivors,
+                         (*honest.dropped, max(honest.survivors)), {})
+    reply = _send(grid, node, RecordDict({RECORD: ConfigRecord(
+        {SESSION: record[SESSION], PAYLOAD: encode(evil)})}))
+    assert reply.has_error() and "ProtocolAbort" in reply.error.reason
+    grid.contexts[node] = before  # as if Flower had not saved the Context
+    again = _send(grid, node, RecordDict({RECORD: ConfigRecord(dict(record.items()))}))
+    assert again.has_error() and "aborted the round" in again.error.reason
+
+
+def test_a_node_joins_a_round_once() -> None:
+    grid, _ = _stalled_round()
+    node = grid.nodes[0]
+    setup = next(m for m in grid.sent if m.metadata.dst_node_id == node
+                 and apps.stage_of(m) == "advertise_keys")
+    reply = _send(grid, node, RecordDict(dict(setup.content.items())))
+    assert reply.has_error() and "already joined this round" in reply.error.reason
+
+
+def test_a_corrupted_stage_record_is_refused(tmp_path: Any) -> None:
+    from fl.flower.guard import GuardError, hold
+
+    with hold(tmp_path, b"\x01" * 32, 3) as record:
+        record.answer(2, b"reply")
+    (path,) = tmp_path.iterdir()
+    path.write_bytes(b"garbage")
+    with pytest.raises(GuardError, match="corrupted"), hold(tmp_path, b"\x01" * 32, 3):
+        pass
