@@ -15,7 +15,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 
 from .auth import Authenticator, LoginThrottle
 from .config import BrokerLimits, BrokerStats
@@ -85,8 +85,7 @@ class EmbeddedBroker:
         self._connections: set[Connection] = set()
         self._per_user: dict[str, int] = {}
         self._watchdog: asyncio.Task[None] | None = None
-        self._login_slots = asyncio.Semaphore(self.limits.max_pending_logins)  # per start()
-        self._address_slots: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+        self._pending: dict[Connection, None] = {}  # not logged in yet, oldest first
         self._stopping = False
 
     # -- public ------------------------------------------------------------------------
@@ -131,8 +130,6 @@ class EmbeddedBroker:
                 "port or port=0 for a free one"
             ) from exc
         self._stopping = False
-        self._login_slots = asyncio.Semaphore(self.limits.max_pending_logins)
-        self._address_slots = {}
         self._server = server
         # With a host name resolving to several addresses each socket may get its own port.
         self._port = int(server.sockets[0].getsockname()[1])
@@ -217,24 +214,8 @@ class EmbeddedBroker:
                               max_queue=self.limits.max_session_queue)
             self._sessions[key] = session
         self._per_user[connection.username] = self.user_connections(connection.username) + 1
+        self._pending.pop(connection, None)
         return session, present
-
-    @contextlib.asynccontextmanager
-    async def login_slot(self, address: str) -> AsyncIterator[None]:
-        """One of ``max_pending_logins`` slots (and of ``max_pending_logins_per_address``
-        for ``address``) for reading a CONNECT; waits its turn, first come first served."""
-        entry = self._address_slots.get(address)
-        if entry is None:
-            entry = (asyncio.Semaphore(self.limits.max_pending_logins_per_address), [0])
-            self._address_slots[address] = entry
-        entry[1][0] += 1
-        try:
-            async with entry[0], self._login_slots:
-                yield
-        finally:
-            entry[1][0] -= 1
-            if not entry[1][0] and self._address_slots.get(address) is entry:
-                del self._address_slots[address]
 
     def spawn_writer(self, connection: Connection) -> None:
         task = asyncio.get_running_loop().create_task(self._run_writer(connection))
@@ -326,11 +307,39 @@ class EmbeddedBroker:
                            len(self._connections), self.limits.max_connections)
             stream.abort()
             return
+        if not self._make_room_for_login(stream.peer_host):
+            self.stats.connections_refused += 1
+            logger.warning("connection from %s refused: every connection waiting to log in "
+                           "is already being authenticated", stream.peer)
+            stream.abort()
+            return
         connection = Connection(self, stream)
         self._connections.add(connection)
+        self._pending[connection] = None
         task = asyncio.get_running_loop().create_task(self._handle(connection))
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
+
+    def _make_room_for_login(self, address: str) -> bool:
+        """At most ``max_pending_logins`` connections (``max_pending_logins_per_address``
+        from one address) wait to log in; a newcomer evicts the oldest of them that has not
+        even sent its CONNECT (an honest client sends it at once, a lurker never does)."""
+        limits = self.limits
+        same = [c for c in self._pending if c.stream.peer_host == address]
+        if len(same) >= limits.max_pending_logins_per_address:
+            candidates = same
+        elif len(self._pending) >= limits.max_pending_logins:
+            candidates = list(self._pending)
+        else:
+            return True
+        victim = next((c for c in candidates if not c.authenticating), None)
+        if victim is None:
+            return False
+        logger.info("%r evicted: it did not log in and a new connection needs its place",
+                    victim)
+        self._pending.pop(victim, None)
+        victim.abort()
+        return True
 
     async def _handle(self, connection: Connection) -> None:
         """Per-connection task: whatever the peer sends, only this connection is affected."""
@@ -357,9 +366,12 @@ class EmbeddedBroker:
         connection.closed = True
         connection.outbox.close()
         self._connections.discard(connection)
+        self._pending.pop(connection, None)
         self.stats.connections_current -= 1
         session = connection.session
         if session is not None:
+            if session.over():  # it left (or was dropped) with more queued than it may have
+                self._slow_users[connection.username] = time.monotonic()
             self._per_user[connection.username] -= 1
             if not self._per_user[connection.username]:
                 del self._per_user[connection.username]

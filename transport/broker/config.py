@@ -28,7 +28,8 @@ class BrokerLimits:
     that subscriber makes progress, the other subscribers get the message at once, and a
     subscriber that makes no progress for ``slow_consumer_timeout`` seconds, or whose queue
     passes twice the limit, is disconnected. For ``slow_consumer_penalty`` seconds after
-    that, no publisher waits for that user's subscriptions: over the limit they are
+    that (or after it left with its queue over the limit), no publisher waits for that
+    user's subscriptions: over the limit they are
     disconnected at once (reconnecting to stall publishers again does not work).
     """
 
@@ -40,14 +41,13 @@ class BrokerLimits:
     max_keepalive: int = 300
     max_queued_bytes: int = 16 << 20
     slow_consumer_timeout: float = 10.0
-    slow_consumer_penalty: float = 60.0
+    slow_consumer_penalty: float = 300.0
     max_inflight: int = 64
     max_session_queue: int = 1000
     max_connections: int = 4096
     max_connections_per_user: int = 64
     max_pending_logins: int = 256
     max_pending_logins_per_address: int = 32
-    login_timeout: float = 2.0
     max_subscriptions: int = 64
     max_subscriptions_total: int = 100_000
     max_retained_per_user: int = 16

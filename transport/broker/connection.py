@@ -13,7 +13,6 @@ import contextlib
 import logging
 import secrets
 import time
-from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from .auth import Authenticator, LoginThrottle
@@ -70,8 +69,6 @@ class BrokerCore(Protocol):
     throttle: LoginThrottle
     allow_anonymous: bool
 
-    def login_slot(self, address: str) -> AbstractAsyncContextManager[None]: ...
-
     def open_session(self, connection: Connection, clean: bool) -> tuple[Session, bool]:
         """Attach ``connection`` to its (username, client id) session; (session, present)."""
 
@@ -103,6 +100,7 @@ class Connection:
         self._qos2_pending: set[int] = set()
         self.writer_task: asyncio.Task[None] | None = None
         self.refusals = 0
+        self.authenticating = False
 
     def __repr__(self) -> str:
         return f"<client {self.client_id or '?'} user={self.username or '?'} peer={self.peer}>"
@@ -177,23 +175,15 @@ class Connection:
     async def serve(self) -> None:
         """CONNECT handshake, then the packet loop until DISCONNECT or an error.
 
-        Before login a connection waits out its address's login throttle, then for one of
-        the broker's login slots (``max_pending_logins``, ``max_pending_logins_per_address``)
-        unread; holding one, its CONNECT must arrive within ``login_timeout``."""
+        Before login a connection first waits out its address's login throttle, unread."""
         broker = self.broker
-        host = self.stream.peer_host
-        wait = broker.throttle.admit(host, time.monotonic())
+        wait = broker.throttle.admit(self.stream.peer_host, time.monotonic())
         if wait > 0:
             await asyncio.sleep(wait)  # failed logins from here: nothing is read meanwhile
-        async with broker.login_slot(host):
-            try:
-                async with asyncio.timeout(self.limits.login_timeout):
-                    _, _, body = await self.read_packet()
-            except TimeoutError:
-                raise ProtocolViolation(f"no CONNECT within {self.limits.login_timeout:g} s "
-                                        "of being read") from None
-            if not await self._on_connect(_join(body)):
-                return
+        _, _, body = await self.read_packet()
+        self.authenticating = True
+        if not await self._on_connect(_join(body)):
+            return
         handled = 0
         while True:
             packet_type, flags, body = await self.read_packet()
