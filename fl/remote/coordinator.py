@@ -116,6 +116,10 @@ class RemoteCoordinator(Coordinator):
         self.schema = schema
         self.scaler_arrays = None if scaler is None else (scaler.mean, scaler.std)
         self.stopping = threading.Event()
+        if channel.security != self.secagg.security:  # authenticated rounds (fl/identity.py)
+            self.secagg = Config(num_clients=settings.cohort_size, dim=1, bits=64,
+                                 security=channel.security)
+            self.threshold = int(self.secagg.threshold or settings.cohort_size)
 
     def wire_task(self, r: int, cohort: list[int]) -> tuple[RoundTask, dict[str, Any]]:
         """Round ``r``'s task and the blob's task map (with the federation's schema)."""

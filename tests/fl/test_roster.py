@@ -241,6 +241,19 @@ def test_with_peer_keys_the_site_refuses_invented_sites_and_nothing_is_charged(
     assert site.options.guard.ledger.charges == []  # refused before anything was charged
 
 
+def test_with_peer_keys_a_semi_honest_round_is_declined(tmp_path: Path) -> None:
+    """A coordinator without the sites' keys runs semi-honest rounds: nothing is signed, so
+    the site cannot tell its peers from invented ones and declines before any charge."""
+    identity, _ = _federation_keys(tmp_path)
+    network, logs = MemoryNetwork(), []
+    site = _victim(network, tmp_path, identity, logs)
+    with pytest.raises(NotEnoughSites):
+        asyncio.run(_attack(network, site, {2: SigningKey.generate(),
+                                            3: SigningKey.generate()}, None, logs))
+    assert "semi-honest mode; with --peer-keys this site takes part only in " in "\n".join(logs)
+    assert site.options.guard.ledger.charges == []
+
+
 def test_with_peer_keys_impersonated_peers_cannot_complete_the_round(tmp_path: Path) -> None:
     identity, keys = _federation_keys(tmp_path)
     network, logs = MemoryNetwork(), []
@@ -257,3 +270,44 @@ def test_with_peer_keys_impersonated_peers_cannot_complete_the_round(tmp_path: P
     charges = list(site.options.guard.ledger.active())
     assert [c.epsilon_after for c in charges] == [pytest.approx(
         _epsilon_of(task.params, task.sample_rate, tmp_path, "3"), rel=1e-9)]
+
+
+# --------------------------------------------------------------------------- processes
+def test_sites_and_coordinator_with_peer_keys_train_across_processes(tmp_path: Path) -> None:
+    """``secagg keygen`` per site, one shared directory of public keys: every party its own
+    process on the password-and-ACL broker, every round authenticated (malicious mode)."""
+    import json
+
+    from test_multiprocess_training import COMMON, SITES, Party, federation_broker
+
+    from transport.topics import SERVER_USER, site_name
+
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    for cid in SITES:
+        assert main(["keygen", "--out", str(tmp_path / f"site-{cid}.key"), "-q"]) == 0
+        (tmp_path / f"site-{cid}.pub").rename(peers / f"site-{cid}.pub")
+    report = tmp_path / "report.json"
+    with federation_broker() as urls:
+        coordinator = Party(["--role", "coordinator", "--sites", "1,2,3", "--rounds", "1",
+                             "--dp", "none", "--broker", urls[SERVER_USER], "--report",
+                             str(report), "--join-timeout", "60", "--ready-timeout", "30",
+                             "--insecure-verify", "--peer-keys", str(peers), *COMMON])
+        sites = {cid: Party(["--role", "site", "--site-id", str(cid), "--sites", "3",
+                             "--broker", urls[site_name(cid)], "--idle-timeout", "60",
+                             "--insecure-verify", "--ledger", str(tmp_path / f"l{cid}.json"),
+                             "--signing-key", str(tmp_path / f"site-{cid}.key"),
+                             "--peer-keys", str(peers), *COMMON]) for cid in SITES}
+        try:
+            assert coordinator.wait(100) == 0, coordinator.log
+            for party in sites.values():
+                assert party.wait(20) == 0, party.log
+                assert "rounds run authenticated (secagg malicious mode)" in party.log
+                assert "round 1: done" in party.log, party.log
+        finally:
+            for party in (coordinator, *sites.values()):
+                party.kill()
+    rows = json.loads(report.read_text())["rounds"]
+    assert [row["round"] for row in rows] == [1]
+    assert rows[0]["included"] == [1, 2, 3] and rows[0]["aggregate_correct"] is True
+    assert "threshold 3" in coordinator.log  # malicious mode: more than 2/3 of 3 sites
