@@ -31,6 +31,9 @@ def environment(flwr_home: Path, root: Path) -> dict[str, str]:
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env["FLWR_HOME"] = str(flwr_home)
+    tmp = flwr_home / "tmp"  # the nodes' stage records (fl.flower.guard) stay in the test's dir
+    tmp.mkdir(exist_ok=True)
+    env["TMPDIR"] = str(tmp)
     return env
 
 

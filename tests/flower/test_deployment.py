@@ -56,6 +56,8 @@ def test_superlink_and_supernodes_as_processes_one_node_drops_the_round_is_exact
                         f"{run.stderr[-2000:]}\n{logs}")
     finally:
         stop(processes)
+    records = list((home / "tmp" / "secagg-flower").glob("node-*/*"))
+    assert len(records) == NODES  # each node kept its stage record for the round
     out = json.loads(report_path.read_text())
     (data,) = out["reports"]
     report = apps.report_from_json(data)
