@@ -13,7 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.simulation import run_simulation
 
-from fl.flower import SecureAggregation
+from fl.flower import NodePolicy, SecureAggregation, make_secagg_mod
 from tests.flower import apps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ NODES = 50
 
 
 def test_fifty_virtual_nodes_dropping_at_random_stages_every_aggregate_is_exact(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
     monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
@@ -36,7 +36,9 @@ def test_fifty_virtual_nodes_dropping_at_random_stages_every_aggregate_is_exact(
     def main(grid: Grid, context: Context) -> None:
         results.append(wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=120))
 
-    run_simulation(server, apps.client_app(plan), num_supernodes=NODES,
+    stages = tmp_path / "stages"  # the nodes' stage records (fl.flower.guard)
+    mod = make_secagg_mod(NodePolicy(stage_dir=str(stages)))
+    run_simulation(server, apps.client_app(plan, [mod]), num_supernodes=NODES,
                    backend_config={"client_resources": {"num_cpus": 1},
                                    "init_args": {"num_cpus": 2, "include_dashboard": False}})
     assert len(results) == 1 and len(wrapper.reports) == 2
@@ -51,6 +53,9 @@ def test_fifty_virtual_nodes_dropping_at_random_stages_every_aggregate_is_exact(
         assert np.array_equal(report.total, apps.expected_total(report))
         dropped_somewhere |= set(report.dropped.values())
     assert {"advertise_keys", "masked_input", "unmasking"} <= dropped_somewhere
+    # one stage record per node and round, except nodes that dropped before advertising
+    assert len(list(stages.iterdir())) == sum(
+        NODES - list(r.dropped.values()).count("advertise_keys") for r in wrapper.reports)
     final = results[0].arrays
     expected = apps.weighted_average(wrapper.reports[-1].included, 2)
     for name, value in expected.items():
