@@ -140,7 +140,7 @@ class Coordinator:
         if plan.mode != "none":  # always accounted; capped only by --epsilon
             self.budget = make_budget(settings.epsilon, settings.delta, settings.accountant)
         cohort = settings.cohort_size
-        self.secagg = Config(num_clients=cohort, dim=1, bits=64)
+        self.secagg = Config(num_clients=cohort, dim=1, bits=64, security=settings.security)
         self.threshold = int(self.secagg.threshold or cohort)
 
     # -- checkpoints ---------------------------------------------------------------------

@@ -147,7 +147,7 @@ def federation_plan(settings: TrainSettings, num_features: int, num_classes: int
     --plan`` prints and what the run uses."""
     model = make_model(settings.model, num_features, num_classes, settings.seed)
     dim = ParameterLayout.of(model).size
-    threshold = int(Config(num_clients=settings.cohort_size, dim=1).threshold or 2)
+    threshold = settings.secagg_threshold
     return dim, threshold, make_plan(settings, None, dim, threshold,
                                      scaler_epsilon=scaler_epsilon)
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from secagg.config import SECURITY_MODES, Config
+
 DP_MODES = ("none", "site", "distributed")
 UNITS = ("patient", "record", "patient-idp")
 MODELS = ("logreg", "mlp", "cnn")  # fl.models.MODELS (kept here without torch)
@@ -59,6 +61,10 @@ class TrainSettings:
     (:mod:`fl.private_scaler`)."""
     scaler_epsilon: float | None = None
     """The noised feature statistics' share of ``--epsilon`` (default 10 %)."""
+    security: str = "semi-honest"
+    """secagg's mode for the rounds: ``malicious`` when the coordinator has the sites'
+    public keys (``--peer-keys``, fl/identity.py); it sets the threshold
+    (:attr:`secagg_threshold`)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -105,6 +111,8 @@ class TrainSettings:
             problems.append(f"--delta {self.delta}: need a value in (0, 1), e.g. 1e-5")
         if self.unit not in UNITS:
             problems.append(f"--unit {self.unit}: use one of {', '.join(UNITS)}")
+        if self.security not in SECURITY_MODES:
+            problems.append(f"security {self.security!r}: use one of {SECURITY_MODES}")
         if self.unit == "patient-idp" and self.dp != "site":
             problems.append("--unit patient-idp needs --dp site (individual sampling rates "
                             "are accounted for the Gaussian; distributed mode's integer "
@@ -140,6 +148,13 @@ class TrainSettings:
     @property
     def cohort_size(self) -> int:
         return self.cohort or self.sites
+
+    @property
+    def secagg_threshold(self) -> int:
+        """The rounds' secure-aggregation threshold: the smallest safe one for the cohort in
+        ``security`` mode (the distributed noise is calibrated to it)."""
+        return int(Config(num_clients=self.cohort_size, dim=1,
+                          security=self.security).threshold or 2)
 
     @property
     def steps_per_round(self) -> int:

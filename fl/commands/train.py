@@ -243,6 +243,9 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     if site_flags and args.role != "site":
         raise ValueError(f"{', '.join(site_flags)}: a site's own policy (--role site); the "
                          "coordinator cannot set it")
+    if getattr(args, "peer_keys", None) is not None and args.role == "all":
+        raise ValueError("--peer-keys is for --role coordinator and site (with --role all "
+                         "this process simulates every site)")
     return TrainSettings(
         sites=max(2, len(ids)), rounds=rounds, dataset=args.dataset, csv=args.csv,
         patient_column=args.patient_column, label_column=args.label_column,
@@ -259,7 +262,9 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
         max_units=args.max_units, adaptive_clip=args.adaptive_clip, scaler_file=args.scaler,
         clip_count_stddev=args.clip_count_stddev, budget_column=args.budget_column,
-        feature_bounds=args.feature_bounds, scaler_epsilon=args.scaler_epsilon)
+        feature_bounds=args.feature_bounds, scaler_epsilon=args.scaler_epsilon,
+        security="malicious" if args.role == "coordinator" and args.peer_keys else
+        "semi-honest")
 
 
 def site_policy_from_args(args: argparse.Namespace) -> Any:

@@ -116,10 +116,6 @@ class RemoteCoordinator(Coordinator):
         self.schema = schema
         self.scaler_arrays = None if scaler is None else (scaler.mean, scaler.std)
         self.stopping = threading.Event()
-        if channel.security != self.secagg.security:  # authenticated rounds (fl/identity.py)
-            self.secagg = Config(num_clients=settings.cohort_size, dim=1, bits=64,
-                                 security=channel.security)
-            self.threshold = int(self.secagg.threshold or settings.cohort_size)
 
     def wire_task(self, r: int, cohort: list[int]) -> tuple[RoundTask, dict[str, Any]]:
         """Round ``r``'s task and the blob's task map (with the federation's schema)."""
@@ -243,7 +239,10 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
     # site's real patient count: bits is published.
     max_units = max_units or settings.max_units or DEFAULT_MAX_UNITS
     options = replace(options, site_ids=ids, max_units=max_units)
-    security = "semi-honest" if options.peer_keys is None else "malicious"
+    security = settings.security
+    if (options.peer_keys is None) != (security == "semi-honest"):
+        raise ValueError("the sites' public keys (--peer-keys) and malicious-mode rounds "
+                         "(TrainSettings.security) go together")
     unkeyed = sorted(set(ids) - set(options.peer_keys or ids))
     if unkeyed:
         raise ValueError(f"--peer-keys has no site-<id>.pub for sites {unkeyed[:10]}")
@@ -273,8 +272,7 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
         model = make_model(settings.model, len(schema.features), len(schema.labels),
                            settings.seed)
         dim = ParameterLayout.of(model).size
-        threshold = int(Config(num_clients=settings.cohort_size, dim=1,
-                               security=security).threshold or 2)
+        threshold = settings.secagg_threshold
         plan = make_plan(settings, None, dim, threshold, max_units=max_units)
         say(f"{len(ids)} site processes, test "
             + (f"{len(test_table)} records" if test_table is not None else "none (no "

@@ -122,6 +122,28 @@ def test_the_cli_wants_the_key_and_the_peer_keys_together(tmp_path: Path,
     assert "the coordinator needs only --peer-keys" in capsys.readouterr().err
 
 
+def test_the_plan_with_peer_keys_is_that_of_the_authenticated_run(tmp_path: Path,
+                                                                    capsys: Any) -> None:
+    """Malicious mode needs more than 2/3 of the cohort: ``--plan`` calibrates the noise to
+    the threshold the authenticated run uses (fl.settings.TrainSettings.secagg_threshold)."""
+    import json
+
+    for cid in (1, 2, 3):
+        generate(tmp_path / f"site-{cid}.key")
+    plan = ["train", "--role", "coordinator", "--sites", "1,2,3", "--rounds", "2", "--dp",
+            "distributed", "--noise-multiplier", "1.0", "--plan", "--json"]
+    out = {}
+    for name, extra in (("open", []), ("keys", ["--peer-keys", str(tmp_path)])):
+        assert main([*plan, *extra]) == 0
+        out[name] = json.loads(capsys.readouterr().out)
+    assert out["open"]["secagg_threshold"] == 2 and out["keys"]["secagg_threshold"] == 3
+    assert out["keys"]["calibration_threshold"] == 3
+    assert TrainSettings(sites=3, security="malicious").secagg_threshold == 3
+    assert main(["train", "--sites", "3", "--rounds", "1", "--peer-keys",
+                 str(tmp_path)]) == 2  # --role all simulates every site: no roster
+    assert "--peer-keys is for --role coordinator and site" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- the attack
 def _federation_keys(tmp_path: Path) -> tuple[SiteIdentity, dict[int, bytes]]:
     """Sites 1..3 of the federation; the victim's operator holds all three public keys."""
