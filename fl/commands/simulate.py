@@ -290,12 +290,10 @@ async def _run_interruptible(spec: Any, progress: Progress) -> Any:
 
 
 def _timeouts(config: Config) -> Any:
-    from transport.drivers import Timeouts
+    from fl.aggregation import round_timeouts
 
     # Deadlines only matter for sites that vanish without a will; scale with the work.
-    work = config.num_clients * config.dim / 5e6
-    return Timeouts(stage=60.0 + work, start=120.0, retry=10.0 + work, answer=60.0 + work,
-                    give_up=300.0 + 5 * work)
+    return round_timeouts(60.0, work=config.num_clients * config.dim / 5e6)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -315,24 +313,12 @@ def _run(args: argparse.Namespace) -> int:
     processes = min(2, len(ids)) if args.processes is None else args.processes
     if not 1 <= processes <= len(ids):
         raise OptionError(f"--processes {processes}: need 1 to {len(ids)} (the clients)")
-    broker = args.broker
-    if broker not in ("embedded", "mosquitto") and not broker.startswith(
-            ("mqtt://", "mqtts://")):
-        raise OptionError(f"--broker {broker}: use embedded, mosquitto, mqtt://host:port or "
-                          "mqtts://host:port")
-    if broker == "mosquitto":
-        from transport.mosquitto import mosquitto_available
+    from fl.aggregation import check_broker
 
-        if not mosquitto_available():
-            raise OptionError("--broker mosquitto: no mosquitto binary found; install it "
-                              "(apt-get install mosquitto) or use --broker embedded")
-    elif broker != "embedded":
-        from transport.mqtt import parse_broker_url
-
-        try:
-            parse_broker_url(broker)
-        except ValueError as exc:
-            raise OptionError(str(exc)) from None
+    try:
+        broker = check_broker(args.broker, kinds=("embedded", "mosquitto"))
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
     seed = secrets.randbelow(1 << 31) if args.seed is None else args.seed
     drops = drop_schedule(config, ids, args.drop_rate, args.drop_stage, seed)
     source = InputSource(directory=args.inputs, seed=seed)
