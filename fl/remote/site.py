@@ -46,7 +46,7 @@ from fl.remote.messages import (
     round_context,
     site_will,
 )
-from secagg import Config
+from secagg import Config, Stage
 from secagg.client import Client
 from transport.control import Offline, encode_control
 from transport.drivers import ClientDriver, publish_framed
@@ -350,6 +350,9 @@ class SiteProcess:
                                   timeouts=round_timeouts(self.options.stage_timeout),
                                   max_payload=self.options.max_payload)
             outcome = await driver.run()
+            if client.stage < Stage.MASKED_INPUT:  # e.g. a peer's signature failed
+                self._not_sent(ann, clear, f"the round ended ({outcome.status}) before this "
+                               "site's masked input existed")
         if outcome.status == "done":
             self.rounds += 1
         self.log(f"{label}: {outcome.status}"

@@ -217,8 +217,9 @@ def _victim(network: MemoryNetwork, tmp_path: Path, identity: SiteIdentity | Non
             logs: list[str]) -> SiteProcess:
     guard = open_site_guard(policy=SitePolicy(modes=("distributed",), min_threshold=3),
                             ledger_path=str(tmp_path / "ledger.json"))
+    # --insecure-verify (its input in the clear too) only where the test compares the sum
     options = SiteOptions(federation="fed", idle_timeout=30, stage_timeout=2.0,
-                          insecure_verify=True, guard=guard, identity=identity)
+                          insecure_verify=identity is None, guard=guard, identity=identity)
     return SiteProcess(demo_site_data(SETTINGS, VICTIM, (1, 2, 3)), network, options,
                        logs.append)
 
@@ -287,11 +288,15 @@ def test_with_peer_keys_impersonated_peers_cannot_complete_the_round(tmp_path: P
         asyncio.run(_attack(network, site, invented, server_keys, logs))
     text = "\n".join(logs)
     assert "round 1: aborted" in text and "signature" in text, text
-    # Authenticated: the charge is the calibrated one (threshold 3), not the lone share.
+    # Authenticated, the round was charged as calibrated (threshold 3, not the lone share),
+    # and withdrawn: the site aborted before its masked input existed, so a coordinator
+    # cannot drain a site's budget with rounds it cannot complete.
     _, task, _ = _round_blob()
-    charges = list(site.options.guard.ledger.active())
-    assert [c.epsilon_after for c in charges] == [pytest.approx(
-        _epsilon_of(task.params, task.sample_rate, tmp_path, "3"), rel=1e-9)]
+    [charge] = site.options.guard.ledger.charges
+    assert charge.epsilon_after == pytest.approx(
+        _epsilon_of(task.params, task.sample_rate, tmp_path, "3"), rel=1e-9)
+    assert "before this site's masked input existed" in (charge.withdrawn or "")
+    assert site.options.guard.ledger.releases == 0
 
 
 # --------------------------------------------------------------------------- processes
