@@ -83,14 +83,15 @@ class Proposal:
 
     @classmethod
     def distributed(cls, params: Any, *, sample_rate: float, secagg_threshold: int,
-                    label: str = "") -> Proposal:
-        """Distributed mode: one noisy secure sum of ``params`` (:class:`EncodingParams`)."""
+                    label: str = "", kind: str = "train") -> Proposal:
+        """Distributed mode: one noisy secure sum of ``params`` (:class:`EncodingParams`);
+        ``kind="scaler"``: the noised feature statistics (fl/private_scaler.py)."""
         from dp.audit import distributed_event
         from dp.distributed import effective_noise_multiplier
 
         z = effective_noise_multiplier(params) if params.noise_stddev > 0 else 0.0
         event = distributed_event(params, sample_rate) if 0 < sample_rate <= 1 else None
-        return cls("train", "distributed", params.mechanism, z, sample_rate, 1,
+        return cls(kind, "distributed", params.mechanism, z, sample_rate, 1,
                    params.clip_norm, params.threshold, secagg_threshold, event, label)
 
     @classmethod
@@ -190,7 +191,9 @@ class SitePolicy:
     def check(self, p: Proposal) -> None:
         """Raise :class:`PolicyRefused` naming the first rule ``p`` breaks (the budget and
         ``max_releases`` are the ledger's: :meth:`Ledger.charge`)."""
-        if p.mode not in self.modes:
+        # Noised feature statistics are a distributed release in any DP mode of training.
+        noised_statistics = p.kind == "scaler" and p.mode != "none" and self.requires_dp
+        if p.mode not in self.modes and not noised_statistics:
             if p.mode == "none":
                 raise PolicyRefused("exact-release", f"this site requires differential "
                                     f"privacy ({'/'.join(self.modes)}) and does not release "
@@ -223,6 +226,8 @@ class SitePolicy:
                                     f"{p.secagg_threshold} sites but the noise is calibrated "
                                     f"to {p.calibration_threshold}: fewer survivors would "
                                     "carry less noise than accounted")
+        if p.kind != "train":  # the ceilings below are on training rounds
+            return
         if p.sample_rate > self.max_sample_rate:
             raise PolicyRefused("max_sample_rate", f"sample rate {p.sample_rate:g} > this "
                                 f"site's ceiling {self.max_sample_rate:g}")

@@ -123,22 +123,7 @@ class RoundTask:
         params = None
         max_units = None
         if mode == "distributed":
-            raw = body.get("params")
-            if not isinstance(raw, Mapping):
-                raise TaskError("task field 'params' must be a map")
-            try:
-                params = EncodingParams(
-                    dim=_int(raw, "dim", model_dim + 1, model_dim + 1),
-                    clip_norm=_float(raw, "clip_norm", low_open=True),
-                    scale=_float(raw, "scale", low_open=True),
-                    bits=_int(raw, "bits", 8, 64),
-                    noise_stddev=_float(raw, "noise_stddev"),
-                    rotation_seed=_int(raw, "rotation_seed", 0, (1 << 63) - 1),
-                    mechanism=_str(raw, "mechanism", ("dgauss", "skellam")),  # type: ignore[arg-type]
-                    beta=_float(raw, "beta", 0, 1),
-                    threshold=_int(raw, "threshold", 1, 1 << 16))
-            except ValueError as exc:
-                raise TaskError(f"invalid distributed-DP parameters: {exc}") from None
+            params = encoding_params(body.get("params"), model_dim + 1)
             max_units = _int(body, "max_units", 1, 1 << 40)
         if _int(body, "bits", 8, 64) != (64 if params is None else params.bits):
             raise TaskError("task field 'bits' differs from the encoding's modulus")
@@ -259,6 +244,25 @@ def scaler_from_sum(total: U64, num_features: int, sites: int) -> Scaler:
 
 
 # -- task field validation ----------------------------------------------------------------
+def encoding_params(raw: Any, dim: int) -> EncodingParams:
+    """A task's distributed-DP encoding (``dim`` coordinates), every field checked."""
+    if not isinstance(raw, Mapping):
+        raise TaskError("task field 'params' must be a map")
+    try:
+        return EncodingParams(
+            dim=_int(raw, "dim", dim, dim),
+            clip_norm=_float(raw, "clip_norm", low_open=True),
+            scale=_float(raw, "scale", low_open=True),
+            bits=_int(raw, "bits", 8, 64),
+            noise_stddev=_float(raw, "noise_stddev"),
+            rotation_seed=_int(raw, "rotation_seed", 0, (1 << 63) - 1),
+            mechanism=_str(raw, "mechanism", ("dgauss", "skellam")),  # type: ignore[arg-type]
+            beta=_float(raw, "beta", 0, 1),
+            threshold=_int(raw, "threshold", 1, 1 << 16))
+    except ValueError as exc:
+        raise TaskError(f"invalid distributed-DP parameters: {exc}") from None
+
+
 def _adaptive(body: Mapping[str, Any]) -> dict[str, float]:
     """Adaptive clipping's two fields: both or neither."""
     if body.get("target_quantile") is None and body.get("count_stddev") is None:

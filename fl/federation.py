@@ -95,14 +95,13 @@ def public_scaler(settings: TrainSettings, num_features: int) -> Scaler | None:
 
 
 def secure_scaler(sites: dict[int, Site], aggregator: Aggregator,
-                  noised: private_scaler.ScalerPlan | None = None, unit: str = "patient"
-                  ) -> Scaler:
+                  noised: private_scaler.ScalerPlan | None = None) -> Scaler:
     """Federation-wide mean and std from one secure sum of every site's feature sums:
     exact (``--dp none``), or with ``noised`` the bounded, noised statistics of
     :mod:`fl.private_scaler` (the DP modes; charged to the budget by the caller)."""
     f = next(iter(sites.values())).table.num_features
     if noised is not None:
-        inputs = {cid: private_scaler.site_input(noised, site.table, unit)
+        inputs = {cid: private_scaler.site_input(noised, site.table)
                   for cid, site in sites.items()}
         config = Config(num_clients=len(sites), dim=noised.params.encoded_dim,
                         bits=noised.params.bits)
@@ -251,10 +250,10 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
         noised = private_scaler.scaler_plan(settings, split.train)
         released = None
         if scaler is None and noised is not None:
-            released = private_scaler.release(noised, settings, saved, split.train,
-                                              lambda: secure_scaler(raw_sites, aggregator,
-                                                                    noised, settings.unit))
-            scaler = released.scaler
+            charged = private_scaler.charge(noised, settings, saved,
+                                            split.train.num_features, split.train.num_classes)
+            scaler = secure_scaler(raw_sites, aggregator, noised)
+            released = charged.released(scaler, sorted(raw_sites))
             say(f"feature scaling: {noised.describe()}; epsilon "
                 f"{released.record['epsilon_after']:.4g} after it")
         sites = {cid: Site(cid, s.table, scaler) for cid, s in raw_sites.items()}

@@ -281,8 +281,9 @@ def release_record(plan: Plan, round_number: int, included: list[int], event: Ev
 
 # --- the site's side: its own policy and ledger (docs/architecture.md section 9) -----------
 def site_proposal(task: Any, *, secagg_threshold: int, label: str = "") -> Proposal:
-    """What a round's task (:class:`fl.contribution.RoundTask`, or None for the feature
-    statistics' exact sum) asks this site to release, as its policy sees it."""
+    """What a round's task (:class:`fl.contribution.RoundTask`, None for the feature
+    statistics' exact sum, a :class:`fl.private_scaler.ScalerPlan` for their noised sum)
+    asks this site to release, as its policy sees it."""
     if task is None:
         return Proposal.exact("scaler", secagg_threshold=secagg_threshold, label=label)
     if task.mode == "site":
@@ -290,9 +291,10 @@ def site_proposal(task: Any, *, secagg_threshold: int, label: str = "") -> Propo
                                 sample_rate=task.sample_rate, steps=task.steps,
                                 clip_norm=task.clip_norm, secagg_threshold=secagg_threshold,
                                 count_stddev=getattr(task, "count_stddev", None), label=label)
-    if task.mode == "distributed":
+    if task.mode == "distributed":  # a round, or the noised feature statistics (kind scaler)
         return Proposal.distributed(task.params, sample_rate=task.sample_rate,
-                                    secagg_threshold=secagg_threshold, label=label)
+                                    secagg_threshold=secagg_threshold, label=label,
+                                    kind=getattr(task, "kind", "train"))
     return Proposal.exact("train", secagg_threshold=secagg_threshold, label=label)
 
 

@@ -77,7 +77,7 @@ class Bounds:
         return (x - self.low) / (self.high - self.low)
 
 
-def public_bounds(settings: Any, table: Table) -> Bounds | None:
+def public_bounds(settings: Any, num_features: int) -> Bounds | None:
     """The table's public feature bounds: ``--feature-bounds FILE`` (``{"low": [..],
     "high": [..]}``), else the bundled dataset's published ranges, else None."""
     path = getattr(settings, "feature_bounds", None)
@@ -92,8 +92,8 @@ def public_bounds(settings: Any, table: Table) -> Bounds | None:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"--feature-bounds {path}: need a JSON object with 'low' and "
                              f"'high' lists, high > low ({exc})") from None
-        if bounds.low.size != table.num_features:
-            raise ValueError(f"--feature-bounds {path}: need {table.num_features} bounds, "
+        if bounds.low.size != num_features:
+            raise ValueError(f"--feature-bounds {path}: need {num_features} bounds, "
                              "one per feature")
         return bounds
     if settings.csv is None and settings.dataset == "breast-cancer":
@@ -109,6 +109,12 @@ class ScalerPlan:
     bounds: Bounds
     params: EncodingParams
     epsilon_target: float
+    unit: str = "patient"
+    mode = "distributed"
+    kind = "scaler"
+    sample_rate = 1.0
+    """As a site's policy sees it (:func:`fl.privacy.site_proposal`): one unsubsampled
+    distributed release."""
 
     @property
     def num_features(self) -> int:
@@ -169,7 +175,8 @@ def uses_noised_scaler(settings: Any, table: Table | None = None) -> bool:
             and settings.unit != "patient-idp")
 
 
-def scaler_plan(settings: Any, table: Table) -> ScalerPlan | None:
+def scaler_plan(settings: Any, table: Table | None, num_features: int | None = None
+                ) -> ScalerPlan | None:
     """The release's plan (None when the run uses no noised scaler): every site takes part,
     the noise is calibrated to the secure-aggregation threshold of all ``--sites``, and the
     modulus to the public bound on a site's units (as a distributed round's)."""
@@ -177,9 +184,9 @@ def scaler_plan(settings: Any, table: Table) -> ScalerPlan | None:
 
     if not uses_noised_scaler(settings, table):
         return None
-    bounds = public_bounds(settings, table)
+    f = table.num_features if table is not None else int(num_features or 0)
+    bounds = public_bounds(settings, f)
     assert bounds is not None
-    f = table.num_features
     num_sites = settings.sites
     threshold = int(Config(num_clients=num_sites, dim=1).threshold or 2)
     max_units = settings.max_units or DEFAULT_MAX_UNITS
@@ -196,15 +203,20 @@ def scaler_plan(settings: Any, table: Table) -> ScalerPlan | None:
                        units_per_site=max_units).bits
     from dataclasses import replace
 
-    return ScalerPlan(bounds, replace(params, bits=max(bits, 8)), target)
+    unit = "record" if settings.unit == "record" else "patient"
+    return ScalerPlan(bounds, replace(params, bits=max(bits, 8)), target, unit)
 
 
-def site_input(plan: ScalerPlan, table: Table, unit: str = "patient") -> U64:
+def site_input(plan: ScalerPlan, table: Table) -> U64:
     """A site's encoded input: per unit the mean of its records' ``[u, u^2]``, scaled to
-    the codec's clip, plus the site's noise share."""
+    the codec's clip, plus the site's noise share. Whatever bounds a coordinator sends, a
+    unit's row has norm at most the clip: the bounds change utility, never the privacy."""
+    if plan.num_features != table.num_features:
+        raise ValueError(f"the feature statistics task has {plan.num_features} features, "
+                         f"this table {table.num_features}")
     u = plan.bounds.unit(table.x)
     rows = np.hstack([u, u * u])
-    if unit != "record":
+    if plan.unit != "record":
         _, inverse = np.unique(table.patient_ids, return_inverse=True)
         sums = np.zeros((int(inverse.max()) + 1, rows.shape[1]))
         np.add.at(sums, inverse, rows)
@@ -253,12 +265,25 @@ class Released:
         coordinator.save()
 
 
-def release(plan: ScalerPlan, settings: Any, saved: Any, table: Table,
-            aggregate: Any) -> Released:
-    """Charge the release to the run's budget, write that charge to the checkpoint
-    (write-ahead: before the sum exists), then run ``aggregate()`` (the secure sum, returns
-    the :class:`Scaler`). A budget that cannot afford it raises
-    :class:`dp.errors.BudgetExceeded` and nothing is released."""
+@dataclass
+class Charged:
+    """The release's cost, already on the budget and in the checkpoint."""
+
+    plan: ScalerPlan
+    events: list[dict[str, Any]]
+    before: float
+    after: float
+
+    def released(self, scaler: Scaler, included: list[int]) -> Released:
+        return Released(scaler, self.plan.release_record(included, self.before, self.after),
+                        self.events)
+
+
+def charge(plan: ScalerPlan, settings: Any, saved: Any, num_features: int,
+           num_classes: int) -> Charged:
+    """Charge the release to the run's budget (the checkpoint's events, if resuming) and
+    write that charge to the checkpoint (write-ahead: before the sum exists). A budget that
+    cannot afford it raises :class:`dp.errors.BudgetExceeded`; nothing is released."""
     from fl import checkpoint as ckpt
     from fl.models import make_model
     from fl.privacy import event_to_json, restore_budget
@@ -269,14 +294,42 @@ def release(plan: ScalerPlan, settings: Any, saved: Any, table: Table,
     after = budget.spend(plan.event())[0]
     events.append(event_to_json(plan.event()))
     if settings.checkpoint is not None and (saved is None or saved.round == 0):
-        model = make_model(settings.model, table.num_features, table.num_classes,
-                           settings.seed)
+        model = make_model(settings.model, num_features, num_classes, settings.seed)
         ckpt.save(settings.checkpoint, ckpt.Checkpoint(
             round=0, model=model.state_dict(), fingerprint=settings.fingerprint(),
             events=events))
-    scaler = aggregate()
-    return Released(scaler, plan.release_record(list(range(1, settings.sites + 1)), before,
-                                                after), events)
+    return Charged(plan, events, before, after)
+
+
+# -- the plan on the wire (multi-machine: the coordinator's blob, validated by each site) --
+def to_wire(plan: ScalerPlan) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {"params": {k: v for k, v in asdict(plan.params).items() if k != "encoded_dim"},
+            "low": plan.bounds.low.tolist(), "high": plan.bounds.high.tolist(),
+            "unit": plan.unit, "epsilon_target": plan.epsilon_target}
+
+
+def from_wire(body: Any, num_features: int) -> ScalerPlan:
+    """A coordinator's feature-statistics task, every field checked (raises
+    :class:`fl.contribution.TaskError`); its cost is then the site's own to judge."""
+    from fl.contribution import TaskError, encoding_params
+
+    if not isinstance(body, dict):
+        raise TaskError("task field 'noised' must be a map")
+    params = encoding_params(body.get("params"), 2 * num_features + 1)
+    try:
+        bounds = Bounds(np.asarray(body.get("low"), dtype=np.float64),
+                        np.asarray(body.get("high"), dtype=np.float64))
+    except (TypeError, ValueError) as exc:
+        raise TaskError(f"invalid feature bounds: {exc}") from None
+    if bounds.low.size != num_features:
+        raise TaskError(f"the feature bounds are not {num_features}, one per feature")
+    unit = body.get("unit")
+    target = body.get("epsilon_target")
+    if unit not in ("patient", "record") or not isinstance(target, (int, float)):
+        raise TaskError("task fields 'unit' (patient or record) and 'epsilon_target'")
+    return ScalerPlan(bounds, params, float(target), unit)
 
 
 def releases(scaler_json: dict[str, Any] | None) -> list[dict[str, Any]]:

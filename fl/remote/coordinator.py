@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fl import private_scaler
 from fl.aggregation import AggregateOutcome, round_timeouts
 from fl.contribution import RoundTask, decoder, round_task, scaler_from_sum
 from fl.coordinator import Aggregated, Coordinator, RoundFailed
@@ -193,11 +194,28 @@ def federation_schema(hellos: Mapping[int, Hello], known: Schema | None,
 
 async def _remote_scaler(channel: CoordinatorChannel, options: RemoteOptions,
                          settings: TrainSettings, schema: Schema, threshold: int,
-                         log: Log) -> Scaler:
+                         log: Log, noised: private_scaler.ScalerPlan | None = None
+                         ) -> tuple[Scaler, list[int]]:
     """Federation-wide feature mean and std from one secure sum of the sites' feature sums
-    (:func:`fl.federation.secure_scaler` with the sites in their own processes)."""
+    (:func:`fl.federation.secure_scaler` with the sites in their own processes); with
+    ``noised`` the bounded, noised statistics of :mod:`fl.private_scaler`, which each site's
+    own policy judges and charges (the caller charged the coordinator's budget)."""
     f = len(schema.features)
     ids = options.site_ids
+    if noised is not None:
+        p = noised.params
+        blob = Blob("scaler", {"features": list(schema.features),
+                               "labels": list(schema.labels), "dim": p.encoded_dim,
+                               "bits": p.bits, "noised": private_scaler.to_wire(noised)})
+        done, _ = await remote_aggregate(channel, options, kind="scaler", round_number=0,
+                                         blob=blob.encode(), cohort=list(ids),
+                                         threshold=max(threshold, p.threshold),
+                                         dim=p.encoded_dim, bits=p.bits,
+                                         attempts=settings.max_attempts, log=log)
+        included = sorted(done.result.included)
+        log(f"feature scaling from a noised secure sum over sites {included}")
+        return private_scaler.from_sum(noised, np.asarray(done.result.total, dtype=np.uint64),
+                                       len(included)), included
     blob = Blob("scaler", {"features": list(schema.features), "labels": list(schema.labels),
                            "dim": 2 * f + 1, "bits": 64}).encode()
     done, _ = await remote_aggregate(channel, options, kind="scaler", round_number=0,
@@ -205,7 +223,8 @@ async def _remote_scaler(channel: CoordinatorChannel, options: RemoteOptions,
                                      dim=2 * f + 1, bits=64, attempts=settings.max_attempts,
                                      log=log)
     log(f"feature scaling from a secure sum over sites {sorted(done.result.included)}")
-    return scaler_from_sum(np.asarray(done.result.total, dtype=np.uint64), f, len(ids))
+    return (scaler_from_sum(np.asarray(done.result.total, dtype=np.uint64), f, len(ids)),
+            sorted(done.result.included))
 
 
 def train_coordinator(settings: TrainSettings, options: RemoteOptions, network: Network, *,
@@ -268,12 +287,21 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
         elif settings.scaler_file is not None:
             scaler = public_scaler(settings, len(schema.features))
         elif needs_scaler:
-            scaler = await _remote_scaler(channel, options, settings, schema, everyone, say)
+            scaler, _ = await _remote_scaler(channel, options, settings, schema, everyone, say)
+        noised = private_scaler.scaler_plan(settings, None, len(schema.features))
+        released = None
+        if scaler is None and noised is not None:
+            charged = private_scaler.charge(noised, settings, saved, len(schema.features),
+                                            len(schema.labels))
+            scaler, included = await _remote_scaler(channel, options, settings, schema,
+                                                    everyone, say, noised)
+            released = charged.released(scaler, included)
         model = make_model(settings.model, len(schema.features), len(schema.labels),
                            settings.seed)
         dim = ParameterLayout.of(model).size
         threshold = settings.secagg_threshold
-        plan = make_plan(settings, None, dim, threshold, max_units=max_units)
+        plan = make_plan(settings, None, dim, threshold, max_units=max_units,
+                         scaler_epsilon=0.0 if noised is None else noised.epsilon_target)
         say(f"{len(ids)} site processes, test "
             + (f"{len(test_table)} records" if test_table is not None else "none (no "
                "--eval-csv: accuracy is not measured)")
@@ -283,9 +311,15 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
             settings, model, None if test_table is None else tensors(test_table, scaler), plan,
             channel=channel, loop=asyncio.get_running_loop(), options=options, schema=schema,
             scaler=scaler, log=say)
+        if released is not None:
+            coordinator.scaler = released.scaler_json()
+        elif saved is not None and saved.scaler is not None:
+            coordinator.scaler = saved.scaler  # keeps the record of how it was released
         if saved is not None:
             coordinator.restore(saved)
             say(f"resumed from {settings.checkpoint} after round {saved.round}")
+        if released is not None:  # the feature statistics' release is on the budget
+            released.attach(coordinator)
         try:
             await asyncio.to_thread(coordinator.run)
         finally:

@@ -114,6 +114,19 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
     table = data.table(labels)
     cid = data.site_id
     cohort = len(announce.cohort)
+    if blob.kind == "scaler" and task.get("noised") is not None:
+        from fl import private_scaler
+
+        try:  # bounded, noised statistics (fl/private_scaler.py): a DP release
+            noised = private_scaler.from_wire(task["noised"], table.num_features)
+        except TaskError as exc:
+            raise WireError(str(exc)) from None
+        dim = noised.params.encoded_dim
+        if get_int(task, "dim", dim, dim) != dim or get_int(task, "bits", 8, 64) != \
+                noised.params.bits:
+            raise WireError("the scaler task's dimension or bits differ from its encoding")
+        _admit(guard, noised, announce, "feature scaling")
+        return private_scaler.site_input(noised, table)
     if blob.kind == "scaler":
         dim = 2 * table.num_features + 1
         if get_int(task, "dim", dim, dim) != dim:
