@@ -207,8 +207,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="the site's policy file (dp.policy.SitePolicy fields); the flags "
                            "below override it")
     site.add_argument("--ledger", metavar="PATH",
-                      help="the site's persistent privacy ledger (default "
-                           "./secagg-ledger-<federation>-site-<id>.json)")
+                      help="the site's persistent privacy ledger (default STATE/secagg/"
+                           "ledger-<host>-<port>-<federation>-site-<id>.json, STATE = "
+                           "$XDG_STATE_HOME or ~/.local/state)")
     site.add_argument("--min-noise-multiplier", type=float, metavar="Z",
                       help="refuse rounds whose noise multiplier is below Z")
     site.add_argument("--min-threshold", type=int, metavar="T",
