@@ -103,15 +103,27 @@ def epsilon_of_history(
 
 
 def noise_multiplier_for(
-    epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "rdp"
+    epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "rdp",
+    prior_rdp: F64 | None = None,
 ) -> float:
-    """The smallest noise multiplier (to 0.1% of epsilon) whose ``steps`` fit in ``epsilon``."""
+    """The smallest noise multiplier (to 0.1% of epsilon) whose ``steps`` fit in ``epsilon``;
+    with ``prior_rdp`` (releases already made, RDP at :data:`ORDERS`), the smallest whose
+    steps fit together with them (RDP accountant only)."""
     _check(1.0, sample_rate, steps, delta)
     if steps < 1:
         raise PrivacyConfigError(f"rounds must be >= 1, got {steps}")
     if not epsilon > 0:
         raise PrivacyConfigError(f"epsilon must be > 0, got {epsilon}")
     accountant = check_accountant(accountant)
+    if prior_rdp is not None:
+        if accountant != "rdp":
+            raise PrivacyConfigError("earlier releases compose with the rdp accountant only")
+        prior = np.asarray(prior_rdp, dtype=np.float64)
+
+        def fits(z: float) -> bool:
+            return rdp_to_epsilon(prior + gaussian_rdp(z, sample_rate, steps), delta) <= epsilon
+
+        return _bisect_noise(fits, epsilon)
     require_opacus()
     from opacus.accountants.utils import get_noise_multiplier
 
@@ -128,6 +140,23 @@ def noise_multiplier_for(
             f"no noise multiplier up to 1e6 reaches epsilon={epsilon}: raise epsilon or "
             "delta, or lower the sample rate or the rounds"
         ) from exc
+
+
+def _bisect_noise(fits: Callable[[float], bool], epsilon: float) -> float:
+    """The smallest noise multiplier in (0, 1e6] with ``fits`` (relative precision 1e-4)."""
+    hi = 1.0
+    while not fits(hi):
+        hi *= 2
+        if hi > 1e6:
+            raise PrivacyConfigError(f"no noise multiplier up to 1e6 reaches epsilon={epsilon}"
+                                     " after the earlier releases: raise epsilon or delta")
+    lo = hi / 2
+    while fits(lo) and lo > 1e-6:
+        hi, lo = lo, lo / 2
+    while hi / lo > 1.0001:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def rounds_for(

@@ -114,21 +114,21 @@ def secure_scaler(sites: dict[int, Site], aggregator: Aggregator,
 
 
 def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim: int,
-              threshold: int, *, max_units: int | None = None, scaler_epsilon: float = 0.0
+              threshold: int, *, max_units: int | None = None, prior: Sequence[Any] = ()
               ) -> Plan:
     """The privacy plan. Distributed DP sizes the modulus for a *public* bound on the units
     a site sums (``max_units``, ``--max-units``, else :data:`fl.privacy.DEFAULT_MAX_UNITS`),
     never for a site's actual patient count: ``bits`` is published. ``sites`` is unused.
-    The rounds are calibrated to ``--epsilon`` minus ``scaler_epsilon`` (the noised
-    feature statistics' share, :mod:`fl.private_scaler`)."""
-    epsilon = None if settings.epsilon is None else settings.epsilon - scaler_epsilon
+    The rounds are calibrated to fit ``--epsilon`` together with ``prior`` (the events of
+    releases before them: the noised feature statistics, :mod:`fl.private_scaler`)."""
+    epsilon = settings.epsilon
     if settings.dp == "site":
         return site_plan(epsilon=epsilon, delta=settings.delta,
                          sample_rate=settings.sample_rate, steps=settings.steps_per_round,
                          rounds=settings.rounds, clip_norm=settings.clip_norm,
                          noise_multiplier=settings.noise_multiplier,
                          accountant=settings.accountant, target_quantile=settings.adaptive_clip,
-                         count_stddev=settings.clip_count_stddev)
+                         count_stddev=settings.clip_count_stddev, prior=prior)
     if settings.dp == "distributed":
         units = max_units or settings.max_units or DEFAULT_MAX_UNITS
         return distributed_plan(model_dim=model_dim, epsilon=epsilon,
@@ -136,19 +136,18 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
                                 rounds=settings.rounds, clip_norm=settings.clip_norm,
                                 num_sites=settings.cohort_size, threshold=threshold,
                                 max_units_per_site=units,
-                                noise_multiplier=settings.noise_multiplier)
+                                noise_multiplier=settings.noise_multiplier, prior=prior)
     return NoPrivacy()
 
 
 def federation_plan(settings: TrainSettings, num_features: int, num_classes: int, *,
-                    scaler_epsilon: float = 0.0) -> tuple[int, int, Plan]:
+                    prior: Sequence[Any] = ()) -> tuple[int, int, Plan]:
     """``(model parameters, secagg threshold, privacy plan)`` of a run: what ``secagg train
     --plan`` prints and what the run uses."""
     model = make_model(settings.model, num_features, num_classes, settings.seed)
     dim = ParameterLayout.of(model).size
     threshold = settings.secagg_threshold
-    return dim, threshold, make_plan(settings, None, dim, threshold,
-                                     scaler_epsilon=scaler_epsilon)
+    return dim, threshold, make_plan(settings, None, dim, threshold, prior=prior)
 
 
 def plan_warnings(settings: TrainSettings, split: Split) -> list[str]:
@@ -168,7 +167,7 @@ def privacy_plan(settings: TrainSettings) -> dict[str, Any]:
     noised = private_scaler.scaler_plan(settings, split.train)
     dim, threshold, plan = federation_plan(
         settings, split.train.num_features, split.train.num_classes,
-        scaler_epsilon=0.0 if noised is None else noised.epsilon_target)
+        prior=() if noised is None else (noised.event(),))
     out = schedule(plan, rounds=settings.rounds, epsilon=settings.epsilon,
                    delta=settings.delta, accountant=settings.accountant, threshold=threshold,
                    prior=() if noised is None else (noised.event(),))
@@ -261,7 +260,7 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
                            settings.seed)
         dim, threshold, plan = federation_plan(
             settings, split.train.num_features, split.train.num_classes,
-            scaler_epsilon=0.0 if noised is None else noised.epsilon_target)
+            prior=() if noised is None else (noised.event(),))
         for warning in plan_warnings(settings, split):
             say(f"warning: {warning}")
         say(f"{settings.sites} sites ({', '.join(str(len(s.table)) for s in sites.values())} "

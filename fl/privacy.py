@@ -106,11 +106,13 @@ DEFAULT_MAX_UNITS = 100_000
 def site_plan(*, epsilon: float | None, delta: float, sample_rate: float, steps: int,
               rounds: int, clip_norm: float, noise_multiplier: float | None,
               accountant: str = "rdp", target_quantile: float | None = None,
-              count_stddev: float | None = None) -> SiteDpPlan:
+              count_stddev: float | None = None, prior: Sequence[Event] = ()) -> SiteDpPlan:
     """Smallest noise multiplier whose ``rounds * steps`` steps fit in epsilon (or the given).
 
     With adaptive clipping (``target_quantile``) that multiplier is the *effective* one of
     update and count together; the update gets ``adaptive_clip_update_noise`` of it.
+    ``prior``: releases made before the rounds (the noised feature statistics), which the
+    rounds' epsilon composes with.
     """
     from dp.accounting import adaptive_clip_update_noise, noise_multiplier_for
 
@@ -118,7 +120,7 @@ def site_plan(*, epsilon: float | None, delta: float, sample_rate: float, steps:
         if epsilon is None:
             raise ValueError("site DP needs --epsilon (or --noise-multiplier)")
         noise_multiplier = noise_multiplier_for(epsilon, delta, sample_rate, rounds * steps,
-                                                accountant)
+                                                accountant, _prior_rdp(prior))
     if target_quantile is None:
         return SiteDpPlan(noise_multiplier, sample_rate, steps, clip_norm)
     sigma_b = count_stddev if count_stddev is not None else 10.0 * noise_multiplier
@@ -130,8 +132,8 @@ def site_plan(*, epsilon: float | None, delta: float, sample_rate: float, steps:
 def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
                      sample_rate: float, rounds: int, clip_norm: float, num_sites: int,
                      threshold: int, max_units_per_site: int,
-                     noise_multiplier: float | None, granularity_bits: int = 12
-                     ) -> DistributedPlan:
+                     noise_multiplier: float | None, granularity_bits: int = 12,
+                     prior: Sequence[Event] = ()) -> DistributedPlan:
     """Per-site noise for ``rounds`` rounds within epsilon, and the bits the sum needs.
 
     ``scale`` puts the clip norm at ``2**granularity_bits`` integer units, fine enough that
@@ -144,7 +146,8 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
     if noise_multiplier is None:
         if epsilon is None:
             raise ValueError("distributed DP needs --epsilon (or --noise-multiplier)")
-        params = noise_for_budget(template, epsilon, delta, sample_rate, rounds)
+        params = noise_for_budget(template, epsilon, delta, sample_rate, rounds,
+                                  _prior_rdp(prior))
     else:
         per_site = calibrate(noise_multiplier, clip_norm, num_sites, threshold).per_site_stddev
         params = replace(template, noise_stddev=per_site)
@@ -152,6 +155,11 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
                        noise_stddev=params.noise_stddev, num_sites=num_sites,
                        units_per_site=max(1, max_units_per_site)).bits
     return DistributedPlan(replace(params, bits=max(bits, 8)), sample_rate)
+
+
+def _prior_rdp(prior: Sequence[Event]) -> Any:
+    """The RDP curve of releases made before the rounds (None: there are none)."""
+    return sum((e.rdp() for e in prior[1:]), prior[0].rdp()) if prior else None
 
 
 # --- budget persistence (checkpoints) ------------------------------------------------------

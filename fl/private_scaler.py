@@ -12,7 +12,8 @@ share) and one secure aggregation (:func:`fl.federation.secure_scaler`). The rel
 unsubsampled distributed discrete Gaussian event (:func:`dp.audit.distributed_event`),
 calibrated to :data:`SCALER_FRACTION` of ``--epsilon`` (or ``--scaler-epsilon``), spent on
 the same budget as the rounds *before* the sum is aggregated; the training rounds are
-calibrated to the rest (:func:`fl.federation.make_plan`).
+calibrated to compose with it to ``--epsilon`` (:func:`fl.federation.make_plan`,
+``prior=``).
 
 Decoding is post-processing: means are clamped to the bounds, a variance below the noise's
 own standard error is raised to it (so a noisy, tiny variance never blows a feature up).

@@ -301,7 +301,7 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
         dim = ParameterLayout.of(model).size
         threshold = settings.secagg_threshold
         plan = make_plan(settings, None, dim, threshold, max_units=max_units,
-                         scaler_epsilon=0.0 if noised is None else noised.epsilon_target)
+                         prior=() if noised is None else (noised.event(),))
         say(f"{len(ids)} site processes, test "
             + (f"{len(test_table)} records" if test_table is not None else "none (no "
                "--eval-csv: accuracy is not measured)")

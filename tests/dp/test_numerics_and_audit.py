@@ -98,3 +98,24 @@ def test_a_distributed_round_exports_as_zcdp_that_bounds_ours() -> None:
     with pytest.raises(PrivacyConfigError, match="subsamples only Gaussians"):
         recompute_epsilon(sampled, 1e-5)
     assert np.all(np.isfinite(distributed_event(params, 0.1).rdp()))
+
+
+def test_calibration_after_earlier_releases_composes_to_the_budget() -> None:
+    """Rounds calibrated with ``prior_rdp`` (e.g. the noised feature statistics) compose
+    with it to the budget: not above it, and not far below (no budget wasted)."""
+    from dp.accounting import gaussian_rdp, noise_multiplier_for, rdp_to_epsilon
+    from dp.distributed import noise_for_budget, round_rdp
+    from dp.encoding import EncodingParams
+
+    prior = gaussian_rdp(3.0, 1.0, 1)
+    z = noise_multiplier_for(3.0, 1e-5, 0.05, 200, prior_rdp=prior)
+    total = rdp_to_epsilon(prior + gaussian_rdp(z, 0.05, 200), 1e-5)
+    assert 0.995 * 3.0 < total <= 3.0 and z > noise_multiplier_for(3.0, 1e-5, 0.05, 200)
+    template = EncodingParams(dim=33, clip_norm=1.0, scale=4096.0, bits=40,
+                              noise_stddev=0.0, rotation_seed=0, threshold=3)
+    params = noise_for_budget(template, 3.0, 1e-5, 0.1, 20, prior_rdp=prior)
+    total = rdp_to_epsilon(prior + round_rdp(params, 0.1, 20), 1e-5)
+    assert 0.98 * 3.0 < total <= 3.0
+    assert params.noise_stddev > noise_for_budget(template, 3.0, 1e-5, 0.1, 20).noise_stddev
+    with pytest.raises(PrivacyConfigError, match="rdp accountant"):
+        noise_multiplier_for(3.0, 1e-5, 0.05, 200, "prv", prior_rdp=prior)

@@ -102,11 +102,12 @@ def test_the_noised_scaler_is_charged_planned_and_in_the_audit_trail() -> None:
     assert scaler_release["round"] == 0 and "feature" in scaler_release["what"]
     assert scaler_release["epsilon_charged"] == pytest.approx(plan["epsilon_before_rounds"])
     assert [r["epsilon"] for r in report["rounds"]] == plan["epsilon_after"]
-    assert len(rounds) == BC.rounds and report["final_epsilon"] <= BC.epsilon
+    assert len(rounds) == BC.rounds
+    # The rounds were calibrated to compose with the statistics to the whole budget.
+    assert 0.99 * BC.epsilon < report["final_epsilon"] <= BC.epsilon
     assert len(report["dp_events"]["events"]) == BC.rounds + 1
     assert report["model_info"]["scaler"]["release"] == scaler_release
-    # The rounds were calibrated to what the statistics left: with the whole budget for
-    # the rounds the same run would have been planned with less noise.
+    # With the whole budget for the rounds the same run would have less noise.
     alone = privacy_plan(replace(BC, scaling="none"))
     assert alone["noise_multiplier"] < plan["noise_multiplier"]
 
@@ -115,7 +116,8 @@ def test_the_scaler_charge_is_written_before_the_sum_exists(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A crash right after the statistics were summed (released) leaves them counted; the
     resumed run charges its new release again."""
-    settings = replace(BC, rounds=1, checkpoint=str(tmp_path))
+    settings = replace(BC, rounds=1, epsilon=None, noise_multiplier=2.0,
+                       checkpoint=str(tmp_path))
     real = private_scaler.from_sum
 
     def crash(*args: Any) -> Any:
@@ -129,7 +131,9 @@ def test_the_scaler_charge_is_written_before_the_sum_exists(
     monkeypatch.setattr(private_scaler, "from_sum", real)
     resumed = train(replace(settings, resume=True))
     assert len(resumed["dp_events"]["events"]) == 3  # two statistics releases + a round
-    assert resumed["rounds"][0]["epsilon"] > train(replace(BC, rounds=1))["final_epsilon"]
+    fresh = train(replace(settings, checkpoint=None))
+    assert len(fresh["dp_events"]["events"]) == 2
+    assert resumed["rounds"][0]["epsilon"] > fresh["final_epsilon"]
 
 
 def test_breast_cancer_under_dp_learns_with_the_noised_scaler() -> None:
