@@ -35,12 +35,15 @@ from dp.errors import PrivacyConfigError, PrivacyError
 
 MODES = ("none", "site", "distributed")
 MECHANISMS = ("gaussian", "dgauss", "skellam")
+UNITS = ("patient", "record")
+"""The privacy units a site's policy can name: whose data one unit of sensitivity covers."""
 LEDGER_FORMAT = 1
 
 
 class PolicyRefused(PrivacyError):
     """A proposed release breaks the site's policy; ``rule`` names the rule (a
-    :class:`SitePolicy` field name, ``"budget"`` or ``"exact-release"``)."""
+    :class:`SitePolicy` field name such as ``"unit"``, ``"budget"`` or
+    ``"exact-release"``)."""
 
     def __init__(self, rule: str, message: str) -> None:
         super().__init__(f"refused by site policy [{rule}]: {message}")
@@ -53,7 +56,8 @@ class Proposal:
 
     ``noise_multiplier`` is the Gaussian-equivalent central noise multiplier (noise stddev
     over the unit's sensitivity) that any ``calibration_threshold`` summed sites carry;
-    ``secagg_threshold`` is the fewest sites the secure sum can be decoded from.
+    ``secagg_threshold`` is the fewest sites the secure sum can be decoded from; ``unit``:
+    the privacy unit the release is computed over (one unit's data is clipped together).
     """
 
     kind: str
@@ -67,11 +71,12 @@ class Proposal:
     secagg_threshold: int
     event: Event | None
     label: str = ""
+    unit: str = "patient"
 
     @classmethod
     def site_dp(cls, *, noise_multiplier: float, sample_rate: float, steps: int,
                 clip_norm: float, secagg_threshold: int, count_stddev: float | None = None,
-                label: str = "") -> Proposal:
+                label: str = "", unit: str = "patient") -> Proposal:
         """Site mode: ``steps`` DP-SGD steps at the site (optionally adaptive clipping)."""
         event = None
         z = noise_multiplier
@@ -79,11 +84,11 @@ class Proposal:
             event = GaussianRound(z, sample_rate, steps, count_stddev)
             z = event.effective_noise_multiplier
         return cls("train", "site", "gaussian", z, sample_rate, steps, clip_norm, None,
-                   secagg_threshold, event, label)
+                   secagg_threshold, event, label, unit)
 
     @classmethod
     def distributed(cls, params: Any, *, sample_rate: float, secagg_threshold: int,
-                    label: str = "", kind: str = "train") -> Proposal:
+                    label: str = "", kind: str = "train", unit: str = "patient") -> Proposal:
         """Distributed mode: one noisy secure sum of ``params`` (:class:`EncodingParams`);
         ``kind="scaler"``: the noised feature statistics (fl/private_scaler.py)."""
         from dp.audit import distributed_event
@@ -92,7 +97,7 @@ class Proposal:
         z = effective_noise_multiplier(params) if params.noise_stddev > 0 else 0.0
         event = distributed_event(params, sample_rate) if 0 < sample_rate <= 1 else None
         return cls(kind, "distributed", params.mechanism, z, sample_rate, 1,
-                   params.clip_norm, params.threshold, secagg_threshold, event, label)
+                   params.clip_norm, params.threshold, secagg_threshold, event, label, unit)
 
     @classmethod
     def exact(cls, kind: str, *, secagg_threshold: int, label: str = "") -> Proposal:
@@ -104,8 +109,13 @@ class Proposal:
 class SitePolicy:
     """What this site agrees to release, set by its operator.
 
-    ``modes`` lists the privacy modes the site takes part in (leave out ``"none"`` and the
-    site never releases an exact sum: no ``--dp none`` rounds, no exact feature statistics).
+    ``modes`` lists the privacy modes the site takes part in. ``"none"`` (an exact sum: a
+    ``--dp none`` round, exact feature statistics) is an explicit opt-in of the operator
+    (``--dp none`` on the site role, or a policy file listing it): the default policy
+    releases nothing exact.
+    ``unit``: the privacy unit the operator's budget is about (``patient``, the package's
+    default, or ``record``); a release computed over another unit is refused, since with
+    ``record`` one patient's k records add up to k times the sensitivity.
     ``min_noise_multiplier``: the Gaussian-equivalent noise multiplier floor;
     ``min_threshold``: the fewest sites the noise is calibrated to and the secure sum can be
     decoded from; ``max_sample_rate``, ``max_steps`` (DP-SGD steps per release),
@@ -114,7 +124,7 @@ class SitePolicy:
     accounted and reported).
     """
 
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = ("site", "distributed")
     mechanisms: tuple[str, ...] = MECHANISMS
     min_noise_multiplier: float = 0.0
     min_threshold: int = 2
@@ -124,11 +134,14 @@ class SitePolicy:
     max_releases: int | None = None
     epsilon: float | None = None
     delta: float = 1e-5
+    unit: str = "patient"
 
     def __post_init__(self) -> None:
         problems = []
         if not self.modes or set(self.modes) - set(MODES):
             problems.append(f"modes must be among {MODES}, got {self.modes}")
+        if self.unit not in UNITS:
+            problems.append(f"unit must be one of {UNITS}, got {self.unit!r}")
         if not self.mechanisms or set(self.mechanisms) - set(MECHANISMS):
             problems.append(f"mechanisms must be among {MECHANISMS}, got {self.mechanisms}")
         if not (self.min_noise_multiplier >= 0 and math.isfinite(self.min_noise_multiplier)):
@@ -206,6 +219,9 @@ class SitePolicy:
                                 f"{self.min_threshold}")
         if p.mode == "none":
             return
+        if p.unit != self.unit:
+            raise PolicyRefused("unit", f"the release is computed per {p.unit}; this site's "
+                                f"budget is per {self.unit} (its operator's --unit)")
         if p.mechanism not in self.mechanisms:
             raise PolicyRefused("mechanisms", f"mechanism {p.mechanism!r} is not among "
                                 f"this site's {list(self.mechanisms)}")
@@ -256,6 +272,8 @@ class Charge:
     epsilon_after: float
     at: float
     withdrawn: str | None = None
+    unit: str | None = None
+    """The privacy unit of the release (None in ledgers written before it was recorded)."""
 
 
 @dataclass
@@ -342,7 +360,8 @@ class Ledger:
                        proposal.mechanism, proposal.noise_multiplier, proposal.sample_rate,
                        proposal.steps,
                        None if proposal.event is None else event_to_json(proposal.event),
-                       after, time.time())
+                       after, time.time(), unit=None if proposal.mode == "none" else
+                       proposal.unit)
         self._write([*self.charges, entry])
         self.charges.append(entry)
         return entry

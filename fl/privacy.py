@@ -294,15 +294,17 @@ def site_proposal(task: Any, *, secagg_threshold: int, label: str = "") -> Propo
     asks this site to release, as its policy sees it."""
     if task is None:
         return Proposal.exact("scaler", secagg_threshold=secagg_threshold, label=label)
+    unit = getattr(task, "unit", "patient")  # the unit the task clips and sums over
     if task.mode == "site":
         return Proposal.site_dp(noise_multiplier=task.noise_multiplier,
                                 sample_rate=task.sample_rate, steps=task.steps,
                                 clip_norm=task.clip_norm, secagg_threshold=secagg_threshold,
-                                count_stddev=getattr(task, "count_stddev", None), label=label)
+                                count_stddev=getattr(task, "count_stddev", None), label=label,
+                                unit=unit)
     if task.mode == "distributed":  # a round, or the noised feature statistics (kind scaler)
         return Proposal.distributed(task.params, sample_rate=task.sample_rate,
                                     secagg_threshold=secagg_threshold, label=label,
-                                    kind=getattr(task, "kind", "train"))
+                                    kind=getattr(task, "kind", "train"), unit=unit)
     return Proposal.exact("train", secagg_threshold=secagg_threshold, label=label)
 
 

@@ -128,14 +128,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--patient-column", metavar="COL", help="patient id column of --csv")
     r.add_argument("--label-column", metavar="COL", help="label column of --csv")
     r.add_argument("--dp", choices=DP_MODES, default=None,
-                   help="privacy mode (default none); a site refuses rounds of another mode "
-                        "when given")
+                   help="privacy mode (default none); a site takes part only in rounds of "
+                        "this mode when given, and without it in DP rounds only (--dp none "
+                        "is a site operator's opt-in to exact releases)")
     r.add_argument("--epsilon", type=float, metavar="E",
                    help="total privacy budget per patient (a site: its own budget)")
     r.add_argument("--delta", type=float, default=d.delta, metavar="D",
                    help=f"delta (default {d.delta:g})")
     r.add_argument("--unit", choices=UNITS, default=d.unit,
-                   help="privacy unit (default patient); patient-idp: patient-level DP by "
+                   help="privacy unit (default patient; a site refuses DP rounds computed "
+                        "per another unit); patient-idp: patient-level DP by "
                         "individual per-record sampling rates (--dp site, --role all; "
                         "docs/patient_privacy.md)")
     r.add_argument("--budget-column", metavar="COL",
@@ -208,8 +210,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                            "below override it")
     site.add_argument("--ledger", metavar="PATH",
                       help="the site's persistent privacy ledger (default STATE/secagg/"
-                           "ledger-<host>-<port>-<federation>-site-<id>.json, STATE = "
-                           "$XDG_STATE_HOME or ~/.local/state)")
+                           "ledger-site-<id>-<sha256 of the site's data>.json, STATE = "
+                           "$XDG_STATE_HOME or ~/.local/state: the same data keeps its "
+                           "ledger whatever the broker or federation)")
     site.add_argument("--min-noise-multiplier", type=float, metavar="Z",
                       help="refuse rounds whose noise multiplier is below Z")
     site.add_argument("--min-threshold", type=int, metavar="T",
@@ -269,7 +272,9 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
 
 
 def site_policy_from_args(args: argparse.Namespace) -> Any:
-    """The site operator's :class:`dp.policy.SitePolicy`: ``--policy`` then the flags."""
+    """The site operator's :class:`dp.policy.SitePolicy`: ``--policy`` then the flags.
+    Exact releases need the operator's opt-in (``--dp none`` or a policy file listing mode
+    none); the privacy unit is ``--unit`` (default patient)."""
     from dataclasses import replace
 
     from dp.policy import SitePolicy
@@ -282,22 +287,25 @@ def site_policy_from_args(args: argparse.Namespace) -> Any:
         changes["epsilon"] = args.epsilon
     if args.delta != TrainSettings().delta or not args.policy:
         changes["delta"] = args.delta
+    if args.unit != TrainSettings().unit or not args.policy:
+        changes["unit"] = args.unit  # the unit the operator's budget is about
     for flag in SITE_POLICY_FLAGS[2:]:
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
     return replace(policy, **changes)
 
 
-def default_ledger(args: argparse.Namespace, broker: Any) -> str:
-    """``$XDG_STATE_HOME/secagg/ledger-<host>-<port>-<federation>-site-<id>.json``: one
-    ledger per site of a federation, outside any working tree."""
+def default_ledger(site_id: int, data: Any) -> str:
+    """``$XDG_STATE_HOME/secagg/ledger-site-<id>-<data fingerprint>.json``: one ledger per
+    site and data set, outside any working tree. Nothing the coordinator chooses (broker
+    address, federation name) is in the name, so no coordinator can start a site on a fresh
+    budget; only changed data (another CSV) starts another ledger (docs/privacy.md)."""
     import os
 
     base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
     folder = base / "secagg"
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"ledger-{broker.host}-{broker.port}-{args.federation}-site-{args.site_id}.json"
-    return str(folder / name.replace("/", "_"))
+    return str(folder / f"ledger-site-{site_id}-{data.fingerprint()[:24]}.json")
 
 
 def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
@@ -483,7 +491,7 @@ def run_remote(args: argparse.Namespace) -> int:
             print(f"secagg train: error: {exc}", file=sys.stderr)
             return 2
         try:
-            ledger = args.ledger or default_ledger(args, broker)
+            ledger = args.ledger or default_ledger(args.site_id, data)
             guard = open_site_guard(policy=site_policy_from_args(args), ledger_path=ledger,
                                     log=log)
         except (PrivacyError, OSError) as exc:
@@ -511,6 +519,8 @@ def run_remote(args: argparse.Namespace) -> int:
         except LinkLost as exc:
             print(f"secagg train: error: {exc}", file=sys.stderr)
             return 1
+        finally:
+            guard.ledger.close()  # release the ledger's lock
 
     from fl.remote.coordinator import RemoteOptions, train_coordinator
     from transport.drivers import TransportError

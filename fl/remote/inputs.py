@@ -8,6 +8,8 @@ coordinator can make a site refuse a round, never crash it.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +28,7 @@ from fl.site import Scaler, Site
 from fl.vector import ParameterLayout
 
 U64 = npt.NDArray[np.uint64]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,20 @@ class SiteData:
             self._fixed = table
             self.schema = dataset_schema(table.num_features, table.num_classes)
 
+    def fingerprint(self) -> str:
+        """SHA-256 of this site's data (the CSV's bytes, or the shard's records and patient
+        ids): what the default privacy ledger is keyed by, so it follows the patients and
+        not the broker's address (fl/commands/train.py ``default_ledger``)."""
+        digest = hashlib.sha256()
+        if self._csv is not None:
+            with open(self._csv, "rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(chunk)
+        else:
+            for array in (self._fixed.x, self._fixed.y, self._fixed.patient_ids):
+                digest.update(np.ascontiguousarray(array).tobytes())
+        return digest.hexdigest()
+
     def table(self, labels: tuple[str, ...]) -> Table:
         """The table with labels numbered as the federation numbers them."""
         if self._csv is None:
@@ -86,9 +103,16 @@ def demo_site_data(settings: TrainSettings, site_id: int, site_ids: Sequence[int
     return SiteData(site_id, table=split.site_tables[ids.index(site_id)])
 
 
+SCHEMA_MISMATCH = ("the round's columns or labels do not match this site's data (the "
+                   "details are in the site's own log)")
+"""The one reason a site gives the coordinator for any schema problem: which of its labels
+are missing would tell the coordinator the site's label set (docs/privacy.md section 1)."""
+
+
 def check_schema(task: Mapping[str, Any], schema: Schema) -> tuple[str, ...]:
     """The federation's labels, once its columns are this site's and its labels cover the
-    site's own (the site's label values never leave it)."""
+    site's own (the site's label values never leave it: :func:`site_input` answers any
+    mismatch with :data:`SCHEMA_MISMATCH` only, after the privacy gate)."""
     features = get_names(task, "features")
     labels = get_names(task, "labels")
     if features != schema.features:
@@ -106,19 +130,23 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
     """This site's secure-aggregation vector for the announced round.
 
     With ``guard`` (:class:`fl.privacy.SiteGuard`: the site operator's policy and ledger)
-    the round is checked and charged to the site's ledger *before* the input is computed;
-    a refusal names the policy rule (docs/privacy.md section 1).
+    the round is checked and charged to the site's ledger *before* anything about the
+    site's own data is looked at or computed; a refusal names the policy rule
+    (docs/privacy.md section 1). The task's shape comes from the announced (public) columns
+    and labels; whether they match the site's table is checked after the gate, and a
+    mismatch is declined with :data:`SCHEMA_MISMATCH` alone (its charge stays: the answer
+    depends on the site's data).
     """
     task = blob.task
-    labels = check_schema(task, data.schema)
-    table = data.table(labels)
+    num_features = len(get_names(task, "features"))
+    num_labels = len(get_names(task, "labels"))
     cid = data.site_id
     cohort = len(announce.cohort)
     if blob.kind == "scaler" and task.get("noised") is not None:
         from fl import private_scaler
 
         try:  # bounded, noised statistics (fl/private_scaler.py): a DP release
-            noised = private_scaler.from_wire(task["noised"], table.num_features)
+            noised = private_scaler.from_wire(task["noised"], num_features)
         except TaskError as exc:
             raise WireError(str(exc)) from None
         dim = noised.params.encoded_dim
@@ -126,21 +154,21 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
                 noised.params.bits:
             raise WireError("the scaler task's dimension or bits differ from its encoding")
         _admit(guard, noised, announce, "feature scaling")
-        return private_scaler.site_input(noised, table)
+        return private_scaler.site_input(noised, _table(data, task, cid))
     if blob.kind == "scaler":
-        dim = 2 * table.num_features + 1
+        dim = 2 * num_features + 1
         if get_int(task, "dim", dim, dim) != dim:
-            raise WireError("the scaler task's dimension does not match this table")
+            raise WireError("the scaler task's dimension does not match its columns")
         _admit(guard, None, announce, "feature scaling")
-        return scaler_input(Site(cid, table).feature_sums(), cohort)
+        return scaler_input(Site(cid, _table(data, task, cid)).feature_sums(), cohort)
     scaler = None if blob.scaler is None else Scaler(*blob.scaler)
-    if scaler is not None and scaler.mean.size != table.num_features:
+    if scaler is not None and scaler.mean.size != num_features:
         raise WireError("the scaler does not match the number of features")
-    model = make_model(get_str(task, "model", MODELS), table.num_features, len(labels))
+    model = make_model(get_str(task, "model", MODELS), num_features, num_labels)
     layout = ParameterLayout.of(model)
     if blob.model is None or blob.model.size != layout.size:
         raise WireError(f"the blob's model does not have the {layout.size} parameters of "
-                        f"{task['model']} on this table")
+                        f"{task['model']} on the announced columns")
     layout.load(model, blob.model)
     try:
         round_task = RoundTask.from_wire(task, layout.size)
@@ -152,10 +180,21 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
     if round_task.round != announce.round or round_task.cohort != cohort:
         raise WireError("the task's round or cohort differs from the announcement")
     _admit(guard, round_task, announce, f"round {announce.round}")
+    table = _table(data, task, cid)
     try:
         return contribution(Site(cid, table, scaler), model, round_task, cid).vector
     except TaskError as exc:
         raise WireError(str(exc)) from None
+
+
+def _table(data: SiteData, task: Mapping[str, Any], site_id: int) -> Table:
+    """The site's table numbered by the announced labels, or :data:`SCHEMA_MISMATCH` (the
+    details go to the site's own log only)."""
+    try:
+        return data.table(check_schema(task, data.schema))
+    except (WireError, DataError) as exc:
+        logger.warning("site %d: %s", site_id, exc)
+        raise WireError(SCHEMA_MISMATCH) from None
 
 
 def _admit(guard: Any, task: RoundTask | None, announce: Announce, label: str) -> None:

@@ -94,6 +94,7 @@ def start(urls: dict[str, str], report: Path, rounds: int,
                          "--insecure-verify", *COMMON, *(extra or [])])
     sites = {cid: Party(["--role", "site", "--site-id", str(cid), "--sites", "3",
                          "--broker", urls[site_name(cid)], "--idle-timeout", "60",
+                         "--dp", "none",  # the operators opt in to exact (no-DP) releases
                          "--insecure-verify", *COMMON]) for cid in SITES}
     return coordinator, sites
 

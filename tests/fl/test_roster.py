@@ -323,6 +323,7 @@ def test_sites_and_coordinator_with_peer_keys_train_across_processes(tmp_path: P
         sites = {cid: Party(["--role", "site", "--site-id", str(cid), "--sites", "3",
                              "--broker", urls[site_name(cid)], "--idle-timeout", "60",
                              "--insecure-verify", "--ledger", str(tmp_path / f"l{cid}.json"),
+                             "--dp", "none",  # an exact (no-DP) run: the operators' opt-in
                              "--signing-key", str(tmp_path / f"site-{cid}.key"),
                              "--peer-keys", str(peers), *COMMON]) for cid in SITES}
         try:
