@@ -96,7 +96,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="coordinator with --csv sites: held-out table to evaluate on")
     m.add_argument("--labels", metavar="A,B,..",
                    help="coordinator with --csv sites: the federation's label values (sites "
-                        "do not announce theirs)")
+                        "do not announce theirs); a --csv site: pin that public list (it "
+                        "takes part only in rounds announcing exactly it)")
     n.add_argument("--password-file", metavar="PATH",
                    help="coordinator/site: MQTT password (else $SECAGG_BROKER_PASSWORD or "
                         "the URL's)")
@@ -474,8 +475,13 @@ def run_remote(args: argparse.Namespace) -> int:
             if settings.csv is not None:
                 data = SiteData(args.site_id, csv=settings.csv,
                             patient_column=settings.patient_column,
-                            label_column=settings.label_column)
+                            label_column=settings.label_column, labels=(
+                                None if args.labels is None else
+                                [v.strip() for v in args.labels.split(",")]))
             else:
+                if args.labels is not None:
+                    raise ValueError("--labels on a site goes with --csv (a bundled "
+                                     "dataset's labels are fixed)")
                 data = demo_site_data(settings, args.site_id, ids)
         except (DataError, ValueError) as exc:
             print(f"secagg train: error: {exc}", file=sys.stderr)

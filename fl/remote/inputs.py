@@ -49,7 +49,11 @@ class SiteData:
     """One hospital's table: a shard of a bundled dataset (demo) or its own CSV."""
 
     def __init__(self, site_id: int, *, table: Table | None = None, csv: str | None = None,
-                 patient_column: str | None = None, label_column: str | None = None) -> None:
+                 patient_column: str | None = None, label_column: str | None = None,
+                 labels: Sequence[str] | None = None) -> None:
+        """``labels``: the federation's public label list as the site's operator pinned it
+        (``--labels`` on the site role): the site then takes part only in rounds announcing
+        exactly that list, a check on public data alone (docs/privacy.md section 1)."""
         self.site_id = site_id
         self._csv = csv
         self._columns = (patient_column or "", label_column or "")
@@ -62,6 +66,12 @@ class SiteData:
                 raise ValueError("SiteData needs a table or a csv path")
             self._fixed = table
             self.schema = dataset_schema(table.num_features, table.num_classes)
+        self.pinned = None if labels is None else tuple(labels)
+        if self.pinned is not None:
+            outside = sorted(set(self.schema.labels) - set(self.pinned))
+            if outside or len(set(self.pinned)) != len(self.pinned) or len(self.pinned) < 2:
+                raise DataError(f"--labels must list at least two distinct labels, every "
+                                f"label of this site's table among them (missing: {outside})")
 
     def fingerprint(self) -> str:
         """SHA-256 of this site's data (the CSV's bytes, or the shard's records and patient
@@ -135,11 +145,17 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
     (docs/privacy.md section 1). The task's shape comes from the announced (public) columns
     and labels; whether they match the site's table is checked after the gate, and a
     mismatch is declined with :data:`SCHEMA_MISMATCH` alone (its charge stays: the answer
-    depends on the site's data).
+    depends on the site's data). With labels pinned by the operator the labels are checked
+    against that public list first, and nothing about the site's data is revealed.
     """
     task = blob.task
     num_features = len(get_names(task, "features"))
     num_labels = len(get_names(task, "labels"))
+    if data.pinned is not None and get_names(task, "labels") != data.pinned:
+        # A comparison with public data only: refused before the gate, nothing charged.
+        logger.warning("site %d: the announced labels are not the pinned --labels",
+                       data.site_id)
+        raise WireError(SCHEMA_MISMATCH)
     cid = data.site_id
     cohort = len(announce.cohort)
     if blob.kind == "scaler" and task.get("noised") is not None:

@@ -6,7 +6,8 @@ whose guard holds its operator's policy, and reads the site's answers off the bu
 * the privacy unit is the operator's: a round computed per record is refused ``[unit]``
   by a site whose budget is per patient, nothing charged; the ledger records each unit;
 * the site's label set is no free oracle: the privacy gate runs before the schema check,
-  and every schema problem gets one reason string;
+  every schema problem gets one reason string, and an operator may pin the public label
+  list (then the check is on public data only);
 * the default ledger follows the site's data, not the broker's address;
 * exact (no-DP) releases need the operator's explicit ``--dp none``.
 """
@@ -28,6 +29,7 @@ from fl.aggregation import round_timeouts
 from fl.cli import build_parser, main
 from fl.commands.train import site_policy_from_args
 from fl.contribution import RoundTask
+from fl.data import DataError
 from fl.models import make_model
 from fl.privacy import open_site_guard
 from fl.remote.blob import Blob
@@ -100,9 +102,11 @@ def _announce(site: SiteProcess, network: MemoryNetwork, blobs: list[tuple[bytes
     return asyncio.run(attack())
 
 
-def _site(tmp_path: Path, policy: SitePolicy) -> tuple[SiteProcess, MemoryNetwork, Any]:
+def _site(tmp_path: Path, policy: SitePolicy, labels: list[str] | None = None
+          ) -> tuple[SiteProcess, MemoryNetwork, Any]:
     guard = open_site_guard(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
-    data = SiteData(1, csv=str(_csv(tmp_path)), patient_column="pid", label_column="dx")
+    data = SiteData(1, csv=str(_csv(tmp_path)), patient_column="pid", label_column="dx",
+                    labels=labels)
     network = MemoryNetwork()
     options = SiteOptions(federation="fed", idle_timeout=30, stage_timeout=2.0, guard=guard)
     return SiteProcess(data, network, options, lambda text: None), network, guard
@@ -147,6 +151,26 @@ def test_the_site_label_set_is_no_free_oracle(tmp_path: Path) -> None:
     guard.ledger.close()
 
 
+def test_labels_pinned_by_the_operator_reveal_nothing_and_cost_nothing(tmp_path: Path) -> None:
+    """With ``--labels`` (the federation's public list, pinned by the site's operator) the
+    announced labels are compared with that list only: a probe leaving out a label the site
+    has and one leaving out a label it lacks get the same Decline, before any charge."""
+    pinned = ["asthma", "copd", "diabetes", "rare-disease-x"]
+    site, network, guard = _site(tmp_path, SitePolicy(epsilon=50.0), labels=pinned)
+    fair = _task()
+    answers = _announce(site, network, [
+        _blob(fair, [label for label in pinned if label != "rare-disease-x"]),
+        _blob(fair, [label for label in pinned if label != "diabetes"]),
+        _blob(fair, pinned)])
+    assert answers[0] == answers[1] == SCHEMA_MISMATCH and answers[2] is None
+    (charge,) = guard.ledger.charges  # only the round announcing the pinned list
+    assert charge.withdrawn  # ready, then no go: its input never left
+    guard.ledger.close()
+    with pytest.raises(DataError, match="every label of this site's table"):
+        SiteData(1, csv=str(_csv(tmp_path)), patient_column="pid", label_column="dx",
+                 labels=["asthma", "copd"])
+
+
 def test_the_default_ledger_follows_the_data_not_the_broker(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     first, other = _csv(tmp_path), _csv(tmp_path, "other.csv", rows=30)
@@ -179,3 +203,17 @@ def test_exact_releases_need_the_operators_opt_in(tmp_path: Path) -> None:
                                             "--dp", "none"]))
     assert opted_in.modes == ("none",) and not opted_in.requires_dp
     assert SitePolicy.from_json({"modes": ["none", "distributed"]}).modes[0] == "none"
+
+
+def test_the_bundled_breast_cancer_bounds_are_its_own_patients_min_and_max() -> None:
+    """docs/privacy.md section 1: the "public" bounds of the bundled breast-cancer (printed
+    in scikit-learn's DESCR) are the min and max of the same 569 patients, to the printed
+    precision; they are treated as public by assumption only."""
+    from sklearn.datasets import load_breast_cancer
+
+    from fl.private_scaler import BREAST_CANCER_BOUNDS
+
+    x = load_breast_cancer().data
+    bounds = np.asarray(BREAST_CANCER_BOUNDS)
+    assert np.allclose(bounds[:, 0], x.min(axis=0), rtol=0.01, atol=1e-3)
+    assert np.allclose(bounds[:, 1], x.max(axis=0), rtol=0.01, atol=1e-3)
