@@ -45,9 +45,10 @@ run `secagg COMMAND --help` for a command's options""",
   secagg train --sites 4 --rounds 30 --csv visits.csv --patient-column mrn \\
                --label-column readmitted --dp site --epsilon 4
   secagg train --config run.toml --json > report.json
-  secagg train --role coordinator --sites 1,2,3 --rounds 40 --broker mqtts://host:8883
+  secagg train --role coordinator --sites 1,2,3 --rounds 40 --dp distributed --epsilon 4 \\
+               --broker mqtts://host:8883
   secagg train --role site --site-id 2 --csv visits.csv --patient-column mrn \\
-               --label-column readmitted --broker mqtts://site-2@host:8883""",
+               --label-column readmitted --dp distributed --broker mqtts://site-2@host:8883""",
     "budget": """examples:
   secagg budget --epsilon 4 --delta 1e-5 --sample-rate 0.1 --noise-multiplier 1.1
   secagg budget --epsilon 4 --delta 1e-5 --sample-rate 0.1 --rounds 40 --json""",
