@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from dp.encoding import EncodingParams
+from dp.errors import PrivacyConfigError
 from dp.policy import PolicyRefused, SitePolicy
 from fl.aggregation import round_timeouts
 from fl.cli import build_parser, main
@@ -131,6 +132,8 @@ def test_a_round_computed_per_record_is_refused_by_a_per_patient_site(tmp_path: 
                                  ).unit == "patient"
     assert site_policy_from_args(parse(["train", "--role", "site", "--site-id", "1",
                                         "--unit", "record"])).unit == "record"
+    with pytest.raises(PrivacyConfigError, match="unit must be one of"):
+        SitePolicy.from_json({"unit": "visit"})
 
 
 def test_the_site_label_set_is_no_free_oracle(tmp_path: Path) -> None:
