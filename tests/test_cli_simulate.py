@@ -328,3 +328,15 @@ def test_progress_line_is_kept_up_to_date_on_a_terminal() -> None:
     out = stream.getvalue()
     assert out.count("\r") == 2 and "\n" not in out  # one line, rewritten in place
     assert out.endswith("share_keys             2/3     answered      0.0 s")
+
+
+def test_a_hundred_clients_logging_in_at_once_all_get_in(tmp_path: Path) -> None:
+    """100 honest clients connect to the embedded broker from one address (loopback) at
+    the same moment: the broker's pre-login eviction (an attacker's idle sockets make room
+    for newcomers) must not evict honest clients whose CONNECT is not read yet."""
+    rep = tmp_path / "report.json"
+    rc = cli("--clients", "100", "--dim", "16", "--drop-rate", "0", "--report", str(rep))
+    assert rc == 0
+    report = json.loads(rep.read_text())
+    assert report["correct"] is True
+    assert len(report["included"]) == 100

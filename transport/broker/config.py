@@ -46,8 +46,8 @@ class BrokerLimits:
     max_session_queue: int = 1000
     max_connections: int = 4096
     max_connections_per_user: int = 64
-    max_pending_logins: int = 256
-    max_pending_logins_per_address: int = 32
+    max_pending_logins: int = 1024
+    max_pending_logins_per_address: int = 256
     max_subscriptions: int = 64
     max_subscriptions_total: int = 100_000
     max_retained_per_user: int = 16
