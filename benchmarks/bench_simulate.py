@@ -1,5 +1,6 @@
-"""Benchmark ``secagg simulate`` (docs/architecture.md section 7): 100 clients, d = 10^5, 30% dropout,
-2 worker processes, embedded broker (and Mosquitto). Target: under 30 s wall, under 4 GiB.
+"""Benchmark ``secagg simulate`` (docs/architecture.md section 7): 100 clients, d = 10^5,
+30% dropout, 2 worker processes, embedded broker (and Mosquitto). Target: under 30 s wall,
+under 4 GiB.
 
 Runs the real command in a subprocess (broker, server, worker processes and all), samples
 the summed RSS of that process tree (psutil; without it, the largest single process from
