@@ -87,7 +87,7 @@ def main() -> None:
 
     print("2. DP at epsilon 4 (EHR, patient level)", file=sys.stderr)
     ehr = TrainSettings(sites=5, rounds=30, dataset="ehr", broker=b, seed=0, sample_rate=0.2,
-                        epsilon=4.0, delta=1e-5, unit="patient")
+                        epsilon=4.0, delta=1e-5, unit="patient", dp="distributed")
     dp_none = run(replace(ehr, dp="none", epsilon=None))
     dp_dist = run(replace(ehr, dp="distributed"))
     dp_site = run(replace(ehr, dp="site"))
