@@ -265,8 +265,10 @@ documented non-guarantees are strict xfails in section 4.
     and an empty context a recorded MaskedInput, UnmaskingShares, ShareKeys or consistency
     signature used to verify in a new round (wrong sum, blame of an honest client);
     now every transcript binds the round's fresh keys
-    (`test_protocol_replay.py::test_replay_*` pass). Without the server's round nonce a
-    replayed advertisement can still exclude the real client (strict xfail, 9.2).
+    (`test_protocol_replay.py::test_replay_*` pass). The advertisement is fresh through the
+    server's round nonce, which the package's drivers relay; a host that drives the state
+    machines without one lets a replayed advertisement exclude the real client (strict
+    xfail, 9.2).
 17. *Rollback of a restored client* (lead's review) - **guarded.** A host restoring an
     older snapshot lost the one-share-per-peer record; `Client.restore(min_stage=)` refuses
     it (`test_rollback_to_an_earlier_snapshot_is_refused_with_the_hosts_stage_record`);

@@ -266,6 +266,28 @@ class Client:
         """Round 0: the client's public keys (the same message every time it is asked)."""
         return self._advertisement
 
+    def bind_nonce(self, nonce: bytes) -> AdvertiseKeys:
+        """Bind the server's round nonce (``Server.nonce``) that the transport relays before
+        the client advertises, and return the advertisement signed over it, so that an
+        advertisement recorded in another round is refused (docs/protocol.md 5.7, 9.2).
+
+        For transports that build the client before the round's first server message
+        arrives. Only before the client has answered any server message; the same nonce
+        again is a no-op; another one raises ``ProtocolError`` and changes nothing.
+        """
+        if not isinstance(nonce, bytes) or len(nonce) != 32:
+            raise ProtocolError("the round nonce must be 32 bytes", stage=self.stage,
+                                client_id=self.client_id)
+        if nonce == self.nonce:
+            return self._advertisement
+        if self.nonce or not isinstance(self._state, Advertised) or self.aborted is not None:
+            raise ProtocolError("a round nonce can be bound only once, before the client "
+                                "answers any server message", stage=self.stage,
+                                client_id=self.client_id)
+        self.nonce = nonce
+        self._advertisement = self._build_advertisement()
+        return self._advertisement
+
     # --- dispatch -------------------------------------------------------------------------
 
     def handle(self, message: ServerMessage | bytes | bytearray | memoryview) -> ClientMessage:

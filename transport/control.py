@@ -31,6 +31,7 @@ class RoundStart:
     config: Mapping[str, Any]
     clients: int
     deadlines: Mapping[str, float] = field(default_factory=dict)
+    nonce: bytes = b""  # the server's round nonce (Server.nonce), bound by the advertisement
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ def encode_control(message: Control) -> bytes:
     if isinstance(message, RoundStart):
         body = {"t": "start", "session": message.session_id, "config": dict(message.config),
                 "clients": message.clients, "deadlines": dict(message.deadlines)}
+        if message.nonce:
+            body["nonce"] = message.nonce
     elif isinstance(message, RoundEnd):
         body = {"t": "end", "session": message.session_id, "included": list(message.included),
                 "dropped": {int(k): str(v) for k, v in message.dropped.items()}}
@@ -133,8 +136,11 @@ def decode_control(data: bytes) -> Control:
         if not isinstance(deadlines, dict) or not all(
                 isinstance(k, str) and isinstance(v, (int, float)) for k, v in deadlines.items()):
             raise ControlError("control field 'deadlines' must map stage -> seconds")
+        nonce = body.get("nonce", b"")
+        if not isinstance(nonce, bytes) or len(nonce) not in (0, 32):
+            raise ControlError("control field 'nonce' must be 32 bytes")
         return RoundStart(_get(body, "session", bytes), config, _get(body, "clients", int),
-                          deadlines)
+                          deadlines, nonce)
     if kind == "end":
         dropped = body.get("dropped", {})
         if not isinstance(dropped, dict) or not all(

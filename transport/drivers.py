@@ -177,7 +177,7 @@ class ServerDriver:
     async def run(self) -> AggregateResult:
         server = self.server
         start = RoundStart(server.session_id, config_fields(server.config),
-                           len(server.roster), self._deadlines)
+                           len(server.roster), self._deadlines, server.nonce)
         await self._publish_control(encode_control(start))
         pump = asyncio.create_task(self._pump(), name="secagg-server-pump")
         round_started = asyncio.get_running_loop().time()
@@ -571,6 +571,12 @@ class ClientDriver:
                 return
             if self._started:
                 return
+            if control.nonce:
+                try:
+                    self.client.bind_nonce(control.nonce)
+                except ProtocolError as exc:
+                    logger.error("client %d: round start refused: %s", cid, exc)
+                    return
             self._started = True
             self._progress_at = loop.time()
             await self._send(self.client.advertise())

@@ -139,7 +139,8 @@ async def run_round(network: Network, config: Config, inputs: Mapping[int, objec
     if config.malicious:
         signing = {cid: SigningKey.generate() for cid in roster}
         verify = {cid: key.public for cid, key in signing.items()}
-    server = Server(config, roster=roster, context=context, verify_keys=verify)
+    server = Server(config, roster=roster, context=context, verify_keys=verify,
+                    nonce=os.urandom(32))
     clients = [Client(config, cid, checked[cid], roster=roster, context=context,
                       signing_key=signing.get(cid), verify_keys=verify) for cid in roster]
     server_ready, start = asyncio.Event(), asyncio.Event()

@@ -419,7 +419,8 @@ async def run_simulation(spec: SimulationSpec,
         keys = {c: Ed25519PrivateKey.generate() for c in roster}
         signing = {c: k.private_bytes_raw() for c, k in keys.items()}
         verify = {c: k.public_key().public_bytes_raw() for c, k in keys.items()}
-    server = Server(config, roster=roster, context=context, verify_keys=verify)
+    server = Server(config, roster=roster, context=context, verify_keys=verify,
+                    nonce=os.urandom(32))
     topics = Topics(round_name)
     seconds: dict[str, float] = {}
     with broker_for(spec.broker, passwords, acl) as broker_settings:

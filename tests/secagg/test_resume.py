@@ -154,3 +154,34 @@ def test_garbage_is_refused_with_a_typed_error() -> None:
     config = Config(num_clients=5, dim=16)
     with pytest.raises(StaleSnapshot):
         Client.restore(b"\x00" * 100, config=config, client_id=1, context=b"resume")
+
+
+def test_bind_nonce_signs_the_advertisement_over_the_relayed_nonce_once() -> None:
+    """Client.bind_nonce (for transports that build the client before the round start
+    arrives): the advertisement then verifies only against that server nonce; a second,
+    different nonce, or one after the client answered a message, is refused and changes
+    nothing."""
+    import os
+
+    from secagg.messages import AdvertiseKeys
+
+    config = Config(num_clients=4, dim=8, security="malicious")
+    keys = {c: SigningKey.generate() for c in range(1, 5)}
+    verify = {c: k.public for c, k in keys.items()}
+    nonce, other = os.urandom(32), os.urandom(32)
+    client = Client(config, 1, np.zeros(8, dtype=np.uint64), signing_key=keys[1],
+                    verify_keys=verify)
+    unbound = client.advertise()
+    bound = client.bind_nonce(nonce)
+    assert isinstance(bound, AdvertiseKeys) and bound.signature != unbound.signature
+    assert client.bind_nonce(nonce) == bound  # the same nonce again: no-op
+    with pytest.raises(ProtocolError):
+        client.bind_nonce(other)
+    with pytest.raises(ProtocolError):
+        client.bind_nonce(b"short")
+    assert client.advertise() == bound and client.nonce == nonce
+    server = Server(config, verify_keys=verify, nonce=nonce)
+    server.receive(1, encode(bound))
+    stale = Server(config, verify_keys=verify, nonce=other)
+    with pytest.raises(ProtocolError):
+        stale.receive(1, encode(bound))

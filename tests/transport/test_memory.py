@@ -453,3 +453,32 @@ def test_client_with_another_configuration_never_starts() -> None:
         return outcome.status
 
     assert asyncio.run(scenario()) == "timeout"
+
+
+
+def test_the_servers_round_nonce_is_relayed_and_signed_by_every_client() -> None:
+    """The drivers make the advertisement fresh (docs/protocol.md 9.2): the round start
+    carries the server's 32-byte nonce and each client signs its advertisement over it
+    (Client.bind_nonce). The server verifies against its own nonce, so a malicious-mode
+    round completes only if every client bound the relayed one; a recorded advertisement
+    of another round (another nonce) is refused (tests/security/test_protocol_replay.py)."""
+    config = Config(num_clients=6, dim=64, security="malicious")
+    inputs = make_inputs(6, 64)
+    starts: list[RoundStart] = []
+    network = MemoryNetwork()
+
+    def tap(user: str, topic: str, payload: bytes) -> list[bytes]:
+        if user == "server" and topic.endswith("/control"):
+            message = decode_control(payload[HEADER_BYTES:])
+            if isinstance(message, RoundStart):
+                starts.append(message)
+        return [payload]
+
+    network.tap = tap
+    report = run(lambda: run_round(network, config, inputs, context=b"", timeouts=FAST))
+    assert starts and all(len(s.nonce) == 32 for s in starts)
+    assert report.result.included == frozenset(range(1, 7))
+    check_against_oracle(report, config, inputs, {})
+    again = run(lambda: run_round(network, config, inputs, context=b"", timeouts=FAST))
+    assert again.result.included == frozenset(range(1, 7))
+    assert starts[-1].nonce != starts[0].nonce  # fresh every round
