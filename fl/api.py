@@ -19,13 +19,15 @@ What each privacy mode does with your objects (``task.mode``, :mod:`fl.contribut
   ``local_epochs`` passes (or your ``train_fn(module)`` once per epoch), FedProx's proximal
   term if ``fedprox_mu > 0``; the site contributes ``[n * delta, n]`` (weighted FedAvg).
 * ``site``: DP-SGD with Opacus on a copy of the global model: Poisson-sampled patients,
-  per-patient clipping, Gaussian noise; a plain SGD at the task's ``lr`` and cross-entropy
-  (DP-SGD must own the steps, so a ``train_fn`` or your optimizer's state is not used).
-* ``distributed``: one clipped cross-entropy gradient per sampled patient at the global
+  per-patient clipping, Gaussian noise; a fresh optimizer of *your* optimizer's class and
+  settings (learning rate included) and *your* loss summed over the batch (DP-SGD must own
+  the steps, so a ``train_fn`` or your optimizer's running state is not used).
+* ``distributed``: one clipped gradient of *your* loss per sampled patient at the global
   model, and the site's share of discrete Gaussian noise in the integer domain.
 
 The DP modes need per-sample gradients, so your module must be made of layers Opacus
-supports (Linear, Conv, RNN, LayerNorm, ...; no BatchNorm) and classify with cross-entropy.
+supports (Linear, Conv, RNN, LayerNorm, ...; no BatchNorm), and your loss must be a torch
+loss module with a ``reduction`` attribute (the DP modes sum it over a batch).
 
 For secure sums of your own vectors without torch, :class:`fl.codec.FixedPointCodec` is
 the float-to-``uint64`` encoding (see README, "Secure sums of your own floats").
@@ -33,6 +35,7 @@ the float-to-``uint64`` encoding (see README, "Secure sums of your own floats").
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +114,23 @@ class PrivateSite(Site):
 
     def feature_sums(self) -> F64:
         raise NotImplementedError("a PrivateSite scales its own features")
+
+    def dp_loss(self) -> torch.nn.Module:
+        """Your loss with ``reduction="sum"`` (a copy; yours is left as it is)."""
+        if not isinstance(self.loss_fn, torch.nn.Module) or not hasattr(self.loss_fn,
+                                                                         "reduction"):
+            raise ValueError(
+                f"site {self.site_id}: the DP modes need a torch loss module with a "
+                "'reduction' attribute (e.g. torch.nn.CrossEntropyLoss()), to sum per-record "
+                f"losses before per-patient clipping; got {self.loss_fn!r}")
+        loss = copy.copy(self.loss_fn)
+        loss.reduction = "sum"
+        return loss
+
+    def dp_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        """A fresh optimizer of your optimizer's class and settings (its learning rate
+        included, as in mode ``none``) over the copy of the global model DP-SGD trains."""
+        return type(self.optimizer)(params, **self.optimizer.defaults)
 
     def contribute(self, task: RoundTask, model: torch.nn.Module | None = None) -> Contribution:
         """What this site hands secure aggregation for ``task`` at the global ``model``

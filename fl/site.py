@@ -94,6 +94,17 @@ class Site:
                 optimizer.step()
         return layout.to_vector(local) - layout.to_vector(model)
 
+    def dp_loss(self) -> torch.nn.Module:
+        """The loss of the DP modes, summed over a batch (per-unit clipping needs each
+        record's own gradient, not a mean): cross-entropy here; a site of your own
+        (:class:`fl.api.PrivateSite`) uses its loss."""
+        return torch.nn.CrossEntropyLoss(reduction="sum")
+
+    def dp_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        """The optimizer DP-SGD steps with in site mode: plain SGD at the task's ``lr``; a
+        site of your own uses its optimizer's class and settings."""
+        return torch.optim.SGD(params, lr=lr)
+
     def site_dp_update(self, model: torch.nn.Module, layout: ParameterLayout, *,
                        noise_multiplier: float, clip_norm: float, sample_rate: float,
                        steps: int, lr: float, unit: str = "patient",
@@ -116,10 +127,10 @@ class Site:
 
         local = copy.deepcopy(model)
         local.train()
-        optimizer = torch.optim.SGD([p for p in local.parameters() if p.requires_grad], lr=lr)
+        optimizer = self.dp_optimizer([p for p in local.parameters() if p.requires_grad], lr)
         engine = SitePrivacyEngine(
             local, optimizer, TensorDataset(self.x, self.y),
-            loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"),
+            loss_fn=self.dp_loss(),
             noise_multiplier=noise_multiplier, max_grad_norm=clip_norm,
             sample_rate=sample_rate, patient_ids=self.patient_ids.tolist(), unit=unit,
             target_quantile=target_quantile, count_stddev=count_stddev)
@@ -149,6 +160,6 @@ class Site:
         with warnings.catch_warnings():  # inputs need no grad; Opacus' hook warns about it
             warnings.simplefilter("ignore", UserWarning)
             _, rows = site_unit_gradients(
-                local, torch.nn.CrossEntropyLoss(reduction="sum"), self.x[rec], self.y[rec],
+                local, self.dp_loss(), self.x[rec], self.y[rec],
                 self.patient_ids[records].tolist() if unit == "patient" else None, unit)
         return rows

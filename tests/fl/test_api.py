@@ -5,6 +5,7 @@ back in one line of plain torch."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -133,3 +134,49 @@ def test_the_cnn_learns_bundled_digits_and_its_site_gradients_are_per_patient() 
     model = make_model("cnn", 64, 10)
     rows = Site(1, table.subset(np.arange(40))).unit_gradients(model, sample_rate=1.0)
     assert rows.shape == (40, sum(p.numel() for p in model.parameters()))
+
+
+class _CountingLoss(torch.nn.CrossEntropyLoss):
+    reductions: ClassVar[list[str]] = []
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        _CountingLoss.reductions.append(self.reduction)
+        return super().forward(input, target)
+
+
+class _CountingSGD(torch.optim.SGD):
+    steps = 0
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        _CountingSGD.steps += 1
+        return super().step(closure)
+
+
+def test_the_dp_modes_use_the_sites_own_loss_and_optimizer() -> None:
+    """Site mode steps with a fresh optimizer of the user's class and settings and the
+    user's loss summed over the batch; distributed mode's per-patient gradients use the
+    same loss; the user's loss object is left as it was; a loss without ``reduction`` is
+    refused with a message that says what to pass."""
+    x, y = _data(40, 9)
+    module = TwoBranchNet()
+    loss = _CountingLoss()
+    site = PrivateSite(module, _CountingSGD(module.parameters(), lr=0.05),
+                       DataLoader(TensorDataset(x, y), batch_size=8), loss_fn=loss,
+                       patient_ids=[i // 2 for i in range(40)])
+    _CountingLoss.reductions.clear()
+    _CountingSGD.steps = 0
+    site.contribute(RoundTask(mode="site", round=1, cohort=3, seed=0, noise_multiplier=1.0,
+                              clip_norm=1.0, sample_rate=0.5, steps=3, lr=0.5))
+    assert _CountingSGD.steps == 3
+    assert _CountingLoss.reductions and set(_CountingLoss.reductions) == {"sum"}
+    assert loss.reduction == "mean"
+    _CountingLoss.reductions.clear()
+    rows = site.unit_gradients(site.module, sample_rate=1.0)  # distributed mode's input
+    assert rows.shape[0] == 20 and set(_CountingLoss.reductions) == {"sum"}
+
+    bare = PrivateSite(TwoBranchNet(), torch.optim.SGD([torch.zeros(1)], lr=0.1),
+                       site.data_loader, loss_fn=lambda out, target: out.sum())
+    with pytest.raises(ValueError, match="reduction"):
+        bare.contribute(RoundTask(mode="site", round=1, cohort=3, seed=0,
+                                  noise_multiplier=1.0, clip_norm=1.0, sample_rate=0.5,
+                                  steps=1, lr=0.5))
