@@ -33,12 +33,12 @@ import numpy.typing as npt
 import torch
 
 from dp.encoding import EncodingParams
-from fl import fields
 from fl.codec import DistributedCodec, FixedPointCodec
 from fl.privacy import DistributedPlan, Plan, SiteDpPlan
 from fl.settings import TrainSettings
 from fl.site import Scaler
 from fl.vector import ParameterLayout
+from transport import fields
 
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]

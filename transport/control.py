@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
 from secagg import Config
+from transport import fields
 
 MAX_CONTROL_BYTES = 16 << 20
 
@@ -100,38 +99,26 @@ def encode_control(message: Control) -> bytes:
         body = {"t": "offline", "reason": message.reason, "final": message.final}
     else:
         body = {"t": "client-abort", "reason": message.reason}
-    packed: bytes = msgpack.packb(body, use_bin_type=True)
-    return packed
+    return fields.pack_map(body)
 
 
-def _get(body: Mapping[Any, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+_FIELD = {"error": ControlError, "what": "control field"}
+
+
+def _mapping(body: Mapping[Any, Any], key: str) -> dict[Any, Any]:
     value = body.get(key)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise ControlError(f"control field {key!r} is missing or not {kind}")
+    if not isinstance(value, dict):
+        raise ControlError(f"control field {key!r} must be a map")
     return value
 
 
-def _ids(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 32 for v in value):
-        raise ControlError(f"control field {what!r} must be a list of client ids")
-    return tuple(value)
-
-
 def decode_control(data: bytes) -> Control:
-    if len(data) > MAX_CONTROL_BYTES:
-        raise ControlError("control message too large")
-    try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=len(data),
-                               max_str_len=1 << 16, max_array_len=1 << 21,
-                               max_map_len=1 << 21)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ControlError(f"control payload is not msgpack: {exc}") from None
-    if not isinstance(body, dict):
-        raise ControlError("control payload is not a map")
+    body = fields.unpack_map(data, MAX_CONTROL_BYTES, error=ControlError,
+                             max_entries=1 << 21, max_array_len=1 << 21,
+                             what="control payload")
     kind = body.get("t")
     if kind == "start":
-        config = _get(body, "config", dict)
+        config = _mapping(body, "config")
         deadlines = body.get("deadlines", {})
         if not isinstance(deadlines, dict) or not all(
                 isinstance(k, str) and isinstance(v, (int, float)) for k, v in deadlines.items()):
@@ -139,24 +126,26 @@ def decode_control(data: bytes) -> Control:
         nonce = body.get("nonce", b"")
         if not isinstance(nonce, bytes) or len(nonce) not in (0, 32):
             raise ControlError("control field 'nonce' must be 32 bytes")
-        return RoundStart(_get(body, "session", bytes), config, _get(body, "clients", int),
-                          deadlines, nonce)
+        return RoundStart(fields.raw(body, "session", **_FIELD), config,
+                          fields.integer(body, "clients", **_FIELD), deadlines, nonce)
     if kind == "end":
         dropped = body.get("dropped", {})
         if not isinstance(dropped, dict) or not all(
                 isinstance(k, int) and isinstance(v, str) for k, v in dropped.items()):
             raise ControlError("control field 'dropped' must map client id -> stage")
-        return RoundEnd(_get(body, "session", bytes), _ids(body.get("included"), "included"),
-                        dropped)
+        return RoundEnd(fields.raw(body, "session", **_FIELD),
+                        fields.site_ids(body, "included", **_FIELD), dropped)
     if kind == "abort":
-        return RoundAbort(_get(body, "session", bytes), _get(body, "reason", str))
+        return RoundAbort(fields.raw(body, "session", **_FIELD),
+                          fields.text(body, "reason", limit=1 << 16, **_FIELD))
     if kind == "receipt":
-        digest = _get(body, "digest", bytes)
-        if len(digest) != 32:
-            raise ControlError("receipt digest must be 32 bytes")
-        return Receipt(digest, bool(_get(body, "ok", bool)), str(body.get("reason", "")))
+        digest = fields.raw(body, "digest", (32,), **_FIELD)
+        ok = body.get("ok")
+        if not isinstance(ok, bool):
+            raise ControlError("control field 'ok' must be true or false")
+        return Receipt(digest, ok, str(body.get("reason", "")))
     if kind == "offline":
         return Offline(str(body.get("reason", "")), body.get("final") is not False)
     if kind == "client-abort":
-        return ClientAbort(_get(body, "reason", str))
+        return ClientAbort(fields.text(body, "reason", limit=1 << 16, **_FIELD))
     raise ControlError(f"unknown control message type {kind!r}")

@@ -18,8 +18,9 @@ topic                                   writer        carries
                                                       its last will
 ======================================  ============  ===========================================
 
-The codec is that of ``transport.control``: a msgpack map with a type tag ``t``, every field
-checked for type and range on decoding; anything else raises :class:`WireError` (a
+The codec is transport's (:mod:`transport.fields`, shared with ``transport.control``): a
+bounded msgpack map with a type tag ``t``, every field checked for type and range by the
+same helpers on decoding; anything else raises :class:`WireError` (a
 ``transport.control.ControlError``), which the receiving loop logs and drops.
 """
 
@@ -30,12 +31,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
-
-from fl import fields
-from fl.fields import MAX_ROSTER
 from secagg.config import SECURITY_MODES
+from transport import fields
 from transport.control import ControlError
+from transport.fields import MAX_ROSTER
 from transport.framing import HEADER_BYTES, frame
 from transport.link import Will
 from transport.topics import Topics, check_round_name
@@ -206,8 +205,7 @@ _TAGS: dict[type, str] = {Waiting: "waiting", Announce: "announce", Done: "done"
 
 def pack(tag: str, body: Mapping[str, Any]) -> bytes:
     """A msgpack map with type tag ``t`` and version ``v`` (the blob uses it too)."""
-    data: bytes = msgpack.packb({**body, "t": tag, "v": VERSION}, use_bin_type=True)
-    return data
+    return fields.pack_map({**body, "t": tag, "v": VERSION})
 
 
 def encode_message(message: CoordinatorMessage | SiteMessage) -> bytes:
@@ -217,15 +215,7 @@ def encode_message(message: CoordinatorMessage | SiteMessage) -> bytes:
 
 
 def unpack(data: bytes, limit: int) -> dict[Any, Any]:
-    if len(data) > limit:
-        raise WireError(f"message of {len(data)} bytes exceeds {limit}")
-    try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=len(data),
-                               max_str_len=1 << 16, max_array_len=1 << 20, max_map_len=64)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise WireError(f"not msgpack: {exc}") from None
-    if not isinstance(body, dict):
-        raise WireError("not a map")
+    body = fields.unpack_map(data, limit, error=WireError)
     if body.get("v") != VERSION:
         raise WireError(f"unsupported message version {body.get('v')!r} (this is {VERSION})")
     return body

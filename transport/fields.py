@@ -1,10 +1,12 @@
-"""Field-by-field checks of decoded msgpack maps, in the style of ``transport.control``.
+"""The one msgpack codec for control-plane maps, and field-by-field checks of them.
 
-One set of checks for everything ``fl`` decodes from a peer: the round task
-(:mod:`fl.contribution`) and the federation messages (:mod:`fl.remote.messages`). Each
-caller names the error type its readers catch (``error=``) and how a field is called in
-messages (``what=``); anything of the wrong type or out of range raises it, so a hostile
-peer can make a party refuse a message, never crash it.
+Used by everything that decodes a map from a peer: the round control messages
+(:mod:`transport.control`), the round task (:mod:`fl.contribution`) and the federation
+messages (:mod:`fl.remote.messages`). :func:`unpack_map` decodes with every msgpack limit
+set from the message's size before anything is allocated; each caller names the error type
+its readers catch (``error=``) and how a field is called in messages (``what=``); anything
+of the wrong type or out of range raises it, so a hostile peer can make a party refuse a
+message, never crash it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
 
 MAX_SITE_ID = (1 << 32) - 1
 MAX_ROSTER = 1 << 16
@@ -78,3 +82,26 @@ def names(body: Mapping[Any, Any], key: str, *, error: type[ValueError] = FieldE
             isinstance(v, str) and len(v) <= 1024 for v in value):
         raise error(f"{what} {key!r} must be a list of strings")
     return tuple(value)
+
+
+def pack_map(body: Mapping[str, Any]) -> bytes:
+    """``body`` as a msgpack map (bytes as bin, strings as str)."""
+    data: bytes = msgpack.packb(dict(body), use_bin_type=True)
+    return data
+
+
+def unpack_map(data: bytes, limit: int, *, error: type[ValueError] = FieldError,
+               max_entries: int = 64, max_array_len: int = 1 << 20,
+               max_str_len: int = 1 << 16, what: str = "message") -> dict[Any, Any]:
+    """Decode a msgpack map of at most ``limit`` bytes; anything else raises ``error``."""
+    if len(data) > limit:
+        raise error(f"{what} of {len(data)} bytes exceeds {limit}")
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=len(data),
+                               max_str_len=max_str_len, max_array_len=max_array_len,
+                               max_map_len=max_entries)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise error(f"{what} is not msgpack: {exc}") from None
+    if not isinstance(body, dict):
+        raise error(f"{what} is not a map")
+    return body
