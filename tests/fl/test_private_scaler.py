@@ -136,14 +136,19 @@ def test_the_scaler_charge_is_written_before_the_sum_exists(
     assert resumed["rounds"][0]["epsilon"] > fresh["final_epsilon"]
 
 
+def _median_accuracy(settings: TrainSettings, runs: int) -> float:
+    return sorted(train(settings)["final_accuracy"] for _ in range(runs))[runs // 2]
+
+
 def test_breast_cancer_under_dp_learns_with_the_noised_scaler() -> None:
-    """Unscaled, breast-cancer under DP stays at chance (its features span 0.001..4000);
-    with the noised scaler (10 % of the budget) it is clearly better (epsilon 8, 30 runs:
-    0.920 to 0.947; epsilon 4, 20 runs: 0.805 to 0.938; chance 0.628)."""
+    """Unscaled, breast-cancer under DP mostly stays at chance (its features span 0.001..4000;
+    150 runs: 139 at chance 0.628, the rest spread from 0.372 to 0.876, so one run proves
+    nothing: medians of 9); with the noised scaler (10 % of the budget) it is clearly better
+    (epsilon 8, 30 runs: 0.920 to 0.947; epsilon 4, 20 runs: 0.805 to 0.938)."""
     settings = replace(BC, rounds=5, epsilon=8.0)
     chance = float(np.bincount(load_split(BC).test.y).max() / len(load_split(BC).test))
-    scaled = train(settings)["final_accuracy"]
-    unscaled = train(replace(settings, scaling="none"))["final_accuracy"]
+    scaled = _median_accuracy(settings, 9)
+    unscaled = _median_accuracy(replace(settings, scaling="none"), 9)
     assert scaled >= chance + 0.15 and unscaled <= chance + 0.01
 
 

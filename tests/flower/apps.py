@@ -2,17 +2,19 @@
 
 A node's train reply is a fixed function of its node id and the server round, so a test
 can compute the plaintext sum every securely aggregated round must equal. ``dropping``
-nodes raise (Flower turns that into an error reply) at the stage a seeded plan picks.
+nodes raise (Flower turns that into an error reply) at the stage a plan picks. A plan is a
+function of the node id, the server round and the round's roster (Flower draws node ids at
+random, so a plan that must hit every stage picks nodes by their position in the roster).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl.flower import RoundReport, RoundSetup, secagg_mod
@@ -22,7 +24,8 @@ from fl.flower.records import RECORD, SETUP, stage_of
 SHAPES = {"w": (3, 4), "b": (4,)}
 STAGES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
 EXCLUDING = ("advertise_keys", "share_keys", "masked_input")  # no masked input: not summed
-DropPlan = Callable[[int, int], str | None]
+DropPlan = Callable[[int, int, Sequence[int]], str | None]  # (node, round, roster) -> stage
+PLANNED = "test-planned-drop"  # the node's planned stage for the current round, in its state
 
 
 def initial_arrays() -> ArrayRecord:
@@ -38,22 +41,21 @@ def reply_content(node_id: int, server_round: int) -> RecordDict:
                        "metrics": MetricRecord(metrics)})
 
 
-def random_drops(rate: float, seed: int, stages: Iterable[str] = STAGES) -> DropPlan:
-    """Each node drops in a round with probability ``rate``, at a random stage."""
+def ranked_drops(per_stage: int, seed: int, stages: Iterable[str] = STAGES) -> DropPlan:
+    """In every round, ``per_stage`` nodes drop at each stage; which nodes is a seeded draw of
+    positions in the roster (so every stage is hit whatever node ids Flower assigns)."""
     choices = tuple(stages)
 
-    def plan(node_id: int, server_round: int) -> str | None:
-        rng = random.Random(f"{seed}|{node_id}|{server_round}")
-        return rng.choice(choices) if rng.random() < rate else None
+    def plan(node_id: int, server_round: int, roster: Sequence[int]) -> str | None:
+        ranked = sorted(roster)
+        if node_id not in ranked:
+            return None
+        picked = random.Random(f"{seed}|{server_round}").sample(
+            range(len(ranked)), per_stage * len(choices))
+        position = ranked.index(node_id)
+        return choices[picked.index(position) % len(choices)] if position in picked else None
 
     return plan
-
-
-def round_of(msg: Message) -> int:
-    record = msg.content.config_records.get(RECORD)
-    if record is not None and SETUP in record:
-        return RoundSetup.from_bytes(record[SETUP]).server_round
-    return int(msg.metadata.group_id)
 
 
 class Dropout(RuntimeError):
@@ -61,9 +63,19 @@ class Dropout(RuntimeError):
 
 
 def dropout_mod(plan: DropPlan) -> Any:
+    """Raise at the planned stage. The round's first message carries its setup (and roster):
+    the node works out its plan then and keeps it in its state for the later stages."""
     def mod(msg: Message, context: Context, call_next: Any) -> Message:
-        stage = stage_of(msg) if msg.metadata.message_type == "train" else None
-        if stage is not None and plan(msg.metadata.dst_node_id, round_of(msg)) == stage:
+        if msg.metadata.message_type != "train":
+            return call_next(msg, context)
+        record = msg.content.config_records.get(RECORD)
+        if record is not None and SETUP in record:
+            setup = RoundSetup.from_bytes(record[SETUP])
+            planned = plan(msg.metadata.dst_node_id, setup.server_round, setup.roster)
+            context.state[PLANNED] = ConfigRecord({"stage": planned or ""})
+        stage = stage_of(msg)
+        saved = context.state.config_records.get(PLANNED)
+        if stage is not None and saved is not None and saved["stage"] == stage:
             raise Dropout(f"node {msg.metadata.dst_node_id} drops in {stage}")
         return call_next(msg, context)
 
@@ -71,7 +83,7 @@ def dropout_mod(plan: DropPlan) -> Any:
 
 
 def client_app(plan: DropPlan | None = None, mods: list[Any] | None = None) -> ClientApp:
-    app = ClientApp(mods=[dropout_mod(plan or (lambda n, r: None)),
+    app = ClientApp(mods=[dropout_mod(plan or (lambda n, r, roster: None)),
                           *(mods if mods is not None else [secagg_mod])])
 
     @app.train()
@@ -100,7 +112,7 @@ def expected_total(report: RoundReport) -> np.ndarray:
 
 def expected_included(report: RoundReport, plan: DropPlan) -> frozenset[int]:
     return frozenset(node for node in report.setup.roster
-                     if plan(node, report.server_round) not in EXCLUDING)
+                     if plan(node, report.server_round, report.setup.roster) not in EXCLUDING)
 
 
 def weighted_average(nodes: Iterable[int], server_round: int) -> dict[str, np.ndarray]:

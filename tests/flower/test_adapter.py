@@ -28,7 +28,7 @@ from tests.flower import apps
 
 def _plan_by_position(grid: LocalGrid, stages: dict[int, str]) -> apps.DropPlan:
     by_node = {grid.nodes[i]: stage for i, stage in stages.items()}
-    return lambda node, server_round: by_node.get(node)
+    return lambda node, server_round, roster: by_node.get(node)
 
 
 def _grid(n: int, drops: dict[int, str] | None = None,

@@ -94,7 +94,7 @@ def test_a_dropout_before_the_masked_input_aborts_flowers_round_and_not_this_one
     grid = LocalGrid(None, NODES)
     leaver = grid.nodes[2]
     grid.app = apps.client_app(
-        lambda node, rnd: "share_keys" if node == leaver else None)
+        lambda node, rnd, roster: "share_keys" if node == leaver else None)
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=NODES),
                                 neighbors=None, threshold=3)
     wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
