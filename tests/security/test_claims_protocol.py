@@ -1,0 +1,56 @@
+"""Claims of docs/protocol.md (3.3a, 7.2) and docs/security.md (finding 7) that had no
+attack of their own: a client flooding the real server with rejected messages leaves a
+bounded rejection log and the round exact."""
+
+from __future__ import annotations
+
+import pytest
+from adversary import threat
+from harness import Round, server_state
+
+from secagg import Config, ProtocolAbort, ProtocolError, encode
+from secagg.messages import MaskedInput, decode
+
+pytestmark = pytest.mark.security
+
+VICTIM = 1
+LOG = 1024  # docs/protocol.md 3.3a: the most recent 1024 rejections are kept
+
+
+@threat(attack="Filling the server's rejection log",
+        adversary="malicious client",
+        controls="20,000 rejected messages in one stage: truncated and oversized bytes, "
+                 "another session's message, a message claiming another client's id, a "
+                 "second different masked input",
+        protocol="Server.rejected keeps the most recent 1024 rejections, each a client id and "
+                 "a short reason that quotes none of the attacker's bytes; no rejection "
+                 "changes the round or aborts it")
+def test_a_rejection_flood_leaves_a_bounded_log_and_an_exact_round() -> None:
+    rnd = Round(Config(num_clients=5, dim=256, bits=16), context=b"reject-log")
+    rnd.run_until(MaskedInput)
+    good = rnd.pending[VICTIM]
+    rnd.server.receive(VICTIM, good)
+    after_first = server_state(rnd.server)
+    msg = decode(good)
+    assert isinstance(msg, MaskedInput)
+    secret = b"attacker-chosen bytes " * 40
+    junk = [good[:-1], good + b"\x00", secret, good[:40] + secret,
+            encode(MaskedInput(bytes(32), VICTIM, 16, 256, bytes(512), msg.peers_digest)),
+            encode(MaskedInput(msg.session_id, VICTIM, 16, 256, bytes(512), msg.peers_digest)),
+            encode(MaskedInput(msg.session_id, 2, 16, 256, bytes(512), msg.peers_digest)),
+            b"\xff" * (rnd.server.max_message_bytes() + 1)]
+    for i in range(20_000):
+        with pytest.raises(ProtocolError) as info:
+            rnd.server.receive(VICTIM, junk[i % len(junk)])
+        assert not isinstance(info.value, ProtocolAbort)
+    assert len(rnd.server.rejected) == LOG
+    assert {cid for cid, _ in rnd.server.rejected} == {VICTIM}
+    assert max(len(reason) for _, reason in rnd.server.rejected) < 200
+    assert not any("attacker" in reason for _, reason in rnd.server.rejected)
+    # the newest are kept: the last junk sent (the oversized one) is the last entry
+    with pytest.raises(ProtocolError):
+        rnd.server.receive(VICTIM, junk[-1])
+    assert "more than" in rnd.server.rejected[-1][1]
+    assert server_state(rnd.server) == after_first and rnd.server.aborted is None
+    result = rnd.assert_correct()
+    assert VICTIM in result.included
