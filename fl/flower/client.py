@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from fl.flower.encoding import F64, U64, ReplyError, encode_reply, encoded_dim, flatten
-from fl.flower.guard import ABORTED, GuardError, default_directory, hold
+from fl.flower.guard import (
+    ABORTED,
+    GuardError,
+    default_directory,
+    hold,
+    prune,
+    record_name,
+    snapshot_key,
+)
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE, secagg_record
 from fl.flower.setup import RoundSetup, SetupError
 from secagg import Client, ProtocolAbort, SigningKey, Stage, encode
@@ -51,8 +59,12 @@ class NodePolicy:
     malicious-mode round only if the setup gives it its own key and every other key is
     enrolled, so the server cannot slip in identities of its own.
 
-    ``stage_dir``: where the node records, per round, the last stage it answered
-    (:mod:`fl.flower.guard`; default ``<tmp>/secagg-flower/node-<id>``)."""
+    ``stage_dir``: where the node records, per round, the last stage it answered and the
+    round's snapshot key (:mod:`fl.flower.guard`; default
+    ``<tmp>/secagg-flower/node-<id>``); ``keep_rounds``: how many of those records it keeps
+    (the most recently used; each is 67 bytes). A pruned round can no longer be answered
+    (its snapshot key is gone), so keep more records than rounds a node can have open at
+    once."""
 
     min_clients: int = 2
     require_dp: bool = False
@@ -61,6 +73,13 @@ class NodePolicy:
     signing_key: SigningKey | None = None
     trusted_keys: frozenset[bytes] = frozenset()
     stage_dir: str | None = None
+    keep_rounds: int = 1024
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep_rounds, bool) or not isinstance(self.keep_rounds, int) \
+                or self.keep_rounds < 1:
+            raise ValueError(f"NodePolicy.keep_rounds must be a positive integer (the stage "
+                             f"records a node keeps), got {self.keep_rounds!r}")
 
     def directory(self, context: Any) -> Path:
         """Where this node keeps its forward-only stage records (fl.flower.guard)."""
@@ -163,12 +182,11 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
                     roster=range(1, setup.num_clients + 1), context=setup.context(),
                     nonce=setup.nonce, **policy.identity(setup))
     advertisement = encode(client.advertise())
-    with hold(policy.directory(context), client.session_id, client_id) as record:
-        if record.stage is not None:
-            raise GuardError("this node already joined this round (same session); a round "
-                             "is joined once")
-        record.answer(int(client.stage), advertisement)
-        _save(context, setup, client, policy)
+    directory = policy.directory(context)
+    with hold(directory, client.session_id, client_id) as record:
+        record.join_round(int(client.stage), advertisement)
+        _save(context, setup, client, snapshot_key(record, policy.snapshot_key))
+    prune(directory, policy.keep_rounds, record_name(client.session_id, client_id))
     return _reply(msg, client.session_id, advertisement)
 
 
@@ -191,10 +209,11 @@ def _continue(msg: Any, context: Any, record: Any, policy: NodePolicy) -> Any:
     with hold(policy.directory(context), session, client_id) as stage_record:
         if stage_record.stage == ABORTED:
             raise GuardError("this node aborted the round; it answers nothing more in it")
+        key = snapshot_key(stage_record, policy.snapshot_key)
         client = Client.restore(
             saved.get("snapshot"), config=setup.config(encoded_dim(setup)),
             client_id=client_id, context=setup.context(),
-            roster=range(1, setup.num_clients + 1), key=policy.snapshot_key,
+            roster=range(1, setup.num_clients + 1), key=key,
             min_stage=None if stage_record.stage is None else Stage(stage_record.stage),
             **policy.identity(setup))
         try:
@@ -208,7 +227,7 @@ def _continue(msg: Any, context: Any, record: Any, policy: NodePolicy) -> Any:
         if client.done:
             context.state.config_records.pop(STATE, None)
         else:
-            _save(context, setup, client, policy)
+            _save(context, setup, client, key)
     return _reply(msg, client.session_id, out)
 
 
@@ -220,12 +239,12 @@ def _error(msg: Any, reason: str) -> Any:
                    reply_to=msg)
 
 
-def _save(context: Any, setup: RoundSetup, client: Client, policy: NodePolicy) -> None:
+def _save(context: Any, setup: RoundSetup, client: Client, key: bytes) -> None:
     from flwr.app import ConfigRecord
 
     context.state.config_records[STATE] = ConfigRecord({
         SETUP: setup.to_bytes(), SESSION: client.session_id,
-        "snapshot": client.snapshot(policy.snapshot_key)})
+        "snapshot": client.snapshot(key)})
 
 
 def reply_vector(setup: RoundSetup, content: Any, sent: F64 | None) -> U64:

@@ -487,7 +487,7 @@ def test_a_corrupted_stage_record_is_refused(tmp_path: Any) -> None:
     from fl.flower.guard import GuardError, hold
 
     with hold(tmp_path, b"\x01" * 32, 3) as record:
-        record.answer(2, b"reply")
+        record.join_round(2, b"reply")
     (path,) = tmp_path.iterdir()
     path.write_bytes(b"garbage")
     with pytest.raises(GuardError, match="corrupted"), hold(tmp_path, b"\x01" * 32, 3):
