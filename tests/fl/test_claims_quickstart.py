@@ -1,0 +1,43 @@
+"""docs/quickstart.md section 1: an attempt left with fewer sites than the threshold aborts,
+releases nothing and is retried; the round is charged once (write-ahead), however many
+attempts it takes; a round that fails every attempt stops the run with its charge kept."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fl.coordinator import RoundFailed
+from fl.federation import privacy_plan, train
+from fl.settings import TrainSettings
+
+# seed 2: round 2's first attempt loses too many sites and aborts (drop_schedule is seeded)
+RUN = TrainSettings(sites=5, rounds=2, drop_rate=0.3, broker="memory", seed=2, dataset="ehr",
+                    ehr_patients=120, dp="distributed", epsilon=4.0, sample_rate=0.2)
+
+
+def test_an_aborted_attempt_is_retried_releases_nothing_and_costs_nothing_more() -> None:
+    plan = privacy_plan(RUN)
+    report = train(RUN)
+    rows = report["rounds"]
+    assert [r["attempts"] for r in rows] == [1, 2]
+    # charged once per round, exactly the plan (which knows nothing of attempts)
+    assert [r["epsilon"] for r in rows] == plan["epsilon_after"][:2]
+    # one release per round: the aborted attempt released nothing
+    rounds_released = [x["round"] for x in report["releases"] if x["round"] >= 1]
+    assert rounds_released == [1, 2]
+    assert all(r["aggregate_correct"] for r in rows)
+
+
+def test_a_round_that_fails_every_attempt_stays_charged(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    hopeless = replace(RUN, drop_rate=0.9, max_attempts=2, checkpoint=str(ck))
+    with pytest.raises(RoundFailed, match="aborted 2 times"):
+        train(hopeless)
+    state = json.loads((ck / "state.json").read_text())
+    # nothing was released (no round completed), but round 1's write-ahead charge is kept
+    assert state["round"] == 0 and state["history"] == []
+    assert len(state["events"]) == 1 and state["events"][0]["kind"] == "rdp"
