@@ -86,11 +86,17 @@ COMMON = ["--dataset", "breast-cancer", "--seed", "0", "--stage-timeout", "15",
           "--federation", "test-fed"]
 
 
+READY_TIMEOUT = "90"
+"""A site trains before it says Ready: its first round also imports and warms up torch,
+measured at 15.3 s with three sites on a loaded 2-core machine (load average ~3), so a
+30 s ready deadline dropped a site now and then; the deadline is only a ceiling."""
+
+
 def start(urls: dict[str, str], report: Path, rounds: int,
           extra: list[str] | None = None) -> tuple[Party, dict[int, Party]]:
     coordinator = Party(["--role", "coordinator", "--sites", "1,2,3", "--rounds", str(rounds),
                          "--dp", "none", "--broker", urls[SERVER_USER], "--report",
-                         str(report), "--join-timeout", "60", "--ready-timeout", "30",
+                         str(report), "--join-timeout", "60", "--ready-timeout", READY_TIMEOUT,
                          "--insecure-verify", *COMMON, *(extra or [])])
     sites = {cid: Party(["--role", "site", "--site-id", str(cid), "--sites", "3",
                          "--broker", urls[site_name(cid)], "--idle-timeout", "60",
@@ -99,7 +105,7 @@ def start(urls: dict[str, str], report: Path, rounds: int,
     return coordinator, sites
 
 
-def finish(coordinator: Party, sites: dict[int, Party], timeout: float = 100.0) -> None:
+def finish(coordinator: Party, sites: dict[int, Party], timeout: float = 150.0) -> None:
     try:
         code = coordinator.wait(timeout)
         assert code == 0, coordinator.log
@@ -139,11 +145,16 @@ def test_coordinator_and_three_site_processes_train(tmp_path: Path) -> None:
 
 
 def test_training_completes_when_a_site_is_killed(tmp_path: Path) -> None:
+    """Site 3 is killed once round 1 is reported. Measured (load average ~3): rounds 2 and 3
+    took 0.24 s and 0.14 s, and the coordinator logged site 3 offline 0.17 s after the
+    round-1 line, so with 3 rounds a slightly later kill left site 3 in round 3 and failed
+    the test. With 8 rounds the kill has six rounds to land; from the round where site 3 is
+    first dropped on, it is absent from every round, and at least one round runs without it."""
     report_path = tmp_path / "report.json"
     with federation_broker() as urls:
-        coordinator, sites = start(urls, report_path, rounds=3)
+        coordinator, sites = start(urls, report_path, rounds=8)
         try:
-            coordinator.wait_for("round   1/3", timeout=100)
+            coordinator.wait_for("round   1/8", timeout=100)
             os.kill(sites[3].proc.pid, signal.SIGKILL)
             sites[3].wait(10)
             finish(coordinator, {c: p for c, p in sites.items() if c != 3})
@@ -152,9 +163,12 @@ def test_training_completes_when_a_site_is_killed(tmp_path: Path) -> None:
                 party.kill()
     report = json.loads(report_path.read_text())
     rows = report["rounds"]
-    assert [row["round"] for row in rows] == [1, 2, 3]
+    assert [row["round"] for row in rows] == list(range(1, 9))
     assert rows[0]["included"] == [1, 2, 3]
-    assert rows[-1]["included"] == [1, 2] and rows[-1]["dropped"] == {"3": "absent"}
+    first = next((i for i, row in enumerate(rows) if "3" in row["dropped"]), None)
+    assert first is not None and 1 <= first < len(rows) - 1, rows
+    for row in rows[first + 1:]:
+        assert row["included"] == [1, 2] and row["dropped"] == {"3": "absent"}, rows
     for row in rows:
         assert row["accuracy"] > 0.85
         assert row["aggregate_correct"] is True
