@@ -254,10 +254,12 @@ documented non-guarantees are strict xfails in section 4.
    redelivery of any earlier server message with its earlier reply (P4), the canonical
    decoder, the sticky server abort, the client's erasure, and the finder's malicious
    bound 2t > k + c (`secagg_plus_parameters(50, 0, 0.1, "malicious")` gives (9, 8)).
-7. *Unbounded rejection log* - **fixed.** `Server.rejected` keeps the last 1024 entries.
+7. *Unbounded rejection log* - **fixed.** `Server.rejected` keeps the last 1024 entries
+   (`test_a_rejection_flood_leaves_a_bounded_log_and_an_exact_round`).
 8. *Stale test metadata* - **fixed.** The threat texts now describe the current code.
 9. *Parameter finder not minimal* - **fixed.** The finder scans a window below the
-   bisection point and agrees with a linear scan on the test grid.
+   bisection point and agrees with a linear scan on a grid of 320 cases
+   (`tests/secagg/test_claims_finder.py`).
 10. *Late object redelivery* - **fixed.** Bytes and objects are treated alike.
 11. *Blame beyond the decoding radius* - **superseded by 13.** Naming holders off a
     polynomial found beyond the decoding radius let colluders frame honest holders.
@@ -340,6 +342,7 @@ def render(cases: list[Case], code: int, seconds: float) -> str:
     unclassified = [c for c in cases if "threat.attack" not in c.props]
     order = ["test_malicious_server", "test_collusion_and_output", "test_malicious_clients",
              "test_protocol_replay", "test_protocol_findings", "test_parsing_robustness",
+             "test_claims_protocol",
              "test_transport_broker", "test_transport_reassembly", "test_gradient_leakage",
              "test_privacy_audit"]
 

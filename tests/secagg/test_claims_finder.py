@@ -5,6 +5,7 @@ scan of every degree gives, although it bisects and scans only a window below.""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 from secagg import secagg_plus_parameters
 from secagg.graph import sparse_threshold_range
@@ -43,3 +44,18 @@ def test_the_finder_agrees_with_a_linear_scan_on_the_grid() -> None:
             disagreements.append((n, dropout, corrupt, security, found, expected))
     assert not disagreements
     assert 0 < sparse < len(GRID)  # the grid has both sparse and complete-graph answers
+
+
+def test_the_parameters_the_docs_quote_are_the_finders() -> None:
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    text = {name: " ".join((docs / name).read_text(encoding="utf-8").split())
+            for name in ("security.md", "flower.md", "performance.md")}
+    mal = secagg_plus_parameters(50, 0, 0.1, "malicious")
+    assert (mal.neighbors, mal.threshold) == (9, 8)
+    assert '`secagg_plus_parameters(50, 0, 0.1, "malicious")` gives (9, 8)' in text["security.md"]
+    flower = secagg_plus_parameters(50, 0.1, 0)
+    assert (flower.neighbors, flower.threshold) == (13, 7)
+    assert "k = 13, t = 7 (`secagg_plus_parameters(50, 0.1, 0)`)" in text["flower.md"]
+    for n in (100, 200, 400, 800, 1600):  # the SecAgg+ table of docs/performance.md
+        p = secagg_plus_parameters(n, 0.1, 0.1)
+        assert f"| {n} | {p.neighbors} | {p.threshold} |" in text["performance.md"]
