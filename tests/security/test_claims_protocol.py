@@ -26,7 +26,7 @@ LOG = 1024  # docs/protocol.md 3.3a: the most recent 1024 rejections are kept
                  "a short reason that quotes none of the attacker's bytes; no rejection "
                  "changes the round or aborts it")
 def test_a_rejection_flood_leaves_a_bounded_log_and_an_exact_round() -> None:
-    rnd = Round(Config(num_clients=5, dim=256, bits=16), context=b"reject-log")
+    rnd = Round(Config(num_clients=7, dim=512, bits=16), context=b"reject-log")
     rnd.run_until(MaskedInput)
     good = rnd.pending[VICTIM]
     rnd.server.receive(VICTIM, good)
@@ -35,9 +35,9 @@ def test_a_rejection_flood_leaves_a_bounded_log_and_an_exact_round() -> None:
     assert isinstance(msg, MaskedInput)
     secret = b"attacker-chosen bytes " * 40
     junk = [good[:-1], good + b"\x00", secret, good[:40] + secret,
-            encode(MaskedInput(bytes(32), VICTIM, 16, 256, bytes(512), msg.peers_digest)),
-            encode(MaskedInput(msg.session_id, VICTIM, 16, 256, bytes(512), msg.peers_digest)),
-            encode(MaskedInput(msg.session_id, 2, 16, 256, bytes(512), msg.peers_digest)),
+            encode(MaskedInput(bytes(32), VICTIM, 16, 512, bytes(1024), msg.peers_digest)),
+            encode(MaskedInput(msg.session_id, VICTIM, 16, 512, bytes(1024), msg.peers_digest)),
+            encode(MaskedInput(msg.session_id, 2, 16, 512, bytes(1024), msg.peers_digest)),
             b"\xff" * (rnd.server.max_message_bytes() + 1)]
     for i in range(20_000):
         with pytest.raises(ProtocolError) as info:
