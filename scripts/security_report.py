@@ -344,7 +344,7 @@ def render(cases: list[Case], code: int, seconds: float) -> str:
              "test_protocol_replay", "test_protocol_findings", "test_parsing_robustness",
              "test_claims_protocol",
              "test_transport_broker", "test_transport_reassembly", "test_gradient_leakage",
-             "test_privacy_audit"]
+             "test_privacy_audit", "test_claims_privacy"]
 
     def rank(c: Case) -> int:
         module = c.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
