@@ -1,6 +1,9 @@
-"""docs/quickstart.md section 1: an attempt left with fewer sites than the threshold aborts,
-releases nothing and is retried; the round is charged once (write-ahead), however many
-attempts it takes; a round that fails every attempt stops the run with its charge kept."""
+"""docs/quickstart.md section 1, what a run does with dropouts and in site mode.
+
+An attempt left with fewer sites than the threshold aborts, releases nothing and is
+retried; the round is charged once (write-ahead), however many attempts it takes; a round
+that fails every attempt stops the run with its charge kept. In site mode every site's
+input carries the weight 1, not its record count."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from fl.codec import FixedPointCodec
 from fl.coordinator import RoundFailed
 from fl.federation import privacy_plan, train
 from fl.settings import TrainSettings
@@ -41,3 +45,22 @@ def test_a_round_that_fails_every_attempt_stays_charged(tmp_path: Path) -> None:
     # nothing was released (no round completed), but round 1's write-ahead charge is kept
     assert state["round"] == 0 and state["history"] == []
     assert len(state["events"]) == 1 and state["events"][0]["kind"] == "rdp"
+
+
+def test_site_mode_weighs_sites_uniformly_and_sends_no_record_count() -> None:
+    """docs/quickstart.md section 1, --dp site: the sites are averaged uniformly because an
+    exact count would not be protected: every site's secure-aggregation input carries the
+    weight 1, whatever its number of records, so the sum reveals only how many sites were
+    included."""
+    captures = []
+    settings = TrainSettings(sites=4, rounds=1, broker="memory", seed=5, dataset="ehr",
+                             ehr_patients=160, dp="site", noise_multiplier=1.0,
+                             site_steps=1, sample_rate=0.2)
+    report = train(settings, on_capture=captures.append)
+    (capture,) = captures
+    assert len(set(capture.counts.values())) == 1 and set(capture.counts.values()) == {1}
+    codec = FixedPointCodec(capture.config.dim, bits=64, max_summands=len(capture.inputs))
+    for vector in capture.inputs.values():
+        assert codec.decode(vector)[-1] == 1.0  # the weight column of this site's input
+    assert codec.decode(capture.total)[-1] == len(capture.included)
+    assert report["rounds"][0]["count"] == len(capture.included)
