@@ -72,6 +72,8 @@ class TrainSettings:
             problems.append(f"--sites {self.sites}: need at least 2 sites")
         if self.rounds < 1:
             problems.append(f"--rounds {self.rounds}: need at least 1")
+        if self.max_attempts < 1:
+            problems.append(f"--max-attempts {self.max_attempts}: need at least 1")
         if self.dp not in DP_MODES:
             problems.append(f"--dp {self.dp}: use one of {', '.join(DP_MODES)}")
         if self.dp != "none" and self.epsilon is None and self.noise_multiplier is None:

@@ -146,6 +146,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "epsilon (at most --epsilon)")
     c.add_argument("--drop-rate", type=float, default=d.drop_rate, metavar="P",
                    help="probability a site drops out of a round, at a random stage")
+    c.add_argument("--max-attempts", type=int, default=d.max_attempts, metavar="N",
+                   help="attempts at each round before the run fails (a round aborts when "
+                        "too many sites drop out; each attempt is a fresh secure round)")
     r.add_argument("--broker", default=d.broker, metavar="embedded|memory|mosquitto|mqtt://..",
                    help="embedded MQTT broker (default), in-process memory bus, a local "
                         "Mosquitto, or an existing broker's URL")
@@ -258,6 +261,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         dp=(args.dp or "none") if args.role != "site" else "none",
         epsilon=args.epsilon if args.role != "site" else None,
         delta=args.delta, unit=args.unit, drop_rate=args.drop_rate,
+        max_attempts=args.max_attempts,
         broker=args.broker, seed=args.seed, local_epochs=args.local_epochs,
         fedprox_mu=args.fedprox_mu, lr=args.lr, server_lr=args.server_lr,
         batch_size=args.batch_size, model=args.model, alpha=args.alpha,

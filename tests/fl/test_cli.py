@@ -77,6 +77,20 @@ def test_errors_have_one_shape(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert capsys.readouterr().err.startswith("secagg simulate: error: --clients 1")
 
 
+def test_a_round_that_keeps_aborting_names_the_flag_that_gives_it_more_attempts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The message of a failed round tells the user to raise --max-attempts: the flag exists,
+    is honoured, and is checked."""
+    hopeless = ["train", "--sites", "5", "--rounds", "1", "--dataset", "ehr",
+                "--drop-rate", "0.9", "--broker", "memory", "--seed", "3"]
+    assert main([*hopeless, "--max-attempts", "0"]) == 2
+    assert capsys.readouterr().err.startswith("secagg train: error: --max-attempts 0")
+    assert main([*hopeless, "--max-attempts", "3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("secagg train: error: round 1 aborted 3 times")
+    assert "--max-attempts" in err and "Traceback" not in err
+
+
 def test_an_unreachable_broker_is_a_runtime_error_without_traceback(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), XDG_STATE_HOME=str(tmp_path))
     proc = subprocess.run(
