@@ -75,6 +75,11 @@ class RateGroup:
     epsilon: float
     """Accounted patient-level epsilon after the plan's steps (at most ``target_epsilon``)."""
 
+    @property
+    def key(self) -> str:
+        """The group's name in a site's ledger: its patients' (kept) records and target."""
+        return f"records={self.records},target={self.target_epsilon!r}"
+
     def as_dict(self) -> dict[str, Any]:
         return {"records": self.records, "target_epsilon": self.target_epsilon,
                 "patients": self.patients, "sample_rate": self.sample_rate,
@@ -147,6 +152,17 @@ class IdpPlan:
             raise PrivacyConfigError("per-step RDP exists for bound='rdp' only")
         return group_gaussian_rdp(self.noise_multiplier * self.clip_norm / group.clip_norm,
                                   group.sample_rate, group.records, steps, max_order=MAX_ORDER)
+
+    def group_events(self, steps: int) -> list[Any]:
+        """One :class:`dp.budget.RdpRound` per group: ``steps`` steps for one of its patients
+        (what :class:`GroupLedger` and a site's :class:`dp.policy.Ledger` compose)."""
+        from dp.budget import RdpRound
+
+        return [RdpRound.from_array(self.group_rdp(g, steps), "idp",
+                                    {"records": g.records, "sample_rate": g.sample_rate,
+                                     "noise_multiplier": self.noise_multiplier * self.clip_norm
+                                     / g.clip_norm, "steps": steps})
+                for g in self.groups]
 
     def describe(self) -> str:
         return (f"individual privacy assignment ({self.method}, {self.bound} accounting): noise "
@@ -353,10 +369,7 @@ class GroupLedger:
         self.steps_done = 0
 
     def _events(self, steps: int) -> list[Any]:
-        from dp.budget import RdpRound
-
-        return [RdpRound.from_array(self.plan.group_rdp(g, steps), "idp")
-                for g in self.plan.groups]
+        return self.plan.group_events(steps)
 
     def can_run(self, steps: int) -> bool:
         """Whether ``steps`` more steps keep every group within its target."""

@@ -35,8 +35,10 @@ from dp.errors import PrivacyConfigError, PrivacyError
 
 MODES = ("none", "site", "distributed")
 MECHANISMS = ("gaussian", "dgauss", "skellam")
-UNITS = ("patient", "record")
-"""The privacy units a site's policy can name: whose data one unit of sensitivity covers."""
+UNITS = ("patient", "record", "patient-idp")
+"""The privacy units a site's policy can name: whose data one unit of sensitivity covers
+(``patient-idp``: the patient, by individual per-record sampling rates per rate group,
+:mod:`dp.idp`; accounted per group)."""
 LEDGER_FORMAT = 1
 
 
@@ -72,6 +74,23 @@ class Proposal:
     event: Event | None
     label: str = ""
     unit: str = "patient"
+    groups: tuple[tuple[str, float, Event], ...] = ()
+    """``unit="patient-idp"``: ``(group key, target epsilon, event)`` per rate group of the
+    site's plan (each group's patients' cost; ``event`` is then None)."""
+
+    @classmethod
+    def site_idp(cls, plan: Any, *, steps: int, secagg_threshold: int,
+                 label: str = "") -> Proposal:
+        """Site mode under ``--unit patient-idp``: ``steps`` steps of the *site's own*
+        :class:`dp.idp.IdpPlan` (its rate groups from its own table); every group is
+        charged its own event (:meth:`dp.idp.IdpPlan.group_events`)."""
+        events = plan.group_events(steps) if steps >= 1 else []
+        groups = tuple((g.key, g.target_epsilon, e)
+                       for g, e in zip(plan.groups, events, strict=True))
+        return cls("train", "site", "gaussian", plan.noise_multiplier,
+                   max(g.sample_rate for g in plan.groups), steps,
+                   max(g.clip_norm for g in plan.groups), None, secagg_threshold, None, label,
+                   "patient-idp", groups)
 
     @classmethod
     def site_dp(cls, *, noise_multiplier: float, sample_rate: float, steps: int,
@@ -225,7 +244,7 @@ class SitePolicy:
         if p.mechanism not in self.mechanisms:
             raise PolicyRefused("mechanisms", f"mechanism {p.mechanism!r} is not among "
                                 f"this site's {list(self.mechanisms)}")
-        if p.event is None or not p.noise_multiplier > 0:
+        if (p.event is None and not p.groups) or not p.noise_multiplier > 0:
             raise PolicyRefused("min_noise_multiplier", "the proposed round adds no noise "
                                 "(or has no valid privacy bound)")
         if p.noise_multiplier < self.min_noise_multiplier:
@@ -274,6 +293,8 @@ class Charge:
     withdrawn: str | None = None
     unit: str | None = None
     """The privacy unit of the release (None in ledgers written before it was recorded)."""
+    groups: list[dict[str, Any]] | None = None
+    """``unit="patient-idp"``: per rate group its key, target, event and epsilon after."""
 
 
 @dataclass
@@ -328,9 +349,25 @@ class Ledger:
                 budget.spend(event_from_json(c.event))
         return budget
 
+    def group_budgets(self) -> dict[str, PrivacyBudget]:
+        """Per rate group (``patient-idp`` charges): everything its patients were charged,
+        composed (the releases charged to every patient, then the group's own events)."""
+        common = [event_from_json(c.event) for c in self.active() if c.event is not None]
+        out: dict[str, PrivacyBudget] = {}
+        for c in self.active():
+            for g in c.groups or ():
+                if g["group"] not in out:
+                    out[g["group"]] = PrivacyBudget(sys.float_info.max, self.policy.delta)
+                    for event in common:
+                        out[g["group"]].spend(event)
+                out[g["group"]].spend(event_from_json(g["event"]))
+        return out
+
     @property
     def epsilon(self) -> float:
-        return self.budget().spent[0]
+        """This site's epsilon: the largest of any patient's (a rate group's, if any)."""
+        return max([self.budget().spent[0],
+                    *(b.spent[0] for b in self.group_budgets().values())])
 
     @property
     def releases(self) -> int:
@@ -346,6 +383,9 @@ class Ledger:
                                 f"{self.releases} releases (its ceiling)")
         budget = self.budget()
         after = budget.spent[0]
+        groups = self._charge_groups(proposal, budget) if proposal.groups else None
+        if groups is not None:
+            after = max(g["epsilon_after"] for g in groups)
         if proposal.event is not None:
             after = budget.epsilon_after(proposal.event)
             if not math.isfinite(after):
@@ -361,10 +401,27 @@ class Ledger:
                        proposal.steps,
                        None if proposal.event is None else event_to_json(proposal.event),
                        after, time.time(), unit=None if proposal.mode == "none" else
-                       proposal.unit)
+                       proposal.unit, groups=groups)
         self._write([*self.charges, entry])
         self.charges.append(entry)
         return entry
+
+    def _charge_groups(self, proposal: Proposal, budget: PrivacyBudget
+                       ) -> list[dict[str, Any]]:
+        """Every rate group's epsilon after ``proposal``, refused if any passes its target
+        (or the site's budget). The refusal names no group: it goes to the coordinator."""
+        spent = self.group_budgets()
+        out = []
+        for key, target, event in proposal.groups:
+            after = spent.get(key, budget).epsilon_after(event)
+            cap = target if self.policy.epsilon is None else min(target, self.policy.epsilon)
+            if not after <= cap:
+                raise PolicyRefused("budget", "this release would take the patients of one of "
+                                    "this site's rate groups past their target epsilon (the "
+                                    "groups' spending is in the site's ledger)")
+            out.append({"group": key, "target_epsilon": target,
+                        "event": event_to_json(event), "epsilon_after": after})
+        return out
 
     def withdraw(self, charge: Charge, reason: str) -> None:
         """Undo ``charge`` -- only when its input never left the site."""

@@ -43,7 +43,7 @@ from transport import fields
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
 MODES = ("none", "site", "distributed")
-UNITS = ("patient", "record")
+UNITS = ("patient", "record", "patient-idp")
 SCALER_FRAC_BITS = 12
 Decoder = Callable[[U64, int], tuple[F64, float]]
 
@@ -100,6 +100,10 @@ class RoundTask:
     count_stddev: float | None = None
     """Site DP with private adaptive clipping (Andrew et al. 2021): the clip's target
     quantile and the noise of the clip count (accounted jointly, dp.budget.GaussianRound)."""
+    plan_steps: int | None = None
+    """``unit="patient-idp"``: the run's planned DP-SGD steps (rounds x steps), which each
+    site plans its own rate groups for (fl/idp.py); the site's ledger enforces the targets
+    whatever this says."""
 
     @property
     def bits(self) -> int:
@@ -127,10 +131,16 @@ class RoundTask:
             max_units = _int(body, "max_units", 1, 1 << 40)
         if _int(body, "bits", 8, 64) != (64 if params is None else params.bits):
             raise TaskError("task field 'bits' differs from the encoding's modulus")
+        unit = _str(body, "unit", UNITS)
+        plan_steps = None
+        if unit == "patient-idp":
+            if mode != "site":
+                raise TaskError("unit patient-idp is a site-mode unit (docs/patient_privacy.md)")
+            plan_steps = _int(body, "plan_steps", 1, 1 << 24)
         return cls(
             mode=mode, round=_int(body, "round", 0, 1 << 31),
             cohort=_int(body, "cohort", 2, 1 << 16),
-            seed=_int(body, "seed", -(1 << 62), 1 << 62), unit=_str(body, "unit", UNITS),
+            seed=_int(body, "seed", -(1 << 62), 1 << 62), unit=unit,
             lr=_float(body, "lr", low_open=True),
             local_epochs=_int(body, "local_epochs", 1, 10_000),
             batch_size=_int(body, "batch_size", 1, 1 << 24),
@@ -139,7 +149,7 @@ class RoundTask:
             clip_norm=_float(body, "clip_norm", low_open=True),
             sample_rate=_float(body, "sample_rate", 0, 1, low_open=True),
             steps=_int(body, "steps", 1, 1 << 20), params=params, max_units=max_units,
-            **_adaptive(body))
+            plan_steps=plan_steps, **_adaptive(body))
 
 
 def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: int, *,
@@ -154,7 +164,8 @@ def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: i
         return replace(task, noise_multiplier=plan.noise_multiplier,
                         clip_norm=plan.clip_norm, sample_rate=plan.sample_rate,
                         steps=plan.steps, target_quantile=plan.target_quantile,
-                        count_stddev=plan.count_stddev)
+                        count_stddev=plan.count_stddev,
+                        plan_steps=s.rounds * plan.steps if s.unit == "patient-idp" else None)
     if isinstance(plan, DistributedPlan):
         return replace(task, params=plan.codec(s.seed, round_number).params,
                         sample_rate=plan.sample_rate, max_units=max_units)

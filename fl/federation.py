@@ -281,6 +281,8 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
             coordinator.budget = fl_idp.FederationBudget(settings, sites)  # type: ignore[assignment]
         if saved is not None:
             coordinator.restore(saved)
+            if idp_text is not None:  # every site's group ledger, replayed
+                coordinator.budget = fl_idp.restore(settings, sites, coordinator)  # type: ignore[assignment]
             say(f"resumed from {settings.checkpoint} after round {saved.round}")
         if released is not None:  # the feature statistics' release is on the budget
             released.attach(coordinator)

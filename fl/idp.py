@@ -10,8 +10,15 @@ private on its own, so a patient's guarantee is its group's at its site
 largest epsilon of any rate group at any site per round and stops before any group would
 pass its target; the report lists every site's groups.
 
-Site mode with ``--role all`` only: distributed mode sums per-patient integer updates, and
-the remote roles would need each site's plan in the round protocol.
+Across machines (``--role coordinator`` / ``--role site``) each site process does the same
+from its own table (:class:`SitePatients`: records per patient and its ``--budget-column``,
+capped by its operator's ``--epsilon``, never sent); its :class:`dp.policy.Ledger` charges
+every rate group its own cost before the site computes anything and refuses a round that
+would take any group past its target. The coordinator only proposes the steps per round, the
+mean record rate, the clip and the planned steps (:class:`fl.contribution.RoundTask`); it
+keeps no budget of its own (:func:`remote_report`).
+
+Site mode only: distributed mode sums per-patient integer updates (docs/patient_privacy.md).
 """
 
 from __future__ import annotations
@@ -26,35 +33,52 @@ import torch
 from dp.idp import GroupLedger, group_patients, plan_idp
 
 if TYPE_CHECKING:
+    from dp.idp import IdpPlan, PatientGroups
+    from fl.contribution import RoundTask
+    from fl.coordinator import Coordinator
     from fl.data import Table
     from fl.settings import TrainSettings
     from fl.site import Site
     from fl.vector import ParameterLayout
 
 
-class SiteIdp:
-    """One site's plan, its records' groups and its ledger."""
+def site_groups(site_id: int, table: Table, epsilon: float | None) -> PatientGroups:
+    """A site's rate groups: each patient's target is its ``--budget-column`` value (at most
+    ``epsilon``) or ``epsilon``."""
+    if table.budgets is not None:
+        if epsilon is not None and float(table.budgets.max()) > epsilon:
+            raise ValueError(f"site {site_id}: --budget-column has a budget "
+                             f"{float(table.budgets.max()):g} above --epsilon "
+                             f"{epsilon:g} (the largest budget allowed)")
+        targets: Any = table.budgets
+    elif epsilon is not None:
+        targets = epsilon
+    else:
+        raise ValueError("--unit patient-idp needs --epsilon (every patient's budget) "
+                         "or --budget-column COL")
+    return group_patients(table.patient_ids.tolist(), targets)
 
-    def __init__(self, site: Site, settings: TrainSettings) -> None:
-        table = site.table
-        if table.budgets is not None:
-            if settings.epsilon is not None and float(table.budgets.max()) > settings.epsilon:
-                raise ValueError(f"site {site.site_id}: --budget-column has a budget "
-                                 f"{float(table.budgets.max()):g} above --epsilon "
-                                 f"{settings.epsilon:g} (the largest budget allowed)")
-            targets: Any = table.budgets
-        elif settings.epsilon is not None:
-            targets = settings.epsilon
-        else:
-            raise ValueError("--unit patient-idp needs --epsilon (every patient's budget) "
-                             "or --budget-column COL")
-        self.groups = group_patients(table.patient_ids.tolist(), targets)
-        self.plan = plan_idp(self.groups, delta=settings.delta,
-                             sample_rate=settings.sample_rate,
-                             steps=settings.rounds * settings.steps_per_round,
-                             clip_norm=settings.clip_norm)
-        self.ledger = GroupLedger(self.plan)
+
+class SiteIdp:
+    """One site's plan and its records' groups; ``ledger`` (``--role all``) keeps the
+    spending in this process, None when the site's persistent :class:`dp.policy.Ledger`
+    charged the round before it was computed (the site role)."""
+
+    def __init__(self, groups: PatientGroups, plan: IdpPlan,
+                 ledger: GroupLedger | None) -> None:
+        self.groups = groups
+        self.plan = plan
+        self.ledger = ledger
         self.charged: set[int] = set()
+
+    @classmethod
+    def for_site(cls, site: Site, settings: TrainSettings) -> SiteIdp:
+        """``--role all``: plan the site's groups for the whole run."""
+        groups = site_groups(site.site_id, site.table, settings.epsilon)
+        plan = plan_idp(groups, delta=settings.delta, sample_rate=settings.sample_rate,
+                        steps=settings.rounds * settings.steps_per_round,
+                        clip_norm=settings.clip_norm)
+        return cls(groups, plan, GroupLedger(plan))
 
     def update(self, site: Site, model: torch.nn.Module, layout: ParameterLayout, *,
                steps: int, lr: float, round_number: int | None = None) -> np.ndarray:
@@ -69,20 +93,23 @@ class SiteIdp:
 
         from dp.idp_engine import IdpSgd
 
-        charge = round_number is None or round_number not in self.charged
+        charge = self.ledger is not None and (round_number is None
+                                              or round_number not in self.charged)
         if charge:
+            assert self.ledger is not None
             self.ledger.check(steps)
         local = copy.deepcopy(model)
         local.train()
         optimizer = torch.optim.SGD([p for p in local.parameters() if p.requires_grad], lr=lr)
         engine = IdpSgd(local, optimizer, TensorDataset(site.x, site.y),
                         loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"), plan=self.plan,
-                        record_group=self.groups.record_group, ledger=self.ledger)
+                        record_group=self.groups.record_group)
         with warnings.catch_warnings():  # inputs need no grad; Opacus' hook warns about it
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(steps):
                 engine.step()
         if charge:
+            assert self.ledger is not None
             self.ledger.spend(steps)
             if round_number is not None:
                 self.charged.add(round_number)
@@ -91,10 +118,35 @@ class SiteIdp:
         return update
 
 
+class SitePatients:
+    """A site process's patients under ``--unit patient-idp`` (the site role): its rate
+    groups from its own table, computed once (the budget column is read here and never
+    sent), and its plan for a proposed round, recomputed only when the coordinator proposes
+    other parameters. ``epsilon``/``delta``: the site operator's budget."""
+
+    def __init__(self, site_id: int, table: Table, *, epsilon: float | None,
+                 delta: float) -> None:
+        self.groups = site_groups(site_id, table, epsilon)
+        self.delta = delta
+        self._plans: dict[tuple[float, int, float], IdpPlan] = {}
+
+    def for_task(self, task: RoundTask) -> SiteIdp:
+        """The site's plan for ``task`` (raises :class:`dp.errors.PrivacyConfigError` if no
+        plan meets every target: the site declines)."""
+        if task.plan_steps is None:
+            raise ValueError("a patient-idp task carries its planned steps")
+        key = (task.sample_rate, task.plan_steps, task.clip_norm)
+        if key not in self._plans:
+            self._plans = {key: plan_idp(self.groups, delta=self.delta,
+                                         sample_rate=task.sample_rate,
+                                         steps=task.plan_steps, clip_norm=task.clip_norm)}
+        return SiteIdp(self.groups, self._plans[key], None)
+
+
 def configure(settings: TrainSettings, sites: dict[int, Site]) -> str:
     """Plan every site (``--unit patient-idp``); returns the run's privacy description."""
     for site in sites.values():
-        site.idp = SiteIdp(site, settings)
+        site.idp = SiteIdp.for_site(site, settings)
     groups = sum(len(s.idp.plan.groups) for s in sites.values() if s.idp is not None)
     zs = [s.idp.plan.noise_multiplier for s in sites.values() if s.idp is not None]
     return (f"site DP-SGD with individual privacy assignment (per-record sampling rates per "
@@ -146,21 +198,57 @@ class FederationBudget:
                 self.delta if self.rounds else 0.0)
 
 
+def restore(settings: TrainSettings, sites: dict[int, Site], coordinator: Coordinator
+            ) -> FederationBudget:
+    """``--resume``: the budget and every site's group ledger as they were, by replaying the
+    checkpoint's charged rounds (one event per round, written before the round ran) with
+    each round's (seeded) cohort. A round charged but not completed (a crash after its
+    release) stays charged and is charged again when it is run again, at the coordinator
+    and at its sites alike."""
+    budget = FederationBudget(settings, sites)
+    for r in range(1, len(coordinator.events) + 1):
+        budget.spend(None)
+        for cid in coordinator._cohort(r):
+            idp = sites[cid].idp
+            assert idp is not None and idp.ledger is not None
+            idp.ledger.spend(settings.steps_per_round)
+            if r <= coordinator.round:
+                idp.charged.add(r)
+    return budget
+
+
+def _report_mechanism(report: dict[str, Any], description: str, where: str) -> None:
+    report["privacy"] = description
+    report["model_info"]["privacy"] = description
+    report["dp_events"] = None  # per-group RDP curves, at the sites
+    for release in report["releases"]:  # the coordinator's plan was only the round's task
+        for key in ("noise_multiplier", "sample_rate", "count_stddev", "dp_event"):
+            release.pop(key, None)
+        release["mechanism"] = ("sampled Gaussian with individual per-record rates per rate "
+                                f"group at each site ({where})")
+
+
 def finish_report(settings: TrainSettings, sites: dict[int, Site], report: dict[str, Any],
                   description: str) -> dict[str, Any]:
     """The report of a ``--unit patient-idp`` run: the mechanism, and every site's rate groups
     (records, target, patients, rate, clip, planned and spent epsilon)."""
     plans = {cid: s.idp for cid, s in sites.items() if s.idp is not None}
-    report["privacy"] = description
-    report["model_info"]["privacy"] = description
-    report["dp_events"] = None  # per-group RDP curves: see "idp"
-    for release in report["releases"]:  # the coordinator's plan was only the round's task
-        for key in ("noise_multiplier", "sample_rate", "count_stddev", "dp_event"):
-            release.pop(key, None)
-        release["mechanism"] = ("sampled Gaussian with individual per-record rates per rate "
-                                "group at each site (see 'idp')")
+    _report_mechanism(report, description, "see 'idp'")
     report["idp"] = {str(cid): {**p.plan.report(), "groups": p.ledger.report()}
-                     for cid, p in plans.items()}
+                     for cid, p in plans.items() if p.ledger is not None}
+    return report
+
+
+REMOTE_DESCRIPTION = ("site DP-SGD with individual privacy assignment: each site plans its "
+                      "own rate groups from its own table and budgets, and its ledger "
+                      "charges and caps every group (the coordinator keeps no budget)")
+
+
+def remote_report(report: dict[str, Any]) -> dict[str, Any]:
+    """The coordinator's report under ``--unit patient-idp`` (``--role coordinator``): it
+    knows no group, rate, noise or epsilon of any site, so its rounds carry ``epsilon``
+    None; every site's per-group epsilons are in that site's own ledger."""
+    _report_mechanism(report, REMOTE_DESCRIPTION, "each site's ledger")
     return report
 
 

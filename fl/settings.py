@@ -119,9 +119,6 @@ class TrainSettings:
             problems.append("--unit patient-idp needs --dp site (individual sampling rates "
                             "are accounted for the Gaussian; distributed mode's integer "
                             "noise has no such analysis: docs/patient_privacy.md section 5)")
-        if self.unit == "patient-idp" and self.resume:
-            problems.append("--unit patient-idp cannot --resume yet (the sites' per-group "
-                            "ledgers are not checkpointed)")
         if self.budget_column is not None and (self.unit != "patient-idp" or self.csv is None):
             problems.append("--budget-column goes with --unit patient-idp and --csv")
         if not 0 <= self.drop_rate < 1:

@@ -139,11 +139,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--unit", choices=UNITS, default=d.unit,
                    help="privacy unit (default patient; a site refuses DP rounds computed "
                         "per another unit); patient-idp: patient-level DP by "
-                        "individual per-record sampling rates (--dp site, --role all; "
-                        "docs/patient_privacy.md)")
+                        "individual per-record sampling rates (--dp site; a site plans its "
+                        "own rate groups; docs/patient_privacy.md)")
     r.add_argument("--budget-column", metavar="COL",
-                   help="--unit patient-idp with --csv: column with each patient's own "
-                        "epsilon (at most --epsilon)")
+                   help="--unit patient-idp with --csv (--role all or site): column with "
+                        "each patient's own epsilon (at most --epsilon); read by the site, "
+                        "never sent")
     c.add_argument("--drop-rate", type=float, default=d.drop_rate, metavar="P",
                    help="probability a site drops out of a round, at a random stage")
     c.add_argument("--max-attempts", type=int, default=d.max_attempts, metavar="N",
@@ -260,8 +261,8 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         # A site's --dp/--epsilon/--delta are its policy (site_policy_from_args).
         dp=(args.dp or "none") if args.role != "site" else "none",
         epsilon=args.epsilon if args.role != "site" else None,
-        delta=args.delta, unit=args.unit, drop_rate=args.drop_rate,
-        max_attempts=args.max_attempts,
+        delta=args.delta, drop_rate=args.drop_rate, max_attempts=args.max_attempts,
+        unit=args.unit if args.role != "site" else "patient",  # a site's: its policy
         broker=args.broker, seed=args.seed, local_epochs=args.local_epochs,
         fedprox_mu=args.fedprox_mu, lr=args.lr, server_lr=args.server_lr,
         batch_size=args.batch_size, model=args.model, alpha=args.alpha,
@@ -270,7 +271,8 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         cohort=args.cohort, scaling=args.scaling,
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
         max_units=args.max_units, adaptive_clip=args.adaptive_clip, scaler_file=args.scaler,
-        clip_count_stddev=args.clip_count_stddev, budget_column=args.budget_column,
+        clip_count_stddev=args.clip_count_stddev,
+        budget_column=args.budget_column if args.role != "site" else None,
         feature_bounds=args.feature_bounds, scaler_epsilon=args.scaler_epsilon,
         security="malicious" if args.role == "coordinator" and args.peer_keys else
         "semi-honest")
@@ -427,9 +429,10 @@ def run(args: argparse.Namespace) -> int:
 def run_remote(args: argparse.Namespace) -> int:
     """``--role coordinator`` or ``--role site``: one party of a federation across machines."""
     try:
-        if args.unit == "patient-idp":
-            raise ValueError("--unit patient-idp runs with --role all only (each site's rate "
-                             "groups are not yet part of the round protocol)")
+        if args.budget_column is not None and (args.role != "site" or args.csv is None
+                                               or args.unit != "patient-idp"):
+            raise ValueError("--budget-column is read by each site (--role site with --csv "
+                             "and --unit patient-idp), never by the coordinator")
         settings = settings_from_args(args)
         ids = parse_sites(args.sites, args.role)
         if args.role == "site":
@@ -481,7 +484,8 @@ def run_remote(args: argparse.Namespace) -> int:
                             patient_column=settings.patient_column,
                             label_column=settings.label_column, labels=(
                                 None if args.labels is None else
-                                [v.strip() for v in args.labels.split(",")]))
+                                [v.strip() for v in args.labels.split(",")]),
+                            budget_column=args.budget_column)
             else:
                 if args.labels is not None:
                     raise ValueError("--labels on a site goes with --csv (a bundled "
@@ -509,6 +513,20 @@ def run_remote(args: argparse.Namespace) -> int:
             return 2
         log(f"privacy policy {guard.ledger.policy.to_json()}; ledger {ledger} "
             f"({guard.ledger.releases} releases, epsilon {guard.ledger.epsilon:.4g})")
+        if guard.ledger.policy.unit == "patient-idp":
+            from fl.idp import SitePatients
+
+            policy = guard.ledger.policy
+            try:  # the site's own rate groups, from its own table and budgets
+                data.idp = SitePatients(args.site_id, data.table(data.schema.labels),
+                                        epsilon=policy.epsilon, delta=policy.delta)
+            except (DataError, ValueError) as exc:
+                guard.ledger.close()
+                print(f"secagg train: error: {exc}", file=sys.stderr)
+                return 2
+            log(f"patient-idp: {len(data.idp.groups.sizes)} rate groups from this site's "
+                "table (records per patient" + (", --budget-column" if args.budget_column
+                                                else "") + "); each is charged on its own")
         options = SiteOptions(federation=args.federation, insecure_verify=args.insecure_verify,
                               require_dp=args.dp, idle_timeout=args.idle_timeout,
                               stage_timeout=args.stage_timeout, guard=guard,

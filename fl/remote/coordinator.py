@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fl import idp as fl_idp
 from fl import private_scaler
 from fl.aggregation import AggregateOutcome, round_timeouts
 from fl.contribution import RoundTask, decoder, round_task, scaler_from_sum
@@ -306,11 +307,14 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
             + (f"{len(test_table)} records" if test_table is not None else "none (no "
                "--eval-csv: accuracy is not measured)")
             + f", model {settings.model} ({dim} parameters), threshold {threshold}")
-        say(f"privacy: {plan.describe()}")
+        idp = settings.unit == "patient-idp"
+        say(f"privacy: {fl_idp.REMOTE_DESCRIPTION if idp else plan.describe()}")
         coordinator = RemoteCoordinator(
             settings, model, None if test_table is None else tensors(test_table, scaler), plan,
             channel=channel, loop=asyncio.get_running_loop(), options=options, schema=schema,
             scaler=scaler, log=say)
+        if idp:  # each site's ledger charges and caps its own rate groups (fl/idp.py)
+            coordinator.budget = None
         if released is not None:
             coordinator.scaler = released.scaler_json()
         elif saved is not None and saved.scaler is not None:
@@ -335,4 +339,4 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
                  in_features=len(schema.features), labels=schema.labels)
     out["role"] = "coordinator"
     out["site_ids"] = list(ids)
-    return out
+    return fl_idp.remote_report(out) if settings.unit == "patient-idp" else out

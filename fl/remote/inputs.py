@@ -50,17 +50,25 @@ class SiteData:
 
     def __init__(self, site_id: int, *, table: Table | None = None, csv: str | None = None,
                  patient_column: str | None = None, label_column: str | None = None,
-                 labels: Sequence[str] | None = None) -> None:
+                 labels: Sequence[str] | None = None, budget_column: str | None = None
+                 ) -> None:
         """``labels``: the federation's public label list as the site's operator pinned it
         (``--labels`` on the site role): the site then takes part only in rounds announcing
-        exactly that list, a check on public data alone (docs/privacy.md section 1)."""
+        exactly that list, a check on public data alone (docs/privacy.md section 1).
+        ``budget_column``: the CSV's per-patient epsilon column (``--unit patient-idp``),
+        read here, never a feature and never announced."""
         self.site_id = site_id
         self._csv = csv
         self._columns = (patient_column or "", label_column or "")
+        self._budget_column = budget_column
         self._tables: dict[tuple[str, ...], Table] = {}
+        self.idp: Any = None
+        """``--unit patient-idp``: this site's rate groups (:class:`fl.idp.SitePatients`)."""
         if csv is not None:
-            self.schema = Schema(*csv_schema(csv, patient_column=self._columns[0],
-                                             label_column=self._columns[1]))
+            features, own_labels = csv_schema(csv, patient_column=self._columns[0],
+                                              label_column=self._columns[1])
+            self.schema = Schema(tuple(f for f in features if f != budget_column),
+                                 own_labels)
         else:
             if table is None:
                 raise ValueError("SiteData needs a table or a csv path")
@@ -97,7 +105,8 @@ class SiteData:
         if labels not in self._tables:
             self._tables = {labels: load_csv(self._csv, patient_column=self._columns[0],
                                              label_column=self._columns[1],
-                                             labels=list(labels))}
+                                             labels=list(labels),
+                                             budget_column=self._budget_column)}
         return self._tables[labels]
 
 
@@ -195,10 +204,22 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
                         f"requires --dp {require_dp}")
     if round_task.round != announce.round or round_task.cohort != cohort:
         raise WireError("the task's round or cohort differs from the announcement")
-    _admit(guard, round_task, announce, f"round {announce.round}")
+    idp = None
+    if round_task.unit == "patient-idp" and data.idp is not None:
+        from dp.errors import PrivacyError
+
+        try:  # the site's own plan for the proposal (fl/idp.py); its groups are charged
+            idp = data.idp.for_task(round_task)
+        except (PrivacyError, ValueError) as exc:  # details name groups: own log only
+            logger.warning("site %d: no patient-idp plan: %s", cid, exc)
+            raise WireError("no patient-idp plan of this site meets its patients' targets "
+                            "for the proposed rate, steps and clip") from None
+    _admit(guard, round_task, announce, f"round {announce.round}", idp)
     table = _table(data, task, cid)
+    site = Site(cid, table, scaler)
+    site.idp = idp
     try:
-        return contribution(Site(cid, table, scaler), model, round_task, cid).vector
+        return contribution(site, model, round_task, cid).vector
     except TaskError as exc:
         raise WireError(str(exc)) from None
 
@@ -213,13 +234,18 @@ def _table(data: SiteData, task: Mapping[str, Any], site_id: int) -> Table:
         raise WireError(SCHEMA_MISMATCH) from None
 
 
-def _admit(guard: Any, task: RoundTask | None, announce: Announce, label: str) -> None:
-    """The site's privacy gate (write-ahead charge, or a refusal naming the rule)."""
+def _admit(guard: Any, task: RoundTask | None, announce: Announce, label: str,
+           idp: Any = None) -> None:
+    """The site's privacy gate (write-ahead charge, or a refusal naming the rule);
+    ``idp``: the site's own :class:`fl.idp.SiteIdp` plan under ``--unit patient-idp``."""
     if guard is None:
+        if task is not None and task.unit == "patient-idp":
+            raise WireError("a patient-idp round needs the site's privacy ledger")
         return
     from dp.errors import PrivacyError
 
     try:
-        guard.admit(task, secagg_threshold=announce.threshold, label=label, key=announce.key)
+        guard.admit(task, secagg_threshold=announce.threshold, label=label, key=announce.key,
+                    idp_plan=None if idp is None else idp.plan)
     except PrivacyError as exc:
         raise WireError(str(exc)) from None

@@ -81,13 +81,19 @@ def test_train_reports_every_group_within_its_budget(tmp_path: Path) -> None:
     json.dumps(report)  # the report is plain JSON
 
 
-def test_cli_refuses_remote_roles(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_budget_column_is_a_sites_own(capsys: pytest.CaptureFixture[str]) -> None:
+    """Across machines each site reads its own budget column; the coordinator cannot."""
     from fl.cli import main
 
     code = main(["train", "--role", "coordinator", "--sites", "2", "--rounds", "1", "--dp",
-                 "site", "--epsilon", "2", "--unit", "patient-idp",
+                 "site", "--epsilon", "2", "--unit", "patient-idp", "--csv", "t.csv",
+                 "--patient-column", "pid", "--label-column", "label",
+                 "--budget-column", "budget", "--broker", "mqtt://127.0.0.1:1"])
+    assert code == 2 and "never by the coordinator" in capsys.readouterr().err
+    code = main(["train", "--role", "site", "--site-id", "1", "--sites", "2", "--dp", "site",
+                 "--unit", "patient-idp", "--budget-column", "budget",
                  "--broker", "mqtt://127.0.0.1:1"])
-    assert code == 2 and "--role all only" in capsys.readouterr().err
+    assert code == 2 and "with --csv" in capsys.readouterr().err
 
 
 def test_site_charges_each_round_once(tmp_path: Path) -> None:
@@ -103,7 +109,7 @@ def test_site_charges_each_round_once(tmp_path: Path) -> None:
     settings = TrainSettings(rounds=1, dp="site", epsilon=3.0, delta=1e-4, unit="patient-idp",
                              sample_rate=0.5)
     site = Site(1, table)
-    site.idp = SiteIdp(site, settings)
+    site.idp = SiteIdp.for_site(site, settings)
     model = make_model("logreg", 3, 2)
     layout = ParameterLayout.of(model)
     for _ in range(2):  # round 1, then a retry of round 1
