@@ -49,7 +49,10 @@ def test_the_cross_check_table_is_what_the_accountants_compute() -> None:
         theirs_rdp = dpa.rdp.RdpAccountant().compose(event).get_epsilon(d)
         theirs_pld = dpa.pld.PLDAccountant().compose(event).get_epsilon(d)
         computed = [ours_rdp, ours_prv, theirs_rdp, theirs_pld]
-        assert [f"{x:.4f}" for x in computed] == [rdp, prv, dpa_rdp, dpa_pld], q_cell
+        printed = [float(x) for x in (rdp, prv, dpa_rdp, dpa_pld)]
+        # the printed 4 decimals, with room for the last digit of a numerical accountant
+        assert all(abs(c - p) <= 2e-4 for c, p in zip(computed, printed, strict=True)), (
+            q_cell, computed, printed)
         # what the page says about them: RDP agrees to < 0.1 %, PRV within 1.1 % of the
         # PLD and above it, and PRV is tighter than RDP
         assert abs(ours_rdp - theirs_rdp) < 1e-3 * theirs_rdp
