@@ -201,12 +201,14 @@ def test_partial_packets_and_keepalive_zero_have_deadlines() -> None:
             trickler.send(bytes([0x30]) + varint(100_000) + b"\x00\x01a")
             silent = await login(b.port, "site-9", client_id="site-9-b", keepalive=0)
             started = time.monotonic()
-            closed = asyncio.create_task(trickler.closed(4.0))
+            # closed 1.31 s after `started` in 6 of 6 runs at load average 3 (packet_timeout
+            # 1.0 plus scheduling); the bounds leave room for a loaded machine
+            closed = asyncio.create_task(trickler.closed(10.0))
             while not closed.done():
                 trickler.send(b"\x00")  # bytes keep arriving: activity, not progress
                 await asyncio.sleep(0.1)
-            assert closed.result() and time.monotonic() - started < 2.5
-            assert await silent.closed(3.0)
+            assert closed.result() and time.monotonic() - started < 5.0
+            assert await silent.closed(10.0)
             greedy = await RawClient.open(b.port)
             greedy.send(connect_packet("site-9-c", "site-9", USERS["site-9"], keepalive=600))
             assert (await greedy.connack())[1] == 2
@@ -350,19 +352,21 @@ def test_subscriptions_connections_and_prelogin_sockets_are_capped() -> None:
 @threat(attack="Password guessing",
         adversary="network attacker",
         controls="wrong passwords for a site's username, repeated from one address",
-        protocol="the broker keeps scrypt hashes only; each failure doubles the wait before "
-                 "the next attempt from that address is even checked (capped)")
+        protocol="the broker keeps scrypt hashes only; the answer to a failed login waits, "
+                 "doubling per failure of that (address, username) (capped); the right "
+                 "password is still accepted as soon as it is checked")
 def test_failed_logins_are_throttled_and_passwords_not_kept() -> None:
     async def scenario() -> None:
-        async with broker(login_failure_delay=0.3) as b:
+        async with broker(login_failure_delay=0.2) as b:
             assert not any(pw.encode() in repr(vars(b.auth)).encode() for pw in USERS.values())
+            started = time.monotonic()
             for _ in range(3):
                 guess = await RawClient.open(b.port)
                 guess.send(connect_packet("site-3", "site-3", "guess"))
                 assert (await guess.connack(5.0))[1] == 5
-            started = time.monotonic()
-            await login(b.port, "site-3")  # even the right password waits its turn
-            assert time.monotonic() - started >= 0.9  # 0.3 + 0.6 after three failures
+            assert time.monotonic() - started >= 1.3  # answered after 0.2, 0.4 and 0.8 s
+            await login(b.port, "site-3")  # the right password: accepted
+            assert b.throttle.failures("127.0.0.1", "site-3") == 3  # and not forgotten
 
     run(scenario)
 
@@ -370,34 +374,37 @@ def test_failed_logins_are_throttled_and_passwords_not_kept() -> None:
 @threat(attack="Password guessing",
         adversary="network attacker",
         controls="many wrong passwords sent in parallel connections; unknown usernames",
-        protocol="every attempt from a penalised address books its own later turn, so "
-                 "parallel guesses are spaced like sequential ones; an unknown username "
-                 "costs as much scrypt time as the most expensive known one")
+        protocol="an (address, username) has 2 lanes: a failure holds its lane for its "
+                 "doubling delay, at most 2 more attempts wait and the rest are refused "
+                 "unchecked, so parallel guesses are no faster than 2 sequential ones; an "
+                 "unknown username costs as much scrypt time as the most expensive known one")
 def test_parallel_guesses_are_spaced_and_unknown_users_cost_the_same() -> None:
-    async def guess(port: int, user: str) -> float:
+    async def guess(port: int, user: str) -> int:
         client = await RawClient.open(port)
         client.send(connect_packet(user, user, "guess"))
-        assert (await client.connack(10.0))[1] == 5
-        return time.monotonic()
+        return (await client.connack(10.0))[1]
 
     async def scenario() -> None:
-        async with broker(login_failure_delay=0.2) as b:
-            await guess(b.port, "site-3")  # one failure: the address is penalised
+        async with broker(login_failure_delay=0.5, login_failure_max_delay=1.0) as b:
+            assert await guess(b.port, "site-3") == 5  # one failure: the key is penalised
             started = time.monotonic()
-            answers = await asyncio.gather(*(guess(b.port, "site-3") for _ in range(5)))
-            assert max(answers) - started >= 0.9  # 5 turns, at least 0.2 s apart
+            codes = await asyncio.gather(*(guess(b.port, "site-3") for _ in range(20)))
+            elapsed = time.monotonic() - started
+            # checked: 2 at once (lanes held 1 s), then the 2 waiting ones in the freed
+            # lanes (another 1 s); the other 16 are refused unchecked (code 3)
+            assert sorted(codes) == [3] * 16 + [5] * 4
+            assert b.stats.auth_failures == 5
+            assert elapsed >= 1.9
 
     run(scenario)
     from transport.broker.auth import Authenticator, hash_password
 
     auth = Authenticator({"site-1": hash_password("pw", log2_n=12)})
 
-    def cost(user: str) -> float:
-        best = float("inf")
-        for _ in range(3):
+    best = {"nobody": float("inf"), "site-1": float("inf")}
+    for _ in range(5):  # interleaved, so a load spike hits both users alike
+        for user in best:
             started = time.perf_counter()
             auth.verify(user, b"wrong")
-            best = min(best, time.perf_counter() - started)
-        return best
-
-    assert cost("nobody") > cost("site-1") / 4
+            best[user] = min(best[user], time.perf_counter() - started)
+    assert best["nobody"] > best["site-1"] / 4

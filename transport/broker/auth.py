@@ -3,19 +3,24 @@
 The broker keeps only hashes (``$scrypt$ln=14,r=8,p=1$salt$hash``, standard library
 ``hashlib.scrypt``): a users file holds hashes (``python -m transport.broker hash-password``
 prints one), and plaintext passwords handed to :class:`Authenticator` are hashed at once and
-forgotten. Failed logins are throttled per peer address: after a failure, attempts from
-that address are spaced out (parallel ones too), each failure doubling the spacing up to a
-cap; an unknown username costs as much time as a known one.
+forgotten. Failed logins are throttled per (peer address, username), see
+:class:`LoginThrottle`: a correct password is accepted as soon as it is checked, the answer
+to a failed attempt waits (doubling per failure, capped), and an unknown username costs as
+much time as a known one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
+import math
 import secrets
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from .errors import BrokerConfigError
 
@@ -92,43 +97,185 @@ class Authenticator:
         return hmac.compare_digest(computed, digest) and entry is not None and password is not None
 
 
-class LoginThrottle:
-    """Exponential spacing of login attempts per key (a peer address) after failures.
+class LoginBusy(Exception):
+    """Too many attempts for one (address, username) are already waiting; refused unread."""
 
-    Every attempt under a key with failures books the next free time for that key, so
-    parallel guesses are spaced out like sequential ones; each failure doubles the spacing
-    up to ``cap``. A success does not clear it (an attacker with one valid login could
-    otherwise reset its own penalty); keys are forgotten ``forget`` s after their last
-    booking, and at most ``max_keys`` are remembered (the oldest go first).
+
+@dataclass
+class _Key:
+    """Throttle state of one (address, username)."""
+
+    failures: int = 0
+    last_failure: float = -math.inf
+    verifying: int = 0
+    held: list[float] = field(default_factory=list)  # a failed attempt's lane, until when
+    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
+    timer: asyncio.TimerHandle | None = None
+
+    def busy(self, now: float) -> int:
+        self.held = [until for until in self.held if until > now]
+        return self.verifying + len(self.held)
+
+    def idle(self) -> bool:
+        return self.verifying == 0 and not self.waiters
+
+
+class Attempt:
+    """One login attempt holding a lane of its (address, username); report its outcome
+    with :meth:`succeeded` or :meth:`failed` (leaving the ``with`` block without either
+    frees the lane at no cost, e.g. when the peer is gone before its password is read)."""
+
+    def __init__(self, throttle: LoginThrottle, key: bytes, entry: _Key) -> None:
+        self._throttle, self._key, self._entry = throttle, key, entry
+        self._open = True
+
+    def succeeded(self) -> None:
+        self._close(failed=False)
+
+    def failed(self) -> float:
+        """Record the failure; the seconds the answer to it must wait."""
+        return self._close(failed=True)
+
+    def _close(self, failed: bool) -> float:
+        if not self._open:
+            return 0.0
+        self._open = False
+        return self._throttle._finish(self._key, self._entry, failed)
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close(failed=False)
+
+
+class LoginThrottle:
+    """Login attempts per (peer address, username): verified at once, a failed one answered
+    late, and only a few at a time.
+
+    Without recent failures a key's attempts are checked at once, however many (one user's
+    many connections). Once it has failed, an attempt of the key takes one of ``lanes``
+    lanes before its password is checked, so a correct password is accepted as soon as
+    scrypt says so. A failure holds its lane, and the answer to it waits, for a delay that
+    doubles with each failure of the key (``base``, up to ``cap``); so a penalised key gets
+    at most ``lanes`` guesses per delay, whether they are sent one after another or in
+    parallel, and an attacker guessing one after another leaves a lane free for the party
+    whose password it guesses. Attempts beyond the lanes wait, at most ``waiting`` of them
+    (more are refused unread, :class:`LoginBusy`). Failures under other usernames, or from
+    other addresses, never delay an attempt. A success does not clear the key's failures.
+
+    Known and unknown usernames are treated alike. Keys are 16-byte digests (a long
+    username costs no memory); a key's failures are forgotten ``forget`` s after its last
+    one, and at most ``max_keys`` idle keys are kept (the least recently used go first),
+    plus those of attempts in progress, which the broker's connection caps bound.
     """
 
-    def __init__(self, base: float, cap: float, *, forget: float = 300.0,
-                 max_keys: int = 10_000) -> None:
+    def __init__(self, base: float, cap: float, *, lanes: int = 2, waiting: int = 2,
+                 forget: float = 300.0, max_keys: int = 10_000) -> None:
         self.base = base
         self.cap = cap
+        self.lanes = lanes
+        self.waiting = waiting
         self.forget = forget
         self.max_keys = max_keys
-        self._keys: OrderedDict[object, tuple[int, float]] = OrderedDict()
+        self._keys: OrderedDict[bytes, _Key] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @staticmethod
+    def key(address: str, username: str) -> bytes:
+        raw = address.encode() + b"\0" + username.encode("utf-8", "surrogatepass")
+        return hashlib.blake2b(raw, digest_size=16, person=b"secagg-login").digest()
 
     def _delay(self, failures: int) -> float:
         return float(min(self.cap, self.base * 2.0 ** min(failures - 1, 30)))
 
-    def admit(self, key: object, now: float) -> float:
-        """Seconds this attempt must wait before it is read (0 without failures)."""
+    def failures(self, address: str, username: str) -> int:
+        entry = self._keys.get(self.key(address, username))
+        return 0 if entry is None else entry.failures
+
+    async def attempt(self, address: str, username: str) -> Attempt:
+        """A lane for this attempt, after waiting for one if all are taken."""
+        loop = asyncio.get_running_loop()
+        key = self.key(address, username)
         entry = self._keys.get(key)
         if entry is None:
-            return 0.0
-        failures, next_at = entry
-        if now - next_at > self.forget:
-            del self._keys[key]
-            return 0.0
-        at = max(now, next_at)
-        self._keys[key] = (failures, at + self._delay(failures))
-        return at - now
+            entry = self._keys[key] = _Key()
+        self._keys.move_to_end(key)
+        now = loop.time()
+        penalised = entry.failures > 0 and now - entry.last_failure <= self.forget
+        if not entry.waiters and (not penalised or entry.busy(now) < self.lanes):
+            entry.verifying += 1
+            self._evict()
+            return Attempt(self, key, entry)
+        if len(entry.waiters) >= self.waiting:
+            self._tidy(key, entry)
+            raise LoginBusy("too many login attempts for this username from this address "
+                            "are waiting; retry later")
+        waiter: asyncio.Future[None] = loop.create_future()
+        entry.waiters.append(waiter)
+        self._evict()
+        self._wake_later(entry)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # granted as we were cancelled
+                self._finish(key, entry, failed=False)
+            else:
+                with contextlib.suppress(ValueError):
+                    entry.waiters.remove(waiter)
+                self._tidy(key, entry)
+            raise
+        return Attempt(self, key, entry)
 
-    def failed(self, key: object, now: float) -> None:
-        failures, next_at = self._keys.pop(key, (0, now))
-        failures += 1
-        self._keys[key] = (failures, max(next_at, now + self._delay(failures)))
-        while len(self._keys) > self.max_keys:
-            self._keys.popitem(last=False)
+    def _finish(self, key: bytes, entry: _Key, failed: bool) -> float:
+        now = asyncio.get_running_loop().time()
+        entry.verifying -= 1
+        delay = 0.0
+        if failed:
+            if now - entry.last_failure > self.forget:
+                entry.failures = 0
+            entry.failures += 1
+            entry.last_failure = now
+            delay = self._delay(entry.failures)
+            entry.held.append(now + delay)
+        self._wake(entry)
+        self._tidy(key, entry)
+        return delay
+
+    def _wake(self, entry: _Key) -> None:
+        """Give free lanes to the oldest waiters; come back when a held lane frees."""
+        loop = asyncio.get_running_loop()
+        entry.timer = None
+        while entry.waiters and entry.busy(loop.time()) < self.lanes:
+            waiter = entry.waiters.popleft()
+            if not waiter.done():
+                entry.verifying += 1
+                waiter.set_result(None)
+        self._wake_later(entry)
+
+    def _wake_later(self, entry: _Key) -> None:
+        loop = asyncio.get_running_loop()
+        if entry.waiters and entry.timer is None and entry.held:
+            entry.timer = loop.call_at(min(entry.held), self._wake, entry)
+
+    def _tidy(self, key: bytes, entry: _Key) -> None:
+        now = asyncio.get_running_loop().time()
+        forgotten = entry.failures == 0 or now - entry.last_failure > self.forget
+        if entry.idle() and forgotten and self._keys.get(key) is entry:
+            del self._keys[key]
+
+    def _evict(self) -> None:
+        """Keep at most ``max_keys`` idle keys: the least recently used idle ones go."""
+        excess = len(self._keys) - self.max_keys
+        if excess <= 0:
+            return
+        victims = []
+        for key, entry in self._keys.items():  # oldest first; usually the first ones
+            if entry.idle():
+                victims.append(key)
+                if len(victims) == excess:
+                    break
+        for key in victims:
+            del self._keys[key]

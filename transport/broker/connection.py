@@ -13,9 +13,10 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import Protocol
+from collections.abc import Awaitable
+from typing import Protocol, TypeVar
 
-from .auth import Authenticator, LoginThrottle
+from .auth import Authenticator, LoginBusy, LoginThrottle
 from .config import BrokerLimits, BrokerStats
 from .packets import (
     CONNECT,
@@ -53,6 +54,7 @@ from .session import Session
 from .stream import Outbox, Stream
 from .topics import AclPolicy, match_levels, validate_topic_filter, validate_topic_name
 
+T = TypeVar("T")
 logger = logging.getLogger("transport.broker")
 
 RC_SERVER_UNAVAILABLE = 0x03
@@ -173,13 +175,7 @@ class Connection:
         return packet_type, flags, body
 
     async def serve(self) -> None:
-        """CONNECT handshake, then the packet loop until DISCONNECT or an error.
-
-        Before login a connection first waits out its address's login throttle, unread."""
-        broker = self.broker
-        wait = broker.throttle.admit(self.stream.peer_host, time.monotonic())
-        if wait > 0:
-            await asyncio.sleep(wait)  # failed logins from here: nothing is read meanwhile
+        """CONNECT handshake, then the packet loop until DISCONNECT or an error."""
         _, _, body = await self.read_packet()
         self.authenticating = True
         if not await self._on_connect(_join(body)):
@@ -250,9 +246,13 @@ class Connection:
                 return await self._refuse(RC_BAD_CLIENT_ID, "empty client id needs clean session")
             client_id = "auto-" + secrets.token_hex(8)
         self.client_id = client_id
-        if not await self._authenticate(request.username, request.password):
-            return await self._refuse(RC_NOT_AUTHORIZED,
-                                      f"bad credentials for user {request.username!r}")
+        try:
+            if not await self._authenticate(request.username, request.password):
+                return await self._refuse(RC_NOT_AUTHORIZED,
+                                          f"bad credentials for user {request.username!r}")
+        except LoginBusy as exc:
+            return await self._refuse(RC_SERVER_UNAVAILABLE,
+                                      f"user {request.username!r}: {exc}")
         if request.keepalive > self.limits.max_keepalive:
             return await self._refuse(RC_BAD_CLIENT_ID,
                                       f"keepalive {request.keepalive} s exceeds the broker's "
@@ -280,11 +280,39 @@ class Connection:
         broker = self.broker
         if broker.allow_anonymous and username is None:
             return True
-        if await asyncio.to_thread(broker.auth.verify, username, password):
-            return True
+        # docs/deployment.md section 9: throttled per (address, username); a correct
+        # password is accepted once checked, only the answer to a failure waits
+        self.authenticating = False  # waiting for a lane: evictable like any newcomer
+        attempt = await self._while_open(
+            broker.throttle.attempt(self.stream.peer_host, username or ""))
+        with attempt:
+            if self.closed:
+                return False
+            self.authenticating = True
+            if await asyncio.to_thread(broker.auth.verify, username, password):
+                attempt.succeeded()
+                return True
+            delay = attempt.failed()
         broker.stats.auth_failures += 1
-        broker.throttle.failed(self.stream.peer_host, time.monotonic())
+        self.authenticating = False
+        await self._while_open(asyncio.sleep(delay))
         return False
+
+    async def _while_open(self, waiting: Awaitable[T]) -> T:
+        """``waiting``'s result; cancelled (ConnectionAbortedError) if this connection is
+        closed meanwhile (evicted, deadline, broker stopping), so no task outlives it."""
+        task = asyncio.ensure_future(waiting)
+        try:
+            while not task.done():
+                if self.closed:
+                    raise ConnectionAbortedError("closed while waiting to log in")
+                await asyncio.wait([task], timeout=0.1)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     # -- PUBLISH -----------------------------------------------------------------------
 
