@@ -137,22 +137,35 @@ def test_the_layers_import_one_way() -> None:
         assert not names & {"fl", "transport"}, (path, names)
 
 
-def test_secrets_never_come_from_numpy_or_python_generators() -> None:
-    """docs/architecture.md section 3: masks, keys, seeds and Shamir coefficients come from
-    ``os.urandom`` and AES-CTR, never ``random`` or numpy's generators. The one use of
-    ``random`` is the public, deterministic order of the subsets reconstruction tries
-    (docs/protocol.md section 8, step 5.3)."""
+def _generator_uses(folder: str) -> list[tuple[str, str]]:
+    """Every use of numpy's or Python's random generators in ``folder`` (file, what)."""
     uses: list[tuple[str, str]] = []
-    for path in sorted((ROOT / "secagg").rglob("*.py")):
+    for path in sorted((ROOT / folder).rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-                if (node.value.id, node.attr) in {("np", "random"), ("numpy", "random")}:
-                    uses.append((path.name, "numpy.random"))
+                if (node.value.id, node.attr) in {("np", "random"), ("numpy", "random"),
+                                                  ("torch", "randn"), ("torch", "rand"),
+                                                  ("torch", "normal")}:
+                    uses.append((path.name, f"{node.value.id}.{node.attr}"))
                 if node.value.id == "random":
                     uses.append((path.name, f"random.{node.attr}"))
             elif isinstance(node, ast.ImportFrom) and (
                     node.module in {"random", "numpy.random"}
                     or (node.module == "numpy" and any(a.name == "random" for a in node.names))):
                 uses.append((path.name, f"from {node.module} import"))
-    assert uses == [("unmasking.py", "random.Random")]
+    return uses
+
+
+def test_secrets_never_come_from_numpy_or_python_generators() -> None:
+    """docs/architecture.md section 3: masks, keys, seeds and Shamir coefficients come from
+    ``os.urandom`` and AES-CTR, never ``random`` or numpy's generators. The one use of
+    ``random`` is the public, deterministic order of the subsets reconstruction tries
+    (docs/protocol.md section 8, step 5.3)."""
+    assert _generator_uses("secagg") == [("unmasking.py", "random.Random")]
+
+
+def test_privacy_noise_and_sampling_never_come_from_numpy_or_python_generators() -> None:
+    """docs/privacy.md sections 2 and 6: noise and the patients' sampling coins come from
+    ``os.urandom`` (``dp.randomness``), never numpy's, Python's or torch's generators."""
+    assert _generator_uses("dp") == []
