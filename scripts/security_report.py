@@ -343,7 +343,8 @@ def render(cases: list[Case], code: int, seconds: float) -> str:
     order = ["test_malicious_server", "test_collusion_and_output", "test_malicious_clients",
              "test_protocol_replay", "test_protocol_findings", "test_parsing_robustness",
              "test_claims_protocol",
-             "test_transport_broker", "test_transport_reassembly", "test_gradient_leakage",
+             "test_transport_broker", "test_broker_login_throttle", "test_transport_reassembly",
+             "test_gradient_leakage",
              "test_privacy_audit", "test_claims_privacy"]
 
     def rank(c: Case) -> int:
