@@ -7,14 +7,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_multiprocess_training import Party, federation_broker
-from test_train_idp import _table
-
-from transport.topics import SERVER_USER, site_name
 
 pytest.importorskip("opacus")
+
+from test_multiprocess_training import Party, federation_broker
+from test_site_policy_review import _announce, _blob
+from test_train_idp import _table
+
+from dp.policy import PolicyRefused, SitePolicy
+from fl.contribution import RoundTask
+from fl.idp import SitePatients
+from fl.privacy import open_site_guard
+from fl.remote.inputs import SiteData
+from fl.remote.site import SiteOptions, SiteProcess
+from transport.memory import MemoryNetwork
+from transport.topics import SERVER_USER, site_name
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -76,3 +86,76 @@ def test_sites_plan_charge_and_cap_their_own_rate_groups(tmp_path: Path) -> None
             # planned for the two rounds proposed: every group's budget is used, not wasted
             assert g["epsilon_after"] > 0.9 * g["target_epsilon"]
         assert charges[-1]["epsilon_after"] == max(g["epsilon_after"] for g in last.values())
+
+
+def _idp_task(round_number: int = 1, *, unit: str = "patient-idp", plan_steps: int = 6
+              ) -> RoundTask:
+    """A site-mode round of 3 DP-SGD steps at mean record rate 0.34 (what the coordinator
+    proposes; the site plans its own groups for ``plan_steps`` steps)."""
+    return RoundTask(mode="site", round=round_number, cohort=3, seed=0, unit=unit,
+                     noise_multiplier=3.0, sample_rate=0.34, steps=3,
+                     plan_steps=plan_steps if unit == "patient-idp" else None)
+
+
+def _guard(tmp_path: Path, unit: str) -> tuple[SiteData, Any]:
+    """Site 1 with its table and budget column, and its operator's policy and ledger."""
+    data = SiteData(1, csv=str(_table(tmp_path / "site.csv", patients=40)),
+                    patient_column="pid", label_column="label", budget_column="budget")
+    policy = SitePolicy(modes=("site",), unit=unit, epsilon=3.0, delta=1e-4)
+    guard = open_site_guard(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
+    if unit == "patient-idp":
+        data.idp = SitePatients(1, data.table(data.schema.labels), epsilon=3.0, delta=1e-4)
+    return data, guard
+
+
+@pytest.mark.parametrize("unit", ["patient-idp", "patient"])
+def test_the_unit_is_the_site_operators(tmp_path: Path, unit: str) -> None:
+    """A patient-idp site refuses a round computed per patient unit, a patient-unit site
+    refuses a patient-idp round, both naming [unit] with nothing charged; each takes part in
+    its own unit's round (charged, then withdrawn: the round never started)."""
+    data, guard = _guard(tmp_path, unit)
+    network = MemoryNetwork()
+    site = SiteProcess(data, network, SiteOptions(federation="fed", idle_timeout=30,
+                                                  stage_timeout=10.0, guard=guard),
+                       lambda text: None)
+    other = "patient" if unit == "patient-idp" else "patient-idp"
+    blobs = [_blob(_idp_task(unit=u), ["no", "yes"], ("a", "b", "c")) for u in (other, unit)]
+    answers = _announce(site, network, blobs)
+    assert answers[0] is not None and "refused by site policy [unit]" in answers[0]
+    assert answers[1] is None  # its own unit: ready
+    (charge,) = guard.ledger.charges
+    assert charge.unit == unit and charge.withdrawn
+    assert (charge.groups is not None) == (unit == "patient-idp")
+    guard.ledger.close()
+
+
+def test_the_site_ledger_caps_every_group_whatever_the_coordinator_proposes(
+        tmp_path: Path) -> None:
+    data, guard = _guard(tmp_path, "patient-idp")
+    assert data.schema.features == ("a", "b", "c")  # the budget column is never announced
+    plan = data.idp.for_task(_idp_task()).plan
+    for r in (1, 2):
+        guard.admit(_idp_task(r), secagg_threshold=2, label=f"round {r}",
+                    idp_plan=data.idp.for_task(_idp_task(r)).plan)
+    # The ledger composes exactly what the site planned: 2 rounds of 3 steps = 6 steps.
+    spent = {k: b.spent[0] for k, b in guard.ledger.group_budgets().items()}
+    assert spent == pytest.approx({g.key: plan.group_epsilon(g, 6) for g in plan.groups},
+                                  rel=1e-9)
+    assert {g.target_epsilon for g in plan.groups} == {1.0, 3.0}
+    assert all(spent[g.key] <= g.target_epsilon * (1 + 1e-9) for g in plan.groups)
+    with pytest.raises(PolicyRefused, match=r"\[budget\]") as refused:
+        guard.admit(_idp_task(3), secagg_threshold=2, label="round 3",
+                    idp_plan=data.idp.for_task(_idp_task(3)).plan)
+    assert "records=" not in str(refused.value)  # the refusal names no group
+    guard.ledger.close()
+    # The ledger survives a restart; a coordinator claiming the run is 1 step long (so the
+    # site would plan high rates) gets a refusal, not a count: 3 steps of that plan exceed.
+    data, guard = _guard(tmp_path, "patient-idp")
+    again = {k: b.spent[0] for k, b in guard.ledger.group_budgets().items()}
+    assert again == pytest.approx(spent, rel=1e-12)
+    assert guard.ledger.epsilon == pytest.approx(max(spent.values()), rel=1e-12)
+    with pytest.raises(PolicyRefused, match=r"\[budget\]"):
+        guard.admit(_idp_task(3, plan_steps=1), secagg_threshold=2, label="round 3",
+                    idp_plan=data.idp.for_task(_idp_task(3, plan_steps=1)).plan)
+    assert len(guard.ledger.charges) == 2
+    guard.ledger.close()

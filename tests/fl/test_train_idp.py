@@ -136,3 +136,59 @@ def test_plan_shows_the_groups_not_patient_units(tmp_path: Path) -> None:
     assert len(eps) == 3 and eps == sorted(eps) and eps[-1] <= 3.0 * (1 + 1e-9)
     assert {g["target_epsilon"] for s in out["idp"].values() for g in s["groups"]} == {1.0, 3.0}
     assert "noise_multiplier" not in out
+
+
+def test_resume_accounts_every_group_as_an_uninterrupted_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--resume replays the checkpoint's charged rounds into every site's group ledger: a
+    run stopped after round 2 and resumed ends with the uninterrupted run's per-round and
+    per-group epsilons; a round released just before a crash stays charged (at the
+    coordinator and the sites alike), so its re-run makes the plan's last round unaffordable.
+    (A fixed patient-unit --noise-multiplier only skips calibrating a multiplier that
+    patient-idp sites do not use: each site plans its own.)"""
+    from dataclasses import replace
+
+    from fl.coordinator import Coordinator, RoundCapture
+    from fl.federation import train
+
+    settings = TrainSettings(sites=2, rounds=3, csv=str(_table(tmp_path / "t.csv", 60)),
+                             patient_column="pid", label_column="label", dp="site",
+                             noise_multiplier=2.0, delta=1e-4, unit="patient-idp",
+                             budget_column="budget", sample_rate=0.34, broker="memory",
+                             scaling="none", alpha=100.0)
+
+    def groups(report: dict) -> list[float]:
+        return [g["epsilon_spent"] for s in report["idp"].values() for g in s["groups"]]
+
+    straight = train(settings)
+    stopped = replace(settings, checkpoint=str(tmp_path / "a"))
+    original = Coordinator.run_round
+
+    def killed_before_round_3(self: Coordinator, r: int) -> bool:
+        if r == 3:
+            raise RuntimeError("coordinator killed")
+        return original(self, r)
+
+    monkeypatch.setattr(Coordinator, "run_round", killed_before_round_3)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(stopped)
+    monkeypatch.setattr(Coordinator, "run_round", original)
+    resumed = train(replace(stopped, resume=True))
+    assert [r["round"] for r in resumed["rounds"]] == [1, 2, 3]
+    assert [r["epsilon"] for r in resumed["rounds"]] == pytest.approx(
+        [r["epsilon"] for r in straight["rounds"]], rel=1e-12)
+    assert groups(resumed) == pytest.approx(groups(straight), rel=1e-12)
+
+    crashed = replace(settings, checkpoint=str(tmp_path / "b"))
+
+    def power_cut(capture: RoundCapture) -> None:
+        if capture.round == 2:
+            raise KeyboardInterrupt("power cut after round 2 was released")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(crashed, on_capture=power_cut)
+    again = train(replace(crashed, resume=True))
+    # Rounds 1, 2 (released, lost), 2 (re-run): three rounds' cost, the whole plan.
+    assert [r["round"] for r in again["rounds"]] == [1, 2]
+    assert again["stopped"] is not None and "round 3 not run" in again["stopped"]
+    assert groups(again) == pytest.approx(groups(straight), rel=1e-12)
