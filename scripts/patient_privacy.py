@@ -515,7 +515,7 @@ def render(runs: list[dict[str, Any]], plot_name: str) -> str:
         "`plan.report()` lists the groups; `dp.idp.GroupLedger` keeps the spending across "
         "rounds.",
         "",
-        "Command line (site mode, every site in one process):",
+        "Command line (site mode; `--role all`, every site in one process):",
         "",
         "    secagg train --dp site --unit patient-idp --epsilon 3 --delta 1e-5 \\",
         "        --csv visits.csv --patient-column pid --label-column outcome \\",
@@ -527,16 +527,66 @@ def render(runs: list[dict[str, Any]], plot_name: str) -> str:
         "before a round that would take any group at any site past its target; the per-round "
         "`epsilon` is the largest of any group, and the JSON report's `idp` section lists "
         "every site's groups (records, target, patients, rate, clip, planned and spent "
-        "epsilon). Where it does not run, and why:",
+        "epsilon). With `--checkpoint DIR --resume` every site's group ledger is rebuilt "
+        "from the checkpoint: the rounds charged so far are replayed into each site's groups "
+        "with each round's (seeded) cohort, and a round charged but lost in a crash stays "
+        "charged, at the coordinator and at the sites alike "
+        "(`tests/fl/test_train_idp.py::test_resume_accounts_every_group_as_an_uninterrupted_run`).",
+        "",
+        "Across machines (`--role coordinator` and `--role site`) every hospital's own "
+        "process is the authority over its patients:",
+        "",
+        "    secagg train --role coordinator --sites 1,2,3 --rounds 20 --dp site \\",
+        "        --unit patient-idp --noise-multiplier 1 --sample-rate 0.05 --csv visits.csv \\",
+        "        --patient-column pid --label-column outcome --labels no,yes --broker mqtts://...",
+        "    secagg train --role site --site-id 2 --dp site --unit patient-idp --epsilon 3 \\",
+        "        --delta 1e-5 --csv visits.csv --patient-column pid --label-column outcome \\",
+        "        --budget-column consent_epsilon --ledger /var/lib/secagg/ledger.json \\",
+        "        --broker mqtts://...",
+        "",
+        "* The unit is the site operator's: `--unit patient-idp` on the site is its policy's "
+        "unit (`dp.policy.SitePolicy`). Such a site refuses a round computed per patient unit "
+        "or per record, and a patient-unit or record-unit site refuses a patient-idp round, "
+        "naming `[unit]`, nothing charged.",
+        "* The site computes its rate groups once from its own table: records per patient, and "
+        "each patient's target from its `--budget-column` (capped by the site's `--epsilon`) "
+        "or the site's `--epsilon`. The budget column is not a feature, is not announced, and "
+        "never leaves the site.",
+        "* Each round the coordinator proposes public numbers only: steps per round, the mean "
+        "record rate (`--sample-rate`), the clip and the run's planned steps (`rounds x "
+        "steps`). The site plans its noise multiplier and per-group rates for them with the "
+        "planner `--role all` uses (`dp.idp.plan_idp`) and, before computing anything, "
+        "charges every group its own cost in its write-ahead ledger (`dp.policy.Ledger`: one "
+        "RDP event per group, composed per group, `IdpPlan.group_events`). A round that would "
+        "take any group past its target is refused `[budget]`, naming no group. Whatever the "
+        "coordinator proposes (e.g. a run of 1 planned step, so that the site would plan high "
+        "rates) no group passes its target; the proposal changes utility only.",
+        "* The ledger records, per release, every group's key (records, target), event and "
+        "epsilon after, and the site's log prints them. The ledger is the site's persistent "
+        "state: a restarted site process with the same data and ledger continues from it; the "
+        "coordinator's `--resume` works as for any unit.",
+        "* What the coordinator sees: which sites took part or declined, the rule a refusal "
+        "names, and the sum of the sites' DP-SGD updates. Not the groups, their sizes, rates, "
+        "noise multipliers or epsilons: `--role all`'s report lists those per site (its `idp` "
+        "section) because one process holds every site. The coordinator keeps no budget: its "
+        "report has no `idp` section and every round's `epsilon` is None (each site's ledger "
+        "has it). Its `--epsilon` or `--noise-multiplier` only fills the task's patient-unit "
+        "fields, which a patient-idp site does not use (`--noise-multiplier` skips "
+        "calibrating them).",
+        "",
+        "Tests: `tests/fl/test_remote_idp.py::"
+        "test_sites_plan_charge_and_cap_their_own_rate_groups` "
+        "(a coordinator and two site processes on the embedded broker, one site with a budget "
+        "column), `::test_the_unit_is_the_site_operators`, "
+        "`::test_the_site_ledger_caps_every_group_whatever_the_coordinator_proposes`.",
+        "",
+        "Where it does not run, and why:",
         "",
         "* `--dp distributed` is refused: its integer (discrete Gaussian / Skellam) noise is "
         "accounted with a general subsampling bound for one unit; a patient whose records are "
         "sampled independently is a mixture the package has no sound analysis for in the "
         "integer domain (the mixture-of-Gaussians dominance above is for the continuous "
         "Gaussian). Use `--unit patient` there.",
-        "* `--role coordinator` / `--role site` are refused: the sites' rate groups and "
-        "ledgers are not part of the round protocol yet.",
-        "* `--resume` is refused: the sites' ledgers are not checkpointed.",
         "* The cut-off (`max_records`) and the clipping variant are in the Python API only.",
         "",
         f"Measured in {sum(r['seconds'] for r in runs):.0f} s on this machine.",
