@@ -156,3 +156,23 @@ def test_the_throttle_table_stays_bounded_under_a_flood_of_names_and_addresses()
     assert keys == 1000
     assert held < 2_000_000, held  # 10,000 x 4 kB usernames would be 40 MB
     assert last == 1  # the most recent attacker is remembered
+
+
+def test_a_waiter_that_gives_up_frees_its_place_and_the_next_one_gets_the_lane() -> None:
+    async def scenario() -> None:
+        throttle = LoginThrottle(0.2, 5.0, lanes=1, waiting=2)
+        with await throttle.attempt("127.0.0.1", "site-3") as first:
+            assert first.failed() == 0.2  # the pair is penalised; its lane is held 0.2 s
+        gone = asyncio.create_task(throttle.attempt("127.0.0.1", "site-3"))
+        kept = asyncio.create_task(throttle.attempt("127.0.0.1", "site-3"))
+        await asyncio.sleep(0)
+        gone.cancel()  # e.g. its connection was evicted while it waited
+        await asyncio.gather(gone, return_exceptions=True)
+        third = asyncio.create_task(throttle.attempt("127.0.0.1", "site-3"))
+        with await asyncio.wait_for(kept, 10.0) as attempt:  # after the 0.2 s hold
+            attempt.succeeded()
+        with await asyncio.wait_for(third, 10.0) as attempt:
+            attempt.succeeded()
+        assert throttle.failures("127.0.0.1", "site-3") == 1 and len(throttle) == 1
+
+    asyncio.run(scenario())

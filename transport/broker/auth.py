@@ -247,7 +247,9 @@ class LoginThrottle:
     def _wake(self, entry: _Key) -> None:
         """Give free lanes to the oldest waiters; come back when a held lane frees."""
         loop = asyncio.get_running_loop()
-        entry.timer = None
+        if entry.timer is not None:
+            entry.timer.cancel()  # no-op when it is the timer calling
+            entry.timer = None
         while entry.waiters and entry.busy(loop.time()) < self.lanes:
             waiter = entry.waiters.popleft()
             if not waiter.done():
