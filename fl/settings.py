@@ -164,6 +164,6 @@ class TrainSettings:
         """Settings a checkpoint must agree with (not where it runs or how long)."""
         skip = {"broker", "checkpoint", "resume", "verify", "max_attempts", "rounds"}
         data = {k: v for k, v in asdict(self).items() if k not in skip}
-        if self.dp != "none" and self.noise_multiplier is None:
-            data["rounds"] = self.rounds  # the noise was calibrated for this many rounds
+        if self.dp != "none" and (self.noise_multiplier is None or self.unit == "patient-idp"):
+            data["rounds"] = self.rounds  # the noise (patient-idp: the rates) was planned for it
         return data

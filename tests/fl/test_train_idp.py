@@ -178,6 +178,8 @@ def test_resume_accounts_every_group_as_an_uninterrupted_run(
     assert [r["epsilon"] for r in resumed["rounds"]] == pytest.approx(
         [r["epsilon"] for r in straight["rounds"]], rel=1e-12)
     assert groups(resumed) == pytest.approx(groups(straight), rel=1e-12)
+    with pytest.raises(ValueError, match="other settings"):  # the groups' rates: 3 rounds
+        train(replace(stopped, rounds=4, resume=True))
 
     crashed = replace(settings, checkpoint=str(tmp_path / "b"))
 
