@@ -239,7 +239,7 @@ def _admit(guard: Any, task: RoundTask | None, announce: Announce, label: str,
     """The site's privacy gate (write-ahead charge, or a refusal naming the rule);
     ``idp``: the site's own :class:`fl.idp.SiteIdp` plan under ``--unit patient-idp``."""
     if guard is None:
-        if task is not None and task.unit == "patient-idp":
+        if getattr(task, "unit", None) == "patient-idp":
             raise WireError("a patient-idp round needs the site's privacy ledger")
         return
     from dp.errors import PrivacyError
