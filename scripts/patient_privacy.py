@@ -563,8 +563,7 @@ def render(runs: list[dict[str, Any]], plot_name: str) -> str:
         "rates) no group passes its target; the proposal changes utility only.",
         "* The ledger records, per release, every group's key (records, target), event and "
         "epsilon after, and the site's log prints them. The ledger is the site's persistent "
-        "state: a restarted site process with the same data and ledger continues from it; the "
-        "coordinator's `--resume` works as for any unit.",
+        "state: a restarted site process with the same data and ledger continues from it.",
         "* What the coordinator sees: which sites took part or declined, the rule a refusal "
         "names, and the sum of the sites' DP-SGD updates. Not the groups, their sizes, rates, "
         "noise multipliers or epsilons: `--role all`'s report lists those per site (its `idp` "

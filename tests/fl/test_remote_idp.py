@@ -17,7 +17,7 @@ from test_multiprocess_training import Party, federation_broker
 from test_site_policy_review import _announce, _blob
 from test_train_idp import _table
 
-from dp.policy import PolicyRefused, SitePolicy
+from dp.policy import UNITS, PolicyRefused, SitePolicy
 from fl.contribution import RoundTask
 from fl.idp import SitePatients
 from fl.privacy import open_site_guard
@@ -108,21 +108,22 @@ def _guard(tmp_path: Path, unit: str) -> tuple[SiteData, Any]:
     return data, guard
 
 
-@pytest.mark.parametrize("unit", ["patient-idp", "patient"])
+@pytest.mark.parametrize("unit", UNITS)
 def test_the_unit_is_the_site_operators(tmp_path: Path, unit: str) -> None:
-    """A patient-idp site refuses a round computed per patient unit, a patient-unit site
-    refuses a patient-idp round, both naming [unit] with nothing charged; each takes part in
-    its own unit's round (charged, then withdrawn: the round never started)."""
+    """A patient-idp site refuses rounds computed per patient unit or per record, a
+    patient-unit or record-unit site refuses a patient-idp round, each naming [unit] with
+    nothing charged; each takes part in its own unit's round (charged, then withdrawn: the
+    round never started)."""
     data, guard = _guard(tmp_path, unit)
     network = MemoryNetwork()
     site = SiteProcess(data, network, SiteOptions(federation="fed", idle_timeout=30,
                                                   stage_timeout=10.0, guard=guard),
                        lambda text: None)
-    other = "patient" if unit == "patient-idp" else "patient-idp"
-    blobs = [_blob(_idp_task(unit=u), ["no", "yes"], ("a", "b", "c")) for u in (other, unit)]
+    others = [u for u in UNITS if u != unit]
+    blobs = [_blob(_idp_task(unit=u), ["no", "yes"], ("a", "b", "c")) for u in (*others, unit)]
     answers = _announce(site, network, blobs)
-    assert answers[0] is not None and "refused by site policy [unit]" in answers[0]
-    assert answers[1] is None  # its own unit: ready
+    assert all(a is not None and "refused by site policy [unit]" in a for a in answers[:-1])
+    assert answers[-1] is None  # its own unit: ready
     (charge,) = guard.ledger.charges
     assert charge.unit == unit and charge.withdrawn
     assert (charge.groups is not None) == (unit == "patient-idp")
