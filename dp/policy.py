@@ -396,6 +396,12 @@ class Ledger:
                                     f"epsilon to {after:.4g} > its budget "
                                     f"{self.policy.epsilon:g} (spent {budget.spent[0]:.4g} "
                                     f"over {self.releases} releases)")
+            # A release charged to every patient also counts for the ledger's rate groups
+            # (a ledger that went on under another unit): none may pass its target.
+            spent = self.group_budgets()
+            for key, target in self._targets().items():
+                after = max(after, self._within(spent[key].epsilon_after(proposal.event),
+                                                target))
         entry = Charge(len(self.charges) + 1, proposal.label, proposal.kind, proposal.mode,
                        proposal.mechanism, proposal.noise_multiplier, proposal.sample_rate,
                        proposal.steps,
@@ -406,22 +412,30 @@ class Ledger:
         self.charges.append(entry)
         return entry
 
+    def _targets(self) -> dict[str, float]:
+        """Every rate group of the ledger's (active) charges and its target epsilon."""
+        return {g["group"]: float(g["target_epsilon"]) for c in self.active()
+                for g in c.groups or ()}
+
+    def _within(self, after: float, target: float) -> float:
+        """``after`` if a rate group may reach it (its target and the site's budget), else
+        the refusal, which names no group: it goes to the coordinator."""
+        cap = target if self.policy.epsilon is None else min(target, self.policy.epsilon)
+        if not after <= cap:
+            raise PolicyRefused("budget", "this release would take the patients of one of "
+                                "this site's rate groups past their target epsilon (the "
+                                "groups' spending is in the site's ledger)")
+        return after
+
     def _charge_groups(self, proposal: Proposal, budget: PrivacyBudget
                        ) -> list[dict[str, Any]]:
-        """Every rate group's epsilon after ``proposal``, refused if any passes its target
-        (or the site's budget). The refusal names no group: it goes to the coordinator."""
+        """Every rate group's epsilon after ``proposal`` (refused if any passes its target);
+        a group new to the ledger starts from what every patient was charged (``budget``)."""
         spent = self.group_budgets()
-        out = []
-        for key, target, event in proposal.groups:
-            after = spent.get(key, budget).epsilon_after(event)
-            cap = target if self.policy.epsilon is None else min(target, self.policy.epsilon)
-            if not after <= cap:
-                raise PolicyRefused("budget", "this release would take the patients of one of "
-                                    "this site's rate groups past their target epsilon (the "
-                                    "groups' spending is in the site's ledger)")
-            out.append({"group": key, "target_epsilon": target,
-                        "event": event_to_json(event), "epsilon_after": after})
-        return out
+        return [{"group": key, "target_epsilon": target, "event": event_to_json(event),
+                 "epsilon_after": self._within(spent.get(key, budget).epsilon_after(event),
+                                               target)}
+                for key, target, event in proposal.groups]
 
     def withdraw(self, charge: Charge, reason: str) -> None:
         """Undo ``charge`` -- only when its input never left the site."""

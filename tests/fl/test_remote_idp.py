@@ -29,7 +29,7 @@ from transport.topics import SERVER_USER, site_name
 pytestmark = pytest.mark.timeout(240)
 
 CSV = ["--patient-column", "pid", "--label-column", "label", "--seed", "0",
-       "--stage-timeout", "30", "--connect-timeout", "90", "--federation", "idp-fed",
+       "--stage-timeout", "60", "--connect-timeout", "90", "--federation", "idp-fed",
        "--sample-rate", "0.34"]
 
 
@@ -158,5 +158,13 @@ def test_the_site_ledger_caps_every_group_whatever_the_coordinator_proposes(
     with pytest.raises(PolicyRefused, match=r"\[budget\]"):
         guard.admit(_idp_task(3, plan_steps=1), secagg_threshold=2, label="round 3",
                     idp_plan=data.idp.for_task(_idp_task(3, plan_steps=1)).plan)
+    assert len(guard.ledger.charges) == 2
+    guard.ledger.close()
+    # The same ledger under another unit: a release charged to every patient still counts
+    # for each rate group, so none passes its target (the strictest group is spent).
+    policy = SitePolicy(modes=("site",), unit="patient", epsilon=3.0, delta=1e-4)
+    guard = open_site_guard(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
+    with pytest.raises(PolicyRefused, match=r"\[budget\]"):
+        guard.admit(_idp_task(3, unit="patient"), secagg_threshold=2, label="round 3")
     assert len(guard.ledger.charges) == 2
     guard.ledger.close()
