@@ -260,6 +260,11 @@ def test_a_signal_stops_everything_within_two_seconds(tmp_path: Path, signum: in
     assert proc.returncode == 128 + signum, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "interrupted by" in lines[0], err
+    # A child may still be finishing its exit when the command returns (seen in 3 of 40 runs
+    # at load average 7: state R, empty command line, reparented to init, gone 0.02 s later);
+    # everything must be gone within the documented 2 s of the signal.
+    while _processes_of(proc.pid, str(tmp)) and time.monotonic() - started < 2.0:
+        time.sleep(0.01)
     assert _processes_of(proc.pid, str(tmp)) == []
     assert list(tmp.iterdir()) == []
 
