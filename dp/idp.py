@@ -191,6 +191,15 @@ class PatientGroups:
     sizes: tuple[tuple[int, float, int], ...]
     """``(records, target_epsilon, patients)`` per group, in group-index order."""
 
+    def digest(self) -> str:
+        """SHA-256 of which patient is in which group (a site's ledger matches its per-group
+        spending to the same grouping only; it stays at the site)."""
+        import hashlib
+
+        text = "\n".join(f"{k!r}\t{self.sizes[g][0]}\t{self.sizes[g][1]!r}"
+                         for k, g in zip(self.keys, self.group_of_patient.tolist(), strict=True))
+        return hashlib.sha256(text.encode()).hexdigest()
+
 
 def group_patients(patient_ids: Sequence[Hashable], target_epsilon: float | Sequence[float],
                    max_records: int | None = None) -> PatientGroups:

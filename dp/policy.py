@@ -77,20 +77,24 @@ class Proposal:
     groups: tuple[tuple[str, float, Event], ...] = ()
     """``unit="patient-idp"``: ``(group key, target epsilon, event)`` per rate group of the
     site's plan (each group's patients' cost; ``event`` is then None)."""
+    patients: str = ""
+    """``unit="patient-idp"``: which patient is in which group
+    (:meth:`dp.idp.PatientGroups.digest`)."""
 
     @classmethod
-    def site_idp(cls, plan: Any, *, steps: int, secagg_threshold: int,
-                 label: str = "") -> Proposal:
+    def site_idp(cls, plan: Any, *, steps: int, secagg_threshold: int, label: str = "",
+                 patients: str = "") -> Proposal:
         """Site mode under ``--unit patient-idp``: ``steps`` steps of the *site's own*
-        :class:`dp.idp.IdpPlan` (its rate groups from its own table); every group is
-        charged its own event (:meth:`dp.idp.IdpPlan.group_events`)."""
+        :class:`dp.idp.IdpPlan` (its rate groups from its own table, grouped as
+        ``patients`` says); every group is charged its own event
+        (:meth:`dp.idp.IdpPlan.group_events`)."""
         events = plan.group_events(steps) if steps >= 1 else []
         groups = tuple((g.key, g.target_epsilon, e)
                        for g, e in zip(plan.groups, events, strict=True))
         return cls("train", "site", "gaussian", plan.noise_multiplier,
                    max(g.sample_rate for g in plan.groups), steps,
                    max(g.clip_norm for g in plan.groups), None, secagg_threshold, None, label,
-                   "patient-idp", groups)
+                   "patient-idp", groups, patients)
 
     @classmethod
     def site_dp(cls, *, noise_multiplier: float, sample_rate: float, steps: int,
@@ -295,6 +299,8 @@ class Charge:
     """The privacy unit of the release (None in ledgers written before it was recorded)."""
     groups: list[dict[str, Any]] | None = None
     """``unit="patient-idp"``: per rate group its key, target, event and epsilon after."""
+    patients: str | None = None
+    """``unit="patient-idp"``: the grouping the groups' spending belongs to."""
 
 
 @dataclass
@@ -383,6 +389,12 @@ class Ledger:
                                 f"{self.releases} releases (its ceiling)")
         budget = self.budget()
         after = budget.spent[0]
+        if proposal.groups and any(c.groups and c.patients != proposal.patients
+                                   for c in self.active()):
+            raise PolicyRefused("budget", "this site's patients are grouped differently from "
+                                "its ledger's earlier patient-idp releases (another table?): "
+                                "their spending cannot be matched group by group; keep the "
+                                "table this ledger was kept for")
         groups = self._charge_groups(proposal, budget) if proposal.groups else None
         if groups is not None:
             after = max(g["epsilon_after"] for g in groups)
@@ -407,7 +419,8 @@ class Ledger:
                        proposal.steps,
                        None if proposal.event is None else event_to_json(proposal.event),
                        after, time.time(), unit=None if proposal.mode == "none" else
-                       proposal.unit, groups=groups)
+                       proposal.unit, groups=groups,
+                       patients=proposal.patients if groups else None)
         self._write([*self.charges, entry])
         self.charges.append(entry)
         return entry

@@ -289,22 +289,24 @@ def release_record(plan: Plan, round_number: int, included: list[int], event: Ev
 
 # --- the site's side: its own policy and ledger (docs/architecture.md section 9) -----------
 def site_proposal(task: Any, *, secagg_threshold: int, label: str = "",
-                  idp_plan: Any = None) -> Proposal:
+                  idp: Any = None) -> Proposal:
     """What a round's task (:class:`fl.contribution.RoundTask`, None for the feature
     statistics' exact sum, a :class:`fl.private_scaler.ScalerPlan` for their noised sum)
-    asks this site to release, as its policy sees it. ``idp_plan``: under ``--unit
-    patient-idp`` the site's *own* :class:`dp.idp.IdpPlan` for the task (fl/idp.py), whose
-    rate groups are charged each their own cost; without one such a task is refused."""
+    asks this site to release, as its policy sees it. ``idp``: under ``--unit
+    patient-idp`` the site's *own* plan and grouping for the task (:class:`fl.idp.SiteIdp`),
+    whose rate groups are charged each their own cost; without one such a task is
+    refused."""
     if task is None:
         return Proposal.exact("scaler", secagg_threshold=secagg_threshold, label=label)
     unit = getattr(task, "unit", "patient")  # the unit the task clips and sums over
     if unit == "patient-idp" and task.mode == "site":
-        if idp_plan is None:
+        if idp is None:
             raise PolicyRefused("unit", "the round is computed per patient by individual "
                                 "sampling rates (patient-idp); this site is not configured "
                                 "for it (its operator's --unit)")
-        return Proposal.site_idp(idp_plan, steps=task.steps,
-                                 secagg_threshold=secagg_threshold, label=label)
+        return Proposal.site_idp(idp.plan, steps=task.steps,
+                                 secagg_threshold=secagg_threshold, label=label,
+                                 patients=idp.groups.digest())
     if task.mode == "site":
         return Proposal.site_dp(noise_multiplier=task.noise_multiplier,
                                 sample_rate=task.sample_rate, steps=task.steps,
@@ -361,12 +363,12 @@ class SiteGuard:
             self.log(f"warning: {warning}")
 
     def admit(self, task: Any, *, secagg_threshold: int, label: str, key: Any = None,
-              idp_plan: Any = None) -> Charge:
+              idp: Any = None) -> Charge:
         """Check and charge the round (raises :class:`dp.policy.PolicyRefused`); ``key``
         (the announcement's) lets :meth:`check_go` and :meth:`not_sent` find the charge;
-        ``idp_plan``: the site's own plan under ``--unit patient-idp``."""
+        ``idp``: the site's own plan and grouping under ``--unit patient-idp``."""
         proposal = site_proposal(task, secagg_threshold=secagg_threshold, label=label,
-                                 idp_plan=idp_plan)
+                                 idp=idp)
         if not self.authenticated_roster:
             proposal = lone_share(task, proposal)
         charge = self.ledger.charge(proposal)

@@ -246,6 +246,6 @@ def _admit(guard: Any, task: RoundTask | None, announce: Announce, label: str,
 
     try:
         guard.admit(task, secagg_threshold=announce.threshold, label=label, key=announce.key,
-                    idp_plan=None if idp is None else idp.plan)
+                    idp=idp)
     except PrivacyError as exc:
         raise WireError(str(exc)) from None

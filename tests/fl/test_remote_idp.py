@@ -137,7 +137,7 @@ def test_the_site_ledger_caps_every_group_whatever_the_coordinator_proposes(
     plan = data.idp.for_task(_idp_task()).plan
     for r in (1, 2):
         guard.admit(_idp_task(r), secagg_threshold=2, label=f"round {r}",
-                    idp_plan=data.idp.for_task(_idp_task(r)).plan)
+                    idp=data.idp.for_task(_idp_task(r)))
     # The ledger composes exactly what the site planned: 2 rounds of 3 steps = 6 steps.
     spent = {k: b.spent[0] for k, b in guard.ledger.group_budgets().items()}
     assert spent == pytest.approx({g.key: plan.group_epsilon(g, 6) for g in plan.groups},
@@ -146,7 +146,7 @@ def test_the_site_ledger_caps_every_group_whatever_the_coordinator_proposes(
     assert all(spent[g.key] <= g.target_epsilon * (1 + 1e-9) for g in plan.groups)
     with pytest.raises(PolicyRefused, match=r"\[budget\]") as refused:
         guard.admit(_idp_task(3), secagg_threshold=2, label="round 3",
-                    idp_plan=data.idp.for_task(_idp_task(3)).plan)
+                    idp=data.idp.for_task(_idp_task(3)))
     assert "records=" not in str(refused.value)  # the refusal names no group
     guard.ledger.close()
     # The ledger survives a restart; a coordinator claiming the run is 1 step long (so the
@@ -157,8 +157,15 @@ def test_the_site_ledger_caps_every_group_whatever_the_coordinator_proposes(
     assert guard.ledger.epsilon == pytest.approx(max(spent.values()), rel=1e-12)
     with pytest.raises(PolicyRefused, match=r"\[budget\]"):
         guard.admit(_idp_task(3, plan_steps=1), secagg_threshold=2, label="round 3",
-                    idp_plan=data.idp.for_task(_idp_task(3, plan_steps=1)).plan)
+                    idp=data.idp.for_task(_idp_task(3, plan_steps=1)))
     assert len(guard.ledger.charges) == 2
+    # Another table (patients regrouped) cannot go on with this ledger's group spending.
+    other = SiteData(1, csv=str(_table(tmp_path / "other.csv", patients=44)),
+                     patient_column="pid", label_column="label", budget_column="budget")
+    regrouped = SitePatients(1, other.table(other.schema.labels), epsilon=3.0, delta=1e-4)
+    with pytest.raises(PolicyRefused, match="grouped differently"):
+        guard.admit(_idp_task(3), secagg_threshold=2, label="round 3",
+                    idp=regrouped.for_task(_idp_task(3)))
     guard.ledger.close()
     # The same ledger under another unit: a release charged to every patient still counts
     # for each rate group, so none passes its target (the strictest group is spent).
