@@ -563,7 +563,11 @@ def render(runs: list[dict[str, Any]], plot_name: str) -> str:
         "rates) no group passes its target; the proposal changes utility only.",
         "* The ledger records, per release, every group's key (records, target), event and "
         "epsilon after, and the site's log prints them. The ledger is the site's persistent "
-        "state: a restarted site process with the same data and ledger continues from it.",
+        "state: a restarted site process with the same data and ledger continues from it. "
+        "It is kept for one grouping of one table: a site whose patients are grouped "
+        "otherwise (another table with that `--ledger`) is refused `[budget]`, and a release "
+        "charged to every patient (the same ledger under another `--unit`) counts for every "
+        "group and is refused if it would take one past its target.",
         "* What the coordinator sees: which sites took part or declined, the rule a refusal "
         "names, and the sum of the sites' DP-SGD updates. Not the groups, their sizes, rates, "
         "noise multipliers or epsilons: `--role all`'s report lists those per site (its `idp` "
