@@ -74,16 +74,79 @@ def check_broker(broker: str, kinds: Sequence[str] = BROKER_KINDS) -> str:
                      "mqtts://host:port")
 
 
-def round_timeouts(stage: float = 60.0, *, work: float = 0.0) -> Timeouts:
-    """The protocol deadlines of every round the command line runs (defined once):
-    ``stage`` seconds per stage plus ``work`` seconds a party may need to compute (masking
-    a large vector, many peers); a client waits for the round start and gives up on a
-    silent round after a few stages' worth of time. Sites that drop sign off or leave a
-    last will, so the deadlines only guard against a wedged broker or a hung site."""
+# The round's cost model (docs/performance.md "Round deadlines"). Seconds per unit of work,
+# measured on this 2-core machine under a load average of about 5 (other jobs running) with
+# ``python benchmarks/bench_simulate_scale.py --calibrate`` and rounded up; the deadlines
+# allow SAFETY times the modelled work, so a slower or busier machine still finishes.
+PAIR_SECONDS: Mapping[str, Mapping[str, float]] = {
+    # one client's computation per neighbour for its message of each stage: X25519
+    # agreements, Shamir shares and AEAD encryptions (share_keys; malicious: signature
+    # checks too), agreements and key derivation (masked_input), decryption (unmasking;
+    # malicious: the consistency signatures are checked there)
+    "semi-honest": {"advertise_keys": 0.0, "share_keys": 500e-6, "masked_input": 200e-6,
+                    "consistency_check": 0.0, "unmasking": 20e-6},
+    "malicious": {"advertise_keys": 0.0, "share_keys": 1000e-6, "masked_input": 250e-6,
+                  "consistency_check": 10e-6, "unmasking": 500e-6},
+}
+ELEMENT_SECONDS = 2e-9
+"""Expanding one mask element (AES-CTR keystream) and adding it: masked_input costs each
+client (neighbours + 1) x dim of these, the server's unmasking its dropped pairs x dim."""
+SERVER_PAIR_SECONDS = 15e-6
+"""The server and the broker per (client, neighbour) pair and stage: decoding, storing and
+routing n x k ciphertexts and keys (in ``secagg simulate`` on the same cores as the sites)."""
+LOGIN_SECONDS = 20e-3
+"""The broker checks one login (hash of a generated token) and its subscriptions."""
+SAFETY = 4.0
+"""The deadlines allow SAFETY x the modelled work."""
+
+
+def round_work(*, clients: int, dim: int, neighbors: int | None = None,
+               malicious: bool = False, colocated: int = 1) -> dict[str, float]:
+    """Seconds of computation each stage of one round needs (by stage label), and under
+    ``"finish"`` the server's unmasking: the cost model, defined once.
+
+    ``clients`` n and ``neighbors`` k (SecAgg+'s neighbourhood, the client included;
+    ``None``: the complete graph, k = n) give n x k pairs: each client computes k
+    agreements, shares and encryptions (SecAgg+ scales with n x k, the complete graph with
+    n^2) and the server routes n x k ciphertexts; masking costs k x ``dim`` per client
+    (k - 1 pairwise masks and its self mask). ``colocated`` is how many clients compute
+    one after another on one core (1 when every site has its own machine; n / cores in
+    ``secagg simulate``, n when every party runs on one event loop)."""
+    n = max(0, int(clients))
+    k = n if neighbors is None else min(n, int(neighbors))
+    per_pair = PAIR_SECONDS["malicious" if malicious else "semi-honest"]
+    share = max(1, colocated)
+    work = {label: share * k * per_pair[label] + n * k * SERVER_PAIR_SECONDS
+            for label in per_pair}
+    work["masked_input"] += share * k * dim * ELEMENT_SECONDS
+    # at most half of the pairs have a dropped end, and every survivor's self mask
+    work["finish"] = (n * k / 2 + n) * dim * ELEMENT_SECONDS + n * k * SERVER_PAIR_SECONDS
+    return work
+
+
+def round_timeouts(stage: float = 60.0, *, clients: int = 0, dim: int = 0,
+                   neighbors: int | None = None, malicious: bool = False,
+                   colocated: int = 1) -> Timeouts:
+    """The protocol deadlines of every round the package runs (defined once): ``stage``
+    seconds per stage for the network, plus SAFETY x the stage's modelled work
+    (``round_work``: pass what the caller knows of the round). A client re-publishes an
+    unconfirmed message only after the stage's work could have delayed the receipt (its
+    event loop may be busy with co-located clients), waits for the round start while the
+    broker checks every login, and gives up on a silent round after a few stages' worth
+    of time. Sites that drop sign off or leave a last will, so the deadlines only guard
+    against a wedged broker or a hung site."""
     from transport.drivers import Timeouts
 
-    return Timeouts(stage=stage + work, start=max(60.0, stage) + work, retry=2.0 + work,
-                    answer=min(10.0, stage) + work, give_up=max(120.0, 3 * stage) + 5 * work)
+    work = round_work(clients=clients, dim=dim, neighbors=neighbors, malicious=malicious,
+                      colocated=colocated)
+    finish = SAFETY * work.pop("finish")
+    slack = {label: SAFETY * w for label, w in work.items()}
+    most = max(slack.values())
+    return Timeouts(stage=stage + most,
+                    per_stage={label: stage + s for label, s in slack.items()},
+                    start=max(60.0, stage) + SAFETY * clients * LOGIN_SECONDS,
+                    retry=2.0 + most, answer=min(10.0, stage) + most + finish,
+                    give_up=max(120.0, 3 * stage) + 2 * (most + finish))
 
 
 class TransportAggregator:
@@ -92,15 +155,19 @@ class TransportAggregator:
     def __init__(self, name: str, factory: Callable[[], Any]) -> None:
         self.name = name
         self._factory = factory
-        self._timeouts = round_timeouts()
 
     def aggregate(self, config: Config, inputs: Mapping[int, U64],
                   drop: Mapping[int, Stage]) -> AggregateOutcome:
         from transport.local import run_round
 
+        # every party of the round runs on this one event loop: n clients share a core
+        timeouts = round_timeouts(clients=config.num_clients, dim=config.dim,
+                                  neighbors=config.neighbors, malicious=config.malicious,
+                                  colocated=config.num_clients)
+
         async def one_round() -> Any:
             return await run_round(self._factory(), config, dict(inputs), dict(drop),
-                                   timeouts=self._timeouts)
+                                   timeouts=timeouts)
 
         started = time.perf_counter()
         report = asyncio.run(one_round())

@@ -15,6 +15,8 @@ import argparse
 import asyncio
 import json
 import logging
+import math
+import os
 import random
 import secrets
 import signal
@@ -289,11 +291,17 @@ async def _run_interruptible(spec: Any, progress: Progress) -> Any:
             loop.remove_signal_handler(signum)
 
 
-def _timeouts(config: Config) -> Any:
+def _timeouts(config: Config, processes: int) -> Any:
+    """The round's deadlines (fl.aggregation.round_timeouts) for this machine: the clients
+    compute in ``processes`` workers on the cores this process may use."""
     from fl.aggregation import round_timeouts
 
-    # Deadlines only matter for sites that vanish without a will; scale with the work.
-    return round_timeouts(60.0, work=config.num_clients * config.dim / 5e6)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    colocated = math.ceil(config.num_clients / max(1, min(processes, cores)))
+    return round_timeouts(60.0, clients=config.num_clients, dim=config.dim,
+                          neighbors=config.neighbors, malicious=config.malicious,
+                          colocated=colocated)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -333,7 +341,7 @@ def _run(args: argparse.Namespace) -> int:
     progress = Progress(sys.stderr, len(ids))
     spec = SimulationSpec(config=config, client_ids=tuple(ids), inputs=source, drops=drops,
                           kill=args.kill, processes=processes, broker=broker,
-                          timeouts=_timeouts(config))
+                          timeouts=_timeouts(config, processes))
     progress.status(f"{len(ids)} clients, dim {dim}, {config.bits} bits, threshold "
                     f"{config.threshold}, {config.security}; {len(drops)} scheduled to drop"
                     + (" (killed)" if args.kill else ""))

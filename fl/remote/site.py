@@ -347,7 +347,9 @@ class SiteProcess:
                 await self._decline(ann, label, str(exc))
                 return
             driver = ClientDriver(client, view, topics,
-                                  timeouts=round_timeouts(self.options.stage_timeout),
+                                  timeouts=round_timeouts(
+                                      self.options.stage_timeout, clients=config.num_clients,
+                                      dim=config.dim, malicious=config.malicious),
                                   max_payload=self.options.max_payload)
             outcome = await driver.run()
             if client.stage < Stage.MASKED_INPUT:  # e.g. a peer's signature failed
