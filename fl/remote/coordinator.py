@@ -87,7 +87,8 @@ async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, 
                 kind=kind, round_number=round_number, attempt=attempt, blob=blob,
                 cohort=cohort, threshold=threshold, dim=dim, bits=bits,
                 verify=options.insecure_verify, ready_timeout=options.ready_timeout,
-                timeouts=round_timeouts(options.stage_timeout))
+                timeouts=round_timeouts(options.stage_timeout, clients=len(cohort), dim=dim,
+                                        malicious=channel.security == "malicious"))
         except (ProtocolAbort, NotEnoughSites, TransportError) as exc:
             if channel.lost is not None:
                 raise TransportError(f"lost the broker: {channel.lost}") from None
