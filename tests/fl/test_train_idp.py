@@ -94,6 +94,10 @@ def test_the_budget_column_is_a_sites_own(capsys: pytest.CaptureFixture[str]) ->
                  "--unit", "patient-idp", "--budget-column", "budget",
                  "--broker", "mqtt://127.0.0.1:1"])
     assert code == 2 and "with --csv" in capsys.readouterr().err
+    code = main(["train", "--role", "site", "--site-id", "1", "--sites", "2", "--dataset",
+                 "ehr", "--dp", "site", "--unit", "patient-idp",
+                 "--broker", "mqtt://127.0.0.1:1"])  # a site with no budget at all
+    assert code == 2 and "needs --epsilon" in capsys.readouterr().err
 
 
 def test_site_charges_each_round_once(tmp_path: Path) -> None:
