@@ -142,8 +142,7 @@ def test_plan_shows_the_groups_not_patient_units(tmp_path: Path) -> None:
     assert "noise_multiplier" not in out
 
 
-def test_resume_accounts_every_group_as_an_uninterrupted_run(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_accounts_every_group_as_an_uninterrupted_run(tmp_path: Path) -> None:
     """--resume replays the checkpoint's charged rounds into every site's group ledger: a
     run stopped after round 2 and resumed ends with the uninterrupted run's per-round and
     per-group epsilons; a round released just before a crash stays charged (at the
@@ -152,7 +151,8 @@ def test_resume_accounts_every_group_as_an_uninterrupted_run(
     patient-idp sites do not use: each site plans its own.)"""
     from dataclasses import replace
 
-    from fl.coordinator import Coordinator, RoundCapture
+    from fl import checkpoint as ckpt
+    from fl.coordinator import RoundCapture
     from fl.federation import train
 
     settings = TrainSettings(sites=2, rounds=3, csv=str(_table(tmp_path / "t.csv", 60)),
@@ -166,17 +166,15 @@ def test_resume_accounts_every_group_as_an_uninterrupted_run(
 
     straight = train(settings)
     stopped = replace(settings, checkpoint=str(tmp_path / "a"))
-    original = Coordinator.run_round
 
-    def killed_before_round_3(self: Coordinator, r: int) -> bool:
-        if r == 3:
-            raise RuntimeError("coordinator killed")
-        return original(self, r)
+    def stop_after_round_2(text: str) -> None:  # logged once round 2 is checkpointed
+        if text.startswith("round   2/"):
+            raise KeyboardInterrupt("stopped after round 2")
 
-    monkeypatch.setattr(Coordinator, "run_round", killed_before_round_3)
-    with pytest.raises(RuntimeError, match="killed"):
-        train(stopped)
-    monkeypatch.setattr(Coordinator, "run_round", original)
+    with pytest.raises(KeyboardInterrupt):
+        train(stopped, log=stop_after_round_2)
+    saved = ckpt.load(tmp_path / "a")
+    assert saved is not None and saved.round == 2 and len(saved.events) == 2
     resumed = train(replace(stopped, resume=True))
     assert [r["round"] for r in resumed["rounds"]] == [1, 2, 3]
     assert [r["epsilon"] for r in resumed["rounds"]] == pytest.approx(
