@@ -137,6 +137,12 @@ def test_a_guesser_waiting_for_its_answers_does_not_delay_the_right_password() -
     run(scenario, timeout=30)
 
 
+@threat(attack="Exhaust the broker",
+        adversary="network attacker",
+        controls="failed logins under 10,000 distinct usernames of 4 kB from 10,000 "
+                 "addresses",
+        protocol="the throttle keeps at most max_keys idle (address, username) pairs, as "
+                 "16-byte digests, least recently used first out; the latest is remembered")
 def test_the_throttle_table_stays_bounded_under_a_flood_of_names_and_addresses() -> None:
     async def flood() -> tuple[int, int, int]:
         throttle = LoginThrottle(0.25, 5.0, max_keys=1000)
@@ -158,6 +164,12 @@ def test_the_throttle_table_stays_bounded_under_a_flood_of_names_and_addresses()
     assert last == 1  # the most recent attacker is remembered
 
 
+@threat(attack="Password guessing",
+        adversary="network attacker",
+        controls="attempts queued behind a penalised (address, username), one of them "
+                 "closed (evicted) while it waits",
+        protocol="a waiter that leaves frees its place; the next one gets the lane once "
+                 "the failure's hold ends, and the failure count is kept")
 def test_a_waiter_that_gives_up_frees_its_place_and_the_next_one_gets_the_lane() -> None:
     async def scenario() -> None:
         throttle = LoginThrottle(0.2, 5.0, lanes=1, waiting=2)
