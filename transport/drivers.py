@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from secagg import DecodeError, ProtocolAbort, ProtocolError, Stage, decode, encode, round_stages
@@ -421,6 +422,27 @@ class ClientOutcome:
 
 DropHook = Callable[[Stage], Awaitable[None]]
 
+_TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+    weakref.WeakKeyDictionary())
+
+
+@contextlib.asynccontextmanager
+async def _compute_turn() -> AsyncIterator[None]:
+    """The clients on one event loop compute their answers one at a time, each in a loop
+    iteration of its own: between two of them the loop serves I/O (keepalive pings, receipts,
+    the next deliveries). Without it, hundreds of sites in one ``secagg simulate`` worker whose
+    messages arrived together compute in one iteration for tens of seconds, the broker drops
+    them for a missed keepalive and they re-publish for want of receipts they did not read.
+    The turn is taken, then the loop is yielded once, so every client woken in the same
+    iteration queues behind it instead of finding the lock free after it."""
+    loop = asyncio.get_running_loop()
+    lock = _TURNS.get(loop)
+    if lock is None:
+        lock = _TURNS[loop] = asyncio.Lock()
+    async with lock:
+        await asyncio.sleep(0)
+        yield
+
 
 class ClientDriver:
     """Runs one ``secagg.Client`` over ``link`` for one round.
@@ -621,7 +643,8 @@ class ClientDriver:
                            cid)
             return
         try:
-            reply = self.client.handle(raw)
+            async with _compute_turn():
+                reply = self.client.handle(raw)
         except ProtocolAbort as exc:
             logger.error("%s", exc)
             self._finish("aborted", str(exc))

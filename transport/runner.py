@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import multiprocessing
@@ -110,7 +111,8 @@ def _embedded_broker_process(users: Mapping[str, str], acl: AclTable,
                              timeout: float = 30.0) -> Iterator[int]:
     """``python -m transport.broker`` (the installed package) in its own session, so a
     Ctrl-C on the terminal reaches only this process, which stops it; its users file holds
-    scrypt hashes, never the passwords."""
+    scrypt hashes, never the passwords. Its login and connection places are sized for every
+    user logging in at once from loopback (``--parties``, ``BrokerLimits.for_parties``)."""
     with tempfile.TemporaryDirectory(prefix="secagg-broker-") as tmp:
         users_file, acl_file, port_file = (Path(tmp, n) for n in ("users", "acl", "port"))
         hashes = {user: hash_password(pw, log2_n=TOKEN_LOG2_N) for user, pw in users.items()}
@@ -123,7 +125,7 @@ def _embedded_broker_process(users: Mapping[str, str], acl: AclTable,
             proc = subprocess.Popen(
                 [sys.executable, "-m", "transport.broker", "--port", "0", "--users-file",
                  str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
-                 "--log-level", "WARNING"],
+                 "--parties", str(len(users)), "--log-level", "WARNING"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
         try:
@@ -244,10 +246,18 @@ async def _worker(spec: WorkerSpec,
                                           for cid, d in drivers.items()}))
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def joined_or_failed(cid: int, task: asyncio.Task[Any]) -> None:
+        # A site that could not even connect fails the run now, with its reason, instead
+        # of leaving its worker's other sites waiting for a round that cannot start.
+        if cid not in drivers and not task.cancelled() and task.exception() is not None:
+            conn.send(("error", f"client {cid} could not join: {task.exception()}"))
+
     tasks = [asyncio.create_task(serve_client(
         network, client, topics, timeouts=spec.timeouts, max_payload=spec.max_payload,
         drop_at=spec.drops.get(client.client_id), drop_mode="leave",
         on_drop=die if spec.kill else None, on_ready=on_ready)) for client in clients]
+    for client, task in zip(clients, tasks, strict=True):
+        task.add_done_callback(functools.partial(joined_or_failed, client.client_id))
     results = await asyncio.gather(*tasks, return_exceptions=True)
     out: dict[int, dict[str, Any]] = {}
     for client, result in zip(clients, results, strict=True):

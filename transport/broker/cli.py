@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .auth import DEFAULT_LOG2_N, hash_password, is_password_hash
 from .broker import EmbeddedBroker
-from .config import DEFAULT_MAX_PAYLOAD
+from .config import DEFAULT_MAX_PAYLOAD, BrokerLimits
 from .errors import BrokerConfigError, BrokerError, BrokerStartError
 from .topics import TopicAcl
 
@@ -119,6 +119,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="refuse clients without a certificate signed by --cafile (mTLS)")
     parser.add_argument("--allow-plaintext", action="store_true",
                         help="allow a non-loopback --host without TLS (private networks only)")
+    parser.add_argument("--parties", type=int, metavar="N",
+                        help="how many users will log in at once (a round's sites and its "
+                             "server): login and connection places for all of them, even "
+                             "from one address (BrokerLimits.for_parties; default: the "
+                             "fixed limits)")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -134,6 +139,7 @@ async def _serve(args: argparse.Namespace) -> None:
         users=load_users_file(args.users_file), host=args.host, port=args.port,
         acl=load_acl_file(args.acl_file) if args.acl_file else None, ssl_context=context,
         allow_plaintext=args.allow_plaintext, max_payload=args.max_payload,
+        limits=None if args.parties is None else BrokerLimits().for_parties(args.parties),
     )
     await broker.start()
     stop = asyncio.Event()

@@ -71,6 +71,23 @@ class BrokerLimits:
         if self.max_keepalive > 0xFFFF:
             raise BrokerConfigError("max_keepalive must be at most 65535 s (the MQTT field)")
 
+    def for_parties(self, parties: int) -> BrokerLimits:
+        """These limits for a broker that ``parties`` known users (a round's sites and its
+        server) log in to, all at once and possibly from one address (``secagg simulate``
+        runs them all on loopback): room for each of them to wait for its login, to stay
+        connected, and for one subscriber (the server) to hold a message from each of them
+        in its session queue. The caps only grow, never below the defaults; every
+        per-connection and per-user bound (payload, queued bytes, subscriptions, retained,
+        login throttling) is unchanged."""
+        if not isinstance(parties, int) or parties < 0:
+            raise BrokerConfigError(f"parties must be a non-negative integer, got {parties!r}")
+        room = parties + 64  # the parties, plus reconnections overlapping their old sockets
+        return self.replace(
+            max_pending_logins_per_address=max(self.max_pending_logins_per_address, room),
+            max_pending_logins=max(self.max_pending_logins, room),
+            max_connections=max(self.max_connections, 2 * room),
+            max_session_queue=max(self.max_session_queue, 2 * room))
+
     def replace(self, **changes: object) -> BrokerLimits:
         """A copy with ``changes``; unknown names are a configuration error."""
         names = {f.name for f in dataclasses.fields(self)}
