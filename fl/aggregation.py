@@ -75,9 +75,10 @@ def check_broker(broker: str, kinds: Sequence[str] = BROKER_KINDS) -> str:
 
 
 # The round's cost model (docs/performance.md "Round deadlines"). Seconds per unit of work,
-# measured on this 2-core machine under a load average of about 5 (other jobs running) with
-# ``python benchmarks/bench_simulate_scale.py --calibrate`` and rounded up; the deadlines
-# allow SAFETY times the modelled work, so a slower or busier machine still finishes.
+# measured on this 2-core machine with ``python benchmarks/bench_simulate_scale.py
+# --calibrate`` under a load average of about 5 (other jobs running): the largest of two runs,
+# rounded up. The deadlines allow SAFETY times the modelled work, so a slower or busier
+# machine still finishes.
 PAIR_SECONDS: Mapping[str, Mapping[str, float]] = {
     # one client's computation per neighbour for its message of each stage: X25519
     # agreements, Shamir shares and AEAD encryptions (share_keys; malicious: signature
@@ -85,10 +86,10 @@ PAIR_SECONDS: Mapping[str, Mapping[str, float]] = {
     # malicious: the consistency signatures are checked there)
     "semi-honest": {"advertise_keys": 0.0, "share_keys": 500e-6, "masked_input": 200e-6,
                     "consistency_check": 0.0, "unmasking": 20e-6},
-    "malicious": {"advertise_keys": 0.0, "share_keys": 1000e-6, "masked_input": 250e-6,
+    "malicious": {"advertise_keys": 0.0, "share_keys": 1100e-6, "masked_input": 250e-6,
                   "consistency_check": 10e-6, "unmasking": 500e-6},
 }
-ELEMENT_SECONDS = 2e-9
+ELEMENT_SECONDS = 3.5e-9
 """Expanding one mask element (AES-CTR keystream) and adding it: masked_input costs each
 client (neighbours + 1) x dim of these, the server's unmasking its dropped pairs x dim."""
 SERVER_PAIR_SECONDS = 15e-6
