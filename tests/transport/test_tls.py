@@ -308,12 +308,22 @@ def test_documented_acl_confines_a_site_to_its_own_topics(pki: Pki, tmp_path: Pa
                 await server.publish(t.downstream(2, "receipt"), b"for site-2", qos=1)
                 await server.publish(t.downstream(1, "receipt"), b"for site-1", qos=1)
 
+            own = asyncio.Event()
+
             async def collect() -> None:
                 async for message in site1.messages:
                     received.append(str(message.topic))
+                    if str(message.topic) == t.downstream(1, "receipt"):
+                        own.set()
 
+            # Wait for its own message (a fixed 1.5 s window could close before it came on a
+            # loaded machine), then listen 1 s more for anything of site-2's.
+            collecting = asyncio.create_task(collect())
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(collect(), 1.5)
+                await asyncio.wait_for(own.wait(), 10.0)
+            await asyncio.sleep(1.0)
+            collecting.cancel()
+            await asyncio.wait({collecting})
         return received
 
     with documented_mosquitto(pki, tmp_path / "mosquitto") as b:
