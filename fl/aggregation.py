@@ -225,8 +225,8 @@ def open_aggregator(broker: str, site_ids: Sequence[int], *,
         return
     if tap is not None:
         raise ValueError("tap is only available with the memory broker")
+    from transport.brokers import broker_for
     from transport.mqtt import MqttNetwork
-    from transport.runner import broker_for
 
     passwords = {SERVER_USER: secrets.token_urlsafe(18)}
     passwords.update({site_name(cid): secrets.token_urlsafe(18) for cid in site_ids})

@@ -1,12 +1,12 @@
 """One round across real processes: the engine of ``secagg simulate``.
 
-The calling process runs the aggregation server (and owns the broker: the embedded broker in
-its own process, so its routing never competes with the server's numpy work for the GIL, or
-a generated Mosquitto); ``processes`` worker processes (``spawn``) each run many sites on one
-asyncio loop, one MQTT connection and one last will per site. Sites that drop out with
-``kill=True`` run in small processes of their own, one per drop stage, which SIGKILL
-themselves when their first site reaches that stage: the broker sees the TCP connections die
-and publishes their wills, exactly as for a crashed hospital server.
+The calling process runs the aggregation server and owns the broker (``transport.brokers``:
+the embedded broker in its own process, so its routing never competes with the server's
+numpy work for the GIL, or a generated Mosquitto); ``processes`` worker processes
+(``transport.workers``) each run many sites. Sites that drop out with ``kill=True`` run in
+small processes of their own, one per drop stage, which SIGKILL themselves when their first
+site reaches that stage: the broker sees the TCP connections die and publishes their wills,
+exactly as for a crashed hospital server.
 
 Nothing here is secret-bearing except the sites' signing keys (``malicious`` mode), which the
 coordinator generates as the federation's PKI would and hands to each site's process.
@@ -17,261 +17,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
-import json
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import secrets
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-import traceback
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from secagg import Config, ProtocolAbort, SigningKey, Stage
-from secagg.client import Client, check_input
+from secagg import Config, ProtocolAbort, Stage
 from secagg.server import AggregateResult, Server
 
-from .broker.auth import TOKEN_LOG2_N, hash_password
-from .broker.topics import AclEntry, TopicAcl
-from .drivers import ClientDriver, StageProgress, Timeouts, TransportError
+from .brokers import broker_for
+from .drivers import StageProgress, Timeouts, TransportError
 from .framing import DEFAULT_MAX_PAYLOAD
-from .link import LinkLost
-from .local import new_round_name, serve_client, serve_server
-from .mqtt import BrokerSettings, MqttNetwork, parse_broker_url, probe
+from .local import new_round_name, serve_server
+from .mqtt import MqttNetwork
 from .topics import SERVER_USER, Topics, acl_table, site_name
+from .workers import InputSource, Workers, WorkerSpec, worker_processes
 
 logger = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class InputSource:
-    """Where each site's input vector comes from: ``<directory>/<id>.npy``, or random
-    uint64 values below 2**bits from ``seed`` (numpy: inputs are not secrets)."""
-
-    directory: str | None = None
-    seed: int = 0
-
-    def load(self, client_id: int, config: Config) -> np.ndarray:
-        if self.directory is not None:
-            path = Path(self.directory) / f"{client_id}.npy"
-            try:
-                vector = np.load(path, allow_pickle=False)
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"cannot read input {path}: {exc}") from None
-            return check_input(vector, config, str(path)).astype(np.uint64)
-        rng = np.random.default_rng([self.seed, client_id])
-        return rng.integers(0, 1 << config.bits, size=config.dim, dtype=np.uint64)
-
-
-def input_ids(directory: str) -> list[int]:
-    """The client ids of an ``--inputs`` directory: the stems of its ``*.npy`` files."""
-    ids = []
-    for path in sorted(Path(directory).glob("*.npy")):
-        if not path.stem.isdigit() or int(path.stem) >= 1 << 32:
-            raise ValueError(f"input file {path.name}: name it <client id>.npy with a "
-                             "non-negative integer id")
-        ids.append(int(path.stem))
-    if not ids:
-        raise ValueError(f"no <id>.npy files in {directory}")
-    return sorted(ids)
-
-
-# --------------------------------------------------------------------------- brokers
-
-
-AclTable = Mapping[str, AclEntry]
-
-
-def _acl_json(acl: AclTable) -> dict[str, dict[str, list[str]]]:
-    out = {}
-    for user, entry in acl.items():
-        rules = TopicAcl.coerce(entry)
-        out[user] = {"subscribe": list(rules.subscribe), "publish": list(rules.publish),
-                     "retain": list(rules.retain)}
-    return out
-
-
-@contextmanager
-def _embedded_broker_process(users: Mapping[str, str], acl: AclTable,
-                             timeout: float = 30.0) -> Iterator[int]:
-    """``python -m transport.broker`` (the installed package) in its own session, so a
-    Ctrl-C on the terminal reaches only this process, which stops it; its users file holds
-    scrypt hashes, never the passwords. Its login and connection places are sized for every
-    user logging in at once from loopback (``--parties``, ``BrokerLimits.for_parties``)."""
-    with tempfile.TemporaryDirectory(prefix="secagg-broker-") as tmp:
-        users_file, acl_file, port_file = (Path(tmp, n) for n in ("users", "acl", "port"))
-        hashes = {user: hash_password(pw, log2_n=TOKEN_LOG2_N) for user, pw in users.items()}
-        for path, data in ((users_file, hashes), (acl_file, _acl_json(acl))):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(data, handle)
-        log_path = Path(tmp, "broker.log")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "transport.broker", "--port", "0", "--users-file",
-                 str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
-                 "--parties", str(len(users)), "--log-level", "WARNING"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
-        try:
-            deadline = time.monotonic() + timeout
-            while not port_file.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = log_path.read_text(errors="replace")[-2000:]
-                    raise TransportError(f"the embedded broker did not start: {tail}")
-                time.sleep(0.02)
-            yield int(port_file.read_text())
-        finally:
-            stop_process(proc)
-
-
-def stop_process(proc: subprocess.Popen[bytes], grace: float = 1.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds; waits for the exit."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5.0)
-
-
-@contextmanager
-def broker_for(kind: str, users: Mapping[str, str], acl: AclTable
-               ) -> Iterator[BrokerSettings]:
-    """``embedded`` (own process), ``mosquitto`` (generated config) or an ``mqtt(s)://``
-    URL; yields how to reach it with per-party passwords (for the URL: its own
-    credentials)."""
-    if kind == "embedded":
-        with _embedded_broker_process(users, acl) as port:
-            yield BrokerSettings(port=port, passwords=dict(users))
-    elif kind == "mosquitto":
-        from .mosquitto import MosquittoBroker
-
-        with MosquittoBroker(users=dict(users), acl=dict(acl)) as broker:
-            yield BrokerSettings(host=broker.host, port=broker.port, passwords=dict(users))
-    else:
-        settings = parse_broker_url(kind)
-        try:
-            probe(settings)
-        except LinkLost as exc:
-            raise TransportError(str(exc)) from None
-        yield settings
-
-
-# --------------------------------------------------------------------------- workers
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything one worker process needs (pickled to it by ``spawn``)."""
-
-    index: int
-    config: Config
-    roster: tuple[int, ...]
-    context: bytes
-    round_name: str
-    broker: BrokerSettings
-    inputs: InputSource
-    clients: tuple[int, ...]
-    drops: Mapping[int, Stage]
-    kill: bool
-    signing_keys: Mapping[int, bytes] = field(default_factory=dict, repr=False)
-    verify_keys: Mapping[int, bytes] | None = None
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    max_payload: int = DEFAULT_MAX_PAYLOAD
-    log_level: int = logging.WARNING
-
-
-def _outcome_dict(outcome: object) -> dict[str, Any]:
-    return dataclasses.asdict(outcome)  # type: ignore[call-overload,no-any-return]
-
-
-def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -> None:
-    """Entry point of a worker process. It starts with SIGINT blocked (``_Workers.start``)
-    and ignores it: a Ctrl-C on the terminal is the parent's to handle, which stops the
-    workers itself."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    logging.basicConfig(level=spec.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s worker{spec.index} %(levelname)s %(name)s: "
-                               "%(message)s")
-    try:
-        outcomes = asyncio.run(_worker(spec, conn))
-        conn.send(("outcomes", outcomes))
-    except BaseException:  # report everything: the parent prints it
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
-async def _worker(spec: WorkerSpec,
-                  conn: multiprocessing.connection.Connection) -> dict[int, dict[str, Any]]:
-    topics = Topics(spec.round_name)
-    clients = []
-    for cid in spec.clients:
-        key = spec.signing_keys.get(cid)
-        signing = (SigningKey(Ed25519PrivateKey.from_private_bytes(key))
-                   if key is not None else None)
-        clients.append(Client(spec.config, cid, spec.inputs.load(cid, spec.config),
-                              roster=spec.roster, context=spec.context, signing_key=signing,
-                              verify_keys=spec.verify_keys))
-    network = MqttNetwork(spec.broker)
-    drivers: dict[int, ClientDriver] = {}
-
-    def on_ready(driver: ClientDriver) -> None:
-        drivers[driver.client_id] = driver
-        if len(drivers) == len(clients):
-            conn.send(("ready", len(drivers)))
-
-    async def die(stage: Stage) -> None:
-        # Report what was sent so far, then die for real: no DISCONNECT reaches the broker.
-        conn.send(("killed", stage.label, {cid: _outcome_dict(d.outcome)
-                                          for cid, d in drivers.items()}))
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def joined_or_failed(cid: int, task: asyncio.Task[Any]) -> None:
-        # A site that could not even connect fails the run now, with its reason, instead
-        # of leaving its worker's other sites waiting for a round that cannot start.
-        if cid not in drivers and not task.cancelled() and task.exception() is not None:
-            conn.send(("error", f"client {cid} could not join: {task.exception()}"))
-
-    tasks = [asyncio.create_task(serve_client(
-        network, client, topics, timeouts=spec.timeouts, max_payload=spec.max_payload,
-        drop_at=spec.drops.get(client.client_id), drop_mode="leave",
-        on_drop=die if spec.kill else None, on_ready=on_ready)) for client in clients]
-    for client, task in zip(clients, tasks, strict=True):
-        task.add_done_callback(functools.partial(joined_or_failed, client.client_id))
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    out: dict[int, dict[str, Any]] = {}
-    for client, result in zip(clients, results, strict=True):
-        if isinstance(result, BaseException):
-            out[client.client_id] = {"client_id": client.client_id, "status": "lost",
-                                     "reason": f"{type(result).__name__}: {result}",
-                                     "bytes_sent": {}, "wire_bytes": 0, "republished": 0,
-                                     "stage": ""}
-        else:
-            out[client.client_id] = _outcome_dict(result)
-    return out
-
-
-# --------------------------------------------------------------------------- the round
 
 
 @dataclass
@@ -324,84 +91,6 @@ def _partition(spec: SimulationSpec) -> list[tuple[tuple[int, ...], bool]]:
     return groups
 
 
-class _Workers:
-    """Worker processes and the parent's end of their pipes, read on the event loop."""
-
-    def __init__(self, specs: list[WorkerSpec]) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.specs = specs
-        self.processes: list[multiprocessing.process.BaseProcess] = []
-        self.conns: list[multiprocessing.connection.Connection] = []
-        self.events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        self._child_ends: list[multiprocessing.connection.Connection] = []
-        for spec in specs:
-            parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, args=(spec, child), daemon=True,
-                               name=f"secagg-worker-{spec.index}")
-            self.processes.append(proc)
-            self.conns.append(parent)
-            self._child_ends.append(child)
-
-    def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        # Children inherit the signal mask: blocked, a Ctrl-C cannot interrupt a worker
-        # before worker_main ignores it (the parent gets it once unblocked).
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            for proc in self.processes:
-                proc.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        for child in self._child_ends:
-            child.close()
-        for index, conn in enumerate(self.conns):
-            loop.add_reader(conn.fileno(), self._readable, index)
-
-    def _readable(self, index: int) -> None:
-        conn = self.conns[index]
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            asyncio.get_running_loop().remove_reader(conn.fileno())
-            self.events.put_nowait((index, ("eof",)))
-            return
-        self.events.put_nowait((index, message))
-
-    def stop(self, timeout: float, *, at_once: bool = False) -> None:
-        """Wait up to ``timeout`` s for the workers to exit, then kill them; ``at_once``
-        (the run was interrupted) sends SIGTERM first and waits at most half a second."""
-        loop = asyncio.get_running_loop()
-        for conn in self.conns:
-            with contextlib.suppress(Exception):
-                loop.remove_reader(conn.fileno())
-        if at_once:
-            for proc in self.processes:
-                if proc.is_alive():
-                    proc.terminate()
-            timeout = min(timeout, 0.5)
-        deadline = time.monotonic() + timeout
-        for proc in self.processes:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.processes:
-            if proc.is_alive():
-                logger.warning("worker %s did not exit; terminating it", proc.name)
-                proc.kill()
-                proc.join(5.0)
-        for conn in self.conns:
-            conn.close()
-
-
-@asynccontextmanager
-async def _workers(specs: list[WorkerSpec]) -> AsyncIterator[_Workers]:
-    workers = _Workers(specs)
-    workers.start()
-    interrupted = True
-    try:
-        yield workers
-        interrupted = False
-    finally:
-        workers.stop(timeout=10.0, at_once=interrupted)
-
 
 async def run_simulation(spec: SimulationSpec,
                          on_stage: Callable[[StageProgress], None] | None = None,
@@ -449,7 +138,7 @@ async def run_simulation(spec: SimulationSpec,
         network = MqttNetwork(settings)
         server_ready, start = asyncio.Event(), asyncio.Event()
         run = SimulationRun(None, None, seconds, {}, [], settings.url)
-        async with _workers(specs) as workers:
+        async with worker_processes(specs) as workers:
             server_task = asyncio.create_task(serve_server(
                 network, server, topics, timeouts=spec.timeouts, max_payload=spec.max_payload,
                 on_stage=on_stage, ready=server_ready, start=start, on_message=on_message))
@@ -486,7 +175,7 @@ def _copy_stats(run: SimulationRun, driver: Any) -> None:
     run.gone = dict(driver.gone)
 
 
-async def _wait_ready(workers: _Workers, server_task: asyncio.Task[Any],
+async def _wait_ready(workers: Workers, server_task: asyncio.Task[Any],
                       server_ready: asyncio.Event, timeout: float,
                       status: Callable[[str], None], run: SimulationRun) -> None:
     loop = asyncio.get_running_loop()
@@ -517,7 +206,7 @@ async def _wait_ready(workers: _Workers, server_task: asyncio.Task[Any],
             logger.debug("worker %d: early message %s", index, kind)
 
 
-async def _collect(workers: _Workers, run: SimulationRun, timeout: float) -> None:
+async def _collect(workers: Workers, run: SimulationRun, timeout: float) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     open_ = set(range(len(workers.specs)))

@@ -87,7 +87,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _client_ids(args: argparse.Namespace) -> list[int]:
-    from transport.runner import input_ids
+    from transport.workers import input_ids
 
     if args.inputs is None:
         n = DEFAULT_CLIENTS if args.clients is None else args.clients

@@ -1,0 +1,105 @@
+"""The brokers a ``secagg simulate`` run (or a one-process federation) talks through: the
+embedded broker in its own process, a generated Mosquitto, or an existing broker's URL.
+
+The embedded broker is started the way an installed package is (``python -m
+transport.broker``), in its own session so a Ctrl-C on the terminal reaches only its parent,
+with a users file of scrypt hashes (never the passwords) and login places for every party.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from .broker.auth import TOKEN_LOG2_N, hash_password
+from .broker.topics import AclEntry, TopicAcl
+from .drivers import TransportError
+from .link import LinkLost
+from .mqtt import BrokerSettings, parse_broker_url, probe
+
+AclTable = Mapping[str, AclEntry]
+
+
+def _acl_json(acl: AclTable) -> dict[str, dict[str, list[str]]]:
+    out = {}
+    for user, entry in acl.items():
+        rules = TopicAcl.coerce(entry)
+        out[user] = {"subscribe": list(rules.subscribe), "publish": list(rules.publish),
+                     "retain": list(rules.retain)}
+    return out
+
+
+@contextmanager
+def _embedded_broker_process(users: Mapping[str, str], acl: AclTable,
+                             timeout: float = 30.0) -> Iterator[int]:
+    """``python -m transport.broker`` (the installed package) in its own session, so a
+    Ctrl-C on the terminal reaches only this process, which stops it; its users file holds
+    scrypt hashes, never the passwords. Its login and connection places are sized for every
+    user logging in at once from loopback (``--parties``, ``BrokerLimits.for_parties``)."""
+    with tempfile.TemporaryDirectory(prefix="secagg-broker-") as tmp:
+        users_file, acl_file, port_file = (Path(tmp, n) for n in ("users", "acl", "port"))
+        hashes = {user: hash_password(pw, log2_n=TOKEN_LOG2_N) for user, pw in users.items()}
+        for path, data in ((users_file, hashes), (acl_file, _acl_json(acl))):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump(data, handle)
+        log_path = Path(tmp, "broker.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "transport.broker", "--port", "0", "--users-file",
+                 str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
+                 "--parties", str(len(users)), "--log-level", "WARNING"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while not port_file.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text(errors="replace")[-2000:]
+                    raise TransportError(f"the embedded broker did not start: {tail}")
+                time.sleep(0.02)
+            yield int(port_file.read_text())
+        finally:
+            stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace: float = 1.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds; waits for the exit."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5.0)
+
+
+@contextmanager
+def broker_for(kind: str, users: Mapping[str, str], acl: AclTable
+               ) -> Iterator[BrokerSettings]:
+    """``embedded`` (own process), ``mosquitto`` (generated config) or an ``mqtt(s)://``
+    URL; yields how to reach it with per-party passwords (for the URL: its own
+    credentials)."""
+    if kind == "embedded":
+        with _embedded_broker_process(users, acl) as port:
+            yield BrokerSettings(port=port, passwords=dict(users))
+    elif kind == "mosquitto":
+        from .mosquitto import MosquittoBroker
+
+        with MosquittoBroker(users=dict(users), acl=dict(acl)) as broker:
+            yield BrokerSettings(host=broker.host, port=broker.port, passwords=dict(users))
+    else:
+        settings = parse_broker_url(kind)
+        try:
+            probe(settings)
+        except LinkLost as exc:
+            raise TransportError(str(exc)) from None
+        yield settings
+
