@@ -143,8 +143,9 @@ async def run_simulation(spec: SimulationSpec,
                 network, server, topics, timeouts=spec.timeouts, max_payload=spec.max_payload,
                 on_stage=on_stage, ready=server_ready, start=start, on_message=on_message))
             try:
-                await _wait_ready(workers, server_task, server_ready, spec.connect_timeout,
-                                  status, run)
+                # the sites wait timeouts.start for the round (sized for every login)
+                await _wait_ready(workers, server_task, server_ready,
+                                  max(spec.connect_timeout, spec.timeouts.start), status, run)
                 seconds["setup"] = time.perf_counter() - wall
                 status(f"{len(roster)} clients connected in {len(specs)} processes; "
                        "round starts")
