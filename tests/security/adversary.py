@@ -461,8 +461,11 @@ def uniformity_chi2(values: np.ndarray, bits: int, buckets: int = 16) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-# chi-square, 15 degrees of freedom: P[X > 50] < 1e-5
-CHI2_15_LIMIT = 50.0
+CHI2_15_LIMIT = 80.0
+"""chi-square (15 degrees of freedom) bound for a uniform residual: a false alarm with
+probability 7e-11 per check (the suite makes 118 checks, of 512 16-bit coordinates, per run;
+the former bound 50.0, 1.2e-5 per check, failed about one run in 700); a residual with any
+structure left (half the range unused already gives 512) stays far above it."""
 
 
 def assert_input_hidden(p: Puppeteer, victim: int, recovery: Recovery | None = None) -> None:
