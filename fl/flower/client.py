@@ -61,8 +61,9 @@ class NodePolicy:
 
     ``stage_dir``: where the node records, per round, the last stage it answered and the
     round's snapshot key (:mod:`fl.flower.guard`; default
-    ``<tmp>/secagg-flower/node-<id>``); ``keep_rounds``: how many of those records it keeps
-    (the most recently used; each is 67 bytes; nodes sharing a ``stage_dir`` share the
+    ``<tmp>/secagg-flower-<uid>/node-<id>``; it must be private to the node's user, else
+    the node refuses); ``keep_rounds``: how many of those records it keeps (the most
+    recently used; each is 67 bytes; nodes sharing a ``stage_dir`` share the
     count). A pruned round can no longer be answered (its snapshot key is gone), so keep
     more records than rounds the directory's nodes can have open at once."""
 

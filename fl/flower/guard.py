@@ -19,8 +19,15 @@ one at a time across processes:
   no record of is refused, and a snapshot of an earlier join of the same session (kept in
   a rolled-back ``Context``) does not verify under a later join's key.
 
-**Pruning** (:func:`prune`): the files live in ``NodePolicy.stage_dir`` (default
-``<tmp>/secagg-flower/node-<id>``), 67 bytes each; when the node joins a round it keeps the
+**A private directory**: the records live in ``NodePolicy.stage_dir`` (default
+``<tmp>/secagg-flower-<uid>/node-<id>``), which must be a real directory owned by the node's
+user with no access for group or others, inside a parent that no other user can write to
+(owned by the user or root, and not group/other-writable unless sticky, as ``/tmp`` is);
+records are opened without following links and must be regular single-link files of the
+user. Anything else is refused (:func:`private_directory`): a local user who could plant or
+rewrite a record could read the snapshot key or roll the record back.
+
+**Pruning** (:func:`prune`): 67 bytes per record; when the node joins a round it keeps the
 ``NodePolicy.keep_rounds`` most recently used records and deletes the rest. Deleting a
 record deletes the only copy of its round's snapshot key: whatever a ``Context`` still
 holds of that round can no longer be restored, and a message of that round is refused
@@ -32,10 +39,12 @@ again is joined afresh: new keys and secrets, the old join's state unusable
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -94,14 +103,57 @@ def snapshot_key(record: StageRecord, node_key: bytes) -> bytes:
 
 
 def default_directory(node_id: int) -> Path:
-    return Path(tempfile.gettempdir()) / "secagg-flower" / f"node-{node_id}"
+    return Path(tempfile.gettempdir()) / f"secagg-flower-{os.getuid()}" / f"node-{node_id}"
+
+
+def private_directory(directory: Path) -> None:
+    """Create ``directory`` (mode 0700, its missing parent too) and refuse it unless only
+    this user can write in it and in its parent (module docstring)."""
+    uid = os.getuid()
+    with contextlib.suppress(FileExistsError):
+        directory.parent.mkdir(parents=True, mode=0o700)
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+    mine = os.lstat(directory)
+    if (not stat.S_ISDIR(mine.st_mode) or mine.st_uid != uid
+            or stat.S_IMODE(mine.st_mode) & 0o077):
+        raise GuardError(f"the stage directory {directory} must be a directory of this user "
+                         f"with mode 0700 (it is {stat.filemode(mine.st_mode)}, owner "
+                         f"{mine.st_uid}); another user could rewrite its records. Remove it "
+                         "or set NodePolicy.stage_dir to a private directory")
+    parent = os.stat(directory.parent)
+    if parent.st_uid not in (uid, 0) or (
+            stat.S_IMODE(parent.st_mode) & 0o022 and not parent.st_mode & stat.S_ISVTX):
+        raise GuardError(f"the stage directory's parent {directory.parent} can be written "
+                         f"by another user ({stat.filemode(parent.st_mode)}, owner "
+                         f"{parent.st_uid}), who could replace the directory; set "
+                         "NodePolicy.stage_dir inside a directory only this user can write")
+
+
+def _open_record(path: Path, flags: int) -> int:
+    """``path`` opened without following a link; refused unless a regular file of this
+    user with one link and no access for group or others."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise GuardError(f"the stage record {path} is a symbolic link; refused") from None
+        raise
+    st = os.fstat(fd)
+    if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1
+            or stat.S_IMODE(st.st_mode) & 0o077):
+        os.close(fd)
+        raise GuardError(f"the stage record {path} is not a private file of this node "
+                         f"({stat.filemode(st.st_mode)}, owner {st.st_uid}, {st.st_nlink} "
+                         "links); refused")
+    return fd
 
 
 def _open_locked(path: Path) -> int:
     """``path`` opened (created if absent) and exclusively locked, checked to be still
     linked once locked: a concurrent :func:`prune` may have deleted the file we opened."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_record(path, os.O_RDWR | os.O_CREAT)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
@@ -126,7 +178,7 @@ def hold(directory: Path, session: bytes, client_id: int) -> Iterator[StageRecor
     """The record of (session, client) under an exclusive lock; written back on exit (also
     when the body raises, so an abort recorded before raising is kept). A record the body
     left empty is removed again."""
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_directory(directory)
     path = directory / record_name(session, client_id)
     fd = _open_locked(path)
     try:
@@ -167,9 +219,9 @@ def prune(directory: Path, keep: int, current: str) -> int:
     for _, name in entries[max(keep - 1, 0):]:
         path = directory / name
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            continue
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or a link (never ours): left alone
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -56,7 +56,7 @@ def test_superlink_and_supernodes_as_processes_one_node_drops_the_round_is_exact
                         f"{run.stderr[-2000:]}\n{logs}")
     finally:
         stop(processes)
-    records = list((home / "tmp" / "secagg-flower").glob("node-*/*"))
+    records = list((home / "tmp").glob("secagg-flower-*/node-*/*"))
     assert len(records) == NODES  # each node kept its stage record for the round
     out = json.loads(report_path.read_text())
     (data,) = out["reports"]

@@ -155,3 +155,67 @@ def test_a_refused_message_leaves_no_record_behind(tmp_path: Path) -> None:
 def test_keep_rounds_must_be_a_positive_count(keep: object) -> None:
     with pytest.raises(ValueError, match="keep_rounds"):
         NodePolicy(keep_rounds=keep)  # type: ignore[arg-type]
+
+
+def test_a_stage_directory_another_user_could_write_is_refused_and_the_round_goes_on(
+        tmp_path: Path) -> None:
+    """A local user who pre-creates the node's stage directory world-writable (as in a
+    shared /tmp) could read a round's snapshot key from its record and roll the record back
+    after the honest unmasking answer; the node refuses to join a round there, so the
+    others finish it without it."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    planted = shared / "node-stages"
+    planted.mkdir()
+    planted.chmod(0o777)
+    grid = LocalGrid(None, 5)
+    victim = grid.nodes[0]
+    grid.app = apps.client_app(None, [make_secagg_mod(
+        lambda ctx: NodePolicy(stage_dir=str(planted if ctx.node_id == victim
+                                             else tmp_path / f"own-{ctx.node_id}")))])
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=5),
+                                neighbors=None)
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    (report,) = wrapper.reports
+    assert report.aborted is None and victim not in report.included
+    assert report.included == frozenset(grid.nodes) - {victim}
+    assert list(planted.iterdir()) == []  # nothing of the round was written there
+
+
+def test_records_and_directories_only_the_nodes_user_controls_are_accepted(
+        tmp_path: Path) -> None:
+    from fl.flower.guard import GuardError
+
+    session = bytes(range(32))
+    with hold(tmp_path / "ok", session, 1) as rec:  # created 0700: accepted
+        rec.join_round(1, b"reply")
+    assert (tmp_path / "ok").stat().st_mode & 0o777 == 0o700
+    # a record that is a link (to a file the attacker reads, or rewinds) is refused
+    linked = tmp_path / "linked"
+    linked.mkdir(mode=0o700)
+    (linked / record_name(session, 1)).symlink_to(tmp_path / "ok" / record_name(session, 1))
+    with pytest.raises(GuardError, match="symbolic link"), hold(linked, session, 1):
+        pass
+    # a second hard link (someone kept a handle on the record's contents) is refused
+    hard = tmp_path / "hard"
+    hard.mkdir(mode=0o700)
+    (hard / record_name(session, 1)).hardlink_to(tmp_path / "ok" / record_name(session, 1))
+    with pytest.raises(GuardError, match="private file"), hold(hard, session, 1):
+        pass
+    # a record others can read (the snapshot key) is refused
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o700)
+    (loose / record_name(session, 1)).write_bytes(b"")
+    (loose / record_name(session, 1)).chmod(0o644)
+    with pytest.raises(GuardError, match="private file"), hold(loose, session, 1):
+        pass
+    # a private directory inside a parent others can write (they could swap it) is refused
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)
+    with pytest.raises(GuardError, match="parent"), hold(open_parent / "node", session, 1):
+        pass
+    # ... unless the parent is sticky, like /tmp itself
+    open_parent.chmod(0o1777)
+    with hold(open_parent / "node", session, 1) as rec:
+        assert rec.stage is None
