@@ -47,9 +47,15 @@ class PolicyRefused(PrivacyError):
     :class:`SitePolicy` field name such as ``"unit"``, ``"budget"`` or
     ``"exact-release"``)."""
 
-    def __init__(self, rule: str, message: str) -> None:
+    def __init__(self, rule: str, message: str, *, private: bool = False) -> None:
         super().__init__(f"refused by site policy [{rule}]: {message}")
         self.rule = rule
+        self.public = (f"refused by site policy [{rule}]: the site's own plan for this "
+                       "proposal breaks the rule (details in the site's log)"
+                       if private else str(self))
+        """What the site tells the coordinator: without the numbers when they come from
+        the site's private plan (``unit="patient-idp"``: its rate groups depend on its
+        patients' records and budgets)."""
 
 
 @dataclass(frozen=True)
@@ -251,10 +257,11 @@ class SitePolicy:
         if (p.event is None and not p.groups) or not p.noise_multiplier > 0:
             raise PolicyRefused("min_noise_multiplier", "the proposed round adds no noise "
                                 "(or has no valid privacy bound)")
+        private = p.unit == "patient-idp"  # noise, rates and clip from the site's own plan
         if p.noise_multiplier < self.min_noise_multiplier:
             raise PolicyRefused("min_noise_multiplier", f"noise multiplier "
                                 f"{p.noise_multiplier:.4g} < this site's floor "
-                                f"{self.min_noise_multiplier:g}")
+                                f"{self.min_noise_multiplier:g}", private=private)
         if p.calibration_threshold is not None:
             if p.calibration_threshold < self.min_threshold:
                 raise PolicyRefused("min_threshold", f"the noise is calibrated to "
@@ -269,14 +276,14 @@ class SitePolicy:
             return
         if p.sample_rate > self.max_sample_rate:
             raise PolicyRefused("max_sample_rate", f"sample rate {p.sample_rate:g} > this "
-                                f"site's ceiling {self.max_sample_rate:g}")
+                                f"site's ceiling {self.max_sample_rate:g}", private=private)
         if self.max_steps is not None and p.steps > self.max_steps:
             raise PolicyRefused("max_steps", f"{p.steps} steps per round > this site's "
                                 f"ceiling {self.max_steps}")
         if (self.max_clip_norm is not None and p.clip_norm is not None
                 and p.clip_norm > self.max_clip_norm):
             raise PolicyRefused("max_clip_norm", f"clip norm {p.clip_norm:g} > this site's "
-                                f"ceiling {self.max_clip_norm:g}")
+                                f"ceiling {self.max_clip_norm:g}", private=private)
 
 
 @dataclass(frozen=True)

@@ -247,5 +247,10 @@ def _admit(guard: Any, task: RoundTask | None, announce: Announce, label: str,
     try:
         guard.admit(task, secagg_threshold=announce.threshold, label=label, key=announce.key,
                     idp=idp)
-    except PrivacyError as exc:
-        raise WireError(str(exc)) from None
+    except PrivacyError as exc:  # the coordinator learns the rule, not the site's plan
+        from dp.policy import PolicyRefused
+
+        public = exc.public if isinstance(exc, PolicyRefused) else str(exc)
+        if public != str(exc):
+            logger.warning("%s: %s", label, exc)
+        raise WireError(public) from None

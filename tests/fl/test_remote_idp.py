@@ -175,3 +175,39 @@ def test_the_site_ledger_caps_every_group_whatever_the_coordinator_proposes(
         guard.admit(_idp_task(3, unit="patient"), secagg_threshold=2, label="round 3")
     assert len(guard.ledger.charges) == 2
     guard.ledger.close()
+
+
+@pytest.mark.parametrize("ceiling", [{"max_sample_rate": 0.34},
+                                     {"min_noise_multiplier": 50.0},
+                                     {"max_clip_norm": 1e-3}])
+def test_a_refusal_tells_the_coordinator_the_rule_not_the_sites_private_plan(
+        tmp_path: Path, ceiling: dict[str, float]) -> None:
+    """A patient-idp site's rates, noise and clip come from its patients' records and
+    budgets: two sites alike but for their budget columns send the coordinator the same
+    refusal (the rule only), and keep the numbers for their own log."""
+    answers, logged = [], []
+    for share in (0.1, 0.9):
+        path = tmp_path / f"site-{share}.csv"
+        rows = _table(path, patients=40).read_text().splitlines()
+        rows[1:] = [",".join([*r.split(",")[:4],
+                              "1.0" if int(r.split(",")[0][1:]) < share * 40 else "3.0",
+                              r.split(",")[5]]) for r in rows[1:]]
+        path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+        data = SiteData(1, csv=str(path), patient_column="pid", label_column="label",
+                        budget_column="budget")
+        data.idp = SitePatients(1, data.table(data.schema.labels), epsilon=3.0, delta=1e-4)
+        policy = SitePolicy(modes=("site",), unit="patient-idp", epsilon=3.0, delta=1e-4,
+                            **ceiling)
+        guard = open_site_guard(policy=policy, ledger_path=str(tmp_path / f"l-{share}.json"))
+        network = MemoryNetwork()
+        site = SiteProcess(data, network, SiteOptions(federation="fed", idle_timeout=30,
+                                                      stage_timeout=10.0, guard=guard),
+                           logged.append)
+        (answer,) = _announce(site, network, [_blob(_idp_task(), ["no", "yes"],
+                                                    ("a", "b", "c"))])
+        answers.append(answer)
+        assert guard.ledger.charges == []  # nothing charged
+        guard.ledger.close()
+    (rule,) = ceiling
+    assert answers[0] == answers[1] and f"refused by site policy [{rule}]" in answers[0]
+    assert not any(ch.isdigit() for ch in answers[0].split("]", 1)[1]), answers[0]
