@@ -329,8 +329,32 @@ def write_markdown(path: str, argv: str) -> None:
                          f"{row['server_seconds']:.3f} | {per:.1f} |")
         lines += ["", f"log-log slope: {scaling['log_log_slope']:.2f} (n log n is about 1.1 "
                   "over this range; a complete graph would be 2)."]
+    lines += _other_sections(path, {line for line in lines if line.startswith("## ")})
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")
+
+
+def _other_sections(path: str, ours: set[str]) -> list[str]:
+    """The ``## `` sections of the existing file that this benchmark does not write (other
+    benchmarks' sections, e.g. bench_simulate_scale.py's), kept as they are."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            old = fh.read().splitlines()
+    except FileNotFoundError:
+        return []
+    kept: list[str] = []
+    keep = False
+    for line in old:
+        if line.startswith("## "):
+            keep = line not in ours and not line.startswith(
+                ("## Reading the n = 500", "## SecAgg+ server cost against n"))
+            if keep:
+                kept.append("")
+        if keep:
+            kept.append(line)
+    while kept and not kept[-1]:
+        kept.pop()
+    return kept
 
 
 if __name__ == "__main__":
