@@ -7,15 +7,21 @@ docs/deployment.md section 9)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import statistics
 import time
 import tracemalloc
+from collections.abc import Callable
 
 import pytest
 from adversary import threat
-from test_transport_broker import broker, login, run
+from test_transport_broker import IDS, USERS, broker, login, run
 
 from tests.transport.mqtt_raw import RawClient, connect_packet
-from transport.broker.auth import LoginThrottle
+from transport.broker import EmbeddedBroker
+from transport.broker.auth import TOKEN_LOG2_N, LoginThrottle, hash_password
+from transport.broker.checks import CheckQueue
+from transport.topics import acl_table
 
 pytestmark = pytest.mark.security
 
@@ -188,3 +194,224 @@ def test_a_waiter_that_gives_up_frees_its_place_and_the_next_one_gets_the_lane()
         assert throttle.failures("127.0.0.1", "site-3") == 1 and len(throttle) == 1
 
     asyncio.run(scenario())
+
+
+# -- the password checks themselves: a budget per address, fair shares, constant answers --
+
+
+async def _guess_from(source: str, port: int, user: str, timeout: float = 15.0) -> float:
+    """One wrong password for ``user`` sent from the local address ``source``; the seconds
+    from the CONNECT until its CONNACK 5."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    try:
+        started = time.monotonic()
+        writer.write(connect_packet(f"probe-{source}", user, "wrong"))
+        answer = await asyncio.wait_for(reader.readexactly(4), timeout)
+        assert answer[3] == 5, answer
+        return time.monotonic() - started
+    finally:
+        writer.close()
+
+
+async def _junk(source: str, port: int, sent: list[int], wait: float = 0.1) -> None:
+    """Wrong passwords under ever new usernames from ``source``, a new connection every
+    ``wait`` s, each closed then whether answered or not."""
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port,
+                                                           local_addr=(source, 0))
+        except OSError:
+            await asyncio.sleep(wait)
+            continue
+        try:
+            writer.write(connect_packet(f"j{len(sent)}", f"junk-{len(sent)}", "x"))
+            sent.append(1)
+            with contextlib.suppress(asyncio.TimeoutError, OSError, asyncio.IncompleteReadError):
+                await asyncio.wait_for(reader.readexactly(4), wait)
+        finally:
+            writer.close()
+        await asyncio.sleep(wait)
+
+
+async def _stop(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _expensive_users() -> dict[str, str]:
+    """The test users plus an operator whose password was hashed by ``hash-password``
+    (the default, expensive scrypt cost): an unknown username then costs that much too."""
+    return {**USERS, "operator": hash_password("operator's passphrase")}
+
+
+@threat(attack="Exhaust the broker",
+        adversary="network attacker",
+        controls="wrong passwords under ever new made-up usernames from one address "
+                 "(40 connections at a time, each closed 0.1 s after its CONNECT), against "
+                 "a users file with a default-cost (hash-password) entry",
+        protocol="all unknown usernames of an address share one throttle key (2 lanes, "
+                 "doubling delay) and an address has at most 1 check running: the flood "
+                 "gets a few checks and another address's logins are not delayed")
+def test_made_up_usernames_from_one_address_cost_a_few_checks_and_delay_no_one() -> None:
+    async def scenario() -> None:
+        async with EmbeddedBroker(users=_expensive_users(), acl=acl_table(IDS),
+                                  login_failure_delay=0.25) as b:
+            sent: list[int] = []
+            started = time.monotonic()
+            attackers = [asyncio.create_task(_junk("127.0.0.2", b.port, sent))
+                         for _ in range(40)]
+            try:
+                honest = []
+                for i in range(3):
+                    await asyncio.sleep(0.5)
+                    for user in ("site-9", "server"):
+                        honest.append(await _timed_login(b.port, user, f"{user}-{i}"))
+            finally:
+                await _stop(attackers)
+            duration = time.monotonic() - started
+            checks = b.throttle.checks
+            attacker_checks = checks.performed - len(honest)
+            assert max(honest) < HONEST_BOUND, honest
+            assert len(sent) >= 100, len(sent)  # the attacker tried many times ...
+            # ... and got the checks of one throttle key: 2 lanes, doubling delays
+            assert attacker_checks <= _checks_within(duration, 0.25, 5.0, 2), (
+                attacker_checks, duration)
+            assert checks.peak_per_address == 1
+            assert b.throttle.failures("127.0.0.2", None) == b.stats.auth_failures
+
+    run(scenario, timeout=30)
+
+
+@threat(attack="Exhaust the broker",
+        adversary="network attacker",
+        controls="from the address the honest parties log in from (127.0.0.1): made-up "
+                 "usernames (40 connections at a time) and parallel wrong passwords for "
+                 "a site's username (8 at a time), default-cost hashes",
+        protocol="checks are served round robin per address and, within one, per "
+                 "throttle key: another username from the attacker's address waits for at "
+                 "most a turn of each busy key, not for the attacker's backlog")
+def test_a_flood_from_the_honest_parties_address_delays_their_logins_a_bounded_time() -> None:
+    async def scenario() -> None:
+        async with EmbeddedBroker(users=_expensive_users(), acl=acl_table(IDS),
+                                  login_failure_delay=0.25) as b:
+            sent: list[int] = []
+            answers: list[tuple[int, float]] = []
+            attackers = [asyncio.create_task(_junk("127.0.0.1", b.port, sent))
+                         for _ in range(40)]
+            attackers += [asyncio.create_task(_hammer(b.port, "site-3", answers))
+                          for _ in range(8)]
+            try:
+                honest = []
+                for i in range(3):
+                    await asyncio.sleep(0.5)
+                    for user in ("site-9", "server"):
+                        honest.append(await _timed_login(b.port, user, f"{user}-{i}"))
+            finally:
+                await _stop(attackers)
+            assert max(honest) < HONEST_BOUND, honest
+            assert len(sent) >= 100 and len(answers) >= 10, (len(sent), len(answers))
+            assert b.throttle.checks.peak_per_address == 1
+            # the throttle's table holds the address's keys, not one per made-up name
+            assert len(b.throttle) <= 5, len(b.throttle)
+
+    run(scenario, timeout=30)
+
+
+@threat(attack="Password guessing",
+        adversary="network attacker",
+        controls="40 wrong passwords in parallel for a site's username whose (address, "
+                 "username) has never failed",
+        protocol="a key's 2 lanes bound its checks before its first failure too: 2 are "
+                 "checked, then 2 per doubling delay, and the burst beyond 2 waiting "
+                 "attempts is refused unchecked (CONNACK 3) at the first failure")
+def test_a_first_burst_of_parallel_guesses_is_throttled_too() -> None:
+    async def scenario() -> None:
+        async with broker(login_failure_delay=0.2, login_failure_max_delay=1.0) as b:
+            started = time.monotonic()
+            codes = await asyncio.gather(*(_guess(b.port, "site-3") for _ in range(40)))
+            duration = time.monotonic() - started
+            checked = [code for code, _ in codes].count(5)
+            assert {code for code, _ in codes} <= {3, 5}
+            assert checked == b.stats.auth_failures
+            assert checked <= _checks_within(duration, 0.2, 1.0, 2), (checked, duration)
+            assert checked <= 6
+
+    run(scenario, timeout=30)
+
+
+@threat(attack="Username enumeration",
+        adversary="network attacker",
+        controls="one wrong password each for an existing site username (cheap token "
+                 "hash) and for an unknown one (costs what the default-cost operator hash "
+                 "costs), sent at the same moment from fresh addresses",
+        protocol="a failure is answered a fixed time after its check started (twice the "
+                 "most expensive hash, at least 50 ms) plus its delay, whatever the user's "
+                 "hash cost")
+def test_a_failure_is_answered_after_the_same_time_for_known_and_unknown_users() -> None:
+    async def scenario() -> None:
+        users = {"site-1": hash_password("token", log2_n=TOKEN_LOG2_N),
+                 "operator": hash_password("operator's passphrase", log2_n=15)}
+        async with EmbeddedBroker(users=users, login_failure_delay=0.25) as b:
+            expensive = min(_time(lambda: b.auth.verify("nobody", b"x")) for _ in range(3))
+            pad = b.auth.pad
+            gaps, answers = [], []
+            for i in range(6):
+                known, unknown = await asyncio.gather(
+                    _guess_from(f"127.0.{i}.2", b.port, "site-1"),
+                    _guess_from(f"127.0.{i}.3", b.port, "nobody"))
+                gaps.append(unknown - known)
+                answers += [known, unknown]
+            assert min(answers) >= pad + 0.25 - 0.01, (answers, pad)
+            # without the padding the unknown name's answer comes a whole expensive hash
+            # (2 to 500 times the token's) later
+            assert abs(statistics.median(gaps)) < expensive / 2, (gaps, expensive)
+
+    run(scenario, timeout=30)
+
+
+def _time(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+@threat(attack="Exhaust the broker",
+        adversary="network attacker",
+        controls="100 password checks queued from one address, then one from another "
+                 "address and one under another username from the first address",
+        protocol="the checks run in 2 threads, at most 1 at a time per address, served "
+                 "round robin across addresses and, within one, across throttle keys")
+def test_password_checks_are_shared_round_robin_across_addresses_and_usernames() -> None:
+    async def scenario() -> tuple[list[str], int]:
+        queue = CheckQueue(workers=2, per_address=1)
+        started: list[str] = []
+        running = [0, 0]  # now, peak
+
+        def check(tag: str) -> Callable[[], bool]:
+            def run_check() -> bool:
+                started.append(tag)
+                running[0] += 1
+                running[1] = max(running)
+                time.sleep(0.005)
+                running[0] -= 1
+                return False
+            return run_check
+
+        flood = [asyncio.create_task(queue.run("10.0.0.2", b"unknown", check("flood")))
+                 for _ in range(100)]
+        await asyncio.sleep(0)
+        other = asyncio.create_task(queue.run("10.0.0.1", b"site-9", check("other")))
+        same = asyncio.create_task(queue.run("10.0.0.2", b"site-1", check("same")))
+        gone = asyncio.create_task(queue.run("10.0.0.2", b"site-2", check("gone"),
+                                             wanted=lambda: False))
+        results = await asyncio.gather(*flood, other, same, gone, return_exceptions=True)
+        assert isinstance(results[-1], ConnectionAbortedError)  # never run
+        assert len(queue) == 0 and queue.performed == 102
+        return started, running[1]
+
+    started, peak = asyncio.run(scenario())
+    assert "gone" not in started and len(started) == 102
+    assert started.index("other") <= 2, started[:5]  # the next free thread
+    assert started.index("same") <= 3, started[:5]  # the first address's next turn
+    assert peak <= 2

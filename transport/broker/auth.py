@@ -3,10 +3,12 @@
 The broker keeps only hashes (``$scrypt$ln=14,r=8,p=1$salt$hash``, standard library
 ``hashlib.scrypt``): a users file holds hashes (``python -m transport.broker hash-password``
 prints one), and plaintext passwords handed to :class:`Authenticator` are hashed at once and
-forgotten. Failed logins are throttled per (peer address, username), see
-:class:`LoginThrottle`: a correct password is accepted as soon as it is checked, the answer
-to a failed attempt waits (doubling per failure, capped), and an unknown username costs as
-much time as a known one.
+forgotten. Failed logins are throttled per (peer address, username), all unknown usernames
+of an address sharing one key, see :class:`LoginThrottle`: a correct password is accepted as
+soon as it is checked (in a few threads shared fairly among addresses,
+:class:`~transport.broker.checks.CheckQueue`), and the answer to a failed attempt comes a
+fixed time after its check started (longer than the most expensive hash), plus a delay that
+doubles per failure (capped), so its timing does not tell which usernames exist.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import hashlib
 import hmac
 import math
 import secrets
+import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from .checks import CheckQueue
 from .errors import BrokerConfigError
 
 _PREFIX = "$scrypt$"
@@ -81,7 +85,12 @@ class Authenticator:
         # An unknown user costs what the most expensive known one does: the answer's timing
         # must not tell which names exist.
         dummy_cost = max((entry[0] for entry in self._users.values()), default=log2_n)
+        started = time.perf_counter()
         self._dummy = _parse(hash_password(secrets.token_hex(8), log2_n=dummy_cost))
+        self.pad = max(0.05, 2.0 * (time.perf_counter() - started))
+        """Seconds after a check starts before its failure may be answered: twice what the
+        most expensive hash took at start-up (at least 50 ms), raised to 1.5 times any
+        slower check seen since, so a failure's timing does not depend on the user's cost."""
 
     def __contains__(self, username: str) -> bool:
         return username in self._users
@@ -93,12 +102,14 @@ class Authenticator:
         """True for a known user with the right password; unknown users cost the same."""
         entry = self._users.get(username or "")
         log2_n, salt, digest = entry if entry is not None else self._dummy
+        started = time.perf_counter()
         computed = _scrypt(password or b"", salt, log2_n)
+        self.pad = max(self.pad, 1.5 * (time.perf_counter() - started))
         return hmac.compare_digest(computed, digest) and entry is not None and password is not None
 
 
 class LoginBusy(Exception):
-    """Too many attempts for one (address, username) are already waiting; refused unread."""
+    """Too many attempts for one (address, username) are already waiting; refused unchecked."""
 
 
 @dataclass
@@ -121,26 +132,36 @@ class _Key:
 
 
 class Attempt:
-    """One login attempt holding a lane of its (address, username); report its outcome
-    with :meth:`succeeded` or :meth:`failed` (leaving the ``with`` block without either
-    frees the lane at no cost, e.g. when the peer is gone before its password is read)."""
+    """One login attempt holding a lane of its (address, username); run its password check
+    with :meth:`check` and report the outcome with :meth:`succeeded` or :meth:`failed`
+    (leaving the ``with`` block without either frees the lane at no cost, e.g. when the
+    peer is gone before its password is read)."""
 
-    def __init__(self, throttle: LoginThrottle, key: bytes, entry: _Key) -> None:
-        self._throttle, self._key, self._entry = throttle, key, entry
+    def __init__(self, throttle: LoginThrottle, address: str, key: bytes,
+                 entry: _Key) -> None:
+        self._throttle, self._address, self._key, self._entry = throttle, address, key, entry
         self._open = True
+
+    async def check(self, verify: Callable[[], bool],
+                    wanted: Callable[[], bool] = lambda: True) -> tuple[bool, float]:
+        """``verify()`` run in the throttle's :class:`CheckQueue` in this attempt's turn:
+        (its result, the loop time it started)."""
+        return await self._throttle.checks.run(self._address, self._key, verify, wanted)
 
     def succeeded(self) -> None:
         self._close(failed=False)
 
-    def failed(self) -> float:
-        """Record the failure; the seconds the answer to it must wait."""
-        return self._close(failed=True)
+    def failed(self, answer_after: float = -math.inf) -> float:
+        """Record the failure; the seconds the answer to it must wait: until
+        ``answer_after`` (loop time) or now, whichever is later, plus the key's delay. The
+        lane stays held until then."""
+        return self._close(failed=True, answer_after=answer_after)
 
-    def _close(self, failed: bool) -> float:
+    def _close(self, failed: bool, answer_after: float = -math.inf) -> float:
         if not self._open:
             return 0.0
         self._open = False
-        return self._throttle._finish(self._key, self._entry, failed)
+        return self._throttle._finish(self._key, self._entry, failed, answer_after)
 
     def __enter__(self) -> Attempt:
         return self
@@ -150,53 +171,62 @@ class Attempt:
 
 
 class LoginThrottle:
-    """Login attempts per (peer address, username): verified at once, a failed one answered
+    """Login attempts per key, (peer address, username) with ``None`` for every unknown
+    username of the address: verified as soon as a lane is free, a failed one answered
     late, and only a few at a time.
 
-    Without recent failures a key's attempts are checked at once, however many (one user's
-    many connections). Once it has failed, an attempt of the key takes one of ``lanes``
-    lanes before its password is checked, so a correct password is accepted as soon as
-    scrypt says so. A failure holds its lane, and the answer to it waits, for a delay that
-    doubles with each failure of the key (``base``, up to ``cap``); so a penalised key gets
-    at most ``lanes`` guesses per delay, whether they are sent one after another or in
-    parallel, and an attacker guessing one after another leaves a lane free for the party
-    whose password it guesses. Attempts beyond the lanes wait, at most ``waiting`` of them
-    (more are refused unread, :class:`LoginBusy`). Failures under other usernames, or from
-    other addresses, never delay an attempt. A success does not clear the key's failures.
+    An attempt takes one of its key's ``lanes`` lanes before its password is checked, so a
+    correct password is accepted as soon as scrypt says so, and at most ``lanes`` checks
+    of one key run at once, before its first failure too. A failure holds its lane, and the
+    answer to it waits, for a delay that doubles with each failure of the key (``base``, up
+    to ``cap``); so a key gets at most ``lanes`` guesses per delay, whether they are sent
+    one after another or in parallel, and an attacker guessing one after another leaves a
+    lane free for the party whose password it guesses. Attempts beyond the lanes wait; once
+    the key has failed, at most ``waiting`` of them (more are refused unchecked,
+    :class:`LoginBusy`). Failures under other known usernames, or from other addresses,
+    never delay an attempt. A success does not clear the key's failures. The checks
+    themselves run in :attr:`checks` (``workers`` threads, ``per_address`` at once for an
+    address, served round robin across addresses and keys).
 
-    Known and unknown usernames are treated alike. Keys are 16-byte digests (a long
-    username costs no memory); a key's failures are forgotten ``forget`` s after its last
-    one, and at most ``max_keys`` idle keys are kept (the least recently used go first),
-    plus those of attempts in progress, which the broker's connection caps bound.
+    Keys are 16-byte digests (a long username costs no memory); a key's failures are
+    forgotten ``forget`` s after its last one, and at most ``max_keys`` idle keys are kept
+    (the least recently used go first), plus those of attempts in progress, which the
+    broker's connection caps bound.
     """
 
     def __init__(self, base: float, cap: float, *, lanes: int = 2, waiting: int = 2,
-                 forget: float = 300.0, max_keys: int = 10_000) -> None:
+                 forget: float = 300.0, max_keys: int = 10_000, workers: int = 2,
+                 per_address: int = 1) -> None:
         self.base = base
         self.cap = cap
         self.lanes = lanes
         self.waiting = waiting
         self.forget = forget
         self.max_keys = max_keys
+        self.checks = CheckQueue(workers=workers, per_address=per_address)
         self._keys: OrderedDict[bytes, _Key] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._keys)
 
     @staticmethod
-    def key(address: str, username: str) -> bytes:
-        raw = address.encode() + b"\0" + username.encode("utf-8", "surrogatepass")
+    def key(address: str, username: str | None) -> bytes:
+        """The key of ``username`` (``None``: any unknown username) from ``address``."""
+        name = b"\1" if username is None else b"\0" + username.encode("utf-8",
+                                                                       "surrogatepass")
+        raw = address.encode() + name
         return hashlib.blake2b(raw, digest_size=16, person=b"secagg-login").digest()
 
     def _delay(self, failures: int) -> float:
         return float(min(self.cap, self.base * 2.0 ** min(failures - 1, 30)))
 
-    def failures(self, address: str, username: str) -> int:
+    def failures(self, address: str, username: str | None) -> int:
         entry = self._keys.get(self.key(address, username))
         return 0 if entry is None else entry.failures
 
-    async def attempt(self, address: str, username: str) -> Attempt:
-        """A lane for this attempt, after waiting for one if all are taken."""
+    async def attempt(self, address: str, username: str | None) -> Attempt:
+        """A lane for this attempt, after waiting for one if all are taken (``username``
+        None for an unknown one)."""
         loop = asyncio.get_running_loop()
         key = self.key(address, username)
         entry = self._keys.get(key)
@@ -205,11 +235,11 @@ class LoginThrottle:
         self._keys.move_to_end(key)
         now = loop.time()
         penalised = entry.failures > 0 and now - entry.last_failure <= self.forget
-        if not entry.waiters and (not penalised or entry.busy(now) < self.lanes):
+        if not entry.waiters and entry.busy(now) < self.lanes:
             entry.verifying += 1
             self._evict()
-            return Attempt(self, key, entry)
-        if len(entry.waiters) >= self.waiting:
+            return Attempt(self, address, key, entry)
+        if penalised and len(entry.waiters) >= self.waiting:
             self._tidy(key, entry)
             raise LoginBusy("too many login attempts for this username from this address "
                             "are waiting; retry later")
@@ -219,30 +249,41 @@ class LoginThrottle:
         self._wake_later(entry)
         try:
             await waiter
+        except LoginBusy:
+            self._tidy(key, entry)
+            raise
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():  # granted as we were cancelled
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                # granted as we were cancelled
                 self._finish(key, entry, failed=False)
             else:
                 with contextlib.suppress(ValueError):
                     entry.waiters.remove(waiter)
                 self._tidy(key, entry)
             raise
-        return Attempt(self, key, entry)
+        return Attempt(self, address, key, entry)
 
-    def _finish(self, key: bytes, entry: _Key, failed: bool) -> float:
+    def _finish(self, key: bytes, entry: _Key, failed: bool,
+                answer_after: float = -math.inf) -> float:
         now = asyncio.get_running_loop().time()
         entry.verifying -= 1
-        delay = 0.0
+        wait = 0.0
         if failed:
             if now - entry.last_failure > self.forget:
                 entry.failures = 0
             entry.failures += 1
             entry.last_failure = now
-            delay = self._delay(entry.failures)
-            entry.held.append(now + delay)
+            wait = max(now, answer_after) - now + self._delay(entry.failures)
+            entry.held.append(now + wait)
+            while len(entry.waiters) > self.waiting:  # a burst that came before the failure
+                refused = entry.waiters.pop()
+                if not refused.done():
+                    refused.set_exception(LoginBusy(
+                        "too many login attempts for this username from this address are "
+                        "waiting; retry later"))
         self._wake(entry)
         self._tidy(key, entry)
-        return delay
+        return wait
 
     def _wake(self, entry: _Key) -> None:
         """Give free lanes to the oldest waiters; come back when a held lane frees."""

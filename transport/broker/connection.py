@@ -280,23 +280,36 @@ class Connection:
         broker = self.broker
         if broker.allow_anonymous and username is None:
             return True
-        # docs/deployment.md section 9: throttled per (address, username); a correct
-        # password is accepted once checked, only the answer to a failure waits
+        # docs/deployment.md section 9: throttled per (address, username), unknown usernames
+        # of an address sharing one key; checked in the throttle's fair CheckQueue; a
+        # correct password is accepted once checked, a failure answered a fixed time
+        # (auth.pad) after its check started, plus its delay
+        known = username is not None and username in broker.auth
         self.authenticating = False  # waiting for a lane: evictable like any newcomer
         attempt = await self._while_open(
-            broker.throttle.attempt(self.stream.peer_host, username or ""))
+            broker.throttle.attempt(self.stream.peer_host, username if known else None))
         with attempt:
             if self.closed:
                 return False
-            self.authenticating = True
-            if await asyncio.to_thread(broker.auth.verify, username, password):
+            ok, started = await self._while_open(attempt.check(
+                lambda: broker.auth.verify(username, password), self._turn_to_check))
+            if ok:
                 attempt.succeeded()
                 return True
-            delay = attempt.failed()
+            delay = attempt.failed(answer_after=started + broker.auth.pad)
         broker.stats.auth_failures += 1
         self.authenticating = False
         await self._while_open(asyncio.sleep(delay))
         return False
+
+    def _turn_to_check(self) -> bool:
+        """Whether to check this connection's password now that its turn has come: not if
+        the peer is gone. From here on it is not evicted for a newcomer."""
+        transport = self.stream.transport
+        if self.closed or transport is None or transport.is_closing():
+            return False
+        self.authenticating = True
+        return True
 
     async def _while_open(self, waiting: Awaitable[T]) -> T:
         """``waiting``'s result; cancelled (ConnectionAbortedError) if this connection is
