@@ -3,6 +3,7 @@ aggregate is checked here against the plaintext sum of the inputs."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import json
@@ -239,22 +240,54 @@ def _processes_of(session: int, marker: str) -> list[int]:
     return found
 
 
+def _broker_connections(tmp: Path) -> int:
+    """Established connections to the embedded broker started under ``tmp`` (its port file
+    appears once it listens), counted from the broker's side in /proc/net/tcp{,6}."""
+    ports = [path.read_text().strip() for path in tmp.glob("secagg-broker-*/port")]
+    if not ports or not ports[0]:
+        return 0
+    port, count = int(ports[0]), 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()  # local address, remote address, state (01: open)
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                    count += 1
+    return count
+
+
+SIGNAL_POINTS = {
+    # the broker's folder exists: its users file is being written or its process starting
+    "broker-starting": lambda tmp: bool(list(tmp.glob("secagg-broker-*"))),
+    # the broker listens: the worker processes are being started (or still importing)
+    "workers-starting": lambda tmp: bool(list(tmp.glob("secagg-broker-*/port"))),
+    # the server and the 6 clients are connected: the round runs (dim 4M: seconds of work)
+    "round-running": lambda tmp: _broker_connections(tmp) >= 7,
+}
+
+
+@pytest.mark.parametrize("point", sorted(SIGNAL_POINTS))
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_everything_within_two_seconds(tmp_path: Path, signum: int) -> None:
+def test_a_signal_stops_everything_within_two_seconds(tmp_path: Path, signum: int,
+                                                      point: str) -> None:
     proc = _start_cli(tmp_path, "--clients", "6", "--dim", "4000000", "--processes", "2")
     tmp = tmp_path / "tmp"
     deadline = time.monotonic() + 60
-    # Wait until the round runs: the broker's temp folder exists and workers are up.
-    while time.monotonic() < deadline and (
-            not list(tmp.glob("secagg-broker-*")) or len(_processes_of(proc.pid, "")) < 3):
+    reached = SIGNAL_POINTS[point]
+    while time.monotonic() < deadline and not reached(tmp):
         assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
+        time.sleep(0.005)
+    assert reached(tmp), f"{point} not reached within 60 s"
     started = time.monotonic()
     if signum == signal.SIGINT:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
     else:
         proc.send_signal(signum)  # plain kill
-    _, err = proc.communicate(timeout=10)
+    try:
+        _, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     elapsed = time.monotonic() - started
     assert elapsed < 2.0, f"took {elapsed:.1f} s"
     assert proc.returncode == 128 + signum, err

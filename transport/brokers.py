@@ -8,14 +8,16 @@ with a users file of scrypt hashes (never the passwords) and login places for ev
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 from .broker.auth import TOKEN_LOG2_N, hash_password
@@ -36,6 +38,46 @@ def _acl_json(acl: AclTable) -> dict[str, dict[str, list[str]]]:
     return out
 
 
+def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable
+                    ) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """Write the users (scrypt hashes) and ACL files into ``tmp`` and start the broker;
+    returns the process, its port file (written once it listens) and its log."""
+    users_file, acl_file, port_file = (Path(tmp, n) for n in ("users", "acl", "port"))
+    hashes = {user: hash_password(pw, log2_n=TOKEN_LOG2_N) for user, pw in users.items()}
+    for path, data in ((users_file, hashes), (acl_file, _acl_json(acl))):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle)
+    log_path = Path(tmp, "broker.log")
+    # Until setsid() the child is in the terminal's process group: with SIGINT blocked (the
+    # mask is inherited through exec, and the broker never unblocks it) a Ctrl-C landing in
+    # that window cannot kill it; the parent takes the Ctrl-C and stops the broker.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "transport.broker", "--port", "0", "--users-file",
+                 str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
+                 "--parties", str(len(users)), "--log-level", "WARNING"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    return proc, port_file, log_path
+
+
+def _listening_port(proc: subprocess.Popen[bytes], port_file: Path, log_path: Path,
+                    deadline: float) -> int | None:
+    """The broker's port once it listens; None while it starts; TransportError (with its
+    log) if it exited or missed ``deadline`` (``time.monotonic``)."""
+    if port_file.exists():
+        return int(port_file.read_text())
+    if proc.poll() is not None or time.monotonic() > deadline:
+        tail = log_path.read_text(errors="replace")[-2000:]
+        raise TransportError(f"the embedded broker did not start: {tail}")
+    return None
+
+
 @contextmanager
 def _embedded_broker_process(users: Mapping[str, str], acl: AclTable,
                              timeout: float = 30.0) -> Iterator[int]:
@@ -44,28 +86,28 @@ def _embedded_broker_process(users: Mapping[str, str], acl: AclTable,
     scrypt hashes, never the passwords. Its login and connection places are sized for every
     user logging in at once from loopback (``--parties``, ``BrokerLimits.for_parties``)."""
     with tempfile.TemporaryDirectory(prefix="secagg-broker-") as tmp:
-        users_file, acl_file, port_file = (Path(tmp, n) for n in ("users", "acl", "port"))
-        hashes = {user: hash_password(pw, log2_n=TOKEN_LOG2_N) for user, pw in users.items()}
-        for path, data in ((users_file, hashes), (acl_file, _acl_json(acl))):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(data, handle)
-        log_path = Path(tmp, "broker.log")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "transport.broker", "--port", "0", "--users-file",
-                 str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
-                 "--parties", str(len(users)), "--log-level", "WARNING"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+        proc, port_file, log_path = _start_embedded(tmp, users, acl)
         try:
             deadline = time.monotonic() + timeout
-            while not port_file.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = log_path.read_text(errors="replace")[-2000:]
-                    raise TransportError(f"the embedded broker did not start: {tail}")
+            while (port := _listening_port(proc, port_file, log_path, deadline)) is None:
                 time.sleep(0.02)
-            yield int(port_file.read_text())
+            yield port
+        finally:
+            stop_process(proc)
+
+
+@asynccontextmanager
+async def _embedded_broker_process_async(users: Mapping[str, str], acl: AclTable,
+                                         timeout: float = 30.0) -> AsyncIterator[int]:
+    """``_embedded_broker_process`` whose start-up wait is cancellable (``secagg simulate``
+    stops at once when interrupted while the broker starts)."""
+    with tempfile.TemporaryDirectory(prefix="secagg-broker-") as tmp:
+        proc, port_file, log_path = _start_embedded(tmp, users, acl)
+        try:
+            deadline = time.monotonic() + timeout
+            while (port := _listening_port(proc, port_file, log_path, deadline)) is None:
+                await asyncio.sleep(0.02)
+            yield port
         finally:
             stop_process(proc)
 
@@ -103,3 +145,16 @@ def broker_for(kind: str, users: Mapping[str, str], acl: AclTable
             raise TransportError(str(exc)) from None
         yield settings
 
+
+
+@asynccontextmanager
+async def running_broker(kind: str, users: Mapping[str, str], acl: AclTable
+                         ) -> AsyncIterator[BrokerSettings]:
+    """``broker_for`` for a caller on an event loop: the embedded broker's start-up can be
+    cancelled while it waits."""
+    if kind == "embedded":
+        async with _embedded_broker_process_async(users, acl) as port:
+            yield BrokerSettings(port=port, passwords=dict(users))
+    else:
+        with broker_for(kind, users, acl) as settings:
+            yield settings

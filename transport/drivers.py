@@ -54,6 +54,7 @@ from .framing import (
     message_id,
 )
 from .link import Delivery, Link, LinkLost, Reconnected, Will
+from .tasks import stop_task
 from .topics import ABORT, OFFLINE, RECEIPT, Topics, stage_of
 
 logger = logging.getLogger(__name__)
@@ -196,9 +197,7 @@ class ServerDriver:
                                                                   str(exc))))
             raise
         finally:
-            pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await pump
+            await stop_task(pump)
             if self._tasks:
                 await asyncio.wait(self._tasks, timeout=5.0)
 
@@ -236,8 +235,9 @@ class ServerDriver:
                 break
             self._progress.clear()
             wake = self._next_wake(deadline) - loop.time()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), max(0.0, wake))
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: a cancel is never lost
+                async with asyncio.timeout(max(0.0, wake)):
+                    await self._progress.wait()
         if self._failure is not None:
             raise TransportError(str(self._failure)) from self._failure
         responded = len(self.server.received)

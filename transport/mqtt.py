@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import aiomqtt
 
 from .link import Delivery, Event, LinkLost, Reconnected, Will
+from .tasks import stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -136,15 +137,23 @@ def parse_broker_url(url: str, **overrides: object) -> BrokerSettings:
 async def _discard(client: aiomqtt.Client) -> None:
     """Close a client that failed or was cancelled while connecting; bounded, silent."""
     connected = getattr(client, "_connected", None)
-    if (isinstance(connected, asyncio.Future) and connected.done()
-            and not connected.cancelled() and connected.exception() is None):
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(asyncio.shield(client.__aexit__(None, None, None)), 1.0)
-    # aiomqtt leaves the socket registered with the loop when __aenter__ was cancelled;
-    # closing it through paho unregisters it, so no callback fires into a dead client.
-    paho = getattr(client, "_client", None)
-    with contextlib.suppress(Exception):
-        paho._sock_close()  # type: ignore[union-attr]
+    try:
+        if (isinstance(connected, asyncio.Future) and connected.done()
+                and not connected.cancelled() and connected.exception() is None):
+            async with asyncio.timeout(1.0):
+                await asyncio.shield(client.__aexit__(None, None, None))
+    except Exception:  # a client that failed anyway: nothing to report
+        pass
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the caller's own cancellation, not aiomqtt's
+    finally:
+        # aiomqtt leaves the socket registered with the loop when __aenter__ was cancelled;
+        # closing it through paho unregisters it, so no callback fires into a dead client.
+        paho = getattr(client, "_client", None)
+        with contextlib.suppress(Exception):
+            paho._sock_close()  # type: ignore[union-attr]
 
 
 class MqttLink:
@@ -227,14 +236,13 @@ class MqttLink:
     async def close(self) -> None:
         self._closing = True
         if self._pump is not None:
-            self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._pump
+            await stop_task(self._pump)
         client, self._client = self._client, None
         if client is not None:
             # A graceful DISCONNECT (no will); bounded, so closing never hangs a caller.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.__aexit__(None, None, None), 2.0)
+                async with asyncio.timeout(2.0):
+                    await client.__aexit__(None, None, None)
 
     async def _run_pump(self) -> None:
         loop = asyncio.get_running_loop()
@@ -280,8 +288,9 @@ class MqttLink:
 
     async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> bool:
         try:
-            await asyncio.wait_for(self._up.wait(), self._settings.reconnect_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self._settings.reconnect_timeout):
+                await self._up.wait()
+        except TimeoutError:
             return False
         client = self._client
         if client is None:
@@ -297,9 +306,7 @@ class MqttLink:
         finally:
             down.cancel()
         if not publish.done():
-            publish.cancel()
-            with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):
-                await publish
+            await stop_task(publish)
             return False
         try:
             publish.result()
@@ -310,8 +317,9 @@ class MqttLink:
 
     async def receive(self, timeout: float | None = None) -> Event | None:
         try:
-            item = await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                item = await self._queue.get()
+        except TimeoutError:
             return None
         if isinstance(item, BaseException):
             raise item

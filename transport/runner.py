@@ -15,7 +15,6 @@ coordinator generates as the federation's PKI would and hands to each site's pro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -30,11 +29,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from secagg import Config, ProtocolAbort, Stage
 from secagg.server import AggregateResult, Server
 
-from .brokers import broker_for
+from .brokers import broker_for, running_broker  # noqa: F401  (broker_for: callers import it here)
 from .drivers import StageProgress, Timeouts, TransportError
 from .framing import DEFAULT_MAX_PAYLOAD
 from .local import new_round_name, serve_server
 from .mqtt import MqttNetwork
+from .tasks import stop_task
 from .topics import SERVER_USER, Topics, acl_table, site_name
 from .workers import InputSource, Workers, WorkerSpec, worker_processes
 
@@ -122,7 +122,7 @@ async def run_simulation(spec: SimulationSpec,
                     nonce=os.urandom(32))
     topics = Topics(round_name)
     seconds: dict[str, float] = {}
-    with broker_for(spec.broker, passwords, acl) as broker_settings:
+    async with running_broker(spec.broker, passwords, acl) as broker_settings:
         settings = dataclasses.replace(broker_settings, client_id_suffix=f"-{round_name}")
         status(f"broker {spec.broker} at {settings.url}")
         groups = _partition(spec)
@@ -150,8 +150,11 @@ async def run_simulation(spec: SimulationSpec,
                 status(f"{len(roster)} clients connected in {len(specs)} processes; "
                        "round starts")
                 start.set()
+                # asyncio.wait: a cancel of this task stays this task's (``await server_task``
+                # would hand it to the server task, whose teardown might absorb it)
+                await asyncio.wait({server_task})
                 try:
-                    driver = await server_task
+                    driver = server_task.result()
                     seconds.update(driver.seconds)
                     _copy_stats(run, driver)
                 except ProtocolAbort as exc:
@@ -159,11 +162,13 @@ async def run_simulation(spec: SimulationSpec,
                 except Exception as exc:
                     run.error = f"transport failure: {exc}"
                 await _collect(workers, run, timeout=10.0 if run.error else 60.0)
+            except BaseException:
+                # Interrupted (cancelled) or failed: what the workers compute is moot; they
+                # stop now, while the server's connection closes.
+                workers.terminate()
+                raise
             finally:
-                if not server_task.done():
-                    server_task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await server_task
+                await stop_task(server_task)
     run.result = server.result
     seconds["wall"] = time.perf_counter() - wall
     return run
@@ -192,8 +197,9 @@ async def _wait_ready(workers: Workers, server_task: asyncio.Task[Any],
             raise TransportError(f"only {connected} of {total} clients connected within "
                                  f"{timeout} s")
         try:
-            index, message = await asyncio.wait_for(workers.events.get(), min(remaining, 0.5))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(min(remaining, 0.5)):  # never loses a cancel
+                index, message = await workers.events.get()
+        except TimeoutError:
             continue
         kind = message[0]
         if kind == "ready":
@@ -217,8 +223,9 @@ async def _collect(workers: Workers, run: SimulationRun, timeout: float) -> None
             logger.warning("workers %s did not report; giving up on them", sorted(open_))
             return
         try:
-            index, message = await asyncio.wait_for(workers.events.get(), remaining)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(remaining):
+                index, message = await workers.events.get()
+        except TimeoutError:
             continue
         kind = message[0]
         if kind == "outcomes":

@@ -21,11 +21,11 @@ import multiprocessing.connection
 import os
 import signal
 import sys
-import time
 import traceback
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ from .mqtt import BrokerSettings, MqttNetwork
 from .topics import Topics
 
 logger = logging.getLogger(__name__)
+
+STOP_GRACE = 0.5
+"""Seconds an interrupted or failed run gives its workers between SIGTERM and SIGKILL."""
 
 
 # --------------------------------------------------------------------------- inputs
@@ -199,14 +202,18 @@ class Workers:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        # Children inherit the signal mask: blocked, a Ctrl-C cannot interrupt a worker
-        # before worker_main ignores it (the parent gets it once unblocked).
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            for proc in self.processes:
+        # Children inherit the signal mask: blocked, a Ctrl-C on the terminal (it reaches the
+        # whole process group) cannot interrupt a worker before worker_main ignores it; the
+        # parent gets it once unblocked and stops the workers itself. The resource tracker
+        # is started first: starting it unblocks SIGINT in the caller (multiprocessing's
+        # resource_tracker.ensure_running), which would let the workers start unprotected.
+        resource_tracker.ensure_running()
+        for proc in self.processes:
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
                 proc.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         for child in self._child_ends:
             child.close()
         for index, conn in enumerate(self.conns):
@@ -222,28 +229,44 @@ class Workers:
             return
         self.events.put_nowait((index, message))
 
-    def stop(self, timeout: float, *, at_once: bool = False) -> None:
-        """Wait up to ``timeout`` s for the workers to exit, then kill them; ``at_once``
-        (the run was interrupted) sends SIGTERM first and waits at most half a second."""
+    def terminate(self) -> None:
+        """SIGTERM every worker still running, without waiting (they compute nothing worth
+        keeping once the run is interrupted or failed)."""
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.terminate()
+
+    async def stop(self, timeout: float, *, at_once: bool = False) -> None:
+        """Wait up to ``timeout`` s for the workers to exit, then SIGKILL them and reap them;
+        ``at_once`` (the run was interrupted or failed) sends SIGTERM first and waits at most
+        ``STOP_GRACE`` s. Waits on the loop, never blocking it; a cancellation of the caller
+        does not cut it short (nothing may be left running)."""
         loop = asyncio.get_running_loop()
         for conn in self.conns:
             with contextlib.suppress(Exception):
                 loop.remove_reader(conn.fileno())
         if at_once:
-            for proc in self.processes:
-                if proc.is_alive():
-                    proc.terminate()
-            timeout = min(timeout, 0.5)
-        deadline = time.monotonic() + timeout
-        for proc in self.processes:
-            proc.join(max(0.0, deadline - time.monotonic()))
+            self.terminate()
+            timeout = min(timeout, STOP_GRACE)
+        deadline = loop.time() + timeout
+        cancelled: asyncio.CancelledError | None = None
+        while any(proc.is_alive() for proc in self.processes) and loop.time() < deadline:
+            try:
+                await asyncio.sleep(0.02)
+            except asyncio.CancelledError as exc:  # finish the stop at once, then propagate
+                cancelled = exc
+                break
         for proc in self.processes:
             if proc.is_alive():
-                logger.warning("worker %s did not exit; terminating it", proc.name)
+                if not at_once and cancelled is None:
+                    logger.warning("worker %s did not exit; killing it", proc.name)
                 proc.kill()
-                proc.join(5.0)
+        for proc in self.processes:
+            proc.join(5.0)  # reaped: SIGKILLed or exited, so this returns at once
         for conn in self.conns:
             conn.close()
+        if cancelled is not None:
+            raise cancelled
 
 
 @asynccontextmanager
@@ -255,5 +278,4 @@ async def worker_processes(specs: list[WorkerSpec]) -> AsyncIterator[Workers]:
         yield workers
         interrupted = False
     finally:
-        workers.stop(timeout=10.0, at_once=interrupted)
-
+        await workers.stop(timeout=10.0, at_once=interrupted)

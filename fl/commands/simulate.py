@@ -242,26 +242,68 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-async def _run_interruptible(spec: Any, progress: Progress) -> Any:
-    """``run_simulation`` that SIGINT and SIGTERM cancel (its cleanup stops the workers
-    and the broker and removes the temporary files), with a progress ticker."""
-    from transport.runner import run_simulation
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+RECANCEL_INTERVAL = 0.1
+"""Seconds between cancellations of an interrupted run until it has ended."""
 
-    loop = asyncio.get_running_loop()
-    main = asyncio.current_task()
-    assert main is not None
-    received: list[int] = []
 
-    def on_signal(signum: int) -> None:
-        if not received:
-            received.append(signum)
+class StopSignals:
+    """SIGINT and SIGTERM as a fact, not a single cancellation: the first one is recorded
+    the moment it arrives (a Python-level handler, which runs even while the event loop is
+    busy in synchronous code such as starting the broker), and ``watch`` wakes the loop, which
+    cancels the run until it has ended (one ``Task.cancel()`` can be absorbed by a task that
+    was finishing at that moment). Later signals change nothing: the stop is under way."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._wake: Any = None
+
+    def record(self, signum: int, frame: Any = None) -> None:
+        del frame
+        if self.received is None:
+            self.received = signum
             # The user asked to stop: the teardown's own noise (lost connections, forced
             # disconnects) is not news; one line says what happened.
             logging.disable(logging.CRITICAL)
-            main.cancel()
+        if self._wake is not None:
+            self._wake()
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, on_signal, signum)
+    def __enter__(self) -> StopSignals:
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self.record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def watch(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+        """Set ``stop`` on the loop at the first signal (or now, if one came already). The
+        loop's own handlers make a signal taken by another thread wake it too; the recording
+        handler stays the Python-level one."""
+        self._wake = lambda: loop.call_soon_threadsafe(stop.set)
+        for signum in STOP_SIGNALS:
+            loop.add_signal_handler(signum, self.record, signum)
+            signal.signal(signum, self.record)
+        if self.received is not None:
+            stop.set()
+
+    def unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._wake = None
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, self.record)
+
+
+async def _run_interruptible(spec: Any, progress: Progress, signals: StopSignals) -> Any:
+    """``run_simulation`` that SIGINT and SIGTERM stop (its cleanup stops the workers and
+    the broker and removes the temporary files), with a progress ticker. After a signal it
+    raises ``Interrupted`` whatever the run returned or raised."""
+    from transport.runner import run_simulation
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
 
     def status(text: str) -> None:
         if text.endswith("round starts"):
@@ -274,21 +316,29 @@ async def _run_interruptible(spec: Any, progress: Progress) -> Any:
             if progress.stage is not None or progress.answered:
                 progress.tick()
 
+    signals.watch(loop, stop)
     ticking = asyncio.create_task(ticker())
+    stopping = asyncio.create_task(stop.wait())
+    run = asyncio.create_task(run_simulation(spec, on_stage=progress.stage_closed,
+                                             on_status=status, on_message=progress.message))
     try:
-        return await run_simulation(spec, on_stage=progress.stage_closed, on_status=status,
-                                    on_message=progress.message)
-    except (asyncio.CancelledError, Exception):
-        # Once a signal arrived, whatever failed next failed because of it (a worker that
-        # the terminal's Ctrl-C reached while it started, a connection being torn down).
-        if received:
-            raise Interrupted(received[0]) from None
-        raise
+        await asyncio.wait({run, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        while not run.done():  # a signal: cancel until the run (and its cleanup) has ended
+            run.cancel()
+            await asyncio.wait({run}, timeout=RECANCEL_INTERVAL)
     finally:
-        ticking.cancel()
+        for task in (ticking, stopping):
+            task.cancel()
+        await asyncio.wait({ticking, stopping})
         progress.close()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
+        signals.unwatch(loop)
+    if signals.received is not None:
+        # Whatever failed after the signal failed because of it (a connection being torn
+        # down, a worker that was stopped); a run that completed anyway was still stopped.
+        if not run.cancelled():
+            run.exception()  # retrieved
+        raise Interrupted(signals.received)
+    return run.result()
 
 
 def _timeouts(config: Config, processes: int) -> Any:
@@ -346,7 +396,8 @@ def _run(args: argparse.Namespace) -> int:
                     f"{config.threshold}, {config.security}; {len(drops)} scheduled to drop"
                     + (" (killed)" if args.kill else ""))
     try:
-        outcome = asyncio.run(_run_interruptible(spec, progress))
+        with StopSignals() as signals:
+            outcome = asyncio.run(_run_interruptible(spec, progress, signals))
     except Interrupted as exc:
         logging.disable(logging.NOTSET)
         print(f"secagg simulate: interrupted by {exc}; the broker and the worker processes "

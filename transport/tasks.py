@@ -1,0 +1,28 @@
+"""Stopping asyncio helper tasks without losing a cancellation of the caller.
+
+``task.cancel(); with suppress(CancelledError): await task`` swallows the caller's own
+cancellation when it arrives while the caller waits there, and the caller then carries on as
+if nothing happened (a Ctrl-C that ``secagg simulate`` never acts on). ``stop_task`` waits
+for the child with ``asyncio.wait``, which never raises the child's outcome, so the only
+exception that can leave it is the caller's own ``CancelledError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" at shutdown
+
+
+async def stop_task(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended, whatever its outcome; a cancellation of
+    the calling task propagates (the child is then still cancelled, its outcome dropped)."""
+    task.add_done_callback(_retrieve)
+    if task.done():
+        return
+    task.cancel()
+    await asyncio.wait({task})
