@@ -99,6 +99,13 @@ LOGIN_SECONDS = 20e-3
 """The broker checks one login (hash of a generated token) and its subscriptions."""
 SAFETY = 4.0
 """The deadlines allow SAFETY x the modelled work."""
+MAX_STAGE_SECONDS = 3600.0
+"""No stage deadline, re-publish timer or wait for the round start exceeds this (or the
+caller's own ``stage``, if larger), whatever the round's size: a site sizes its deadlines
+from the roster the coordinator sends (up to 65,535 ids), which must not keep it waiting,
+charged, for days."""
+MAX_GIVE_UP_SECONDS = 6 * 3600.0
+"""A client gives up on a silent round after at most this long (or 3 x ``stage``)."""
 
 
 def round_work(*, clients: int, dim: int, neighbors: int | None = None,
@@ -135,7 +142,8 @@ def round_timeouts(stage: float = 60.0, *, clients: int = 0, dim: int = 0,
     event loop may be busy with co-located clients), waits for the round start while the
     broker checks every login, and gives up on a silent round after a few stages' worth
     of time. Sites that drop sign off or leave a last will, so the deadlines only guard
-    against a wedged broker or a hung site."""
+    against a wedged broker or a hung site. Every deadline is capped (MAX_STAGE_SECONDS,
+    MAX_GIVE_UP_SECONDS): the model's numbers for a huge roster are no reason to wait days."""
     from transport.drivers import Timeouts
 
     work = round_work(clients=clients, dim=dim, neighbors=neighbors, malicious=malicious,
@@ -143,11 +151,14 @@ def round_timeouts(stage: float = 60.0, *, clients: int = 0, dim: int = 0,
     finish = SAFETY * work.pop("finish")
     slack = {label: SAFETY * w for label, w in work.items()}
     most = max(slack.values())
-    return Timeouts(stage=stage + most,
-                    per_stage={label: stage + s for label, s in slack.items()},
-                    start=max(60.0, stage) + SAFETY * clients * LOGIN_SECONDS,
-                    retry=2.0 + most, answer=min(10.0, stage) + most + finish,
-                    give_up=max(120.0, 3 * stage) + 2 * (most + finish))
+    cap = max(MAX_STAGE_SECONDS, stage)
+    return Timeouts(stage=min(cap, stage + most),
+                    per_stage={label: min(cap, stage + s) for label, s in slack.items()},
+                    start=min(cap, max(60.0, stage) + SAFETY * clients * LOGIN_SECONDS),
+                    retry=min(cap, 2.0 + most),
+                    answer=min(cap, min(10.0, stage) + most + finish),
+                    give_up=min(max(MAX_GIVE_UP_SECONDS, 3 * stage),
+                                max(120.0, 3 * stage) + 2 * (most + finish)))
 
 
 class TransportAggregator:

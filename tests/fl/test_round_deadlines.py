@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 
-from fl.aggregation import SAFETY, round_timeouts, round_work
+from fl.aggregation import (
+    MAX_GIVE_UP_SECONDS,
+    MAX_STAGE_SECONDS,
+    SAFETY,
+    round_timeouts,
+    round_work,
+)
 from fl.commands import simulate
 from secagg import Config, Stage
 
@@ -115,3 +121,28 @@ def test_simulate_counts_the_clients_per_core(monkeypatch):
     malicious = simulate._timeouts(simulate.build_config(args, 300, 1000), processes=2)
     assert malicious == round_timeouts(60.0, clients=300, dim=1000, malicious=True,
                                        colocated=150)
+
+
+@pytest.mark.parametrize("size", [
+    {"clients": 65_535, "dim": 10**6},  # a site sizing its deadlines from a coordinator's roster
+    {"clients": 500, "dim": 10**8},
+    {"clients": 1000, "dim": 10**7, "malicious": True, "colocated": 500},
+])
+def test_no_roster_or_model_size_makes_a_party_wait_longer_than_the_caps(size):
+    timeouts = round_timeouts(60.0, **size)
+    waits = [timeouts.deadline(s) for s in Stage] + [timeouts.start, timeouts.retry,
+                                                     timeouts.answer]
+    assert max(waits) == MAX_STAGE_SECONDS  # the model asked for more; the cap holds
+    assert timeouts.give_up == MAX_GIVE_UP_SECONDS
+    assert min(waits) >= 60.0  # still at least the caller's stage time
+    # a caller whose own stage time exceeds the cap keeps it
+    stage = 3 * MAX_STAGE_SECONDS
+    slow = round_timeouts(stage, **size)
+    assert slow.deadline(MASK) == stage and slow.give_up == max(MAX_GIVE_UP_SECONDS, 3 * stage)
+
+
+def test_deadlines_below_the_caps_are_the_model_s():
+    timeouts = round_timeouts(60.0, clients=300, dim=1000, colocated=150)
+    work = round_work(clients=300, dim=1000, colocated=150)
+    assert timeouts.deadline(SHARE) == 60.0 + SAFETY * work["share_keys"] < MAX_STAGE_SECONDS
+    assert timeouts.give_up < MAX_GIVE_UP_SECONDS
