@@ -335,7 +335,7 @@ def test_a_first_burst_of_parallel_guesses_is_throttled_too() -> None:
             assert {code for code, _ in codes} <= {3, 5}
             assert checked == b.stats.auth_failures
             assert checked <= _checks_within(duration, 0.2, 1.0, 2), (checked, duration)
-            assert checked <= 6
+            assert checked <= 10  # before the fix: nearly all 40 were checked at once
 
     run(scenario, timeout=30)
 
