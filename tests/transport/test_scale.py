@@ -47,6 +47,12 @@ def test_limits_for_parties_only_raise_the_login_and_connection_places() -> None
     assert base.for_parties(3) == base  # small rounds keep the defaults
     with pytest.raises(BrokerConfigError, match="parties"):
         base.for_parties(-1)
+    with pytest.raises(BrokerConfigError, match="65536"):  # no unbounded places
+        base.for_parties(10_000_000)
+    # off loopback each party has its own address: one address gains no login place
+    remote = base.for_parties(PARTIES, one_address=False)
+    assert remote.max_pending_logins_per_address == base.max_pending_logins_per_address
+    assert remote.max_pending_logins == sized.max_pending_logins
 
 
 async def _waiting_sockets(port: int, count: int) -> list[RawClient]:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .auth import DEFAULT_LOG2_N, hash_password, is_password_hash
-from .broker import EmbeddedBroker
+from .broker import LOOPBACK_HOSTS, EmbeddedBroker
 from .config import DEFAULT_MAX_PAYLOAD, BrokerLimits
 from .errors import BrokerConfigError, BrokerError, BrokerStartError
 from .topics import TopicAcl
@@ -122,8 +122,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--parties", type=int, metavar="N",
                         help="how many users will log in at once (a round's sites and its "
                              "server): login and connection places for all of them, even "
-                             "from one address (BrokerLimits.for_parties; default: the "
-                             "fixed limits)")
+                             "from one address when --host is loopback (at most 65536; "
+                             "BrokerLimits.for_parties; default: the fixed limits)")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -139,7 +139,8 @@ async def _serve(args: argparse.Namespace) -> None:
         users=load_users_file(args.users_file), host=args.host, port=args.port,
         acl=load_acl_file(args.acl_file) if args.acl_file else None, ssl_context=context,
         allow_plaintext=args.allow_plaintext, max_payload=args.max_payload,
-        limits=None if args.parties is None else BrokerLimits().for_parties(args.parties),
+        limits=None if args.parties is None else BrokerLimits().for_parties(
+            args.parties, one_address=args.host in LOOPBACK_HOSTS),
     )
     await broker.start()
     stop = asyncio.Event()

@@ -71,19 +71,25 @@ class BrokerLimits:
         if self.max_keepalive > 0xFFFF:
             raise BrokerConfigError("max_keepalive must be at most 65535 s (the MQTT field)")
 
-    def for_parties(self, parties: int) -> BrokerLimits:
+    def for_parties(self, parties: int, *, one_address: bool = True) -> BrokerLimits:
         """These limits for a broker that ``parties`` known users (a round's sites and its
         server) log in to, all at once and possibly from one address (``secagg simulate``
         runs them all on loopback): room for each of them to wait for its login, to stay
         connected, and for one subscriber (the server) to hold a message from each of them
         in its session queue. The caps only grow, never below the defaults; every
         per-connection and per-user bound (payload, queued bytes, subscriptions, retained,
-        login throttling) is unchanged."""
-        if not isinstance(parties, int) or parties < 0:
-            raise BrokerConfigError(f"parties must be a non-negative integer, got {parties!r}")
+        login throttling) is unchanged. ``one_address=False`` (a broker listening off
+        loopback, where the parties come from their own addresses) keeps the per-address
+        place: one address gains nothing."""
+        if not isinstance(parties, int) or isinstance(parties, bool) or not (
+                0 <= parties <= MAX_PARTIES):
+            raise BrokerConfigError(f"parties must be an integer from 0 to {MAX_PARTIES}, "
+                                    f"got {parties!r}")
         room = parties + 64  # the parties, plus reconnections overlapping their old sockets
+        per_address = self.max_pending_logins_per_address
         return self.replace(
-            max_pending_logins_per_address=max(self.max_pending_logins_per_address, room),
+            max_pending_logins_per_address=max(per_address, room) if one_address
+            else per_address,
             max_pending_logins=max(self.max_pending_logins, room),
             max_connections=max(self.max_connections, 2 * room),
             max_session_queue=max(self.max_session_queue, 2 * room))
@@ -95,6 +101,11 @@ class BrokerLimits:
         if unknown:
             raise BrokerConfigError(f"unknown broker limits {unknown}; known: {sorted(names)}")
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+MAX_PARTIES = 1 << 16
+"""The most parties ``BrokerLimits.for_parties`` sizes a broker for (a round's roster is
+at most this many sites in practice; beyond it the places would only serve an attacker)."""
 
 
 @dataclass
