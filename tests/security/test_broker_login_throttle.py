@@ -415,3 +415,26 @@ def test_password_checks_are_shared_round_robin_across_addresses_and_usernames()
     assert started.index("other") <= 2, started[:5]  # the next free thread
     assert started.index("same") <= 3, started[:5]  # the first address's next turn
     assert peak <= 2
+
+
+@threat(attack="Password guessing",
+        adversary="network attacker",
+        controls="one username guessed three times, then one failed login from each of "
+                 "1,000 other addresses to push its penalty out of a 100-key table",
+        protocol="among the least recently used idle keys the one with the fewest failures "
+                 "is evicted first: the flood evicts its own one-failure keys and the "
+                 "guessed key keeps its penalty")
+def test_a_flood_of_fresh_addresses_does_not_flush_a_penalised_key() -> None:
+    async def flood() -> tuple[int, int]:
+        throttle = LoginThrottle(0.001, 0.002, max_keys=100)
+        for _ in range(3):
+            with await throttle.attempt("10.0.0.1", "site-3") as attempt:
+                attempt.failed()
+            await asyncio.sleep(0.01)  # the failure's hold ends
+        for i in range(1000):
+            with await throttle.attempt(f"10.1.{i // 250}.{i % 250}", "site-3") as attempt:
+                attempt.failed()
+        return throttle.failures("10.0.0.1", "site-3"), len(throttle)
+
+    penalty, keys = asyncio.run(flood())
+    assert penalty == 3 and keys == 100

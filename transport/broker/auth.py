@@ -170,6 +170,10 @@ class Attempt:
         self._close(failed=False)
 
 
+EVICTION_WINDOW = 64
+"""How many of the least recently used idle keys :meth:`LoginThrottle._evict` compares."""
+
+
 class LoginThrottle:
     """Login attempts per key, (peer address, username) with ``None`` for every unknown
     username of the address: verified as soon as a lane is free, a failed one answered
@@ -190,8 +194,8 @@ class LoginThrottle:
 
     Keys are 16-byte digests (a long username costs no memory); a key's failures are
     forgotten ``forget`` s after its last one, and at most ``max_keys`` idle keys are kept
-    (the least recently used go first), plus those of attempts in progress, which the
-    broker's connection caps bound.
+    (among the least recently used, those with the fewest failures go first), plus those of
+    attempts in progress, which the broker's connection caps bound.
     """
 
     def __init__(self, base: float, cap: float, *, lanes: int = 2, waiting: int = 2,
@@ -310,15 +314,25 @@ class LoginThrottle:
             del self._keys[key]
 
     def _evict(self) -> None:
-        """Keep at most ``max_keys`` idle keys: the least recently used idle ones go."""
+        """Keep at most ``max_keys`` idle keys. Among the ``EVICTION_WINDOW`` least recently
+        used idle keys the one with the fewest live failures goes first (the oldest of
+        equals): a guesser flooding the table with fresh keys from many addresses evicts
+        its own one-failure keys before a key it has penalised many times."""
         excess = len(self._keys) - self.max_keys
         if excess <= 0:
             return
-        victims = []
-        for key, entry in self._keys.items():  # oldest first; usually the first ones
-            if entry.idle():
-                victims.append(key)
-                if len(victims) == excess:
-                    break
-        for key in victims:
-            del self._keys[key]
+        now = asyncio.get_running_loop().time()
+        while excess > 0:
+            window: list[tuple[int, int, bytes]] = []
+            for key, entry in self._keys.items():  # oldest first
+                if entry.idle():
+                    live = entry.failures if now - entry.last_failure <= self.forget else 0
+                    window.append((live, len(window), key))
+                    if len(window) == EVICTION_WINDOW:
+                        break
+            if not window:
+                return
+            window.sort()
+            for _, _, key in window[:excess]:
+                del self._keys[key]
+            excess -= min(excess, len(window))
