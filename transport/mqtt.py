@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import aiomqtt
 
 from .link import Delivery, Event, LinkLost, Reconnected, Will
-from .tasks import stop_task
+from .tasks import retrieve_outcome, stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +206,9 @@ class MqttLink:
             client = self._new_client()
             try:
                 await client.__aenter__()
+                # aiomqtt's "Unexpected disconnection" future is retrieved only by a
+                # __aexit__ that a stop may cut short; a cut connection is no news.
+                client._disconnected.add_done_callback(retrieve_outcome)
                 for topic_filter in self._filters:
                     await client.subscribe(topic_filter, qos=1)
                 return client

@@ -13,15 +13,17 @@ import asyncio
 from typing import Any
 
 
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: no "exception was never retrieved" at shutdown
+def retrieve_outcome(future: asyncio.Future[Any]) -> None:
+    """A done callback that marks the future's exception as seen (no "exception was never
+    retrieved" at shutdown), for futures whose outcome only matters to someone else."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def stop_task(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and wait until it has ended, whatever its outcome; a cancellation of
     the calling task propagates (the child is then still cancelled, its outcome dropped)."""
-    task.add_done_callback(_retrieve)
+    task.add_done_callback(retrieve_outcome)
     if task.done():
         return
     task.cancel()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import math
@@ -395,18 +396,25 @@ def _run(args: argparse.Namespace) -> int:
     progress.status(f"{len(ids)} clients, dim {dim}, {config.bits} bits, threshold "
                     f"{config.threshold}, {config.security}; {len(drops)} scheduled to drop"
                     + (" (killed)" if args.kill else ""))
+    interrupted: Interrupted | None = None
     try:
         with StopSignals() as signals:
             outcome = asyncio.run(_run_interruptible(spec, progress, signals))
     except Interrupted as exc:
-        logging.disable(logging.NOTSET)
-        print(f"secagg simulate: interrupted by {exc}; the broker and the worker processes "
-              "are stopped and the temporary files removed", file=sys.stderr)
-        return 128 + exc.signum
+        interrupted = Interrupted(exc.signum)  # without the traceback that holds the run
     except Exception as exc:  # the broker or the workers could not even start
         logging.getLogger(__name__).debug("simulation failed", exc_info=True)
         print(f"secagg simulate: error: {_one_line(exc)}", file=sys.stderr)
         return 1
+    if interrupted is not None:
+        # The run's leftovers (e.g. aiomqtt futures of connections the stop cut) are
+        # collected while logging is still off: their "exception was never retrieved" is
+        # the teardown's noise, not news.
+        gc.collect()
+        logging.disable(logging.NOTSET)
+        print(f"secagg simulate: interrupted by {interrupted}; the broker and the worker "
+              "processes are stopped and the temporary files removed", file=sys.stderr)
+        return 128 + interrupted.signum
     report = build_report(args, config, seed, drops, processes, inputs, outcome)
     if args.report is not None:
         Path(args.report).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
