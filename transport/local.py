@@ -20,19 +20,11 @@ from secagg import Config, SigningKey, Stage
 from secagg.client import Client, check_input
 from secagg.server import AggregateResult, Server
 
-from .drivers import (
-    ClientDriver,
-    ClientOutcome,
-    DropHook,
-    ServerDriver,
-    StageProgress,
-    Timeouts,
-    TransportError,
-    client_will,
-    server_will,
-)
+from .client_driver import ClientDriver, ClientOutcome, DropHook
+from .drivers import StageProgress, Timeouts, TransportError, client_will, server_will
 from .framing import DEFAULT_MAX_PAYLOAD
 from .link import LinkLost, Network
+from .server_driver import ServerDriver
 from .topics import SERVER_USER, Topics, site_name
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from secagg import Config, SigningKey, Stage
 from secagg.client import Client, check_input
 
-from .drivers import ClientDriver, Timeouts
+from .client_driver import ClientDriver
+from .drivers import Timeouts
 from .framing import DEFAULT_MAX_PAYLOAD
 from .local import serve_client
 from .mqtt import BrokerSettings, MqttNetwork

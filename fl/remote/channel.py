@@ -1,7 +1,7 @@
 """The coordinator's federation link: who is online, announcing rounds, running the server.
 
 One connection (:mod:`fl.remote.link`) carries the federation messages and, per round, the
-secure aggregation's server side (``transport.drivers.ServerDriver`` on the round's view).
+secure aggregation's server side (``transport.server_driver.ServerDriver`` on the round's view).
 Everything here is a coroutine on the coordinator's event loop; the synchronous training
 code calls it from its worker thread with ``asyncio.run_coroutine_threadsafe``
 (:mod:`fl.remote.coordinator`).
@@ -41,10 +41,11 @@ from fl.remote.messages import (
 )
 from secagg import Config
 from secagg.server import AggregateResult, Server
-from transport.drivers import ServerDriver, Timeouts, TransportError, client_will
+from transport.drivers import Timeouts, TransportError, client_will
 from transport.framing import DEFAULT_MAX_PAYLOAD, FrameError, Reassembler, frame
 from transport.link import Delivery, LinkLost, Network, Reconnected
 from transport.local import new_round_name
+from transport.server_driver import ServerDriver
 from transport.topics import SERVER_USER, Topics
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 It connects once (its federation-level last will), says :class:`Hello`, and for every round
 it is in: fetches the announced blob (verified by its SHA-256), computes its input
 (:func:`fl.remote.inputs.site_input`, in a worker thread), answers :class:`Ready`, and on
-``go`` runs a ``transport.drivers.ClientDriver`` over the round's view of the same
+``go`` runs a ``transport.client_driver.ClientDriver`` over the round's view of the same
 connection. Its records never leave the process; only the masked vector does.
 """
 
@@ -48,8 +48,9 @@ from fl.remote.messages import (
 )
 from secagg import Config, Stage
 from secagg.client import Client
+from transport.client_driver import ClientDriver
 from transport.control import Offline, encode_control
-from transport.drivers import ClientDriver, publish_framed
+from transport.drivers import publish_framed
 from transport.framing import DEFAULT_MAX_PAYLOAD, FrameError, Reassembler, frame
 from transport.link import Delivery, LinkLost, Network, Reconnected
 from transport.topics import Topics, site_name

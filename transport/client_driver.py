@@ -1,0 +1,335 @@
+"""The client side of a round over a bus: ``ClientDriver`` runs a ``secagg.Client`` (how
+the drivers work: :mod:`transport.drivers`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from secagg import DecodeError, ProtocolAbort, ProtocolError, Stage, decode, encode
+from secagg.client import Client
+
+from .control import (
+    MAX_CONTROL_BYTES,
+    ClientAbort,
+    ControlError,
+    Offline,
+    Receipt,
+    RoundAbort,
+    RoundEnd,
+    RoundStart,
+    decode_control,
+    encode_control,
+)
+from .drivers import Timeouts, publish_framed
+from .framing import (
+    DEFAULT_MAX_PAYLOAD,
+    FrameError,
+    Reassembler,
+    message_id,
+)
+from .link import Delivery, Link, LinkLost, Reconnected
+from .topics import ABORT, RECEIPT, Topics, stage_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientOutcome:
+    """How one client's round went, from its own side.
+
+    ``status``: ``done`` (its last message was confirmed or the round ended after it),
+    ``dropped`` (it stopped at ``drop_at``), ``aborted`` (its state machine aborted),
+    ``excluded`` (the server no longer accepts its messages), ``round-aborted``,
+    ``timeout`` or ``lost`` (the bus).
+    """
+
+    client_id: int
+    status: str = "running"
+    stage: str = ""
+    reason: str = ""
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    wire_bytes: int = 0
+    republished: int = 0
+
+
+DropHook = Callable[[Stage], Awaitable[None]]
+
+_TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+    weakref.WeakKeyDictionary())
+
+
+@contextlib.asynccontextmanager
+async def _compute_turn() -> AsyncIterator[None]:
+    """The clients on one event loop compute their answers one at a time, each in a loop
+    iteration of its own: between two of them the loop serves I/O (keepalive pings, receipts,
+    the next deliveries). Without it, hundreds of sites in one ``secagg simulate`` worker whose
+    messages arrived together compute in one iteration for tens of seconds, the broker drops
+    them for a missed keepalive and they re-publish for want of receipts they did not read.
+    The turn is taken, then the loop is yielded once, so every client woken in the same
+    iteration queues behind it instead of finding the lock free after it."""
+    loop = asyncio.get_running_loop()
+    lock = _TURNS.get(loop)
+    if lock is None:
+        lock = _TURNS[loop] = asyncio.Lock()
+    async with lock:
+        await asyncio.sleep(0)
+        yield
+
+
+class ClientDriver:
+    """Runs one ``secagg.Client`` over ``link`` for one round.
+
+    The caller connects the link (with ``client_will``) and subscribes it to
+    ``topics.client_filter(id)`` and ``topics.control``. ``drop_at`` makes the client stop
+    before sending its message of that stage (a simulated dropout): ``drop_mode="leave"``
+    signs off on the offline topic (as its last will would), ``"silent"`` just stops, and
+    ``on_drop`` runs first (it may kill the process).
+    """
+
+    def __init__(self, client: Client, link: Link, topics: Topics, *,
+                 timeouts: Timeouts | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 drop_at: Stage | None = None, drop_mode: str = "leave",
+                 on_drop: DropHook | None = None) -> None:
+        if drop_mode not in ("leave", "silent"):
+            raise ValueError("drop_mode must be 'leave' or 'silent'")
+        self.client = client
+        self.link = link
+        self.topics = topics
+        self.timeouts = timeouts or Timeouts()
+        self.max_payload = max_payload
+        self.drop_at = drop_at
+        self.drop_mode = drop_mode
+        self.on_drop = on_drop
+        self.outcome = ClientOutcome(client.client_id)
+        n = len(client.roster)
+        self._reassembler = Reassembler((1 << 20) + 1024 * n, max_partial=2)
+        self._handled: dict[bytes, int] = {}  # digest of each server message -> order
+        self._last_handled: bytes | None = None
+        self._current: tuple[Stage, bytes, bytes] | None = None  # stage, raw, digest
+        self._confirmed = False
+        self._sent_at = 0.0
+        self._progress_at = 0.0
+        self._started = False
+        self._server_lost_at: float | None = None
+
+    @property
+    def client_id(self) -> int:
+        return self.client.client_id
+
+    async def run(self) -> ClientOutcome:
+        """Take part in the round; returns when this client's part is over."""
+        loop = asyncio.get_running_loop()
+        self._progress_at = loop.time()
+        try:
+            await self._run(loop)
+        except LinkLost as exc:
+            self._finish("lost", str(exc))
+        if self.outcome.status == "running":
+            self._finish("timeout", "no progress")
+        return self.outcome
+
+    def _finish(self, status: str, reason: str = "") -> None:
+        if self.outcome.status == "running":
+            self.outcome.status = status
+            self.outcome.reason = reason
+
+    async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        while self.outcome.status == "running":
+            now = loop.time()
+            if not self._started:
+                wake = self._progress_at + self.timeouts.start
+                if now >= wake:
+                    self._finish("timeout", "the round start never arrived")
+                    return
+            else:
+                lost = self._server_lost_at
+                if lost is not None and now - lost >= self.timeouts.answer:
+                    self._finish("round-aborted", "the aggregation server disconnected")
+                    return
+                if now - self._progress_at >= self.timeouts.give_up:
+                    self._finish("timeout", f"no progress for {self.timeouts.give_up} s")
+                    return
+                wait = self.timeouts.retry if not self._confirmed else self.timeouts.answer
+                wake = min(self._sent_at + wait, self._progress_at + self.timeouts.give_up)
+                if lost is not None:
+                    wake = min(wake, lost + self.timeouts.answer)
+                if self._current is not None and now >= self._sent_at + wait:
+                    await self._republish("no receipt" if not self._confirmed
+                                          else "no answer")
+                    continue
+            event = await self.link.receive(max(0.0, wake - now))
+            if event is None:
+                continue
+            if isinstance(event, Reconnected):
+                self._server_lost_at = None
+                if self._current is not None:
+                    await self._republish("reconnected")
+                continue
+            await self._on_delivery(event, loop)
+
+    async def _on_delivery(self, event: Delivery, loop: asyncio.AbstractEventLoop) -> None:
+        cid = self.client_id
+        if event.topic == self.topics.control:
+            kind = "control"
+        else:
+            parsed = self.topics.parse_downstream(event.topic)
+            if parsed is None or parsed[0] != cid:
+                logger.warning("client %d: message on unexpected topic %s dropped", cid,
+                               event.topic)
+                return
+            kind = parsed[1]
+        if not event.payload:
+            return  # a cleared retained message
+        if kind not in ("control", RECEIPT) and stage_of(kind) is None:
+            logger.warning("client %d: message of unknown kind %r dropped", cid, kind)
+            return
+        if kind != "control":
+            self._server_lost_at = None  # the server is publishing: it is there
+        is_stage = stage_of(kind) is not None
+        try:
+            message = self._reassembler.feed(kind, event.payload, loop.time(),
+                                             None if is_stage else MAX_CONTROL_BYTES)
+        except FrameError as exc:
+            logger.warning("client %d: invalid payload on %s dropped: %s", cid, kind, exc)
+            return
+        if message is None:
+            return
+        if is_stage:
+            await self._on_server_message(message.digest, message.payload, loop)
+            return
+        try:
+            control = decode_control(message.payload)
+        except ControlError as exc:
+            logger.warning("client %d: invalid %s payload dropped: %s", cid, kind, exc)
+            return
+        if kind == "control":
+            await self._on_control(control, loop)
+        elif kind == RECEIPT and isinstance(control, Receipt):
+            self._on_receipt(control, loop)
+        else:
+            logger.warning("client %d: unexpected %s payload dropped", cid, kind)
+
+    async def _on_control(self, control: object, loop: asyncio.AbstractEventLoop) -> None:
+        cid = self.client_id
+        session = self.client.session_id
+        if isinstance(control, Offline):
+            logger.warning("client %d: %s", cid, control.reason)
+            self._server_lost_at = loop.time()
+        elif isinstance(control, RoundStart):
+            self._server_lost_at = None
+            if control.session_id != session:
+                logger.error("client %d: the round start names another session (config %s, "
+                             "%d clients); this client's configuration, roster or context "
+                             "differs; ignoring it", cid, dict(control.config),
+                             control.clients)
+                return
+            if self._started:
+                return
+            if control.nonce:
+                try:
+                    self.client.bind_nonce(control.nonce)
+                except ProtocolError as exc:
+                    logger.error("client %d: round start refused: %s", cid, exc)
+                    return
+            self._started = True
+            self._progress_at = loop.time()
+            await self._send(self.client.advertise())
+        elif isinstance(control, RoundEnd) and control.session_id == session:
+            if self.client.done:
+                self._finish("done")
+            else:
+                self._finish("excluded", "the round ended without this client")
+        elif isinstance(control, RoundAbort) and control.session_id == session:
+            self._finish("round-aborted", control.reason)
+
+    def _on_receipt(self, receipt: Receipt, loop: asyncio.AbstractEventLoop) -> None:
+        if self._current is None or receipt.digest != self._current[2]:
+            return  # a receipt for something this client did not send (garbage, replays)
+        if receipt.ok:
+            self._confirmed = True
+            self._progress_at = loop.time()
+            if self.client.done:
+                self._finish("done")
+        else:
+            logger.warning("client %d: the server rejected its %s message: %s",
+                           self.client_id, self._current[0].label, receipt.reason)
+            self._finish("excluded", receipt.reason)
+
+    async def _on_server_message(self, digest: bytes, raw: bytes,
+                                 loop: asyncio.AbstractEventLoop) -> None:
+        cid = self.client_id
+        if digest == self._last_handled:
+            if self._current is not None:
+                await self._republish("the server re-sent its message")
+            return
+        if digest in self._handled:
+            logger.warning("client %d: replay of an earlier server message dropped", cid)
+            return
+        try:
+            decoded = decode(raw)
+        except DecodeError as exc:
+            logger.warning("client %d: undecodable server message dropped: %s", cid, exc)
+            return
+        if decoded.session_id != self.client.session_id:
+            logger.warning("client %d: server message of another session dropped (replay?)",
+                           cid)
+            return
+        try:
+            async with _compute_turn():
+                reply = self.client.handle(raw)
+        except ProtocolAbort as exc:
+            logger.error("%s", exc)
+            self._finish("aborted", str(exc))
+            await publish_framed(self.link, self.topics.upstream(cid, ABORT),
+                                 encode_control(ClientAbort(str(exc))), self.max_payload)
+            return
+        except ProtocolError as exc:
+            logger.warning("client %d: server message rejected: %s", cid, exc)
+            return
+        self._handled[digest] = len(self._handled)
+        self._last_handled = digest
+        self._progress_at = loop.time()
+        await self._send(reply)
+
+    async def _send(self, message: object) -> None:
+        stage: Stage = message.stage  # type: ignore[attr-defined]
+        if self.drop_at is not None and stage >= self.drop_at:
+            await self._drop(stage)
+            return
+        raw = encode(message)  # type: ignore[arg-type]
+        self._current = (stage, raw, message_id(raw))
+        self._confirmed = False
+        self.outcome.stage = stage.label
+        self.outcome.bytes_sent[stage.label] = len(raw)
+        await self._publish()
+
+    async def _publish(self) -> None:
+        assert self._current is not None
+        stage, raw, _ = self._current
+        self._sent_at = asyncio.get_running_loop().time()
+        self.outcome.wire_bytes += await publish_framed(
+            self.link, self.topics.stage_upstream(self.client_id, stage), raw,
+            self.max_payload)
+
+    async def _republish(self, why: str) -> None:
+        assert self._current is not None
+        logger.info("client %d: re-publishing its %s message (%s)", self.client_id,
+                    self._current[0].label, why)
+        self.outcome.republished += 1
+        await self._publish()
+
+    async def _drop(self, stage: Stage) -> None:
+        logger.info("client %d: dropping out at %s", self.client_id, stage.label)
+        if self.on_drop is not None:
+            await self.on_drop(stage)
+        self._finish("dropped", stage.label)
+        self.outcome.stage = stage.label
+        if self.drop_mode == "leave":
+            await publish_framed(self.link, self.topics.offline(self.client_id),
+                                 encode_control(Offline(f"left at {stage.label}")),
+                                 self.max_payload)

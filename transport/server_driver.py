@@ -1,0 +1,303 @@
+"""The server side of a round over a bus: ``ServerDriver`` runs a ``secagg.Server`` (how
+the drivers work: :mod:`transport.drivers`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from secagg import ProtocolAbort, ProtocolError, Stage, encode, round_stages
+from secagg.server import AggregateResult, Server
+
+from .control import (
+    MAX_CONTROL_BYTES,
+    ClientAbort,
+    ControlError,
+    Offline,
+    Receipt,
+    RoundAbort,
+    RoundEnd,
+    RoundStart,
+    config_fields,
+    decode_control,
+    encode_control,
+)
+from .drivers import StageProgress, Timeouts, TransportError, publish_framed
+from .framing import (
+    DEFAULT_MAX_PAYLOAD,
+    FrameError,
+    Reassembler,
+)
+from .link import Delivery, Link, LinkLost, Reconnected
+from .tasks import stop_task
+from .topics import ABORT, OFFLINE, RECEIPT, Topics, stage_of
+
+logger = logging.getLogger(__name__)
+
+
+class ServerDriver:
+    """Runs ``server`` over ``link`` until the round has a result or aborts.
+
+    The caller connects the link (with ``server_will``) and subscribes it to
+    ``topics.server_filter``; ``run()`` publishes the round start, drives every stage and
+    publishes the round end (or abort). Raises ``ProtocolAbort`` when too few clients remain
+    and ``TransportError`` when the bus is lost for good.
+    """
+
+    def __init__(self, server: Server, link: Link, topics: Topics, *,
+                 timeouts: Timeouts | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 on_stage: Callable[[StageProgress], None] | None = None,
+                 on_message: Callable[[int, Stage], None] | None = None) -> None:
+        self.server = server
+        self.link = link
+        self.topics = topics
+        self.timeouts = timeouts or Timeouts()
+        self.max_payload = max_payload
+        self.on_stage = on_stage
+        self.on_message = on_message
+        self.seconds: dict[str, float] = {}
+        self.bytes_received: dict[int, dict[str, int]] = {}
+        self.gone: dict[int, str] = {}
+        self._wills: dict[int, float] = {}  # client -> when its last will arrived
+        self.client_aborts: dict[int, str] = {}
+        self.invalid_payloads = 0
+        self.rejected = 0
+        self.resends = 0
+        self._reassembler = Reassembler(server.max_message_bytes() + 4096)
+        self._outbox: dict[int, tuple[Stage, bytes]] = {}
+        self._answered: dict[int, bytes] = {}  # client -> digest its outbox message answers
+        self._accepted: dict[int, bytes] = {}  # this stage: client -> digest accepted
+        self._seen: set[tuple[int, bytes]] = set()  # every (client, digest) accepted
+        self._last_resend: dict[int, float] = {}
+        self._progress = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._control: bytes | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._deadlines = {s.label: self.timeouts.deadline(s)
+                           for s in round_stages(server.config)}
+        self._stage_kinds = frozenset(self._deadlines)
+
+    # -- public ----------------------------------------------------------------------
+
+    async def run(self) -> AggregateResult:
+        server = self.server
+        start = RoundStart(server.session_id, config_fields(server.config),
+                           len(server.roster), self._deadlines, server.nonce)
+        await self._publish_control(encode_control(start))
+        pump = asyncio.create_task(self._pump(), name="secagg-server-pump")
+        round_started = asyncio.get_running_loop().time()
+        try:
+            while server.result is None:
+                await self._run_stage()
+            self.seconds["total"] = asyncio.get_running_loop().time() - round_started
+            result = server.result
+            end = RoundEnd(server.session_id, tuple(sorted(result.included)),
+                           {c: s.label for c, s in result.dropped.items()})
+            await self._publish_control(encode_control(end))
+            return result
+        except ProtocolAbort as exc:
+            await self._publish_control(encode_control(RoundAbort(server.session_id,
+                                                                  str(exc))))
+            raise
+        finally:
+            await stop_task(pump)
+            if self._tasks:
+                await asyncio.wait(self._tasks, timeout=5.0)
+
+    # -- stages ----------------------------------------------------------------------
+
+    def _waiting_for(self) -> frozenset[int]:
+        now = asyncio.get_running_loop().time()
+        for cid, at in list(self._wills.items()):
+            if now - at >= self.timeouts.will_grace:
+                del self._wills[cid]
+                logger.info("server: client %d is gone (last will)", cid)
+                self.gone[cid] = "offline"
+        return self.server.pending - set(self.gone)
+
+    def _next_wake(self, deadline: float) -> float:
+        if not self._wills:
+            return deadline
+        return min(deadline, min(self._wills.values()) + self.timeouts.will_grace)
+
+    async def _run_stage(self) -> None:
+        loop = asyncio.get_running_loop()
+        stage = self.server.stage
+        opened = loop.time()
+        deadline = opened + self._deadlines[stage.label]
+        expected = len(self.server.pending)
+        deadline_hit = False
+        while self._waiting_for():
+            if self._failure is not None:
+                raise TransportError(str(self._failure)) from self._failure
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                deadline_hit = True
+                logger.info("%s: deadline passed; %d clients did not answer", stage.label,
+                            len(self._waiting_for()))
+                break
+            self._progress.clear()
+            wake = self._next_wake(deadline) - loop.time()
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: a cancel is never lost
+                async with asyncio.timeout(max(0.0, wake)):
+                    await self._progress.wait()
+        if self._failure is not None:
+            raise TransportError(str(self._failure)) from self._failure
+        responded = len(self.server.received)
+        answered = dict(self._accepted)
+        out = self.server.advance()  # raises ProtocolAbort when too few remain
+        self._accepted = {}
+        self._answered = {cid: answered[cid] for cid in out if cid in answered}
+        encoded = {cid: (self.server.stage, encode(msg)) for cid, msg in out.items()}
+        self._outbox = encoded
+        await asyncio.gather(*(self._send(cid) for cid in encoded))
+        seconds = loop.time() - opened
+        self.seconds[stage.label] = seconds
+        gone = sum(1 for cid in self.gone if cid in self.server.dropped)
+        if self.on_stage is not None:
+            self.on_stage(StageProgress(stage, seconds, responded, expected, gone,
+                                        deadline_hit))
+
+    async def _send(self, cid: int) -> None:
+        stage, raw = self._outbox[cid]
+        await publish_framed(self.link, self.topics.downstream(cid, stage.label), raw,
+                             self.max_payload)
+
+    def _spawn(self, coro: Awaitable[object]) -> None:
+        async def wrapped() -> None:
+            try:
+                await coro
+            except Exception:
+                logger.exception("server: background publish failed")
+
+        task = asyncio.create_task(wrapped())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _publish_control(self, payload: bytes) -> None:
+        self._control = payload
+        await publish_framed(self.link, self.topics.control, payload, self.max_payload,
+                             retain=True)
+
+    # -- receiving -------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        try:
+            while True:
+                event = await self.link.receive()
+                if isinstance(event, Reconnected):
+                    self._on_reconnected()
+                elif isinstance(event, Delivery):
+                    self._on_delivery(event)
+        except LinkLost as exc:
+            self._failure = exc
+            self._progress.set()
+
+    def _on_reconnected(self) -> None:
+        logger.info("server: reconnected; re-publishing the round state")
+        # Wills published while the broker went down say nothing about the clients.
+        self._wills.clear()
+        for cid in [c for c, why in self.gone.items() if why == "offline"]:
+            del self.gone[cid]
+        if self._control is not None:
+            self._spawn(publish_framed(self.link, self.topics.control, self._control,
+                                       self.max_payload, retain=True))
+        for cid in self.server.pending:
+            if cid in self._outbox:
+                self._spawn(self._send(cid))
+
+    def _on_delivery(self, event: Delivery) -> None:
+        parsed = self.topics.parse_upstream(event.topic)
+        if parsed is None:
+            logger.warning("server: message on unexpected topic %s dropped", event.topic)
+            return
+        kind, cid = parsed
+        stage = stage_of(kind)
+        if cid not in self.server.roster or (
+                kind not in self._stage_kinds if stage is not None else
+                kind not in (OFFLINE, ABORT)):
+            # Dropped before any buffering: a site (even one outside the roster) may write
+            # any <kind> under its own name, and must not make the server keep anything.
+            self.invalid_payloads += 1
+            logger.debug("server: message from client %d on kind %r dropped", cid, kind)
+            return
+        limit = None if stage is not None else MAX_CONTROL_BYTES
+        now = asyncio.get_running_loop().time()
+        try:
+            message = self._reassembler.feed((cid, kind), event.payload, now, limit,
+                                             quota=cid)
+        except FrameError as exc:
+            self.invalid_payloads += 1
+            logger.warning("server: invalid payload from client %d on %s dropped: %s", cid,
+                           kind, exc)
+            return
+        if message is None:
+            return
+        if stage is None:
+            self._on_notice(cid, kind, message.payload)
+        else:
+            self._on_client_message(cid, message.digest, message.payload)
+        self._progress.set()  # the stage loop re-evaluates (answers, wills, grace timers)
+
+    def _on_notice(self, cid: int, kind: str, payload: bytes) -> None:
+        try:
+            notice = decode_control(payload)
+        except ControlError as exc:
+            self.invalid_payloads += 1
+            logger.warning("server: invalid %s notice from client %d dropped: %s", kind, cid,
+                           exc)
+            return
+        if kind == OFFLINE and isinstance(notice, Offline):
+            if cid in self.server.roster and cid not in self.gone:
+                logger.info("server: client %d is offline (%s)", cid, notice.reason)
+                if notice.final:
+                    self.gone[cid] = "offline"
+                else:
+                    self._wills.setdefault(cid, asyncio.get_running_loop().time())
+        elif kind == ABORT and isinstance(notice, ClientAbort):
+            if cid in self.server.roster:
+                logger.warning("server: client %d aborted: %s", cid, notice.reason)
+                self.gone[cid] = "aborted"
+                self.client_aborts[cid] = notice.reason
+        else:
+            self.invalid_payloads += 1
+            logger.warning("server: unexpected %s notice from client %d dropped", kind, cid)
+
+    def _on_client_message(self, cid: int, digest: bytes, payload: bytes) -> None:
+        if self._answered.get(cid) == digest and cid in self._outbox:
+            # The client did not get our answer (it re-published): send it again.
+            now = asyncio.get_running_loop().time()
+            if now - self._last_resend.get(cid, -1e9) >= self.timeouts.resend_interval:
+                self._last_resend[cid] = now
+                self.resends += 1
+                logger.info("server: client %d re-sent its %s message; answering again", cid,
+                            self._outbox[cid][0].label)
+                self._spawn(self._send(cid))
+            return
+        if (cid, digest) in self._seen:
+            # A duplicate of an accepted message (also after the round finished): confirm.
+            self._spawn(self._receipt(cid, Receipt(digest, True)))
+            return
+        stage = self.server.stage
+        try:
+            self.server.receive(cid, payload)
+        except ProtocolError as exc:
+            self.rejected += 1
+            logger.warning("server: %s", exc)
+            self._spawn(self._receipt(cid, Receipt(digest, False, str(exc))))
+            return
+        self._accepted.setdefault(cid, digest)
+        self._seen.add((cid, digest))
+        self.gone.pop(cid, None)
+        self._wills.pop(cid, None)
+        counts = self.bytes_received.setdefault(cid, {})
+        counts.setdefault(stage.label, len(payload))
+        if self.on_message is not None:
+            self.on_message(cid, stage)
+        self._spawn(self._receipt(cid, Receipt(digest, True)))
+
+    async def _receipt(self, cid: int, receipt: Receipt) -> None:
+        await publish_framed(self.link, self.topics.downstream(cid, RECEIPT),
+                             encode_control(receipt), self.max_payload)
