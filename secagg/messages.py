@@ -9,6 +9,7 @@ object. Layouts are normative: docs/protocol.md section 6.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import struct
 from collections.abc import Iterable, Mapping
@@ -183,59 +184,223 @@ ClientMessage = (AdvertiseKeys | ShareKeys | MaskedInput | ConsistencySignature
 ServerMessage = KeyList | Ciphertexts | SurvivorList | UnmaskRequest
 Message = ClientMessage | ServerMessage
 
-_KINDS: dict[type, int] = {
-    AdvertiseKeys: 1, ShareKeys: 2, MaskedInput: 3, ConsistencySignature: 4,
-    UnmaskingShares: 5, KeyList: 11, Ciphertexts: 12, SurvivorList: 13, UnmaskRequest: 14,
-}
-CLIENT_KINDS = frozenset({1, 2, 3, 4, 5})
-SERVER_KINDS = frozenset({11, 12, 13, 14})
+class MessageKind(enum.IntEnum):
+    """The ``kind`` element of the envelope (docs/protocol.md section 6.1): 1-5 are client
+    messages, 11-14 server messages. ``MESSAGE_KINDS`` maps each kind to its class, side and
+    fields; ``encode`` and ``decode`` both read that one table."""
+
+    ADVERTISE_KEYS = 1
+    SHARE_KEYS = 2
+    MASKED_INPUT = 3
+    CONSISTENCY_SIGNATURE = 4
+    UNMASKING_SHARES = 5
+    KEY_LIST = 11
+    CIPHERTEXTS = 12
+    SURVIVOR_LIST = 13
+    UNMASK_REQUEST = 14
 
 
-def _id_map(mapping: Mapping[int, bytes]) -> dict[int, bytes]:
-    return dict(mapping)
+def _pack(value: Any) -> bytes:
+    packed: bytes = msgpack.packb(value, use_bin_type=True)
+    return packed
 
 
-def _encode_masked(message: MaskedInput) -> bytes:
-    """``MaskedInput`` with the vector copied once (msgpack's packb would copy it twice)."""
-    packer = msgpack.Packer(use_bin_type=True)
-    head = (packer.pack_array_header(9) + packer.pack(MAGIC) + packer.pack(3)
-            + packer.pack(message.session_id) + packer.pack(message.client_id)
-            + packer.pack(message.bits) + packer.pack(message.dim)
-            + _bin_header(len(message.masked)))
-    tail = packer.pack(message.peers_digest) + packer.pack(message.signature)
-    return b"".join((head, message.masked, tail))
+class _Field:
+    """One field after ``party``: how it is written (``pack``) and read back (``read``, with
+    the limits of the call and the fields already read)."""
+
+    __slots__ = ("attr", "what")
+
+    def __init__(self, attr: str, what: str) -> None:
+        self.attr, self.what = attr, what
+
+    def pack(self, value: Any) -> bytes | memoryview:
+        return _pack(value)
+
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        raise NotImplementedError
+
+
+class _Bytes(_Field):
+    """bin of exactly ``length`` bytes."""
+
+    __slots__ = ("length",)
+
+    def __init__(self, attr: str, what: str, length: int) -> None:
+        super().__init__(attr, what)
+        self.length = length
+
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        return r.bin(self.what, self.length)
+
+
+class _Signature(_Field):
+    """bin of 0 or SIGNATURE_BYTES bytes (empty in semi-honest mode)."""
+
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        return r.signature(self.what)
+
+
+class _BlobMap(_Field):
+    """map id -> bin of exactly ``length`` bytes, ids strictly ascending."""
+
+    __slots__ = ("length",)
+
+    def __init__(self, attr: str, what: str, length: int) -> None:
+        super().__init__(attr, what)
+        self.length = length
+
+    def pack(self, value: Any) -> bytes:
+        return _pack(dict(value))
+
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        return r.blob_map(self.length, self.what, limits.entries)
+
+
+class _IdList(_Field):
+    """array of ids, strictly ascending."""
+
+    def pack(self, value: Any) -> bytes:
+        return _pack(list(value))
+
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        return r.id_list(self.what, limits.entries)
+
+
+class _KeyEntries(_Field):
+    """map id -> [encryption key, masking key, commitment, signature]."""
+
+    def pack(self, value: Any) -> bytes:
+        return _pack({cid: [e.encryption_key, e.masking_key, e.self_mask_commitment,
+                            e.signature] for cid, e in value.items()})
+
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        count = r.map(self.what, limits.entries, _KEY_ENTRY_BYTES)
+        keys = {}
+        last = 0
+        for _ in range(count):
+            cid = r.client_id(f"{self.what} id")
+            if cid <= last:
+                raise _fail(f"{self.what} repeats a key or is not sorted by id (canonical form)")
+            last = cid
+            if r.array("a key entry", 4, 2) != 4:
+                raise _fail("a key entry is [encryption key, masking key, commitment, sig]")
+            keys[cid] = KeyEntry(r.bin("encryption key", KEY_BYTES),
+                                 r.bin("masking key", KEY_BYTES),
+                                 r.bin("self-mask commitment", 32), r.signature("signature"))
+        return keys
+
+
+class _Bits(_Field):
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        bits = r.uint(self.what)
+        if not 8 <= bits <= 64:
+            raise _fail(f"{self.what} must be in 8..64")
+        return bits
+
+
+class _Dim(_Field):
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        dim = r.uint(self.what)
+        if dim < 1:
+            raise _fail(f"{self.what} must be a positive integer")
+        return dim
+
+
+class _Vector(_Field):
+    """bin of dim x width bytes (``bits`` and ``dim`` are the two fields before it), written
+    and read without a copy: the masked vector is most of a round's bytes."""
+
+    def pack(self, value: Any) -> bytes | memoryview:
+        return memoryview(value)
+
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        from .crypto import dtype_for_bits
+
+        bits, dim = got[-2], got[-1]
+        size = dim * dtype_for_bits(bits).itemsize
+        if size > limits.vector_bytes:
+            raise _fail(f"a {self.what} of {size} bytes is more than the "
+                        f"{limits.vector_bytes} this round allows")
+        return r.view(self.what, size)
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """One row of the wire table: the kind, its message class, which side sends it, and
+    its fields after ``party`` in wire order (the class's own field order after the
+    session id and the party)."""
+
+    kind: MessageKind
+    message: type
+    client: bool
+    fields: tuple[_Field, ...]
+
+    @property
+    def arity(self) -> int:
+        """The envelope's array length: magic, kind, session, party and the fields."""
+        return 4 + len(self.fields)
+
+
+_KEY = KEY_BYTES
+MESSAGE_KINDS: Mapping[MessageKind, KindSpec] = MappingProxyType({spec.kind: spec for spec in (
+    KindSpec(MessageKind.ADVERTISE_KEYS, AdvertiseKeys, True, (
+        _Bytes("encryption_key", "encryption key", _KEY),
+        _Bytes("masking_key", "masking key", _KEY),
+        _Bytes("self_mask_commitment", "self-mask commitment", 32),
+        _Signature("signature", "signature"))),
+    KindSpec(MessageKind.SHARE_KEYS, ShareKeys, True, (
+        _BlobMap("ciphertexts", "ciphertexts", CIPHERTEXT_BYTES),
+        _Signature("signature", "signature"))),
+    KindSpec(MessageKind.MASKED_INPUT, MaskedInput, True, (
+        _Bits("bits", "bits"), _Dim("dim", "dim"), _Vector("masked", "masked vector"),
+        _Bytes("peers_digest", "peers digest", 32), _Signature("signature", "signature"))),
+    KindSpec(MessageKind.CONSISTENCY_SIGNATURE, ConsistencySignature, True, (
+        _Bytes("signature", "signature", SIGNATURE_BYTES),)),
+    KindSpec(MessageKind.UNMASKING_SHARES, UnmaskingShares, True, (
+        _BlobMap("self_mask_shares", "self-mask shares", SHARE_BYTES),
+        _BlobMap("masking_key_shares", "masking-key shares", SHARE_BYTES),
+        _Signature("signature", "signature"))),
+    KindSpec(MessageKind.KEY_LIST, KeyList, False, (_KeyEntries("keys", "key list"),)),
+    KindSpec(MessageKind.CIPHERTEXTS, Ciphertexts, False, (
+        _BlobMap("ciphertexts", "ciphertexts", CIPHERTEXT_BYTES),)),
+    KindSpec(MessageKind.SURVIVOR_LIST, SurvivorList, False, (
+        _IdList("survivors", "survivors"),)),
+    KindSpec(MessageKind.UNMASK_REQUEST, UnmaskRequest, False, (
+        _IdList("survivors", "survivors"), _IdList("dropped", "dropped"),
+        _BlobMap("signatures", "signatures", SIGNATURE_BYTES))),
+)})
+_SPEC_OF: dict[type, KindSpec] = {spec.message: spec for spec in MESSAGE_KINDS.values()}
+CLIENT_KINDS = frozenset(k for k, spec in MESSAGE_KINDS.items() if spec.client)
+SERVER_KINDS = frozenset(k for k, spec in MESSAGE_KINDS.items() if not spec.client)
+
+
+def kind_of(message: Message) -> MessageKind:
+    """The wire kind of a message object."""
+    return _SPEC_OF[type(message)].kind
 
 
 def encode(message: Message) -> bytes:
-    """The wire bytes of ``message``."""
-    kind = _KINDS[type(message)]
-    head: list[Any] = [MAGIC, kind, message.session_id]
-    body: list[Any]
-    if isinstance(message, AdvertiseKeys):
-        body = [message.client_id, message.encryption_key, message.masking_key,
-                message.self_mask_commitment, message.signature]
-    elif isinstance(message, ShareKeys):
-        body = [message.client_id, _id_map(message.ciphertexts), message.signature]
-    elif isinstance(message, MaskedInput):
-        return _encode_masked(message)
-    elif isinstance(message, ConsistencySignature):
-        body = [message.client_id, message.signature]
-    elif isinstance(message, UnmaskingShares):
-        body = [message.client_id, _id_map(message.self_mask_shares),
-                _id_map(message.masking_key_shares), message.signature]
-    elif isinstance(message, KeyList):
-        body = [message.recipient, {
-            cid: [e.encryption_key, e.masking_key, e.self_mask_commitment, e.signature]
-            for cid, e in message.keys.items()}]
-    elif isinstance(message, Ciphertexts):
-        body = [message.recipient, _id_map(message.ciphertexts)]
-    elif isinstance(message, SurvivorList):
-        body = [message.recipient, list(message.survivors)]
-    else:
-        body = [message.recipient, list(message.survivors), list(message.dropped),
-                _id_map(message.signatures)]
-    packed: bytes = msgpack.packb(head + body, use_bin_type=True)
-    return packed
+    """The wire bytes of ``message`` (canonical msgpack, docs/protocol.md section 6.1); the
+    masked vector is copied once, into the result."""
+    spec = _SPEC_OF[type(message)]
+    party = message.client_id if spec.client else message.recipient  # type: ignore[union-attr]
+    parts: list[bytes | memoryview] = [
+        _array_header(spec.arity), _MAGIC_PACKED, _pack(int(spec.kind)),
+        _pack(message.session_id), _pack(party)]
+    for fld in spec.fields:
+        value = getattr(message, fld.attr)
+        if isinstance(fld, _Vector):
+            parts.append(_bin_header(len(value)))
+        parts.append(fld.pack(value))
+    return b"".join(parts)
+
+
+def _array_header(count: int) -> bytes:
+    return bytes([0x90 + count]) if count < 16 else b"\xdc" + count.to_bytes(2, "big")
+
+
+_MAGIC_PACKED = _pack(MAGIC)
 
 
 # --- decoding ------------------------------------------------------------------------------
@@ -397,8 +562,17 @@ def _bin_header(length: int) -> bytes:
     return b"\xc6" + length.to_bytes(4, "big")
 
 
-_ARITY = {1: 8, 2: 6, 3: 9, 4: 5, 5: 7, 11: 5, 12: 5, 13: 5, 14: 7}
 _KEY_ENTRY_BYTES = 1 + 3 * (2 + KEY_BYTES) + 2  # the smallest valid key-list entry
+_KIND_VALUES = frozenset(int(k) for k in MessageKind)
+_MAX_ARITY = max(spec.arity for spec in MESSAGE_KINDS.values())
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """The bounds of one ``decode`` call that fields read against."""
+
+    entries: int
+    vector_bytes: int
 
 
 def client_message_limit(num_clients: int) -> int:
@@ -420,22 +594,27 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 31,
     if len(data) > max_bytes:
         raise _fail(f"{len(data)} bytes is more than the {max_bytes} this round allows")
     reader = _Reader(bytes(data))
-    count = reader.array("the envelope [magic, kind, session, party, ...]", 9)
+    count = reader.array("the envelope [magic, kind, session, party, ...]", _MAX_ARITY)
     if count < 4:
         raise _fail("expected an array [magic, kind, session, party, ...]")
     if reader.bin("magic", limit=len(MAGIC)) != MAGIC:
         raise _fail("wrong magic (not a secagg v1 message)")
-    kind = reader.uint("kind")
-    if kind not in _ARITY:
-        raise _fail(f"unknown message kind {kind!r}")
-    if kinds is not None and kind not in kinds:
-        side = "server" if kind in SERVER_KINDS else "client"
-        raise _fail(f"a {side} message (kind {kind}) is not accepted here")
-    if count != _ARITY[kind]:
-        raise _fail(f"kind {kind} has {_ARITY[kind]} fields, got {count}")
+    value = reader.uint("kind")
+    if value not in _KIND_VALUES:
+        raise _fail(f"unknown message kind {value!r}")
+    spec = MESSAGE_KINDS[MessageKind(value)]
+    if kinds is not None and spec.kind not in kinds:
+        side = "client" if spec.client else "server"
+        raise _fail(f"a {side} message (kind {value}) is not accepted here")
+    if count != spec.arity:
+        raise _fail(f"kind {value} has {spec.arity} fields, got {count}")
     session = reader.bin("session id", SESSION_BYTES)
     party = reader.client_id("client id")
-    message = _build(reader, kind, session, party, max_entries, max_vector_bytes)
+    limits = _Limits(max_entries, max_vector_bytes)
+    values: list[Any] = []
+    for fld in spec.fields:
+        values.append(fld.read(reader, limits, values))
+    message: Message = spec.message(session, party, *values)
     if reader.pos != len(reader.data):
         raise _fail("trailing bytes after the message")
     return message
@@ -451,72 +630,8 @@ def decode_server_message(data: bytes | bytearray | memoryview, num_clients: int
     return message
 
 
-def _build(r: _Reader, kind: int, session: bytes, party: int, max_entries: int,
-           max_vector: int) -> Message:
-    if kind == 1:
-        return AdvertiseKeys(session, party, r.bin("encryption key", KEY_BYTES),
-                             r.bin("masking key", KEY_BYTES), r.bin("self-mask commitment", 32),
-                             r.signature("signature"))
-    if kind == 2:
-        return ShareKeys(session, party, r.blob_map(CIPHERTEXT_BYTES, "ciphertexts",
-                                                    max_entries), r.signature("signature"))
-    if kind == 3:
-        bits = r.uint("bits")
-        if not 8 <= bits <= 64:
-            raise _fail("bits must be in 8..64")
-        dim = r.uint("dim")
-        if dim < 1:
-            raise _fail("dim must be a positive integer")
-        from .crypto import dtype_for_bits
-
-        size = dim * dtype_for_bits(bits).itemsize
-        if size > max_vector:
-            raise _fail(f"a masked vector of {size} bytes is more than the {max_vector} this "
-                        "round allows")
-        blob = r.view("masked vector", size)
-        return MaskedInput(session, party, bits, dim, blob, r.bin("peers digest", 32),
-                           r.signature("signature"))
-    if kind == 4:
-        return ConsistencySignature(session, party, r.bin("signature", SIGNATURE_BYTES))
-    if kind == 5:
-        return UnmaskingShares(
-            session, party, r.blob_map(SHARE_BYTES, "self-mask shares", max_entries),
-            r.blob_map(SHARE_BYTES, "masking-key shares", max_entries),
-            r.signature("signature"))
-    if kind == 11:
-        count = r.map("key list", max_entries, _KEY_ENTRY_BYTES)
-        keys = {}
-        last = 0
-        for _ in range(count):
-            cid = r.client_id("key list id")
-            if cid <= last:
-                raise _fail("key list repeats a key or is not sorted by id (canonical form)")
-            last = cid
-            if r.array("a key entry", 4, 2) != 4:
-                raise _fail("a key entry is [encryption key, masking key, commitment, sig]")
-            keys[cid] = KeyEntry(r.bin("encryption key", KEY_BYTES),
-                                 r.bin("masking key", KEY_BYTES),
-                                 r.bin("self-mask commitment", 32), r.signature("signature"))
-        return KeyList(session, party, keys)
-    if kind == 12:
-        return Ciphertexts(session, party,
-                           r.blob_map(CIPHERTEXT_BYTES, "ciphertexts", max_entries))
-    if kind == 13:
-        return SurvivorList(session, party, r.id_list("survivors", max_entries))
-    return UnmaskRequest(session, party, r.id_list("survivors", max_entries),
-                         r.id_list("dropped", max_entries),
-                         r.blob_map(SIGNATURE_BYTES, "signatures", max_entries))
-
-
 def peers_digest(peers: Iterable[int]) -> bytes:
     """SHA-256 naming the set of peers a client masked with (ids ascending)."""
     return hashlib.sha256(b"secagg/v1|peers|" + b"".join(
         struct.pack(">I", p) for p in sorted(peers))).digest()
 
-
-def sender_of(message: ClientMessage) -> int:
-    return message.client_id
-
-
-def recipient_of(message: ServerMessage) -> int:
-    return message.recipient

@@ -25,6 +25,7 @@ import numpy as np
 
 from secagg import Client, Config, ProtocolAbort, ProtocolError, Server, SigningKey
 from secagg.messages import (
+    MESSAGE_KINDS,
     AdvertiseKeys,
     Ciphertexts,
     ConsistencySignature,
@@ -39,9 +40,9 @@ from secagg.messages import (
 )
 from secagg.server import AggregateResult
 
-CLIENT_KINDS: tuple[type, ...] = (AdvertiseKeys, ShareKeys, MaskedInput, ConsistencySignature,
-                                  UnmaskingShares)
-SERVER_KINDS: tuple[type, ...] = (KeyList, Ciphertexts, SurvivorList, UnmaskRequest)
+CLIENT_KINDS: tuple[type, ...] = tuple(s.message for s in MESSAGE_KINDS.values() if s.client)
+SERVER_KINDS: tuple[type, ...] = tuple(s.message for s in MESSAGE_KINDS.values()
+                                       if not s.client)
 
 # The order-1, -2, -4 and -8 points of Curve25519 and the non-canonical encodings of the
 # same u-coordinates: libsodium's blacklist (crypto_scalarmult/curve25519/ref10).

@@ -203,10 +203,12 @@ def test_stage_table() -> None:
 
 def test_kind_table() -> None:
     rows = _table("kinds")
-    kinds = {cls.__name__: kind for cls, kind in messages._KINDS.items()}
-    assert {r[1]: int(r[0]) for r in rows} == kinds
+    specs = messages.MESSAGE_KINDS
+    assert {r[1]: int(r[0]) for r in rows} == {s.message.__name__: int(k) for k, s in specs.items()}
     for kind, _, direction, length, _ in rows:
-        assert messages._ARITY[int(kind)] == int(length)
+        spec = specs[messages.MessageKind(int(kind))]
+        assert spec.arity == int(length)
+        assert spec.client == direction.startswith("client")
         side = messages.CLIENT_KINDS if direction.startswith("client") else messages.SERVER_KINDS
         assert int(kind) in side
 
