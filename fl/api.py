@@ -192,7 +192,7 @@ def train_federated(model: torch.nn.Module, sites: Sequence[PrivateSite], *, rou
     for cid, site in by_id.items():
         site.site_id = cid
     layout = ParameterLayout.of(model)
-    threshold = int(Config(num_clients=settings.cohort_size, dim=1).threshold or 2)
+    threshold = Config(num_clients=settings.cohort_size, dim=1).threshold
     plan = make_plan(settings, None, layout.size, threshold)
     say = log or (lambda text: None)
     say(f"privacy: {plan.describe()}")

@@ -141,7 +141,7 @@ class Coordinator:
             self.budget = make_budget(settings.epsilon, settings.delta, settings.accountant)
         cohort = settings.cohort_size
         self.secagg = Config(num_clients=cohort, dim=1, bits=64, security=settings.security)
-        self.threshold = int(self.secagg.threshold or cohort)
+        self.threshold = self.secagg.threshold
 
     # -- checkpoints ---------------------------------------------------------------------
     def restore(self, saved: ckpt.Checkpoint) -> None:

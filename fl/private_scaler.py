@@ -189,7 +189,7 @@ def scaler_plan(settings: Any, table: Table | None, num_features: int | None = N
     bounds = public_bounds(settings, f)
     assert bounds is not None
     num_sites = settings.sites
-    threshold = int(Config(num_clients=num_sites, dim=1).threshold or 2)
+    threshold = Config(num_clients=num_sites, dim=1).threshold
     max_units = settings.max_units or DEFAULT_MAX_UNITS
     scale = 2.0**GRANULARITY_BITS
     template = EncodingParams(dim=2 * f + 1, clip_norm=1.0, scale=scale, bits=64,

@@ -153,7 +153,7 @@ class TrainSettings:
         """The rounds' secure-aggregation threshold: the smallest safe one for the cohort in
         ``security`` mode (the distributed noise is calibrated to it)."""
         return int(Config(num_clients=self.cohort_size, dim=1,
-                          security=self.security).threshold or 2)
+                          security=self.security).threshold)
 
     @property
     def steps_per_round(self) -> int:

@@ -335,7 +335,7 @@ class Client:
     # --- stage share_keys -----------------------------------------------------------------
 
     def _on_key_list(self, msg: KeyList) -> ShareKeys:
-        t = self.config.threshold or 0
+        t = self.config.threshold
         keys = dict(msg.keys)
         outside = sorted(set(keys) - self.neighborhood)
         if outside:
@@ -397,7 +397,7 @@ class Client:
     def _on_ciphertexts(self, msg: Ciphertexts) -> MaskedInput:
         state = self._state
         assert isinstance(state, Shared)  # guaranteed by CLIENT_ACCEPTS
-        t = self.config.threshold or 0
+        t = self.config.threshold
         sid, me = self.session_id, self.client_id
         senders = set(msg.ciphertexts)
         if me in senders:
@@ -465,7 +465,7 @@ class Client:
     def _on_survivor_list(self, msg: SurvivorList) -> ConsistencySignature:
         state = self._state
         assert isinstance(state, Masked) and self._signing_key is not None
-        t = self.config.threshold or 0
+        t = self.config.threshold
         me = self.client_id
         survivors = set(msg.survivors)
         if me not in survivors:
@@ -490,7 +490,7 @@ class Client:
         checked = state if isinstance(state, Checked) else None
         masked = state.masked if isinstance(state, Checked) else state
         assert isinstance(masked, Masked)
-        t = self.config.threshold or 0
+        t = self.config.threshold
         me = self.client_id
         listed, dropped = set(msg.survivors), set(msg.dropped)
         peers = masked.peers | {me}

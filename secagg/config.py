@@ -42,10 +42,12 @@ class Config:
     ``neighbors=None`` is the complete graph of Bonawitz et al. 2017; ``neighbors=k`` is
     SecAgg+ (Bell et al. 2020) where every client's secrets are shared among its closed
     neighbourhood of ``k`` clients (itself included), and ``threshold`` counts among those k.
-    ``threshold=None`` picks the smallest safe value. ``dropout_rate`` and ``corrupt_rate``,
-    when given, make ``Config`` check (k, t) against the Bell et al. bounds (SecAgg+) or
-    the threshold against the corrupt and surviving clients (complete graph); see
-    ``secagg.secagg_plus_parameters`` for a safe pair. A sparse graph needs at least one of
+    ``threshold=0`` (the default; ``None`` is accepted too) picks the smallest safe value,
+    so after construction ``threshold`` is always the round's plain integer threshold.
+    ``dropout_rate`` and ``corrupt_rate``, when given, make ``Config`` check (k, t) against
+    the Bell et al. bounds (SecAgg+) or the threshold against the corrupt and surviving
+    clients (complete graph); see ``secagg.secagg_plus_parameters`` for a safe pair. A
+    sparse graph needs at least one of
     the rates (the other counts as 0): its privacy holds only for the rates it was derived
     for, with dropouts and corruptions independent of the graph (docs/protocol.md 4.6).
     ``unchecked_graph=True`` accepts a sparse graph without them and gives up the guarantee
@@ -53,7 +55,7 @@ class Config:
     """
 
     num_clients: int
-    threshold: int | None = None
+    threshold: int = 0
     dim: int = 1
     bits: int = 32
     neighbors: int | None = None
@@ -95,7 +97,7 @@ class Config:
         low = threshold_floor(n, k, self.security)
         largest = holders + 1 if low > minimum_threshold(holders, self.security) else holders
         t = self.threshold
-        if t is None:
+        if t is None or (t == 0 and _is_int(t)):
             t = low
             object.__setattr__(self, "threshold", t)
         if not _is_int(t):
@@ -148,7 +150,7 @@ class Config:
 
     def encode(self) -> bytes:
         """Canonical bytes of everything that must match across parties."""
-        return struct.pack(">IIQBIB", self.num_clients, self.threshold or 0, self.dim,
+        return struct.pack(">IIQBIB", self.num_clients, self.threshold, self.dim,
                            self.bits, self.neighbors or 0, int(self.malicious))
 
     @property

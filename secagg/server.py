@@ -116,7 +116,7 @@ class Server:
             raise ValueError("security='malicious' needs verify_keys (client id -> Ed25519 "
                              "public key)")
         self._verify_keys = dict(verify_keys or {})
-        self._threshold: int = config.threshold or 0
+        self._threshold: int = config.threshold
         self._vector_bytes = config.dim * dtype_for_bits(config.bits).itemsize
         self._stage = Stage.ADVERTISE_KEYS
         self._expected: set[int] = set(self.roster)

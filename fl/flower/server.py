@@ -271,7 +271,7 @@ class SecureAggregation(Strategy):
             keys = tuple(self.verify_keys[node] for node in roster)
         setup = RoundSetup(
             run_id=int(grid.run.run_id), server_round=server_round, nonce=nonce,
-            roster=tuple(roster), threshold=int(probe.threshold or 0),
+            roster=tuple(roster), threshold=probe.threshold,
             neighbors=probe.neighbors, bits=self.bits, security=self.security,
             arrays=specs, metrics=self.metrics, weight_key=self._weight_key(),
             encoding="fixed", frac_bits=self.frac_bits, dropout_rate=self.dropout_rate,

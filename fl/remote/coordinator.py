@@ -267,7 +267,7 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
     unkeyed = sorted(set(ids) - set(options.peer_keys or ids))
     if unkeyed:
         raise ValueError(f"--peer-keys has no site-<id>.pub for sites {unkeyed[:10]}")
-    everyone = int(Config(num_clients=len(ids), dim=1, security=security).threshold or 2)
+    everyone = Config(num_clients=len(ids), dim=1, security=security).threshold
     async with CoordinatorChannel(network, options.federation, ids, say,
                                   verify_keys=options.peer_keys) as channel:
         say(f"coordinator of federation {options.federation!r}; waiting for sites "
