@@ -2,7 +2,7 @@
 
 Training code calls :meth:`Aggregator.aggregate` with a ``secagg.Config``, one ``uint64``
 vector per site and the simulated dropouts, and gets the modular sum and the included
-sites back. Everything that knows the transport's API (``transport.local.run_round``,
+sites back. Everything that knows the transport's API (``transport.rounds.run_round``,
 the networks, broker start-up) lives in this file so a change there is a change here only.
 
 Brokers: ``memory`` (in-process bus with MQTT semantics), ``embedded`` (the pure-Python
@@ -162,7 +162,7 @@ def round_timeouts(stage: float = 60.0, *, clients: int = 0, dim: int = 0,
 
 
 class TransportAggregator:
-    """Each round over ``transport.local.run_round`` on a fresh network from ``factory``."""
+    """Each round over ``transport.rounds.run_round`` on a fresh network from ``factory``."""
 
     def __init__(self, name: str, factory: Callable[[], Any]) -> None:
         self.name = name
@@ -170,7 +170,7 @@ class TransportAggregator:
 
     def aggregate(self, config: Config, inputs: Mapping[int, U64],
                   drop: Mapping[int, Stage]) -> AggregateOutcome:
-        from transport.local import run_round
+        from transport.rounds import run_round
 
         # every party of the round runs on this one event loop: n clients share a core
         timeouts = round_timeouts(clients=config.num_clients, dim=config.dim,
@@ -236,7 +236,7 @@ def open_aggregator(broker: str, site_ids: Sequence[int], *,
         return
     if tap is not None:
         raise ValueError("tap is only available with the memory broker")
-    from transport.brokers import broker_for
+    from transport.launch import broker_for
     from transport.mqtt import MqttNetwork
 
     passwords = {SERVER_USER: secrets.token_urlsafe(18)}

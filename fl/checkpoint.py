@@ -29,13 +29,15 @@ import torch
 
 from fl.vector import ParameterLayout
 
+from .errors import FLError
+
 STATE = "state.json"
 MODEL = "model.pt"
 MODEL_FORMAT = "secagg-model/1"
 StateDict = dict[str, torch.Tensor]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FLError, ValueError):
     """A checkpoint or saved model cannot be used; the message says why and what to do."""
 
 

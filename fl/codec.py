@@ -26,11 +26,13 @@ import numpy.typing as npt
 from dp.encoding import EncodingParams, IntegerEncoder
 from dp.randomness import RandomSource
 
+from .errors import FLError
+
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
 
 
-class EncodingOverflow(ValueError):
+class EncodingOverflow(FLError, ValueError):
     """A value is too large for the modulus; the sum would wrap silently."""
 
 

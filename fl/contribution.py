@@ -40,6 +40,8 @@ from fl.site import Scaler
 from fl.vector import ParameterLayout
 from transport import fields
 
+from .errors import FLError
+
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
 MODES = ("none", "site", "distributed")
@@ -48,7 +50,7 @@ SCALER_FRAC_BITS = 12
 Decoder = Callable[[U64, int], tuple[F64, float]]
 
 
-class TaskError(ValueError):
+class TaskError(FLError, ValueError):
     """A round task field is missing or out of range: the site refuses the round."""
 
 

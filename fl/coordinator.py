@@ -47,15 +47,17 @@ from fl.site import Site
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, Stage
 
+from .errors import FLError
+
 U64 = npt.NDArray[np.uint64]
 DROP_STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
 
 
-class AggregateMismatch(RuntimeError):
+class AggregateMismatch(FLError, RuntimeError):
     """The secure aggregate differs from the plaintext sum of the included inputs."""
 
 
-class RoundFailed(RuntimeError):
+class RoundFailed(FLError, RuntimeError):
     """A round aborted ``max_attempts`` times in a row (too many dropouts)."""
 
 

@@ -23,10 +23,12 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from .errors import FLError
+
 DATASETS = ("breast-cancer", "ehr", "digits")
 
 
-class DataError(ValueError):
+class DataError(FLError, ValueError):
     """The data cannot be used as given; the message says what to change."""
 
 

@@ -34,17 +34,19 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from dp.policy import PolicyRefused
 from secagg import SigningKey
 
+from .errors import FLError
+
 PEER_FILE = re.compile(r"^site-([0-9]+)\.pub$")
 MAX_SITE_ID = (1 << 32) - 1
 MAX_PEERS = 1 << 16
 MAX_KEY_FILE = 4096
 
 
-class IdentityError(ValueError):
+class IdentityError(FLError, ValueError):
     """A key file or peer directory that cannot be used; the message says what to change."""
 
 
-class RosterRefused(PolicyRefused):
+class RosterRefused(PolicyRefused, FLError):
     """A round whose cohort or roster the site's own roster does not back (rule
     ``peer_keys``) or that has fewer sites than the policy's ``min_threshold``."""
 

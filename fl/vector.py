@@ -16,10 +16,12 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from .errors import FLError
+
 F64 = npt.NDArray[np.float64]
 
 
-class LayoutError(ValueError):
+class LayoutError(FLError, ValueError):
     """A module or vector does not match the layout; the message names the mismatch."""
 
 

@@ -14,10 +14,12 @@ from typing import Any
 from secagg import Config
 from transport import fields
 
+from .errors import TransportError
+
 MAX_CONTROL_BYTES = 16 << 20
 
 
-class ControlError(ValueError):
+class ControlError(TransportError, ValueError):
     """A control payload that does not decode to a valid control message."""
 
 

@@ -43,10 +43,6 @@ from .link import Link, Will
 from .topics import Topics
 
 
-class TransportError(Exception):
-    """The round could not be run over the bus (broker unreachable, lost for too long)."""
-
-
 @dataclass(frozen=True)
 class Timeouts:
     """Seconds. ``stage``: a stage's deadline after it opens (``per_stage`` overrides by stage

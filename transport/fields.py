@@ -17,11 +17,13 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
+from .errors import TransportError
+
 MAX_SITE_ID = (1 << 32) - 1
 MAX_ROSTER = 1 << 16
 
 
-class FieldError(ValueError):
+class FieldError(TransportError, ValueError):
     """A field is missing, of the wrong type or out of range."""
 
 

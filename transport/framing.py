@@ -21,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from .errors import TransportError
+
 MAGIC = b"SGF1"
 _HEADER = struct.Struct(">4s32sIII")
 HEADER_BYTES = _HEADER.size
@@ -31,7 +33,7 @@ MIN_MAX_PAYLOAD = HEADER_BYTES + 16
 MAX_MESSAGE_BYTES = (1 << 32) - 1
 
 
-class FrameError(ValueError):
+class FrameError(TransportError, ValueError):
     """A payload that is not a valid frame, or one that does not fit its chunk set."""
 
 

@@ -21,8 +21,10 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+from .errors import TransportError
 
-class LinkError(Exception):
+
+class LinkError(TransportError):
     """The bus failed in a way the driver cannot recover from."""
 
 

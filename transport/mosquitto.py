@@ -29,6 +29,8 @@ from pathlib import Path
 from transport.broker.packets import MQTT_MAX_REMAINING_LENGTH
 from transport.broker.topics import AclEntry, TopicAcl, validate_topic_filter
 
+from .errors import TransportError
+
 __all__ = [
     "MosquittoBroker",
     "MosquittoError",
@@ -48,7 +50,7 @@ _PBKDF2_ITERATIONS = 101  # what mosquitto_passwd 2.0 writes; the broker reads a
 _FORBIDDEN_NAME_CHARS = frozenset(" \t\r\n:#")
 
 
-class MosquittoError(RuntimeError):
+class MosquittoError(TransportError, RuntimeError):
     """Base class for errors starting or configuring Mosquitto."""
 
 

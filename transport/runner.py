@@ -1,6 +1,6 @@
 """One round across real processes: the engine of ``secagg simulate``.
 
-The calling process runs the aggregation server and owns the broker (``transport.brokers``:
+The calling process runs the aggregation server and owns the broker (``transport.launch``:
 the embedded broker in its own process, so its routing never competes with the server's
 numpy work for the GIL, or a generated Mosquitto); ``processes`` worker processes
 (``transport.workers``) each run many sites. Sites that drop out with ``kill=True`` run in
@@ -29,11 +29,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from secagg import Config, ProtocolAbort, Stage
 from secagg.server import AggregateResult, Server
 
-from .brokers import broker_for, running_broker  # noqa: F401  (broker_for: callers import it here)
-from .drivers import StageProgress, Timeouts, TransportError
+from .drivers import StageProgress, Timeouts
+from .errors import TransportError
 from .framing import DEFAULT_MAX_PAYLOAD
-from .local import new_round_name, serve_server
+from .launch import broker_for, running_broker  # noqa: F401  (broker_for: callers import it here)
 from .mqtt import MqttNetwork
+from .rounds import new_round_name, serve_server
 from .tasks import stop_task
 from .topics import SERVER_USER, Topics, acl_table, site_name
 from .workers import InputSource, Workers, WorkerSpec, worker_processes

@@ -24,7 +24,8 @@ from .control import (
     decode_control,
     encode_control,
 )
-from .drivers import StageProgress, Timeouts, TransportError, publish_framed
+from .drivers import StageProgress, Timeouts, publish_framed
+from .errors import TransportError
 from .framing import (
     DEFAULT_MAX_PAYLOAD,
     FrameError,

@@ -38,8 +38,8 @@ from secagg.client import Client, check_input
 from .client_driver import ClientDriver
 from .drivers import Timeouts
 from .framing import DEFAULT_MAX_PAYLOAD
-from .local import serve_client
 from .mqtt import BrokerSettings, MqttNetwork
+from .rounds import serve_client
 from .topics import Topics
 
 logger = logging.getLogger(__name__)

@@ -20,11 +20,13 @@ import logging
 import sys
 from typing import Any
 
+from ..errors import FLError
+
 USAGE, RUNTIME = 2, 1
 LEVELS = ("debug", "info", "warning", "error")
 
 
-class UsageError(ValueError):
+class UsageError(FLError, ValueError):
     """A bad option, option combination or input file: exit 2, no traceback."""
 
 

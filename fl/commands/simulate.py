@@ -31,12 +31,11 @@ import numpy as np
 
 from secagg import Config, Stage, round_stages
 
+from ..errors import FLError
+from ._common import UsageError
+
 DEFAULT_CLIENTS = 10
 DEFAULT_DIM = 1000
-
-
-class OptionError(ValueError):
-    """A bad option value; the message says what to change."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -93,19 +92,19 @@ def _client_ids(args: argparse.Namespace) -> list[int]:
     if args.inputs is None:
         n = DEFAULT_CLIENTS if args.clients is None else args.clients
         if n < 2:
-            raise OptionError(f"--clients {n}: need at least 2 clients")
+            raise UsageError(f"--clients {n}: need at least 2 clients")
         return list(range(1, n + 1))
     if not Path(args.inputs).is_dir():
-        raise OptionError(f"--inputs {args.inputs}: not a directory of <id>.npy files")
+        raise UsageError(f"--inputs {args.inputs}: not a directory of <id>.npy files")
     try:
         ids = input_ids(args.inputs)
     except ValueError as exc:
-        raise OptionError(f"--inputs: {exc}") from None
+        raise UsageError(f"--inputs: {exc}") from None
     if args.clients is not None and args.clients != len(ids):
-        raise OptionError(f"--clients {args.clients} but --inputs holds {len(ids)} vectors; "
+        raise UsageError(f"--clients {args.clients} but --inputs holds {len(ids)} vectors; "
                           "drop --clients or make them agree")
     if len(ids) < 2:
-        raise OptionError(f"--inputs {args.inputs} holds {len(ids)} vector; need at least 2")
+        raise UsageError(f"--inputs {args.inputs} holds {len(ids)} vector; need at least 2")
     return ids
 
 
@@ -116,24 +115,24 @@ def _dim(args: argparse.Namespace, ids: list[int]) -> int:
     try:
         shape = np.load(first, mmap_mode="r", allow_pickle=False).shape
     except (OSError, ValueError) as exc:
-        raise OptionError(f"--inputs: cannot read {first}: {exc}") from None
+        raise UsageError(f"--inputs: cannot read {first}: {exc}") from None
     if len(shape) != 1:
-        raise OptionError(f"--inputs: {first} has shape {shape}; store 1-d vectors")
+        raise UsageError(f"--inputs: {first} has shape {shape}; store 1-d vectors")
     if args.dim is not None and args.dim != shape[0]:
-        raise OptionError(f"--dim {args.dim} but the vectors in --inputs have length "
+        raise UsageError(f"--dim {args.dim} but the vectors in --inputs have length "
                           f"{shape[0]}; drop --dim or make them agree")
     return int(shape[0])
 
 
 def build_config(args: argparse.Namespace, n: int, dim: int) -> Config:
     if not 0.0 <= args.drop_rate < 1.0:
-        raise OptionError(f"--drop-rate {args.drop_rate}: need a fraction in [0, 1)")
+        raise UsageError(f"--drop-rate {args.drop_rate}: need a fraction in [0, 1)")
     try:
         return Config(num_clients=n, threshold=args.threshold, dim=dim, bits=args.bits,
                       neighbors=args.neighbors, security=args.security,
                       dropout_rate=args.drop_rate if args.neighbors is not None else None)
     except ValueError as exc:
-        raise OptionError(str(exc).replace("threshold=", "--threshold ")
+        raise UsageError(str(exc).replace("threshold=", "--threshold ")
                           .replace("num_clients=", "--clients ").replace("dim=", "--dim ")
                           .replace("bits=", "--bits ").replace("neighbors=", "--neighbors ")
                           ) from None
@@ -148,9 +147,9 @@ def drop_schedule(config: Config, ids: list[int], rate: float, stage: str,
         try:
             fixed = Stage.parse(stage)
         except ValueError as exc:
-            raise OptionError(f"--drop-stage: {exc} or random") from None
+            raise UsageError(f"--drop-stage: {exc} or random") from None
         if fixed not in stages:
-            raise OptionError(f"--drop-stage {stage}: that stage only exists with "
+            raise UsageError(f"--drop-stage {stage}: that stage only exists with "
                               "--security malicious")
     rng = random.Random(seed)  # which clients drop is a simulation choice, not a secret
     chosen = rng.sample(ids, round(rate * len(ids)))
@@ -235,7 +234,7 @@ class Progress:
             self._live = False
 
 
-class Interrupted(Exception):
+class Interrupted(FLError):
     """SIGINT or SIGTERM arrived; everything the run started has been stopped."""
 
     def __init__(self, signum: int) -> None:
@@ -358,7 +357,7 @@ def _timeouts(config: Config, processes: int) -> Any:
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except OptionError as exc:
+    except UsageError as exc:
         print(f"secagg simulate: error: {exc}", file=sys.stderr)
         return 2
 
@@ -371,23 +370,23 @@ def _run(args: argparse.Namespace) -> int:
     config = build_config(args, len(ids), dim)
     processes = min(2, len(ids)) if args.processes is None else args.processes
     if not 1 <= processes <= len(ids):
-        raise OptionError(f"--processes {processes}: need 1 to {len(ids)} (the clients)")
+        raise UsageError(f"--processes {processes}: need 1 to {len(ids)} (the clients)")
     from fl.aggregation import check_broker
 
     try:
         broker = check_broker(args.broker, kinds=("embedded", "mosquitto"))
     except ValueError as exc:
-        raise OptionError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     seed = secrets.randbelow(1 << 31) if args.seed is None else args.seed
     drops = drop_schedule(config, ids, args.drop_rate, args.drop_stage, seed)
     source = InputSource(directory=args.inputs, seed=seed)
     try:
         inputs = {cid: source.load(cid, config) for cid in ids}
     except ValueError as exc:
-        raise OptionError(f"--inputs: {exc}") from None
+        raise UsageError(f"--inputs: {exc}") from None
     for path in (args.output, args.report):
         if path is not None and not Path(path).resolve().parent.is_dir():
-            raise OptionError(f"{path}: its directory does not exist")
+            raise UsageError(f"{path}: its directory does not exist")
 
     progress = Progress(sys.stderr, len(ids))
     spec = SimulationSpec(config=config, client_ids=tuple(ids), inputs=source, drops=drops,

@@ -551,7 +551,7 @@ def run_remote(args: argparse.Namespace) -> int:
             guard.ledger.close()  # release the ledger's lock
 
     from fl.remote.coordinator import RemoteOptions, train_coordinator
-    from transport.drivers import TransportError
+    from transport.errors import TransportError
     from transport.link import LinkLost
 
     labels = tuple(v.strip() for v in args.labels.split(",")) if args.labels else None

@@ -40,8 +40,10 @@ from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE, secagg_rec
 from fl.flower.setup import RoundSetup, SetupError
 from secagg import Client, ProtocolAbort, SigningKey, Stage, encode
 
+from ..errors import FLError
 
-class RoundStateError(RuntimeError):
+
+class RoundStateError(FLError, RuntimeError):
     """A secure-aggregation message arrived that this node has no round for (another
     session, a stale or finished round, or no setup yet); nothing was changed."""
 

@@ -23,11 +23,13 @@ from dp.encoding import EncodingParams
 from fl.codec import DistributedCodec, FixedPointCodec
 from fl.flower.setup import ArraySpec, RoundSetup, SetupError
 
+from ..errors import FLError
+
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
 
 
-class ReplyError(ValueError):
+class ReplyError(FLError, ValueError):
     """The user's train reply does not match the round's layout; the message says how."""
 
 

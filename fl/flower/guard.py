@@ -50,13 +50,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import FLError
+
 ABORTED = 255
 _FORMAT = 2
 _SIZE = 3 + 32 + 32  # format, stage, set flag, answer digest, snapshot key
 _NAME = re.compile(r"^[0-9a-f]{64}-[0-9]+$")
 
 
-class GuardError(RuntimeError):
+class GuardError(FLError, RuntimeError):
     """The node refuses: the message would make it answer a round twice, or go back."""
 
 

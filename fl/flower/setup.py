@@ -24,6 +24,8 @@ import msgpack  # type: ignore[import-untyped]
 
 from secagg import Config
 
+from ..errors import FLError
+
 VERSION = 1
 ENCODINGS = ("fixed", "ddp")
 SECURITY = ("semi-honest", "malicious")
@@ -35,7 +37,7 @@ MAX_SETUP_BYTES = 1 << 22
 DTYPES = ("float16", "float32", "float64")
 
 
-class SetupError(ValueError):
+class SetupError(FLError, ValueError):
     """A round setup is malformed or unsafe; the node refuses the round."""
 
 

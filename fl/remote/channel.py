@@ -41,12 +41,15 @@ from fl.remote.messages import (
 )
 from secagg import Config
 from secagg.server import AggregateResult, Server
-from transport.drivers import Timeouts, TransportError, client_will
+from transport.drivers import Timeouts, client_will
+from transport.errors import TransportError
 from transport.framing import DEFAULT_MAX_PAYLOAD, FrameError, Reassembler, frame
 from transport.link import Delivery, LinkLost, Network, Reconnected
-from transport.local import new_round_name
+from transport.rounds import new_round_name
 from transport.server_driver import ServerDriver
 from transport.topics import SERVER_USER, Topics
+
+from ..errors import FLError
 
 logger = logging.getLogger(__name__)
 U64 = npt.NDArray[np.uint64]
@@ -57,7 +60,7 @@ def _label(kind: str, round_number: int) -> str:
     return f"round {round_number}" if kind == "train" else "feature scaling"
 
 
-class NotEnoughSites(RuntimeError):
+class NotEnoughSites(FLError, RuntimeError):
     """Fewer than ``threshold`` cohort sites were ready: the round was not started."""
 
 

@@ -46,7 +46,7 @@ from fl.settings import TrainSettings
 from fl.site import Scaler
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, Stage
-from transport.drivers import TransportError
+from transport.errors import TransportError
 from transport.link import Network
 
 Log = Callable[[str], None]

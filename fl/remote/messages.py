@@ -39,6 +39,8 @@ from transport.framing import HEADER_BYTES, frame
 from transport.link import Will
 from transport.topics import Topics, check_round_name
 
+from ..errors import FLError
+
 VERSION = 1
 MAX_CONTROL_BYTES = 1 << 20
 """Federation messages carry ids, names and hashes only (and, opt-in, one input vector)."""
@@ -49,7 +51,7 @@ FETCH, HELLO, READY, DECLINE, OFFLINE = "fetch", "hello", "ready", "decline", "o
 SITE_KINDS = (FETCH, HELLO, READY, DECLINE, OFFLINE)
 
 
-class WireError(ControlError):
+class WireError(ControlError, FLError):
     """A federation payload that does not decode to a valid message (logged and dropped)."""
 
 

@@ -52,10 +52,10 @@ from fl.settings import TrainSettings
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, SigningKey
 from secagg.client import Client
-from transport.drivers import TransportError
+from transport.errors import TransportError
 from transport.framing import Reassembler
-from transport.local import serve_client
 from transport.memory import MemoryNetwork
+from transport.rounds import serve_client
 from transport.topics import Topics
 
 pytestmark = pytest.mark.timeout(120)

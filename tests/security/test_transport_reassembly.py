@@ -23,8 +23,8 @@ from tests.transport.mqtt_raw import RawClient, publish_packet
 from transport.broker import EmbeddedBroker
 from transport.drivers import StageProgress, Timeouts
 from transport.framing import CHUNK_OVERHEAD, HEADER_BYTES, FrameError, Reassembler, frame
-from transport.local import run_round
 from transport.mqtt import BrokerSettings, MqttNetwork
+from transport.rounds import run_round
 from transport.topics import SERVER_USER, Topics, acl_table, site_name
 
 pytestmark = pytest.mark.security

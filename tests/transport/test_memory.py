@@ -24,8 +24,8 @@ from transport.control import (
 )
 from transport.drivers import Timeouts
 from transport.framing import HEADER_BYTES, FrameError, Reassembler, frame, message_id
-from transport.local import RoundReport, run_round
 from transport.memory import MemoryNetwork
+from transport.rounds import RoundReport, run_round
 from transport.topics import Topics
 
 pytestmark = pytest.mark.timeout(60)
@@ -438,7 +438,7 @@ def test_client_with_another_configuration_never_starts() -> None:
 
     async def scenario() -> str:
         from secagg import Client, Server
-        from transport.local import serve_client, serve_server
+        from transport.rounds import serve_client, serve_server
 
         network = MemoryNetwork()
         t = Topics("mismatch")

@@ -16,11 +16,12 @@ import pytest
 from secagg import Config, ProtocolAbort, Stage, simulate
 from transport import topics as topics_mod
 from transport.broker import EmbeddedBroker, TopicAcl
-from transport.drivers import StageProgress, Timeouts, TransportError
+from transport.drivers import StageProgress, Timeouts
+from transport.errors import TransportError
 from transport.framing import HEADER_BYTES, frame
-from transport.local import RoundReport, run_round
 from transport.mosquitto import MosquittoBroker, _free_port, mosquitto_available
 from transport.mqtt import BrokerSettings, MqttNetwork, parse_broker_url
+from transport.rounds import RoundReport, run_round
 from transport.runner import InputSource, SimulationSpec, run_simulation
 
 pytestmark = pytest.mark.timeout(90)

@@ -24,9 +24,9 @@ from tests.transport.mqtt_raw import RawClient, connect_packet
 from transport.broker import EmbeddedBroker
 from transport.broker.config import BrokerLimits
 from transport.broker.errors import BrokerConfigError
-from transport.brokers import _embedded_broker_process
-from transport.local import run_round
+from transport.launch import _embedded_broker_process
 from transport.memory import MemoryNetwork
+from transport.rounds import run_round
 from transport.topics import acl_table, site_name
 
 PARTIES = 300

@@ -30,11 +30,12 @@ from certs import Pki, make_pki
 from secagg import Config, Stage, simulate
 from transport import topics as topics_mod
 from transport.broker import EmbeddedBroker
-from transport.drivers import Timeouts, TransportError
+from transport.drivers import Timeouts
+from transport.errors import TransportError
 from transport.link import LinkLost
-from transport.local import RoundReport, run_round
 from transport.mosquitto import _free_port, find_mosquitto
 from transport.mqtt import BrokerSettings, MqttNetwork, TlsSettings, parse_broker_url
+from transport.rounds import RoundReport, run_round
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -470,7 +471,7 @@ def test_refusal_message_names_the_tls_cause(kind: str, case: str, pki: Pki, rog
 
 
 LEAKED_GATHER = (
-    "transport/local.py run_round: when a party cannot join, the asyncio.gather(*waiters) "
+    "transport/rounds.py run_round: when a party cannot join, the asyncio.gather(*waiters) "
     "future (and its two Event.wait() waiters) handed to asyncio.wait is never cancelled nor "
     "awaited; the loop's shutdown cancels the waiters, the gather future ends with a "
     "CancelledError nobody retrieves, and asyncio logs '_GatheringFuture exception was never "

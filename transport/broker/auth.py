@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .checks import CheckQueue
-from .errors import BrokerConfigError
+from .errors import BrokerConfigError, BrokerError
 
 _PREFIX = "$scrypt$"
 DEFAULT_LOG2_N = 14
@@ -108,7 +108,7 @@ class Authenticator:
         return hmac.compare_digest(computed, digest) and entry is not None and password is not None
 
 
-class LoginBusy(Exception):
+class LoginBusy(BrokerError):
     """Too many attempts for one (address, username) are already waiting; refused unchecked."""
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ..errors import TransportError
 
-class BrokerError(Exception):
+
+class BrokerError(TransportError):
     """Base class of the embedded broker's errors."""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .errors import BrokerError
 from .topics import validate_topic_name
 
 Buffer = bytes | bytearray | memoryview
@@ -36,7 +37,7 @@ PUBLISH_OVERHEAD = 2 + 65_535 + 2
 PINGRESP_PACKET = bytes([PINGRESP << 4, 0])
 
 
-class ProtocolViolation(Exception):
+class ProtocolViolation(BrokerError):
     """The peer broke the MQTT spec; its connection is closed, nothing else is affected."""
 
 

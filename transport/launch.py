@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .broker.auth import TOKEN_LOG2_N, hash_password
 from .broker.topics import AclEntry, TopicAcl
-from .drivers import TransportError
+from .errors import TransportError
 from .link import LinkLost
 from .mqtt import BrokerSettings, parse_broker_url, probe
 

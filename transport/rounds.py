@@ -21,7 +21,8 @@ from secagg.client import Client, check_input
 from secagg.server import AggregateResult, Server
 
 from .client_driver import ClientDriver, ClientOutcome, DropHook
-from .drivers import StageProgress, Timeouts, TransportError, client_will, server_will
+from .drivers import StageProgress, Timeouts, client_will, server_will
+from .errors import TransportError
 from .framing import DEFAULT_MAX_PAYLOAD
 from .link import LinkLost, Network
 from .server_driver import ServerDriver

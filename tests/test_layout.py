@@ -1,0 +1,88 @@
+"""The layers' front doors and exception roots (docs/architecture.md, the folder map).
+
+Every exception class a layer defines derives from that layer's one root, so a caller
+writes one ``except``; what the README and the docs import comes only from a front door.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+import dp
+import fl
+import secagg
+import transport
+from dp.errors import PrivacyError
+from fl.errors import FLError
+from secagg.errors import SecAggError
+from transport.errors import TransportError
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = {"secagg": SecAggError, "transport": TransportError, "dp": PrivacyError,
+          "fl": FLError}
+# the front doors: a layer's package, and the Flower adapter's own (it needs the extra)
+FRONT_DOORS = {"secagg", "transport", "dp", "fl", "fl.flower"}
+
+
+def _modules(package: str) -> list[str]:
+    root = importlib.import_module(package)
+    names = [package]
+    for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
+        if info.name.endswith("__main__"):
+            continue
+        names.append(info.name)
+    return names
+
+
+def _exceptions(package: str) -> list[type[BaseException]]:
+    found = []
+    for name in _modules(package):
+        if name.startswith("fl.flower"):
+            pytest.importorskip("flwr")
+        module = importlib.import_module(name)
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, BaseException) and obj.__module__ == name:
+                found.append(obj)
+    return found
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_every_exception_of_a_layer_derives_from_its_root(layer: str) -> None:
+    classes = _exceptions(layer)
+    assert len(classes) >= 3, f"found only {classes} in {layer}"
+    strays = [f"{c.__module__}.{c.__qualname__}" for c in classes
+              if not issubclass(c, LAYERS[layer])]
+    assert strays == [], f"{layer}: these do not derive from {LAYERS[layer].__name__}"
+
+
+@pytest.mark.parametrize("package", [secagg, transport, dp, fl])
+def test_a_front_door_exports_every_name_it_lists(package: object) -> None:
+    names = getattr(package, "__all__", None)
+    assert names, f"{package.__name__} declares no __all__"  # type: ignore[attr-defined]
+    for name in names:
+        assert getattr(package, name) is not None
+
+
+_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", re.MULTILINE)
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_the_readme_and_docs_import_only_from_front_doors() -> None:
+    layers = tuple(LAYERS)
+    bad = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in _python_blocks(path.read_text()):
+            for match in _IMPORT.finditer(block):
+                module = match.group(1) or match.group(2)
+                if module.split(".")[0] in layers and module not in FRONT_DOORS:
+                    bad.append(f"{path.name}: {module}")
+    assert bad == [], "import these names from the layer's front door instead"
