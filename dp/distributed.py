@@ -119,34 +119,6 @@ def choose_bits(
     return BitsChoice(bits, wrap_probability, total, a_signal, a_round, a_noise)
 
 
-def choose_scale(
-    *, bits: int, dim: int, clip_norm: float, noise_multiplier: float, num_sites: int,
-    threshold: int, units_per_site: int = 1, mechanism: Mechanism = "dgauss",
-    wrap_probability: float = 2.0**-40,
-) -> float:
-    """The largest scale (finest granularity) whose sum still fits in ``bits`` (bisection)."""
-    per_site = calibrate(noise_multiplier, clip_norm, num_sites, threshold).per_site_stddev
-
-    def fits(s: float) -> bool:
-        try:
-            return choose_bits(dim=dim, clip_norm=clip_norm, scale=s, noise_stddev=per_site,
-                               num_sites=num_sites, units_per_site=units_per_site,
-                               mechanism=mechanism,
-                               wrap_probability=wrap_probability).bits <= bits
-        except PrivacyConfigError:
-            return False
-
-    lo, hi = 1e-12, 1e12
-    if not fits(lo):
-        raise PrivacyConfigError(f"{bits} bits cannot hold this sum at any scale; add bits")
-    for _ in range(200):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        if hi / lo < 1.0001:
-            break
-    return lo
-
-
 def round_rdp_fn(params: EncodingParams) -> Callable[[int], float] | None:
     """Per-step, unsubsampled RDP of the integer mechanism ``params`` describes (None when no
     bound is known: no noise, or a discrete Gaussian share below 1/2)."""

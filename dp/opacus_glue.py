@@ -31,7 +31,6 @@ import math
 import os
 from collections.abc import Hashable, Sequence
 
-import numpy as np
 import torch
 from opacus import GradSampleModule
 from opacus.accountants import RDPAccountant
@@ -199,7 +198,3 @@ class SitePrivacyEngine:
     def model(self) -> torch.nn.Module:
         return self.module._module
 
-
-def unit_count(patient_ids: Sequence[Hashable]) -> int:
-    """Number of distinct patients (helper for choosing ``sample_rate`` and ``delta``)."""
-    return int(np.unique(np.asarray([hash(p) for p in patient_ids])).size)
