@@ -1,14 +1,14 @@
 """How ``secagg simulate`` scales with the number of clients, and the cost model behind the
-round deadlines (``fl.aggregation.round_work``, docs/performance.md "Round deadlines").
+round deadlines (``transport.deadlines.round_work``, docs/performance.md "Round deadlines").
 
 Two parts:
 
 * ``--calibrate``: the state machines in this process, no transport. For one round of
   ``--calibrate-clients`` clients it times each stage's client answer per neighbour pair,
   the mask expansion per vector element per pair, and the server's receive + advance per
-  pair, in both security modes, and prints them beside the constants ``fl.aggregation``
+  pair, in both security modes, and prints them beside the constants ``transport.deadlines``
   uses (measured: seconds; the constants must be at least the idle measurement, and the
-  deadlines multiply them by ``fl.aggregation.SAFETY``).
+  deadlines multiply them by ``transport.deadlines.SAFETY``).
 * the default: the real ``secagg simulate`` command (embedded broker, worker processes,
   server) in a subprocess for each ``--clients`` value, complete graph and, with
   ``--neighbors K``, SecAgg+; prints the wall time, the slowest stage and that stage's
@@ -36,15 +36,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fl.aggregation import (  # noqa: E402
+from secagg import Config, SigningKey, Stage, encode  # noqa: E402
+from secagg.client import Client  # noqa: E402
+from secagg.server import Server  # noqa: E402
+from transport.deadlines import (  # noqa: E402
     ELEMENT_SECONDS,
     PAIR_SECONDS,
     SERVER_PAIR_SECONDS,
     round_timeouts,
 )
-from secagg import Config, SigningKey, Stage, encode  # noqa: E402
-from secagg.client import Client  # noqa: E402
-from secagg.server import Server  # noqa: E402
 
 SAMPLE = 24
 """Clients timed per stage (the first one warms Shamir tables and is left out)."""

@@ -19,15 +19,13 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from secagg import Config, Stage
-
-if TYPE_CHECKING:
-    from transport.drivers import Timeouts
+from transport.deadlines import round_timeouts
 
 U64 = npt.NDArray[np.uint64]
 BROKER_KINDS = ("embedded", "memory", "mosquitto")
@@ -72,93 +70,6 @@ def check_broker(broker: str, kinds: Sequence[str] = BROKER_KINDS) -> str:
         return broker
     raise ValueError(f"--broker {broker}: use {', '.join(kinds)}, mqtt://host:port or "
                      "mqtts://host:port")
-
-
-# The round's cost model (docs/performance.md "Round deadlines"). Seconds per unit of work,
-# measured on this 2-core machine with ``python benchmarks/bench_simulate_scale.py
-# --calibrate`` under a load average of about 5 (other jobs running): the largest of two runs,
-# rounded up. The deadlines allow SAFETY times the modelled work, so a slower or busier
-# machine still finishes.
-PAIR_SECONDS: Mapping[str, Mapping[str, float]] = {
-    # one client's computation per neighbour for its message of each stage: X25519
-    # agreements, Shamir shares and AEAD encryptions (share_keys; malicious: signature
-    # checks too), agreements and key derivation (masked_input), decryption (unmasking;
-    # malicious: the consistency signatures are checked there)
-    "semi-honest": {"advertise_keys": 0.0, "share_keys": 500e-6, "masked_input": 200e-6,
-                    "consistency_check": 0.0, "unmasking": 20e-6},
-    "malicious": {"advertise_keys": 0.0, "share_keys": 1100e-6, "masked_input": 250e-6,
-                  "consistency_check": 10e-6, "unmasking": 500e-6},
-}
-ELEMENT_SECONDS = 3.5e-9
-"""Expanding one mask element (AES-CTR keystream) and adding it: masked_input costs each
-client (neighbours + 1) x dim of these, the server's unmasking its dropped pairs x dim."""
-SERVER_PAIR_SECONDS = 15e-6
-"""The server and the broker per (client, neighbour) pair and stage: decoding, storing and
-routing n x k ciphertexts and keys (in ``secagg simulate`` on the same cores as the sites)."""
-LOGIN_SECONDS = 20e-3
-"""The broker checks one login (hash of a generated token) and its subscriptions."""
-SAFETY = 4.0
-"""The deadlines allow SAFETY x the modelled work."""
-MAX_STAGE_SECONDS = 3600.0
-"""No stage deadline, re-publish timer or wait for the round start exceeds this (or the
-caller's own ``stage``, if larger), whatever the round's size: a site sizes its deadlines
-from the roster the coordinator sends (up to 65,535 ids), which must not keep it waiting,
-charged, for days."""
-MAX_GIVE_UP_SECONDS = 6 * 3600.0
-"""A client gives up on a silent round after at most this long (or 3 x ``stage``)."""
-
-
-def round_work(*, clients: int, dim: int, neighbors: int | None = None,
-               malicious: bool = False, colocated: int = 1) -> dict[str, float]:
-    """Seconds of computation each stage of one round needs (by stage label), and under
-    ``"finish"`` the server's unmasking: the cost model, defined once.
-
-    ``clients`` n and ``neighbors`` k (SecAgg+'s neighbourhood, the client included;
-    ``None``: the complete graph, k = n) give n x k pairs: each client computes k
-    agreements, shares and encryptions (SecAgg+ scales with n x k, the complete graph with
-    n^2) and the server routes n x k ciphertexts; masking costs k x ``dim`` per client
-    (k - 1 pairwise masks and its self mask). ``colocated`` is how many clients compute
-    one after another on one core (1 when every site has its own machine; n / cores in
-    ``secagg simulate``, n when every party runs on one event loop)."""
-    n = max(0, int(clients))
-    k = n if neighbors is None else min(n, int(neighbors))
-    per_pair = PAIR_SECONDS["malicious" if malicious else "semi-honest"]
-    share = max(1, colocated)
-    work = {label: share * k * per_pair[label] + n * k * SERVER_PAIR_SECONDS
-            for label in per_pair}
-    work["masked_input"] += share * k * dim * ELEMENT_SECONDS
-    # at most half of the pairs have a dropped end, and every survivor's self mask
-    work["finish"] = (n * k / 2 + n) * dim * ELEMENT_SECONDS + n * k * SERVER_PAIR_SECONDS
-    return work
-
-
-def round_timeouts(stage: float = 60.0, *, clients: int = 0, dim: int = 0,
-                   neighbors: int | None = None, malicious: bool = False,
-                   colocated: int = 1) -> Timeouts:
-    """The protocol deadlines of every round the package runs (defined once): ``stage``
-    seconds per stage for the network, plus SAFETY x the stage's modelled work
-    (``round_work``: pass what the caller knows of the round). A client re-publishes an
-    unconfirmed message only after the stage's work could have delayed the receipt (its
-    event loop may be busy with co-located clients), waits for the round start while the
-    broker checks every login, and gives up on a silent round after a few stages' worth
-    of time. Sites that drop sign off or leave a last will, so the deadlines only guard
-    against a wedged broker or a hung site. Every deadline is capped (MAX_STAGE_SECONDS,
-    MAX_GIVE_UP_SECONDS): the model's numbers for a huge roster are no reason to wait days."""
-    from transport.drivers import Timeouts
-
-    work = round_work(clients=clients, dim=dim, neighbors=neighbors, malicious=malicious,
-                      colocated=colocated)
-    finish = SAFETY * work.pop("finish")
-    slack = {label: SAFETY * w for label, w in work.items()}
-    most = max(slack.values())
-    cap = max(MAX_STAGE_SECONDS, stage)
-    return Timeouts(stage=min(cap, stage + most),
-                    per_stage={label: min(cap, stage + s) for label, s in slack.items()},
-                    start=min(cap, max(60.0, stage) + SAFETY * clients * LOGIN_SECONDS),
-                    retry=min(cap, 2.0 + most),
-                    answer=min(cap, min(10.0, stage) + most + finish),
-                    give_up=min(max(MAX_GIVE_UP_SECONDS, 3 * stage),
-                                max(120.0, 3 * stage) + 2 * (most + finish)))
 
 
 class TransportAggregator:

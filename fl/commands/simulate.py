@@ -342,9 +342,9 @@ async def _run_interruptible(spec: Any, progress: Progress, signals: StopSignals
 
 
 def _timeouts(config: Config, processes: int) -> Any:
-    """The round's deadlines (fl.aggregation.round_timeouts) for this machine: the clients
+    """The round's deadlines (transport.deadlines.round_timeouts) for this machine: the clients
     compute in ``processes`` workers on the cores this process may use."""
-    from fl.aggregation import round_timeouts
+    from transport.deadlines import round_timeouts
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)

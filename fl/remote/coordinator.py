@@ -23,7 +23,7 @@ import torch
 
 from fl import idp as fl_idp
 from fl import private_scaler
-from fl.aggregation import AggregateOutcome, round_timeouts
+from fl.aggregation import AggregateOutcome
 from fl.contribution import RoundTask, decoder, round_task, scaler_from_sum
 from fl.coordinator import Aggregated, Coordinator, RoundFailed
 from fl.data import Table, csv_schema, load_csv
@@ -46,6 +46,7 @@ from fl.settings import TrainSettings
 from fl.site import Scaler
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, Stage
+from transport.deadlines import round_timeouts
 from transport.errors import TransportError
 from transport.link import Network
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from dp.errors import PrivacyError
-from fl.aggregation import round_timeouts
 from fl.remote.blob import Blob, blob_digest
 from fl.remote.inputs import SiteData, site_input
 from fl.remote.link import PartyLink, connect_party
@@ -50,6 +49,7 @@ from secagg import Config, Stage
 from secagg.client import Client
 from transport.client_driver import ClientDriver
 from transport.control import Offline, encode_control
+from transport.deadlines import round_timeouts
 from transport.drivers import publish_framed
 from transport.framing import DEFAULT_MAX_PAYLOAD, FrameError, Reassembler, frame
 from transport.link import Delivery, LinkLost, Network, Reconnected

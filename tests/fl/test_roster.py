@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 
 from dp.policy import Ledger, Proposal, SitePolicy
-from fl.aggregation import round_timeouts
 from fl.cli import main
 from fl.contribution import round_task
 from fl.federation import make_plan
@@ -52,6 +51,7 @@ from fl.settings import TrainSettings
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, SigningKey
 from secagg.client import Client
+from transport.deadlines import round_timeouts
 from transport.errors import TransportError
 from transport.framing import Reassembler
 from transport.memory import MemoryNetwork

@@ -1,4 +1,4 @@
-"""The round deadlines follow the round's cost model (fl.aggregation.round_work,
+"""The round deadlines follow the round's cost model (transport.deadlines.round_work,
 docs/performance.md "Round deadlines"): they grow with n x k (shares, agreements, routing),
 with k x dim (masking) and with the clients sharing a core, and every caller passes what it
 knows of the round. Pure arithmetic: no processes, no clock."""
@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from fl.aggregation import (
+from fl.commands import simulate
+from secagg import Config, Stage
+from transport.deadlines import (
     MAX_GIVE_UP_SECONDS,
     MAX_STAGE_SECONDS,
     SAFETY,
     round_timeouts,
     round_work,
 )
-from fl.commands import simulate
-from secagg import Config, Stage
 
 SHARE = Stage.SHARE_KEYS
 MASK = Stage.MASKED_INPUT

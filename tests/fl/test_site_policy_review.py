@@ -26,7 +26,6 @@ import pytest
 from dp.encoding import EncodingParams
 from dp.errors import PrivacyConfigError
 from dp.policy import PolicyRefused, SitePolicy
-from fl.aggregation import round_timeouts
 from fl.cli import build_parser, main
 from fl.commands.train import site_policy_from_args
 from fl.contribution import RoundTask
@@ -38,6 +37,7 @@ from fl.remote.channel import CoordinatorChannel, NotEnoughSites
 from fl.remote.inputs import SCHEMA_MISMATCH, SiteData
 from fl.remote.site import SiteOptions, SiteProcess
 from fl.vector import ParameterLayout
+from transport.deadlines import round_timeouts
 from transport.memory import MemoryNetwork
 
 pytestmark = pytest.mark.timeout(120)
