@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -128,13 +129,18 @@ def noise_multiplier_for(
     from opacus.accountants.utils import get_noise_multiplier
 
     try:
-        return float(
-            get_noise_multiplier(
-                target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
-                steps=steps, accountant=accountant, epsilon_tolerance=epsilon * 1e-3,
-                **({"alphas": list(ORDERS)} if accountant == "rdp" else {}),
+        with warnings.catch_warnings():
+            # the bisection tries noise multipliers up to 1e6, where the best order is the
+            # largest: that epsilon is still an upper bound (a noise multiplier found there is
+            # conservative, never too small), so the user is not shown Opacus' hint
+            warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+            return float(
+                get_noise_multiplier(
+                    target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
+                    steps=steps, accountant=accountant, epsilon_tolerance=epsilon * 1e-3,
+                    **({"alphas": list(ORDERS)} if accountant == "rdp" else {}),
+                )
             )
-        )
     except ValueError as exc:
         raise PrivacyConfigError(
             f"no noise multiplier up to 1e6 reaches epsilon={epsilon}: raise epsilon or "

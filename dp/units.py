@@ -11,6 +11,7 @@ Needs torch (the ``torch`` extra); ``import dp`` does not import this module.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
@@ -92,8 +93,13 @@ def per_unit_gradients(module: GradSampleModule, loss_fn: LossFn, inputs: torch.
     if module.loss_reduction != "sum":
         raise PrivacyConfigError("wrap the model with GradSampleModule(loss_reduction='sum')")
     module.zero_grad(set_to_none=True)
-    loss = loss_fn(module(inputs), targets)
-    loss.backward()
+    with warnings.catch_warnings():
+        # Opacus' per-sample hooks are full backward hooks; on a first layer whose inputs
+        # need no gradient (the data) torch warns on every backward, though the hooks
+        # capture exactly the per-sample gradients they should (tests/dp/test_units.py)
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        loss = loss_fn(module(inputs), targets)
+        loss.backward()
     regroup_grad_samples(module, torch.as_tensor(position, dtype=torch.long), num_units)
 
 

@@ -20,6 +20,7 @@ from fl.commands._common import (
     RUNTIME,
     USAGE,
     HelpFormatter,
+    Parser,
     UsageError,
     add_common_options,
     error,
@@ -66,7 +67,7 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="secagg", epilog=EXAMPLES[None],
         formatter_class=HelpFormatter,
         description="Secure aggregation with distributed differential privacy for federations.")

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import FLError
 
@@ -30,6 +31,16 @@ class UsageError(FLError, ValueError):
     """A bad option, option combination or input file: exit 2, no traceback."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one error path: a bad option is one line on stderr naming
+    the option and what to change (no usage dump), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr,
+              flush=True)
+        raise SystemExit(USAGE)
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """Wraps descriptions; keeps an epilog of examples as written."""
 
@@ -37,6 +48,40 @@ class HelpFormatter(argparse.HelpFormatter):
         if text.startswith("examples:"):
             return "".join(indent + line for line in text.splitlines(keepends=True))
         return super()._fill_text(text, width, indent)
+
+
+def _number(text: str, kind: type, low: float | None, low_open: bool, high: float | None,
+            what: str) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: need {what}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text}: need {what} (a finite number)")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    if too_low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{text}: need {what}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer >= 0 (argparse names the option and exits 2)."""
+    return int(_number(text, int, 0, False, None, "a non-negative integer"))
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    return int(_number(text, int, 1, False, None, "a positive integer"))
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    return float(_number(text, float, 0.0, True, None, "a number above 0"))
+
+
+def nonnegative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    return float(_number(text, float, 0.0, False, None, "a number at least 0"))
 
 
 def error(command: str, message: object, code: int = USAGE) -> int:

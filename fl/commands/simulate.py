@@ -32,7 +32,7 @@ import numpy as np
 from secagg import Config, Stage, round_stages
 
 from ..errors import FLError
-from ._common import UsageError
+from ._common import UsageError, nonnegative_int
 
 DEFAULT_CLIENTS = 10
 DEFAULT_DIM = 1000
@@ -75,7 +75,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="directory of <id>.npy uint64 vectors (ids are the file stems)")
     parser.add_argument("--output", metavar="SUM.npy", help="write the aggregate here")
     parser.add_argument("--report", metavar="REPORT.json", help="write a JSON report here")
-    parser.add_argument("--seed", type=int, metavar="S",
+    parser.add_argument("--seed", type=nonnegative_int, metavar="S",
                         help="seed for random inputs and the drop schedule")
     parser.add_argument("--json", action="store_true",
                         help="print the report as JSON on stdout instead of the summary")
@@ -132,7 +132,8 @@ def build_config(args: argparse.Namespace, n: int, dim: int) -> Config:
                       neighbors=args.neighbors, security=args.security,
                       dropout_rate=args.drop_rate if args.neighbors is not None else None)
     except ValueError as exc:
-        raise UsageError(str(exc).replace("threshold=", "--threshold ")
+        raise UsageError(str(exc).replace("use neighbors=None", "drop --neighbors")
+                          .replace("threshold=", "--threshold ")
                           .replace("num_clients=", "--clients ").replace("dim=", "--dim ")
                           .replace("bits=", "--bits ").replace("neighbors=", "--neighbors ")
                           ) from None

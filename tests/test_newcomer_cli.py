@@ -1,0 +1,49 @@
+"""A newcomer's command line: every bad value is refused before any work starts, in one
+line on stderr that names the option and says what to change, with exit code 2, and no
+library warning or traceback reaches the terminal (issue: front doors)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _secagg(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fl.cli", *argv], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str], option: str) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert len(lines) == 1 and "Traceback" not in done.stderr and "Warning" not in done.stderr, \
+        done.stderr
+    assert option in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(("argv", "option"), [
+    (["simulate", "--seed", "-1"], "--seed"),
+    (["simulate", "--seed", "x"], "--seed"),
+])
+def test_simulate_refuses_a_bad_value_naming_its_option(argv: list[str], option: str) -> None:
+    _one_line_error(_secagg(*argv), option)
+
+
+def test_a_suggested_value_is_one_the_parser_accepts() -> None:
+    line = _one_line_error(_secagg("simulate", "--clients", "10", "--neighbors", "2"),
+                           "--neighbors")
+    assert "None" not in line and "drop --neighbors" in line
+
+
+def test_budget_says_one_line_without_a_library_warning() -> None:
+    done = _secagg("budget", "--epsilon", "0.01", "--delta", "1e-5", "--sample-rate", "0.9",
+                   "--rounds", "3000")
+    line = _one_line_error(done, "epsilon")
+    assert "raise epsilon" in line
