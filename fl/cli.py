@@ -27,7 +27,7 @@ from fl.commands._common import (
     verbosity,
 )
 
-_COMMANDS = ("simulate", "train", "budget", "keygen")
+_COMMANDS = ("simulate", "train", "budget", "keygen", "broker")
 EXAMPLES = {
     None: """examples:
   secagg simulate --clients 20 --drop-rate 0.3 --report round.json
@@ -56,6 +56,9 @@ run `secagg COMMAND --help` for a command's options""",
     "keygen": """examples:
   secagg keygen --out site-3.key     (writes site-3.key, mode 0600, and site-3.pub)
   secagg train --role site --site-id 3 --signing-key site-3.key --peer-keys federation/ ...""",
+    "broker": """examples:
+  secagg broker --sites 3 --dir federation/      (writes the credentials, runs the broker)
+  secagg broker --sites 1,2,3 --dir federation/ --write-only   (files for Mosquitto too)""",
 }
 
 

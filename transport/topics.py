@@ -155,3 +155,9 @@ def acl_table(client_ids: list[int] | tuple[int, ...]) -> dict[str, TopicAcl]:
     for cid in client_ids:
         table[site_name(cid)] = site_acl(site_name(cid))
     return table
+
+
+def acl_json(client_ids: list[int] | tuple[int, ...]) -> dict[str, dict[str, list[str]]]:
+    """``acl_table`` as the embedded broker's ``--acl-file`` holds it (``json.dump`` takes
+    it as is)."""
+    return {user: entry.to_json() for user, entry in acl_table(client_ids).items()}

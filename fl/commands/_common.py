@@ -84,6 +84,38 @@ def nonnegative_float(text: str) -> float:
     return float(_number(text, float, 0.0, False, None, "a number at least 0"))
 
 
+def parse_sites(value: str | None, role: str) -> tuple[int, ...]:
+    """``--sites``: a count S (ids 1..S) or a comma-separated list of site ids."""
+    if value is None:
+        if role == "site":
+            return ()
+        raise ValueError(f"--role {role} needs --sites")
+    text = value.strip()
+    try:
+        if "," not in text:
+            count = int(text)
+            if count < 2:
+                raise ValueError(f"--sites {value}: need at least 2 sites")
+            return tuple(range(1, count + 1))
+        ids = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        if "--sites" in str(exc):
+            raise
+        raise ValueError(f"--sites {value}: give a number or ids like 1,2,3") from None
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise ValueError(f"--sites {value}: site {repeated[0]} is listed twice; list each "
+                         "site once")
+    outside = [i for i in ids if not 1 <= i < 1 << 32]
+    if outside:
+        raise ValueError(f"--sites {value}: site id {outside[0]} is outside 1..2**32-1")
+    if len(ids) < 2:
+        raise ValueError(f"--sites {value}: need at least 2 sites")
+    if role == "all" and ids != tuple(range(1, len(ids) + 1)):
+        raise ValueError(f"--sites {value}: --role all numbers its sites 1..S; give S")
+    return tuple(sorted(ids))
+
+
 def error(command: str, message: object, code: int = USAGE) -> int:
     """Print ``secagg <command>: error: <message>`` on stderr; returns ``code``."""
     print(f"secagg {command}: error: {message}", file=sys.stderr, flush=True)

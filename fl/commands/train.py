@@ -22,36 +22,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fl.commands._common import emit_json, progress_log, setup_logging
+from fl.commands._common import emit_json, parse_sites, progress_log, setup_logging
 from fl.data import DATASETS
 from fl.settings import DP_MODES, MODELS, SCALING, UNITS, TrainSettings
 
 ROLES = ("all", "coordinator", "site")
-
-
-def parse_sites(value: str | None, role: str) -> tuple[int, ...]:
-    """``--sites``: a count S (ids 1..S) or a comma-separated list of site ids."""
-    if value is None:
-        if role == "site":
-            return ()
-        raise ValueError(f"--role {role} needs --sites")
-    text = value.strip()
-    try:
-        if "," not in text:
-            count = int(text)
-            if count < 2:
-                raise ValueError(f"--sites {value}: need at least 2 sites")
-            return tuple(range(1, count + 1))
-        ids = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError as exc:
-        if "--sites" in str(exc):
-            raise
-        raise ValueError(f"--sites {value}: give a number or ids like 1,2,3") from None
-    if len(ids) < 2 or len(set(ids)) != len(ids) or not all(1 <= i < 1 << 32 for i in ids):
-        raise ValueError(f"--sites {value}: need at least 2 distinct ids in 1..2**32-1")
-    if role == "all" and ids != tuple(range(1, len(ids) + 1)):
-        raise ValueError(f"--sites {value}: --role all numbers its sites 1..S; give S")
-    return tuple(sorted(ids))
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

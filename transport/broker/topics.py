@@ -131,6 +131,11 @@ class TopicAcl:
                     raise BrokerConfigError(f"bad ACL pattern in TopicAcl.{name}: {exc}") from exc
             object.__setattr__(self, name, patterns)
 
+    def to_json(self) -> dict[str, list[str]]:
+        """The entry as the broker's ``--acl-file`` holds it (JSON-ready)."""
+        return {"subscribe": list(self.subscribe), "publish": list(self.publish),
+                "retain": list(self.retain)}
+
     @classmethod
     def coerce(cls, value: TopicAcl | tuple[Sequence[str], Sequence[str]]) -> TopicAcl:
         """Accept a ``TopicAcl`` or a ``(read_patterns, write_patterns)`` tuple."""
