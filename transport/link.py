@@ -10,7 +10,9 @@ runs over both::
         await link.publish(topic, payload)
         event = await link.receive()          # Delivery, Reconnected, or raises LinkLost
 
-A link reconnects by itself after a lost connection (re-subscribing), and reports that with a
+A link reconnects by itself after a lost connection (re-subscribing to what it holds: what was
+subscribed and not since unsubscribed; a party scopes a round's topics to the round, so the
+list stays a handful long however many rounds run), and reports that with a
 ``Reconnected`` event so the driver can re-send what may have been lost: MQTT sessions are
 clean, so anything in flight during an outage is gone.
 """
@@ -65,7 +67,11 @@ class Link(Protocol):
     def name(self) -> str: ...
 
     async def subscribe(self, topic_filter: str) -> None:
-        """Subscribe (QoS 1); kept across reconnections."""
+        """Subscribe (QoS 1); kept across reconnections until ``unsubscribe``."""
+
+    async def unsubscribe(self, topic_filter: str) -> None:
+        """Drop a subscription: no longer delivered, nor renewed after a reconnection. Never
+        raises for a lost link (the broker forgets a clean session's subscriptions)."""
 
     async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> bool:
         """Publish at QoS 1. True when the broker acknowledged it; False when it could not be

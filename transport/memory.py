@@ -56,6 +56,15 @@ class MemoryLink:
             if topic_matches(topic_filter, topic):
                 self._queue.put_nowait(Delivery(topic, payload))
 
+    async def unsubscribe(self, topic_filter: str) -> None:
+        if topic_filter in self._filters:
+            self._filters.remove(topic_filter)
+
+    @property
+    def subscriptions(self) -> tuple[str, ...]:
+        """The filters this link holds (renewed after a restart)."""
+        return tuple(self._filters)
+
     async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> bool:
         if not self.connected:
             await self._network.wait_up()

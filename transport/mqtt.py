@@ -17,9 +17,10 @@ import logging
 import socket
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import aiomqtt
 
@@ -27,6 +28,8 @@ from .link import Delivery, Event, LinkLost, Reconnected, Will
 from .tasks import retrieve_outcome, stop_task
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -199,9 +202,21 @@ class MqttLink:
         return client
 
     async def _connect(self, deadline: float) -> aiomqtt.Client:
+        """A connected client holding this link's subscriptions, or ``LinkLost`` by
+        ``deadline`` (``loop.time()``): every attempt, and every await in it (a TCP connect
+        in aiomqtt's executor thread, a CONNACK, a SUBACK), ends by then."""
+        last: list[Exception] = []
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._try_connect(deadline, last)
+        except TimeoutError:
+            reason = last[-1] if last else "no answer in time"
+            raise LinkLost(f"{self._name}: cannot reach the MQTT broker at "
+                           f"{self._settings.url} within its timeout: {reason}") from None
+
+    async def _try_connect(self, deadline: float, last: list[Exception]) -> aiomqtt.Client:
         loop = asyncio.get_running_loop()
         delay = 0.05
-        last: Exception | None = None
         while True:
             client = self._new_client()
             try:
@@ -209,26 +224,54 @@ class MqttLink:
                 # aiomqtt's "Unexpected disconnection" future is retrieved only by a
                 # __aexit__ that a stop may cut short; a cut connection is no news.
                 client._disconnected.add_done_callback(retrieve_outcome)
-                for topic_filter in self._filters:
-                    await client.subscribe(topic_filter, qos=1)
+                await self._renew(client)
                 return client
             except aiomqtt.MqttError as exc:
-                last = exc
+                last.append(exc)
                 logger.debug("%s: connection attempt failed: %r", self._name, exc)
                 await _discard(client)
                 if isinstance(exc, aiomqtt.MqttCodeError) and exc.rc in (4, 5, 134, 135):
                     raise LinkLost(f"{self._name}: the broker at {self._settings.url} refused "
                                    f"the credentials ({exc})") from None
             except BaseException:
-                # Cancelled half-way (the caller gave up): leave no client behind whose
-                # callbacks fire into a closed loop.
+                # Cancelled half-way (the caller gave up, or the deadline passed): leave no
+                # client behind whose callbacks fire into a closed loop.
                 await _discard(client)
                 raise
             if loop.time() + delay > deadline:
                 raise LinkLost(f"{self._name}: cannot reach the MQTT broker at "
-                               f"{self._settings.url}: {last}")
+                               f"{self._settings.url}: {last[-1]}")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+    async def _renew(self, client: aiomqtt.Client) -> None:
+        """Subscribe a new connection to the filters this link holds; a filter dropped by
+        ``unsubscribe`` meanwhile is dropped at the broker too."""
+        held = list(self._filters)
+        for topic_filter in held:
+            self._check_granted(topic_filter,
+                                await client.subscribe(topic_filter, qos=1))
+        for topic_filter in held:
+            if topic_filter not in self._filters:
+                await client.unsubscribe(topic_filter)
+
+    def _check_granted(self, topic_filter: str, granted: object) -> None:
+        """``LinkLost`` naming the likely cause when the SUBACK refuses ``topic_filter``.
+
+        MQTT 3.1.1 has one refusal code (0x80) for every cause, so the message names the
+        two a federation meets: the ACL, and a cap on subscriptions per session (the
+        embedded broker's ``max_subscriptions``, 64; this link holds ``len(_filters)``).
+        """
+        codes = [getattr(c, "value", c) for c in granted]  # type: ignore[attr-defined]
+        if not any(isinstance(c, int) and c >= 0x80 for c in codes):
+            return
+        held = len(self._filters)
+        raise LinkLost(f"{self._name}: the broker at {self._settings.url} refused the "
+                       f"subscription to {topic_filter} (SUBACK 0x80) with {held} "
+                       f"subscriptions held on this connection: either its ACL does not "
+                       f"grant {topic_filter} to {self._name}, or {held} reaches its cap on "
+                       f"subscriptions per session (the embedded broker's "
+                       f"BrokerLimits.max_subscriptions)")
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
@@ -265,8 +308,7 @@ class MqttLink:
                                self._settings.url, exc)
             self._up.clear()
             self._down.set()
-            with contextlib.suppress(Exception):
-                await client.__aexit__(None, None, None)
+            await _discard(client)  # bounded: a dead socket must not stall the reconnection
             try:
                 self._client = await self._connect(loop.time()
                                                    + self._settings.reconnect_timeout)
@@ -279,15 +321,50 @@ class MqttLink:
             self._up.set()
             self._queue.put_nowait(Reconnected(self._attempts))
 
+    async def _while_up(self, call: Coroutine[Any, Any, T]) -> tuple[bool, T | None]:
+        """Run ``call`` on the live connection; (False, None) if the connection drops first.
+
+        aiomqtt keeps waiting for the PUBACK, SUBACK or UNSUBACK of a call whose connection
+        died (up to its timeout); this stops waiting as soon as the link goes down."""
+        task = asyncio.ensure_future(call)
+        down = asyncio.ensure_future(self._down.wait())
+        try:
+            await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            down.cancel()
+        if not task.done():
+            await stop_task(task)
+            return False, None
+        return True, task.result()
+
     async def subscribe(self, topic_filter: str) -> None:
         if topic_filter not in self._filters:
             self._filters.append(topic_filter)
-        if self._client is not None and self._up.is_set():
-            granted = await self._client.subscribe(topic_filter, qos=1)
-            codes = [getattr(c, "value", c) for c in granted]
-            if any(isinstance(c, int) and c >= 0x80 for c in codes):
-                raise LinkLost(f"{self._name}: the broker refused the subscription to "
-                               f"{topic_filter} (check its ACL)")
+        client = self._client
+        if client is None or not self._up.is_set():
+            return  # subscribed on the reconnection
+        try:
+            done, granted = await self._while_up(client.subscribe(topic_filter, qos=1))
+        except aiomqtt.MqttError as exc:
+            logger.info("%s: subscribe to %s failed: %s", self._name, topic_filter, exc)
+            return  # the connection is failing; the reconnection subscribes
+        if done:
+            self._check_granted(topic_filter, granted)
+
+    async def unsubscribe(self, topic_filter: str) -> None:
+        if topic_filter not in self._filters:
+            return
+        self._filters.remove(topic_filter)
+        client = self._client
+        if client is None or not self._up.is_set():
+            return  # a reconnection does not renew it
+        try:
+            await self._while_up(client.unsubscribe(topic_filter))
+        except aiomqtt.MqttError as exc:
+            logger.info("%s: unsubscribe from %s failed: %s", self._name, topic_filter, exc)
 
     async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> bool:
         try:
@@ -298,25 +375,13 @@ class MqttLink:
         client = self._client
         if client is None:
             return False
-        # aiomqtt keeps waiting for the PUBACK of a publish whose connection died; do not.
-        publish = asyncio.ensure_future(client.publish(topic, payload, qos=1, retain=retain))
-        down = asyncio.ensure_future(self._down.wait())
         try:
-            await asyncio.wait((publish, down), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            publish.cancel()
-            raise
-        finally:
-            down.cancel()
-        if not publish.done():
-            await stop_task(publish)
-            return False
-        try:
-            publish.result()
+            done, _ = await self._while_up(client.publish(topic, payload, qos=1,
+                                                          retain=retain))
         except aiomqtt.MqttError as exc:
             logger.info("%s: publish to %s failed: %s", self._name, topic, exc)
             return False
-        return True
+        return done
 
     async def receive(self, timeout: float | None = None) -> Event | None:
         try:

@@ -255,7 +255,7 @@ class CoordinatorChannel:
                        self.security)
         self._key, self._blob, self._digest = ann.key, blob, digest
         self.readies, self.declines = {}, {}
-        with self._party.round(topics) as view:
+        async with self._party.round(topics) as view:
             self._round = topics
             try:
                 await view.subscribe(topics.server_filter)

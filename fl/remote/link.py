@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 from transport.link import Delivery, Event, Link, LinkLost, Network, Reconnected, Will
 from transport.topics import Topics
@@ -54,13 +54,22 @@ class RoundView(_Inbox):
         self._link = link
         self.topics = topics
         self.prefix = topics.base + "/"
+        self.filters: list[str] = []
 
     @property
     def name(self) -> str:
         return self._link.name
 
     async def subscribe(self, topic_filter: str) -> None:
+        """Subscribe for this round only: :meth:`PartyLink.round` drops it at the end."""
+        if topic_filter not in self.filters:
+            self.filters.append(topic_filter)
         await self._link.subscribe(topic_filter)
+
+    async def unsubscribe(self, topic_filter: str) -> None:
+        if topic_filter in self.filters:
+            self.filters.remove(topic_filter)
+        await self._link.unsubscribe(topic_filter)
 
     async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> bool:
         return await self._link.publish(topic, payload, retain=retain)
@@ -85,9 +94,15 @@ class PartyLink(_Inbox):
     async def subscribe(self, topic_filter: str) -> None:
         await self.link.subscribe(topic_filter)
 
-    @contextlib.contextmanager
-    def round(self, topics: Topics) -> Iterator[RoundView]:
-        """Route ``topics``' deliveries to a fresh view while the block runs."""
+    async def unsubscribe(self, topic_filter: str) -> None:
+        await self.link.unsubscribe(topic_filter)
+
+    @contextlib.asynccontextmanager
+    async def round(self, topics: Topics) -> AsyncIterator[RoundView]:
+        """Route ``topics``' deliveries to a fresh view while the block runs; what the view
+        subscribed is unsubscribed when it ends, so a party holds the same few subscriptions
+        at round 1,000 as at round 1 (a broker caps them per session: the embedded broker
+        at 64, which a federation reached at round 32 when rounds kept theirs)."""
         view = RoundView(self.link, topics)
         if self.lost is not None:
             view.put(self.lost)
@@ -97,6 +112,10 @@ class PartyLink(_Inbox):
         finally:
             if self._round is view:
                 self._round = None
+            # Bounded by the link: it stops waiting once the connection is down, and a
+            # reconnection renews only what is still held.
+            for topic_filter in list(view.filters):
+                await view.unsubscribe(topic_filter)
 
     def to_round(self, delivery: Delivery) -> None:
         """Hand the open round a delivery (a forwarded last will); no round: dropped."""

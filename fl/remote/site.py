@@ -317,7 +317,7 @@ class SiteProcess:
         trained = time.perf_counter() - started
         assert self._party is not None
         topics = Topics(ann.name)
-        with self._party.round(topics) as view:
+        async with self._party.round(topics) as view:
             await view.subscribe(topics.client_filter(self.site_id))
             await view.subscribe(topics.control)
             clear = vector.astype("<u8").tobytes() if (

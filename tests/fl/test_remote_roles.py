@@ -108,7 +108,7 @@ def test_one_connection_routes_each_round_apart_from_the_federation() -> None:
                 network.connect("site-1") as site:
             await party.subscribe("secagg/fed/server/#")
             await party.subscribe(old_round.server_filter)
-            with party.round(open_round) as view:
+            async with party.round(open_round) as view:
                 await view.subscribe(open_round.server_filter)
                 await site.publish("secagg/fed/server/hello/site-1", b"a")
                 await site.publish(open_round.upstream(1, "advertise_keys"), b"b")

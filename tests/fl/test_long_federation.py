@@ -1,0 +1,120 @@
+"""Long federations across processes: a coordinator and three sites, each its own
+``secagg train`` process, for 100 rounds over the embedded broker and over Mosquitto.
+
+Every round a party subscribes to that round's topics; the round releases them when it ends
+(``fl.remote.link.PartyLink.round``). Before, the sites reached the embedded broker's cap
+of 64 subscriptions per session at round 32 and exited, and on Mosquitto the subscriptions
+piled up; here the Mosquitto run also reads the broker's own subscription count.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.fl.test_multiprocess_training import Party, finish, start
+from transport.broker.topics import TopicAcl
+from transport.mosquitto import MosquittoBroker, mosquitto_available
+from transport.runner import broker_for
+from transport.topics import SERVER_USER, acl_table, site_name
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+SITES = (1, 2, 3)
+ROUNDS = 100
+FAST = ["--local-epochs", "1", "--batch-size", "64"]
+
+
+def _users() -> dict[str, str]:
+    users = {SERVER_USER: secrets.token_urlsafe(12)}
+    users.update({site_name(c): secrets.token_urlsafe(12) for c in SITES})
+    return users
+
+
+def _urls(users: dict[str, str], host: str, port: int) -> dict[str, str]:
+    return {user: f"mqtt://{user}:{password}@{host}:{port}" for user, password in users.items()}
+
+
+def _run(urls: dict[str, str], report_path: Path) -> None:
+    coordinator, sites = start(urls, report_path, rounds=ROUNDS, extra=FAST)
+    parties: list[Party] = [coordinator, *sites.values()]
+    try:
+        finish(coordinator, sites, timeout=200)
+        for party in sites.values():
+            assert party.proc.returncode == 0, party.log
+            assert f"the coordinator finished after {ROUNDS} rounds" in party.log, party.log
+            assert "refused the subscription" not in party.log, party.log
+    finally:
+        for party in parties:
+            party.kill()
+    rows = json.loads(report_path.read_text())["rounds"]
+    assert [row["round"] for row in rows] == list(range(1, ROUNDS + 1))
+    for row in rows:
+        assert row["included"] == [1, 2, 3], row
+        assert row["aggregate_correct"] is True, row
+
+
+def test_hundred_rounds_across_processes_on_the_embedded_broker(tmp_path: Path) -> None:
+    users = _users()
+    with broker_for("embedded", users, acl_table(list(SITES))) as settings:
+        _run(_urls(users, "127.0.0.1", settings.port), tmp_path / "report.json")
+
+
+class SubscriptionCount:
+    """Mosquitto's ``$SYS/broker/subscriptions/count`` as a privileged monitor reads it."""
+
+    TOPIC = "$SYS/broker/subscriptions/count"
+
+    def __init__(self, port: int, username: str, password: str) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.values: list[int] = []
+        self._seen = threading.Event()
+        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=username)
+        self._client.username_pw_set(username, password)
+        self._client.on_connect = lambda c, *_: c.subscribe(self.TOPIC, qos=0)
+        self._client.on_message = self._on_message
+        self._client.connect("127.0.0.1", port)
+        self._client.loop_start()
+
+    def _on_message(self, client: object, userdata: object, message: object) -> None:
+        self.values.append(int(message.payload))  # type: ignore[attr-defined]
+        self._seen.set()
+
+    def close(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+
+@contextmanager
+def _mosquitto(users: dict[str, str]) -> Iterator[tuple[MosquittoBroker, SubscriptionCount]]:
+    monitor_password = secrets.token_urlsafe(12)
+    acl = dict(acl_table(list(SITES)))
+    acl["monitor"] = TopicAcl(subscribe=(SubscriptionCount.TOPIC,))
+    with MosquittoBroker(users={**users, "monitor": monitor_password}, acl=acl,
+                         extra_config=["sys_interval 1"]) as broker:
+        count = SubscriptionCount(broker.port, "monitor", monitor_password)
+        try:
+            yield broker, count
+        finally:
+            count.close()
+
+
+@pytest.mark.mosquitto
+@pytest.mark.skipif(not mosquitto_available(), reason="mosquitto binary not installed")
+def test_hundred_rounds_across_processes_on_mosquitto(tmp_path: Path) -> None:
+    """The broker's subscription count stays at what the parties hold at once: the
+    coordinator 2 (its federation filter, the open round's), each site 4 (control, model,
+    the open round's two), the monitor 1; without the release it grows by 7 per round."""
+    users = _users()
+    with _mosquitto(users) as (broker, count):
+        _run(_urls(users, "127.0.0.1", broker.port), tmp_path / "report.json")
+        assert count.values, "no $SYS subscription count received"
+        bound = 2 + 4 * len(SITES) + 1
+        assert max(count.values) <= bound, count.values
