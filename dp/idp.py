@@ -42,18 +42,28 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dp.accounting import F64, _check, gaussian_rdp, group_gaussian_rdp, rdp_to_epsilon
+from dp.accounting import (
+    F64,
+    _check,
+    gaussian_rdp,
+    group_gaussian_pld_epsilon,
+    group_gaussian_rdp,
+    rdp_to_epsilon,
+)
 from dp.errors import PrivacyConfigError
 from dp.randomness import RandomSource, SystemRandom, uniform_words
 
 METHODS = ("sampling", "clipping", "uniform")
-BOUNDS = ("rdp", "group-privacy")
+BOUNDS = ("rdp", "pld", "group-privacy")
 #: Highest RDP order used for patient groups (below epsilon ~0.3 at delta 1e-5 it is loose).
 MAX_ORDER = 64
 #: Orders for the record-level RDP under group privacy (integer orders: Opacus' fast path).
 _INTEGER_ORDERS = (*range(2, 65), 72, 80, 96, 112, 128)
 #: Noise multipliers searched by the planner.
 Z_RANGE = (0.3, 500.0)
+#: The smallest per-record rate the planner gives a group: a group that cannot meet its
+#: target at this rate is infeasible at that noise.
+MIN_RATE = 1e-6
 
 
 def poisson_sample(rates: F64, source: RandomSource | None = None) -> npt.NDArray[np.int64]:
@@ -102,6 +112,8 @@ def patient_epsilon(noise_multiplier: float, sample_rate: float, records: int, s
         rdp = group_gaussian_rdp(noise_multiplier, sample_rate, records, steps,
                                  max_order=MAX_ORDER)
         return rdp_to_epsilon(rdp, delta)
+    if bound == "pld":
+        return group_gaussian_pld_epsilon(noise_multiplier, sample_rate, records, steps, delta)
     if bound == "group-privacy":
         if target_epsilon is None:
             raise PrivacyConfigError("bound='group-privacy' needs the target epsilon")
@@ -305,21 +317,7 @@ def plan_idp(groups: PatientGroups, *, delta: float, sample_rate: float, steps: 
         return patient_epsilon(z, q, k, steps, delta, bound, target)
 
     if method == "sampling":
-        def rates(z: float) -> list[float]:
-            return [_largest(lambda q, k=k, t=t: eps(z, q, k, t) - t, 1e-6, 1.0, 1e-3)
-                    for k, t, _ in sizes]
-
-        def mean_rate(z: float) -> float:
-            return float(np.dot(weight, rates(z)) / weight.sum())
-
-        if noise_multiplier is None:
-            noise_multiplier = _solve_noise(lambda z: sample_rate - mean_rate(z),
-                                            "the mean sampling rate")
-        qs = rates(noise_multiplier)
-        if min(qs) <= 0:
-            raise PrivacyConfigError(
-                f"noise multiplier {noise_multiplier:g} cannot meet every target at any "
-                "sampling rate: raise it, or lower the steps")
+        noise_multiplier, qs = _plan_rates(eps, sizes, weight, sample_rate, noise_multiplier)
         clips = [clip_norm] * len(sizes)
     else:
         # z_g: the smallest noise multiplier (relative to the group's own clip) that fits.
@@ -352,15 +350,122 @@ def plan_idp(groups: PatientGroups, *, delta: float, sample_rate: float, steps: 
                    max_records, tuple(out))
 
 
-def _solve_noise(shortfall: Callable[[float], float], what: str) -> float:
-    """Smallest z in :data:`Z_RANGE` (to 0.1 %) with ``shortfall(z) <= 0`` (decreasing in z)."""
-    lo, hi = Z_RANGE
-    # shortfall decreases in z; search s = 1/z, where it increases.
-    s = _largest(lambda s: shortfall(1.0 / s), 1.0 / hi, 1.0 / lo, rel=1e-3)
-    if s == 0.0:
-        raise PrivacyConfigError(f"no noise multiplier up to {hi:g} reaches {what}: raise "
-                                 "the target epsilons, or lower the sample rate or the steps")
-    return 1.0 / s
+def _largest_log(fits: Callable[[float], float], lo: float, hi: float,
+                 rel: float = 1e-3) -> float:
+    """Largest x in [lo, hi] (0 < lo <= hi) with ``fits(x) <= 0`` (``fits`` increasing), to
+    a relative ``rel``; 0 if none."""
+    return _largest_log_in(fits, lo, hi, lo, hi, rel)
+
+
+def _largest_log_in(fits: Callable[[float], float], lo_guess: float, hi_guess: float,
+                    lo_limit: float, hi_limit: float, rel: float = 1e-3, grow: float = 4.0
+                    ) -> float:
+    """:func:`_largest_log` in [``lo_limit``, ``hi_limit``] from a warm bracket
+    ``[lo_guess, hi_guess]`` (a guess: it grows by ``grow`` until it holds the answer).
+    Regula falsi with the Illinois modification in log x."""
+    lo, hi = max(lo_limit, min(lo_guess, hi_limit)), min(hi_limit, max(hi_guess, lo_limit))
+    f_hi = fits(hi)
+    while f_hi <= 0:
+        if hi >= hi_limit:
+            return hi
+        lo, hi = hi, min(hi_limit, hi * grow)
+        f_hi = fits(hi)
+    f_lo = fits(lo) if lo < hi else f_hi
+    while f_lo > 0:
+        if lo <= lo_limit:
+            return 0.0
+        hi, f_hi = lo, f_lo
+        lo = max(lo_limit, lo / grow)
+        f_lo = fits(lo)
+    u_lo, u_hi, tol = math.log(lo), math.log(hi), math.log1p(rel)
+    side = 0
+    while u_hi - u_lo > tol:
+        u = u_hi - f_hi * (u_hi - u_lo) / (f_hi - f_lo)
+        if not u_lo + tol / 4 < u < u_hi - tol / 4:
+            u = (u_lo + u_hi) / 2
+        f_u = fits(math.exp(u))
+        if f_u <= 0:
+            u_lo, f_lo = u, f_u
+            if side == -1:
+                f_hi /= 2
+            side = -1
+        else:
+            u_hi, f_hi = u, f_u
+            if side == 1:
+                f_lo /= 2
+            side = 1
+    return math.exp(u_lo)
+
+
+def _log_ratio(value: float, target: float) -> float:
+    """``log(value / target)``, finite (an increasing score for the searches)."""
+    if value <= 0:
+        return -50.0
+    if not math.isfinite(value):
+        return 50.0
+    return max(-50.0, min(50.0, math.log(value / target)))
+
+
+def _plan_rates(eps: Callable[[float, float, int, float], float],
+                sizes: Sequence[tuple[int, float, int]], weight: npt.NDArray[np.float64],
+                sample_rate: float, fixed_z: float | None) -> tuple[float, list[float]]:
+    """``method="sampling"``: the noise multiplier and every group's per-record rate.
+
+    A group's *largest rate* at noise z is the largest q in [MIN_RATE, 1] whose patient
+    epsilon is at most its target (0: infeasible at z). The noise is the smallest z (to
+    0.5 %) at which every group is feasible and the record-weighted mean of the largest
+    rates reaches ``sample_rate``, capped at ``Z_RANGE[1]`` (or ``fixed_z``); the rates are
+    the largest rates scaled down so their mean is ``sample_rate`` (when the cap leaves it
+    out of reach: the largest rates, the highest mean there is). Raises
+    :class:`PrivacyConfigError` naming the one number to change when a group is infeasible
+    at the cap.
+    """
+    total = float(weight.sum())
+    known: dict[float, list[float]] = {}
+
+    def largest_rates(z: float) -> list[float]:
+        if z in known:
+            return known[z]
+        below = max((x for x in known if x < z), default=None)
+        above = min((x for x in known if x > z), default=None)
+        out: list[float] = []
+        for i, (k, t, _) in enumerate(sizes):
+            lo = known[below][i] if below is not None and known[below][i] > 0 else MIN_RATE
+            hi = known[above][i] if above is not None else 1.0
+            if i and sizes[i - 1][1] == t and sizes[i - 1][0] < k:
+                hi = min(hi, out[-1]) if out[-1] > 0 else hi  # more records: a lower rate
+            hi = max(hi, lo)
+            out.append(_largest_log_in(
+                lambda q, k=k, t=t: _log_ratio(eps(z, q, k, t), t), lo, hi * 1.01,
+                MIN_RATE, 1.0, rel=5e-3))
+        known[z] = out
+        return out
+
+    def mean(z: float) -> float:
+        return float(np.dot(weight, largest_rates(z)) / total)
+
+    def feasible(z: float) -> bool:
+        return min(largest_rates(z)) > 0
+
+    if fixed_z is not None:
+        z = fixed_z
+    else:  # the smallest z whose largest rates reach the mean (infeasible groups count 0)
+        s = _largest_log_in(lambda s: _log_ratio(sample_rate, mean(1.0 / s) or 1e-300), 1.0,
+                            1.0, 1.0 / Z_RANGE[1], 1.0 / Z_RANGE[0], rel=1e-2, grow=1.3)
+        z = 1.0 / s if s > 0 else Z_RANGE[1]
+        for i, r in enumerate(largest_rates(z)):
+            if r <= 0:  # then raise z until this group is feasible too
+                k, t, _ = sizes[i]
+                s = _largest_log_in(lambda s, k=k, t=t: _log_ratio(
+                    eps(1.0 / s, MIN_RATE, k, t), t), 1.0 / z, 1.0 / z,
+                    1.0 / Z_RANGE[1], 1.0 / z, rel=5e-3, grow=1.3)
+                z = 1.0 / s if s > 0 else Z_RANGE[1]
+    if not feasible(z):
+        worst = [i for i, r in enumerate(largest_rates(z)) if r <= 0]
+        k, t, _ = max((sizes[i] for i in worst), key=lambda g: g[0] / g[1])
+    rates = largest_rates(z)
+    scale = min(1.0, sample_rate / mean(z))
+    return z, [r * scale for r in rates]
 
 
 class GroupLedger:
