@@ -65,6 +65,7 @@ from .crypto import (
 from .errors import ProtocolAbort, ProtocolError, ShamirError
 from .graph import survivor_graph_problem
 from .messages import (
+    SCHEDULE,
     SHARE_PLAINTEXT_BYTES,
     AdvertiseKeys,
     Ciphertexts,
@@ -98,15 +99,12 @@ from .transcripts import (
 # Which server message each client stage accepts, by (stage of the last message the client
 # sent, malicious mode). docs/protocol.md table 3.2b; anything else is an abort (P8).
 CLIENT_ACCEPTS: Mapping[tuple[Stage, bool], type] = {
-    (Stage.ADVERTISE_KEYS, False): KeyList,
-    (Stage.ADVERTISE_KEYS, True): KeyList,
-    (Stage.SHARE_KEYS, False): Ciphertexts,
-    (Stage.SHARE_KEYS, True): Ciphertexts,
-    (Stage.MASKED_INPUT, False): UnmaskRequest,
-    (Stage.MASKED_INPUT, True): SurvivorList,
-    (Stage.CONSISTENCY_CHECK, True): UnmaskRequest,
+    (step.stage, malicious): answer
+    for step in SCHEDULE.values() for malicious in (False, True)
+    if (answer := step.answer_in(malicious)) is not None
 }
-
+"""(stage, malicious) -> the server message the client accepts there, read off
+``secagg.messages.SCHEDULE``."""
 
 
 def check_input(vector: object, config: Config, who: str = "input") -> np.ndarray:

@@ -37,14 +37,17 @@ def payload_of(message: Any) -> bytes:
 def stage_of(message: Any) -> str | None:
     """The secagg stage whose client message a server message asks for (``None``: not a
     secure-aggregation message): e.g. for a mod that logs or a test that injects dropouts."""
-    from secagg.messages import Ciphertexts, KeyList, SurvivorList, UnmaskRequest, decode
+    from secagg.messages import decode, stage_opened_by
 
     record = secagg_record(message)
     if record is None:
         return None
     if SETUP in record:
         return "advertise_keys"
-    kinds = {KeyList: "share_keys", Ciphertexts: "masked_input",
-             SurvivorList: "consistency_check", UnmaskRequest: "unmasking"}
     payload = record.get(PAYLOAD)
-    return kinds.get(type(decode(payload))) if isinstance(payload, bytes) else None
+    if not isinstance(payload, bytes):
+        return None
+    try:
+        return stage_opened_by(type(decode(payload))).label
+    except ValueError:  # a client message: it opens no stage
+        return None
