@@ -327,7 +327,7 @@ def test_two_runs_share_one_broker(tmp_path: Path) -> None:
 
 
 def test_progress_lines_inside_a_stage_when_not_on_a_terminal() -> None:
-    from fl.commands.simulate import Progress
+    from fl.commands.simulate import StageDisplay
 
     class Clock:
         now = 0.0
@@ -336,7 +336,7 @@ def test_progress_lines_inside_a_stage_when_not_on_a_terminal() -> None:
             return self.now
 
     stream, clock = io.StringIO(), Clock()
-    progress = Progress(stream, 4, interval=10.0, clock=clock)
+    progress = StageDisplay(stream, 4, interval=10.0, clock=clock)
     progress.start()
     for cid in (1, 2):
         progress.message(cid, Stage.ADVERTISE_KEYS)
@@ -350,14 +350,14 @@ def test_progress_lines_inside_a_stage_when_not_on_a_terminal() -> None:
 
 
 def test_progress_line_is_kept_up_to_date_on_a_terminal() -> None:
-    from fl.commands.simulate import Progress
+    from fl.commands.simulate import StageDisplay
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
     stream = Terminal()
-    progress = Progress(stream, 3, clock=lambda: 2.0)
+    progress = StageDisplay(stream, 3, clock=lambda: 2.0)
     progress.start()
     progress.message(1, Stage.SHARE_KEYS)
     progress.tick()

@@ -164,8 +164,8 @@ PROGRESS_INTERVAL = 10.0
 """Seconds between progress lines when stderr is not a terminal."""
 
 
-class Progress:
-    """Progress on stderr. On a terminal: status lines, and inside a stage one line kept
+class StageDisplay:
+    """A round's stages on stderr. On a terminal: status lines, and inside a stage one line kept
     up to date (clients answered / expected, elapsed). Elsewhere (a log file, a CI job):
     a line every ``interval`` seconds while a stage is open, and the stage summaries."""
 
@@ -389,7 +389,7 @@ def _run(args: argparse.Namespace) -> int:
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"{path}: its directory does not exist")
 
-    progress = Progress(sys.stderr, len(ids))
+    progress = StageDisplay(sys.stderr, len(ids))
     spec = SimulationSpec(config=config, client_ids=tuple(ids), inputs=source, drops=drops,
                           kill=args.kill, processes=processes, broker=broker,
                           timeouts=_timeouts(config, processes))
