@@ -297,7 +297,7 @@ class StopSignals:
             signal.signal(signum, self.record)
 
 
-async def _run_interruptible(spec: Any, progress: Progress, signals: StopSignals) -> Any:
+async def _run_interruptible(spec: Any, progress: StageDisplay, signals: StopSignals) -> Any:
     """``run_simulation`` that SIGINT and SIGTERM stop (its cleanup stops the workers and
     the broker and removes the temporary files), with a progress ticker. After a signal it
     raises ``Interrupted`` whatever the run returned or raised."""
