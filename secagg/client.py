@@ -261,7 +261,17 @@ class Client:
     # --- stage advertise_keys -------------------------------------------------------------
 
     def advertise(self) -> AdvertiseKeys:
-        """Round 0: the client's public keys (the same message every time it is asked)."""
+        """Round 0: the client's public keys (the same message every time it is asked).
+
+        In ``malicious`` mode only once the server's round nonce is bound
+        (``Client(nonce=server.nonce)`` or ``bind_nonce``): an advertisement signed without
+        it could be replayed into a later round to shut this client out (docs/protocol.md
+        9.2), so the client raises ``ProtocolError`` instead of sending one."""
+        if self.config.malicious and not self.nonce:
+            raise ProtocolError("malicious mode: bind the server's round nonce before "
+                                "advertising (Client(..., nonce=server.nonce) or "
+                                "client.bind_nonce(nonce)); the transport relays it",
+                                stage=self.stage, client_id=self.client_id)
         return self._advertisement
 
     def bind_nonce(self, nonce: bytes) -> AdvertiseKeys:

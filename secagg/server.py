@@ -14,6 +14,7 @@ one stage is rejected. ``ProtocolAbort`` means the round cannot finish.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
@@ -102,9 +103,11 @@ class Server:
                  nonce: bytes | None = None) -> None:
         if nonce is not None and (not isinstance(nonce, bytes) or len(nonce) != 32):
             raise ValueError("nonce must be 32 bytes (e.g. os.urandom(32)) or None")
-        # relayed to every client before it advertises (Client(nonce=...)): binds each
-        # advertisement to this round (docs/protocol.md 5.7); empty when the round has none
-        self.nonce: bytes = nonce or b""
+        # relayed to every client before it advertises (Client(nonce=...) or
+        # client.bind_nonce): binds each advertisement to this round (docs/protocol.md 5.7).
+        # Always fresh: a host cannot forget it, and a malicious-mode client refuses to
+        # advertise without it
+        self.nonce: bytes = nonce or os.urandom(32)
         self.config = config
         self._executor = executor
         self._workers = max(1, workers)

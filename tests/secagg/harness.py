@@ -105,7 +105,8 @@ class Round:
                              verify_keys=self.verify_keys)
         self.clients = {
             cid: Client(config, cid, self.inputs[cid], roster=self.roster, context=context,
-                        signing_key=self.signing.get(cid), verify_keys=self.verify_keys)
+                        signing_key=self.signing.get(cid), verify_keys=self.verify_keys,
+                        nonce=self.server.nonce)
             for cid in self.roster}
         self.kinds: list[type] = [AdvertiseKeys, KeyList, ShareKeys, Ciphertexts, MaskedInput]
         if config.malicious:

@@ -171,9 +171,10 @@ def test_bind_nonce_signs_the_advertisement_over_the_relayed_nonce_once() -> Non
     nonce, other = os.urandom(32), os.urandom(32)
     client = Client(config, 1, np.zeros(8, dtype=np.uint64), signing_key=keys[1],
                     verify_keys=verify)
-    unbound = client.advertise()
+    with pytest.raises(ProtocolError, match="nonce"):
+        client.advertise()  # malicious mode: nothing is sent before the nonce is bound
     bound = client.bind_nonce(nonce)
-    assert isinstance(bound, AdvertiseKeys) and bound.signature != unbound.signature
+    assert isinstance(bound, AdvertiseKeys) and bound.signature
     assert client.bind_nonce(nonce) == bound  # the same nonce again: no-op
     with pytest.raises(ProtocolError):
         client.bind_nonce(other)

@@ -17,9 +17,10 @@ def test_a_real_round_follows_the_schedule(security: str) -> None:
     roster = [1, 2, 3, 4]
     keys = {c: SigningKey.generate() for c in roster} if config.malicious else {}
     verify = {c: k.public for c, k in keys.items()} or None
-    clients = {c: Client(config, c, np.full(3, c, dtype=np.uint64), roster=roster,
-                         signing_key=keys.get(c), verify_keys=verify) for c in roster}
     server = Server(config, roster=roster, verify_keys=verify)
+    clients = {c: Client(config, c, np.full(3, c, dtype=np.uint64), roster=roster,
+                         signing_key=keys.get(c), verify_keys=verify, nonce=server.nonce)
+               for c in roster}
     stages = round_stages(config)
     wire = {c: client.advertise() for c, client in clients.items()}
     seen = []

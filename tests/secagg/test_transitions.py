@@ -43,7 +43,7 @@ def _round(security: str) -> tuple[Config, dict, list[tuple[Stage, bytes]],
     clients = {i: Client(config, i, rng.integers(0, 2**16, 8, dtype=np.uint64),
                          context=b"transitions",
                          signing_key=signing[i] if config.malicious else None,
-                         verify_keys=verify) for i in range(1, 5)}
+                         verify_keys=verify, nonce=server.nonce) for i in range(1, 5)}
     snapshots: list[tuple[Stage, bytes]] = []
     mine: dict[int, list[bytes]] = {}  # kind -> wire bytes, to and from client 1
     server_views: dict[Stage, dict[int, bytes]] = {}
@@ -133,7 +133,7 @@ def test_every_message_kind_in_every_server_stage(security: str) -> None:
     rng = np.random.default_rng(1)
     clients = {i: Client(config, i, rng.integers(0, 2**16, 8, dtype=np.uint64),
                          context=b"live", signing_key=signing[i] if config.malicious else None,
-                         verify_keys=verify) for i in range(1, 5)}
+                         verify_keys=verify, nonce=live.nonce) for i in range(1, 5)}
     sent: dict[Stage, dict[int, bytes]] = {}
     out: dict[int, object] = {}
     collected = []

@@ -142,7 +142,7 @@ class Puppeteer:
         self.config = config
         self.roster = normalize_roster(config, roster)
         self.context = context
-        self.t = config.threshold or 0
+        self.t = config.threshold
         rng = np.random.default_rng(seed)
         self.inputs: dict[int, np.ndarray] = dict(inputs) if inputs is not None else {
             cid: rng.integers(0, config.modulus, size=config.dim, dtype=np.uint64)
@@ -153,10 +153,11 @@ class Puppeteer:
             self.signing = {cid: SigningKey.generate() for cid in self.roster}
             self.verify_keys = {cid: k.public for cid, k in self.signing.items()}
         ctx = dict(contexts or {})
+        self.nonce = os.urandom(32)  # the round nonce this server relays to its clients
         self.clients = {
             cid: Client(config, cid, self.inputs[cid], roster=self.roster,
                         context=ctx.get(cid, context), signing_key=self.signing.get(cid),
-                        verify_keys=self.verify_keys)
+                        verify_keys=self.verify_keys, nonce=self.nonce)
             for cid in self.roster}
         self.session_id = derive_session_id(config, self.roster, context)
         self.received: list[tuple[int, bytes]] = []
@@ -515,15 +516,13 @@ class RecordedRound:
     """One round between a real ``Server`` and real ``Client`` objects with an EMPTY
     context, every byte recorded; stages run one at a time so a test can inject."""
 
-    def __init__(self, config: Config, signing: Mapping[int, SigningKey], seed: int,
-                 nonce: bool = False) -> None:
+    def __init__(self, config: Config, signing: Mapping[int, SigningKey], seed: int) -> None:
         self.config = config
         rng = np.random.default_rng(seed)
         self.inputs = {i: rng.integers(0, config.modulus, config.dim, dtype=np.uint64)
                        for i in range(1, config.num_clients + 1)}
         verify = {i: k.public for i, k in signing.items()} if config.malicious else None
-        self.server = Server(config, verify_keys=verify,
-                             nonce=os.urandom(32) if nonce else None)
+        self.server = Server(config, verify_keys=verify)  # its round nonce is always fresh
         self.clients = {i: Client(config, i, v, signing_key=signing.get(i), verify_keys=verify,
                                   nonce=self.server.nonce) for i, v in self.inputs.items()}
         self.sent: dict[tuple[Stage, int], bytes] = {}

@@ -286,7 +286,8 @@ def test_key_alias_with_bit_255_set_is_refused_as_duplicate(security: str) -> No
     from secagg.messages import AdvertiseKeys
 
     p = Puppeteer(config(security))
-    server = Server(p.config, roster=p.roster, context=p.context, verify_keys=p.verify_keys)
+    server = Server(p.config, roster=p.roster, context=p.context, verify_keys=p.verify_keys,
+                    nonce=p.nonce)
     p.advertise()
     server.receive(VICTIM, p.adverts[VICTIM])
     copier = 2
@@ -309,7 +310,7 @@ def test_key_alias_with_bit_255_set_is_refused_as_duplicate(security: str) -> No
         from secagg.client import advertisement_transcript
 
         signature = p.signing[copier].sign(advertisement_transcript(p.session_id, copier,
-                                                                    entry))
+                                                                    entry, p.nonce))
     forged = AdvertiseKeys(p.session_id, copier, mine.encryption_key, alias,
                            mine.self_mask_commitment, signature)
     try:

@@ -5,6 +5,7 @@ older snapshot."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from adversary import (
     AttackSucceeded,
@@ -19,6 +20,7 @@ from secagg import (
     Config,
     ProtocolAbort,
     ProtocolError,
+    Server,
     SigningKey,
     Stage,
     StaleSnapshot,
@@ -32,13 +34,12 @@ pytestmark = pytest.mark.security
 N, DIM, BITS = 6, 64, 32
 
 
-def _two_rounds(security: str = "malicious", nonce: bool = False
-                ) -> tuple[RecordedRound, RecordedRound]:
+def _two_rounds(security: str = "malicious") -> tuple[RecordedRound, RecordedRound]:
     config = Config(num_clients=N, dim=DIM, bits=BITS, security=security)
     signing = {i: SigningKey.generate() for i in range(1, N + 1)}  # long-term keys
-    first = RecordedRound(config, signing, seed=1, nonce=nonce)
+    first = RecordedRound(config, signing, seed=1)
     first.run()
-    return first, RecordedRound(config, signing, seed=2, nonce=nonce)
+    return first, RecordedRound(config, signing, seed=2)
 
 
 REPLAY = dict(
@@ -129,31 +130,17 @@ def test_replay_consistency_signatures_across_rounds_rejected() -> None:
 
 @threat(**REPLAY)
 def test_replay_advertise_keys_across_rounds_unlocks_nothing() -> None:
-    """A recorded advertisement verifies (it is the round's first message and carries
-    nothing fresh from anyone else), but nothing else of the old round does: the client's
-    recorded later messages are rejected, honest peers never mask with its stale keys,
-    and the sum over the others is exact."""
+    """A recorded advertisement is refused (the new server's round nonce is fresh), and
+    nothing else of the old round verifies either: the client's recorded later messages
+    are rejected, and the sum over everyone, the real client included, is exact."""
     old, new = _two_rounds()
-    new.server.receive(3, old.sent[(Stage.ADVERTISE_KEYS, 3)])
+    rejected_without_change(new.server, 3, old.sent[(Stage.ADVERTISE_KEYS, 3)])
     for stage in round_stages(new.config):
-        new.stage(stage, {3} if stage is Stage.ADVERTISE_KEYS else set())
+        new.stage(stage)
         if stage is Stage.SHARE_KEYS:
             with pytest.raises(ProtocolError):
                 new.server.receive(3, old.sent[(Stage.SHARE_KEYS, 3)])
         new.close()
-    result = new.server.result
-    assert result is not None and 3 not in result.included
-    assert result.total.tolist() == new.expected()
-
-
-@threat(**REPLAY)
-def test_replay_advertise_keys_with_a_round_nonce_rejected() -> None:
-    """With the server's round nonce relayed to the clients (as ``simulate`` does), the
-    advertisement is fresh too: a recorded one is rejected and the real client takes
-    part."""
-    old, new = _two_rounds(nonce=True)
-    rejected_without_change(new.server, 3, old.sent[(Stage.ADVERTISE_KEYS, 3)])
-    new.run()
     result = new.server.result
     assert result is not None and result.included == frozenset(new.inputs)
     assert result.total.tolist() == new.expected()
@@ -163,24 +150,37 @@ def test_replay_advertise_keys_with_a_round_nonce_rejected() -> None:
         adversary="network attacker",
         controls="injects a client's advertisement from an earlier round, as that client, "
                  "before the client's own",
-        protocol="without a round nonce nothing fresh exists before the first message: the "
-                 "server keeps the first valid advertisement per client, so the real client is "
-                 "excluded from this round (denial of service); relaying Server.nonce to the "
-                 "clients (Client(nonce=...)) or sender authentication by the transport stops "
-                 "it", mode="malicious",
-        shows="limitation")
-@documented_limitation("docs/protocol.md 9.2: without the server's round nonce an "
-                       "advertisement carries nothing fresh; a replayed one that arrives first "
-                       "excludes the real client from the round (nothing else of the old "
-                       "round verifies)")
-def test_replay_advertise_keys_shuts_the_real_client_out() -> None:
+        protocol="every Server draws a fresh round nonce (Server.nonce) that the transport "
+                 "relays and each advertisement's signature binds; a malicious-mode client "
+                 "refuses to advertise before the nonce is bound, so no host can run a round "
+                 "that a recorded advertisement verifies in: the replay is rejected and the "
+                 "real client takes part", mode="malicious")
+def test_replay_advertise_keys_is_rejected_and_the_real_client_takes_part() -> None:
     old, new = _two_rounds()
-    new.server.receive(3, old.sent[(Stage.ADVERTISE_KEYS, 3)])
+    rejected_without_change(new.server, 3, old.sent[(Stage.ADVERTISE_KEYS, 3)])
     new.run()
     result = new.server.result
-    assert result is not None
-    if 3 not in result.included:
-        raise AttackSucceeded("the replayed advertisement excluded client 3 from the round")
+    assert result is not None and result.included == frozenset(new.inputs)
+    assert result.total.tolist() == new.expected()
+
+
+def test_a_host_that_forgets_the_nonce_gets_an_error_not_a_replayable_round() -> None:
+    """The fresh-round binding is not the host's duty: the server's nonce exists whether or
+    not the host passes one, and a malicious-mode client that was not given it refuses to
+    advertise (an unbound advertisement is what a recording could replay)."""
+    config = Config(num_clients=N, dim=DIM, bits=BITS, security="malicious")
+    signing = {i: SigningKey.generate() for i in range(1, N + 1)}
+    verify = {i: k.public for i, k in signing.items()}
+    servers = [Server(config, verify_keys=verify) for _ in range(2)]
+    assert all(len(s.nonce) == 32 for s in servers) and servers[0].nonce != servers[1].nonce
+    forgetful = Client(config, 1, np.zeros(DIM, dtype=np.uint64), signing_key=signing[1],
+                       verify_keys=verify)
+    with pytest.raises(ProtocolError, match="nonce"):
+        forgetful.advertise()
+    bound = forgetful.bind_nonce(servers[0].nonce)
+    servers[0].receive(1, encode(bound))  # accepted once bound
+    with pytest.raises(ProtocolError):
+        servers[1].receive(1, encode(bound))  # and only in its own round
 
 
 # --- rollback of a restored client ---------------------------------------------------------
