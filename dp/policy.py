@@ -151,6 +151,10 @@ class SitePolicy:
     ``max_clip_norm``, ``max_releases`` (releases the ledger will ever record);
     ``epsilon``/``delta``: this site's budget per patient (``epsilon=None``: no cap, still
     accounted and reported).
+    ``min_dropout_rate``, ``min_corrupt_rate``: the dropout and corrupt-party rates this site
+    assumes at least, whatever a coordinator states; the secure-aggregation graph and
+    threshold it accepts are checked against them (Bell et al. 2020 for SecAgg+, the corrupt
+    parties on the complete graph; :meth:`fl.site_core.SiteCore.check_protocol`).
     """
 
     modes: tuple[str, ...] = ("site", "distributed")
@@ -164,6 +168,8 @@ class SitePolicy:
     epsilon: float | None = None
     delta: float = 1e-5
     unit: str = "patient"
+    min_dropout_rate: float = 0.1
+    min_corrupt_rate: float = 0.1
 
     def __post_init__(self) -> None:
         problems = []
@@ -190,6 +196,11 @@ class SitePolicy:
             problems.append(f"epsilon must be a positive number, got {self.epsilon}")
         if not 0 < self.delta < 1:
             problems.append(f"delta must be in (0, 1), e.g. 1e-5, got {self.delta}")
+        for name in ("min_dropout_rate", "min_corrupt_rate"):
+            rate = getattr(self, name)
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) \
+                    or not 0 <= rate < 1:
+                problems.append(f"{name} must be a fraction in [0, 1), got {rate!r}")
         if problems:
             raise PrivacyConfigError("site policy: " + "; ".join(problems))
 

@@ -307,12 +307,9 @@ def default_ledger(site_id: int, data: Any) -> str:
     site and data set, outside any working tree. Nothing the coordinator chooses (broker
     address, federation name) is in the name, so no coordinator can start a site on a fresh
     budget; only changed data (another CSV) starts another ledger (docs/privacy.md)."""
-    import os
+    from fl.site_core import state_directory
 
-    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
-    folder = base / "secagg"
-    folder.mkdir(parents=True, exist_ok=True)
-    return str(folder / f"ledger-site-{site_id}-{data.fingerprint()[:24]}.json")
+    return str(state_directory() / f"ledger-site-{site_id}-{data.fingerprint()[:24]}.json")
 
 
 def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
@@ -496,7 +493,7 @@ def run_remote(args: argparse.Namespace) -> int:
             return 2
         from dp.errors import PrivacyError
         from fl.identity import SiteIdentity, fingerprint
-        from fl.privacy import open_site_guard
+        from fl.site_core import open_site_core
 
         try:
             identity = None if args.peer_keys is None else SiteIdentity.load(
@@ -506,8 +503,8 @@ def run_remote(args: argparse.Namespace) -> int:
             return 2
         try:
             ledger = args.ledger or default_ledger(args.site_id, data)
-            guard = open_site_guard(policy=site_policy_from_args(args), ledger_path=ledger,
-                                    log=log)
+            guard = open_site_core(policy=site_policy_from_args(args), ledger_path=ledger,
+                                   log=log)
         except (PrivacyError, OSError) as exc:
             print(f"secagg train: error: site privacy ledger/policy: {exc}", file=sys.stderr)
             return 2
@@ -543,7 +540,13 @@ def run_remote(args: argparse.Namespace) -> int:
         from transport.link import LinkLost
 
         try:
-            return asyncio.run(SiteProcess(data, MqttNetwork(broker), options, log).run())
+            site = SiteProcess(data, MqttNetwork(broker), options, log)
+        except ValueError as exc:  # e.g. --insecure-verify on a DP site
+            guard.close()
+            print(f"secagg train: error: {exc}", file=sys.stderr)
+            return 2
+        try:
+            return asyncio.run(site.run())
         except LinkLost as exc:
             print(f"secagg train: error: {exc}", file=sys.stderr)
             return 1

@@ -83,15 +83,23 @@ def _fixed(setup: RoundSetup) -> FixedPointCodec:
         raise SetupError(f"fixed-point parameters: {exc}") from None
 
 
+def validate_fixed(setup: RoundSetup) -> None:
+    """Refuse (:class:`SetupError`) fixed-point parameters that cannot hold the round."""
+    _fixed(setup)
+
+
 def dp_params(setup: RoundSetup) -> EncodingParams:
     spec = setup.dp
     if spec is None:
         raise SetupError("a distributed-DP round carries no DP parameters")
-    return EncodingParams(dim=setup.model_dim + 1, clip_norm=spec.clip_norm, scale=spec.scale,
-                          bits=spec.bits, noise_stddev=spec.noise_stddev,
-                          rotation_seed=spec.rotation_seed,
-                          mechanism=spec.mechanism,  # type: ignore[arg-type]
-                          beta=spec.beta, threshold=spec.threshold)
+    try:
+        return EncodingParams(dim=setup.model_dim + 1, clip_norm=spec.clip_norm,
+                              scale=spec.scale, bits=spec.bits, noise_stddev=spec.noise_stddev,
+                              rotation_seed=spec.rotation_seed,
+                              mechanism=spec.mechanism,  # type: ignore[arg-type]
+                              beta=spec.beta, threshold=spec.threshold)
+    except ValueError as exc:
+        raise SetupError(f"distributed-DP parameters: {exc}") from None
 
 
 def encoded_dim(setup: RoundSetup) -> int:

@@ -17,7 +17,7 @@ corrupt_rate)`` (the complete graph when no sparse one is safe); ``neighbors=Non
 SecAgg over the complete graph with ``threshold`` (default: the protocol's floor).
 ``security="malicious"`` adds signatures and the consistency check; it needs
 ``verify_keys`` (Flower node id -> enrolled Ed25519 key), sent to the nodes in the setup,
-which each node checks against its own enrolment list (``NodePolicy.trusted_keys``).
+which each node checks against its own enrolment list (``NodeOptions.trusted_keys``).
 ``privacy=DistributedDP(...)`` switches the encoding to distributed DP (:mod:`dp`): the
 per-node noise comes from ``fl.privacy.distributed_plan`` (calibrated so any ``t``
 survivors carry the target noise) and a round that would overshoot the budget is not run.
@@ -108,7 +108,7 @@ class SecureAggregation(Strategy):
 
     def __init__(self, strategy: Strategy, *, neighbors: int | str | None = "auto",
                  threshold: int | None = None, dropout_rate: float = 0.1,
-                 corrupt_rate: float = 0.0, security: str = "semi-honest", bits: int = 64,
+                 corrupt_rate: float = 0.1, security: str = "semi-honest", bits: int = 64,
                  frac_bits: int = 24, metrics: Sequence[str] = (),
                  privacy: DistributedDP | None = None, stage_timeout: float | None = None,
                  verify_keys: Mapping[int, bytes] | None = None) -> None:
