@@ -199,6 +199,12 @@ class SiteCore:
         """Release the ledger's lock."""
         self.ledger.close()
 
+    def __enter__(self) -> SiteCore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def state_directory() -> Path:
     """Where a site keeps its ledgers by default: ``$XDG_STATE_HOME/secagg`` (default state
