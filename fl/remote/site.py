@@ -92,7 +92,7 @@ class SiteProcess:
         self.name = site_name(data.site_id)
         self.options = options
         if options.guard is not None:  # the charge follows how the roster is authenticated
-            if options.insecure_verify and options.guard.policy.requires_dp:
+            if options.insecure_verify and set(options.guard.policy.modes) - {"none"}:
                 raise ValueError(
                     "--insecure-verify sends this site's input in the clear, and a DP "
                     "site's input carries only its own share of the noise its ledger "

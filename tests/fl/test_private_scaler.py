@@ -179,10 +179,10 @@ def test_a_site_process_judges_and_charges_the_noised_statistics(tmp_path: Path)
     import os
 
     from dp.policy import SitePolicy
-    from fl.site_core import open_site_core
     from fl.remote.blob import Blob
     from fl.remote.inputs import demo_site_data, site_input
     from fl.remote.messages import Announce, WireError
+    from fl.site_core import open_site_core
 
     data = demo_site_data(BC, 1, (1, 2, 3))
     noised = private_scaler.scaler_plan(BC, load_split(BC).train)

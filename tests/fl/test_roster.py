@@ -42,13 +42,13 @@ from fl.identity import (
     load_signing_key,
 )
 from fl.models import make_model
-from fl.site_core import open_site_core
 from fl.remote.blob import Blob
 from fl.remote.channel import CoordinatorChannel, NotEnoughSites, RemoteRound
 from fl.remote.inputs import demo_site_data
 from fl.remote.messages import Ready, decode_coordinator_message, round_context
 from fl.remote.site import SiteOptions, SiteProcess
 from fl.settings import TrainSettings
+from fl.site_core import open_site_core
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, SigningKey
 from secagg.client import Client

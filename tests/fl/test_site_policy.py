@@ -20,8 +20,8 @@ from fl.cli import main
 from fl.contribution import RoundTask
 from fl.coordinator import RoundCapture
 from fl.federation import privacy_plan, train
-from fl.site_core import open_site_core
 from fl.settings import TrainSettings
+from fl.site_core import open_site_core
 
 pytestmark = pytest.mark.timeout(180)
 

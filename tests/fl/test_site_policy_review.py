@@ -32,11 +32,11 @@ from fl.commands.train import site_policy_from_args
 from fl.contribution import RoundTask
 from fl.data import DataError
 from fl.models import make_model
-from fl.site_core import open_site_core
 from fl.remote.blob import Blob
 from fl.remote.channel import CoordinatorChannel, NotEnoughSites
 from fl.remote.inputs import SCHEMA_MISMATCH, SiteData
 from fl.remote.site import SiteOptions, SiteProcess
+from fl.site_core import open_site_core
 from fl.vector import ParameterLayout
 from transport.memory import MemoryNetwork
 
