@@ -13,7 +13,7 @@ every round, *before* the site's data is touched:
 2. :meth:`SiteCore.admit`: the release against the operator's :class:`dp.policy.SitePolicy`
    (modes, unit, mechanisms, noise multiplier floor relative to the clip, sample-rate, steps
    and clip ceilings) and the site's budget, charged write-ahead to its
-   :class:`dp.policy.Ledger` before any input is computed or sent.
+   :class:`dp.ledger.Ledger` before any input is computed or sent.
 
 A runtime adds only its transport and its hooks (the site role withdraws a charge when it can
 prove its input never left, :meth:`SiteCore.not_sent`; the Flower node never withdraws). A
@@ -29,7 +29,8 @@ from typing import Any
 
 from dp.encoding import EncodingParams
 from dp.errors import PrivacyConfigError
-from dp.policy import Charge, Ledger, PolicyRefused, Proposal, SitePolicy
+from dp.ledger import Charge, Ledger
+from dp.policy import PolicyRefused, Proposal, SitePolicy
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ class RoundStateError(RuntimeError):
 POLICY_KEY = "secagg-policy"
 """Node config key: the path of this node's :class:`dp.policy.SitePolicy` JSON file."""
 LEDGER_KEY = "secagg-ledger"
-"""Node config key: the path of this node's privacy ledger (:class:`dp.policy.Ledger`)."""
+"""Node config key: the path of this node's privacy ledger (:class:`dp.ledger.Ledger`)."""
 DP_KEY = "secagg-dp"
 """Node config key: the one privacy mode this node takes part in (``none``: exact sums, the
 operator's opt-in; ``distributed``), as ``--dp`` on ``secagg train --role site``."""

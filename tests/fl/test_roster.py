@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dp.policy import Ledger, Proposal, SitePolicy
+from dp.ledger import Ledger
+from dp.policy import Proposal, SitePolicy
 from fl.aggregation import round_timeouts
 from fl.cli import main
 from fl.contribution import round_task
