@@ -20,7 +20,13 @@ import numpy as np
 import numpy.typing as npt
 
 from dp.encoding import EncodingParams
-from fl.codec import DistributedCodec, FixedPointCodec
+from fl.codec import (
+    DistributedCodec,
+    FixedPointCodec,
+    decode_weighted,
+    encode_weighted,
+    noisy_mean,
+)
 from fl.flower.setup import ArraySpec, RoundSetup, SetupError
 
 F64 = npt.NDArray[np.float64]
@@ -122,10 +128,9 @@ def encode_reply(setup: RoundSetup, arrays: F64, metrics: dict[str, float], weig
         raise ReplyError(f"the weight {setup.weight_key!r} must be a positive number, got "
                          f"{weight!r}")
     values = [metrics[name] for name in setup.metrics]
-    payload = np.concatenate([weight * arrays, weight * np.asarray(values, dtype=np.float64),
-                              [weight]])
     try:
-        return _fixed(setup).encode(payload)
+        return encode_weighted(_fixed(setup), np.concatenate(
+            [arrays, np.asarray(values, dtype=np.float64)]), weight)
     except ValueError as exc:
         raise ReplyError(str(exc)) from None
 
@@ -137,13 +142,12 @@ def decode_sum(setup: RoundSetup, total: U64, included: int, sent: F64
     ``fixed``: the weighted averages and ``sum w``. ``ddp``: ``sent`` plus the noisy sum
     of clipped updates over the noisy node count (floored at one), and that count."""
     if setup.encoding == "ddp":
-        sums, count = DistributedCodec(dp_params(setup)).decode(total, included)
-        weight = max(count, 1.0)
-        return sent + sums / weight, {}, weight
-    values = _fixed(setup).decode(total)
-    weight = float(values[-1])
-    if not weight > 0:
-        raise ReplyError("the securely summed weight is not positive")
+        mean, count = noisy_mean(DistributedCodec(dp_params(setup)), total, included)
+        return sent + mean, {}, max(count, 1.0)
+    try:
+        averages, weight = decode_weighted(_fixed(setup), total)
+    except ValueError as exc:
+        raise ReplyError(str(exc)) from None
     d = setup.model_dim
-    metrics = {name: float(values[d + i] / weight) for i, name in enumerate(setup.metrics)}
-    return values[:d] / weight, metrics, weight
+    metrics = {name: float(averages[d + i]) for i, name in enumerate(setup.metrics)}
+    return averages[:d], metrics, weight
