@@ -233,8 +233,8 @@ def _valid_setup(grid: LocalGrid, **changes: Any) -> RoundSetup:
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda raw: raw[:-1], "does not decode"),
-    (lambda raw: raw + b"\x00", "does not decode"),
+    (lambda raw: raw[:-1], "not msgpack"),
+    (lambda raw: raw + b"\x00", "not msgpack"),
     (lambda raw: b"\x80", "version"),
 ])
 def test_a_malformed_setup_is_refused_with_a_typed_error(
