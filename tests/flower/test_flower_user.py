@@ -1,0 +1,105 @@
+"""The adapter as a Flower user finds it: a strategy that needs each node's update is refused
+with the reason, drops show in Flower's own log, and a silent node costs a stage at most the
+stage timeout (not Flower's 3,600 s round timeout)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+from flwr.app import Message
+from flwr.serverapp import strategy as flower
+
+from fl.flower import SecureAggregation
+from fl.flower.local import LocalGrid
+from fl.flower.server import DEFAULT_STAGE_TIMEOUT
+from tests.flower import apps
+
+REFUSED: list[tuple[Callable[[], Any], str]] = [
+    (flower.FedMedian, "median"),
+    (flower.Krum, "distances between node updates"),
+    (flower.MultiKrum, "distances between node updates"),
+    (flower.Bulyan, "trimmed mean"),
+    (flower.FedTrimmedAvg, "trimmed mean"),
+    (lambda: flower.QFedAvg(client_learning_rate=0.1), "loss"),
+    (flower.FedXgbBagging, "trees"),
+    (lambda: flower.DifferentialPrivacyServerSideFixedClipping(
+        flower.FedAvg(), noise_multiplier=1.0, clipping_norm=1.0, num_sampled_clients=4),
+     "clip it at the server"),
+    (lambda: flower.DifferentialPrivacyClientSideFixedClipping(  # the wrapped one counts
+        flower.FedMedian(), noise_multiplier=1.0, clipping_norm=1.0, num_sampled_clients=4),
+     "median"),
+]
+
+
+@pytest.mark.parametrize("make, why", REFUSED)
+def test_a_strategy_that_needs_each_nodes_update_is_refused_with_the_reason(
+        make: Callable[[], Any], why: str) -> None:
+    with pytest.raises(ValueError, match=f"needs .*{why}.*silently train a mean"):
+        SecureAggregation(make())
+
+
+@pytest.mark.parametrize("make", [flower.FedAvg, flower.FedProx, flower.FedAvgM,
+                                  flower.FedAdam, flower.FedAdagrad, flower.FedYogi])
+def test_strategies_whose_rule_applies_to_the_aggregate_are_accepted(
+        make: Callable[[], Any]) -> None:
+    SecureAggregation(make())
+
+
+class Recorder(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_drops_are_reported_in_flowers_log() -> None:
+    grid = LocalGrid(None, 8)
+    drops = {grid.nodes[1]: "share_keys", grid.nodes[4]: "unmasking"}
+    grid.app = apps.client_app(lambda node, r, roster: drops.get(node))
+    wrapper = SecureAggregation(flower.FedAvg(fraction_evaluate=0.0, min_available_nodes=8),
+                                neighbors=None)
+    recorder = Recorder()
+    logger = logging.getLogger("flwr")
+    logger.addHandler(recorder)
+    try:
+        wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    finally:
+        logger.removeHandler(recorder)
+    (report,) = wrapper.reports
+    assert report.dropped == drops
+    lines = [r.getMessage() for r in recorder.records if r.levelno == logging.WARNING]
+    assert any("secure aggregation round 1: 7 of 8 nodes in the sum, 2 dropped" in line
+               and f"share_keys: 1 (nodes [{grid.nodes[1]}])" in line
+               and f"unmasking: 1 (nodes [{grid.nodes[4]}])" in line for line in lines), lines
+
+
+class TimedGrid(LocalGrid):
+    """Records the timeout of every exchange."""
+
+    timeouts: list[float | None]
+
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: float | None = None) -> Iterable[Message]:
+        self.timeouts.append(timeout)
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_a_silent_node_holds_a_stage_for_the_stage_timeout_not_the_round_timeout() -> None:
+    grid = TimedGrid(None, 5)
+    grid.timeouts = []
+    grid.app = apps.client_app()
+    grid.silent = lambda node, msg: node == grid.nodes[0] and apps.stage_of(msg) != \
+        "advertise_keys"
+    wrapper = SecureAggregation(flower.FedAvg(fraction_evaluate=0.0, min_available_nodes=5),
+                                neighbors=None)
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=3600)
+    assert wrapper.reports[0].dropped == {grid.nodes[0]: "share_keys"}
+    # the first exchange (the nodes train in it) waits for Flower's round timeout
+    assert grid.timeouts[0] == 3600
+    # the three secure-aggregation stages after it wait for the stage timeout
+    assert grid.timeouts[1:4] == [DEFAULT_STAGE_TIMEOUT] * 3 and DEFAULT_STAGE_TIMEOUT <= 120
