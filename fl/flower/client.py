@@ -51,6 +51,7 @@ from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE, secagg_rec
 from fl.flower.setup import RoundSetup, SetupError
 from fl.site_core import SecureSum, SiteCore, open_site_core, state_directory
 from secagg import Client, ProtocolAbort, SigningKey, Stage, encode
+from secagg.session import derive_session_id
 
 log = logging.getLogger("fl.flower")
 
@@ -241,6 +242,13 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
         raise SetupError(f"the train message's arrays do not match the round setup: "
                          f"{exc}") from None
     release = round_release(setup)
+    session = derive_session_id(config, tuple(range(1, setup.num_clients + 1)),
+                                setup.context())
+    directory = options.directory(context)
+    with hold(directory, session, client_id) as joined:
+        if joined.stage is not None:  # a replayed setup: neither charged nor trained again
+            raise GuardError("this node already joined this round (same session); a round "
+                             "is joined once")
     context.state.config_records.pop(STATE, None)  # an unfinished earlier round is gone
     core = options.open_core(context)
     try:
@@ -262,7 +270,6 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
                     roster=range(1, setup.num_clients + 1), context=setup.context(),
                     nonce=setup.nonce, **options.identity(setup))
     advertisement = encode(client.advertise())
-    directory = options.directory(context)
     with hold(directory, client.session_id, client_id) as record:
         record.join_round(int(client.stage), advertisement)
         _save(context, setup, client, snapshot_key(record, options.snapshot_key))

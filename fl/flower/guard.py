@@ -19,7 +19,7 @@ one at a time across processes:
   no record of is refused, and a snapshot of an earlier join of the same session (kept in
   a rolled-back ``Context``) does not verify under a later join's key.
 
-**A private directory**: the records live in ``NodePolicy.stage_dir`` (default
+**A private directory**: the records live in ``NodeOptions.stage_dir`` (default
 ``<tmp>/secagg-flower-<uid>/node-<id>``), which must be a real directory owned by the node's
 user with no access for group or others, inside a parent that no other user can write to
 (owned by the user or root, and not group/other-writable unless sticky, as ``/tmp`` is);
@@ -28,7 +28,7 @@ user. Anything else is refused (:func:`private_directory`): a local user who cou
 rewrite a record could read the snapshot key or roll the record back.
 
 **Pruning** (:func:`prune`): 67 bytes per record; when the node joins a round it keeps the
-``NodePolicy.keep_rounds`` most recently used records and deletes the rest. Deleting a
+``NodeOptions.keep_rounds`` most recently used records and deletes the rest. Deleting a
 record deletes the only copy of its round's snapshot key: whatever a ``Context`` still
 holds of that round can no longer be restored, and a message of that round is refused
 ("no record"), so pruning never re-opens the rollback. A setup of a pruned session sent
@@ -81,7 +81,7 @@ class StageRecord:
             raise GuardError("this node aborted the round; it answers nothing more in it")
         if self.stage is None and not self.key:
             raise GuardError("this node has no record of this round (it never joined it, "
-                             "or the record was pruned: NodePolicy.keep_rounds); refused")
+                             "or the record was pruned: NodeOptions.keep_rounds); refused")
         if self.stage is not None and stage < self.stage:
             raise GuardError("the node already answered a later stage of this round")
         if self.stage == stage and digest != self.digest:
@@ -95,10 +95,10 @@ class StageRecord:
 
 def snapshot_key(record: StageRecord, node_key: bytes) -> bytes:
     """The key a round's snapshot is authenticated under: the record's random key (gone
-    when the record is pruned) and the node's own ``NodePolicy.snapshot_key``."""
+    when the record is pruned) and the node's own ``NodeOptions.snapshot_key``."""
     if record.stage is None or not record.key:
         raise GuardError("this node has no record of this round (it never joined it, or "
-                         "the record was pruned: NodePolicy.keep_rounds); refused")
+                         "the record was pruned: NodeOptions.keep_rounds); refused")
     return hashlib.sha256(b"secagg/flower|snapshot-key|" + record.key + node_key).digest()
 
 
@@ -120,14 +120,14 @@ def private_directory(directory: Path) -> None:
         raise GuardError(f"the stage directory {directory} must be a directory of this user "
                          f"with mode 0700 (it is {stat.filemode(mine.st_mode)}, owner "
                          f"{mine.st_uid}); another user could rewrite its records. Remove it "
-                         "or set NodePolicy.stage_dir to a private directory")
+                         "or set NodeOptions.stage_dir to a private directory")
     parent = os.stat(directory.parent)
     if parent.st_uid not in (uid, 0) or (
             stat.S_IMODE(parent.st_mode) & 0o022 and not parent.st_mode & stat.S_ISVTX):
         raise GuardError(f"the stage directory's parent {directory.parent} can be written "
                          f"by another user ({stat.filemode(parent.st_mode)}, owner "
                          f"{parent.st_uid}), who could replace the directory; set "
-                         "NodePolicy.stage_dir inside a directory only this user can write")
+                         "NodeOptions.stage_dir inside a directory only this user can write")
 
 
 def _open_record(path: Path, flags: int) -> int:

@@ -235,3 +235,23 @@ def test_a_malicious_mode_round_of_enrolled_nodes_counts_their_noise(tmp_path: P
         (charge,) = _ledger(node)
         assert charge["epsilon_after"] == pytest.approx(calibrated, rel=1e-9)
     assert lone > calibrated
+
+
+def test_a_replayed_setup_is_neither_charged_nor_trained_again() -> None:
+    """The same setup sent again (same session) is refused before the ledger and the
+    training: replays cannot drain a node's budget or make it train."""
+    grid, trained = _grid(4, apps.open_mod)
+    grid.silent = lambda node, msg: apps.stage_of(msg) == "unmasking"
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
+                                neighbors=None)
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    node = grid.nodes[0]
+    assert trained.calls == 4 and len(_ledger(node)) == 1
+    setup = next(m for m in grid.sent if m.metadata.dst_node_id == node
+                 and apps.stage_of(m) == "advertise_keys")
+    for _ in range(3):
+        reply = grid.deliver(Message(setup.content, dst_node_id=node, message_type="train",
+                                     group_id="1"))
+        assert reply is not None and reply.has_error()
+        assert "already joined this round" in reply.error.reason
+    assert trained.calls == 4 and len(_ledger(node)) == 1
