@@ -45,6 +45,7 @@ from fl.flower.guard import (
     hold,
     prune,
     record_name,
+    remove_stale_nodes,
     snapshot_key,
 )
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE, secagg_record
@@ -274,6 +275,8 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
         record.join_round(int(client.stage), advertisement)
         _save(context, setup, client, snapshot_key(record, options.snapshot_key))
     prune(directory, options.keep_rounds, record_name(client.session_id, client_id))
+    if options.stage_dir is None:  # the default base: other runs' node directories too
+        remove_stale_nodes(directory.parent, directory)
     return _reply(msg, client.session_id, advertisement)
 
 

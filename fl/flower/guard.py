@@ -28,7 +28,9 @@ user. Anything else is refused (:func:`private_directory`): a local user who cou
 rewrite a record could read the snapshot key or roll the record back.
 
 **Pruning** (:func:`prune`): 67 bytes per record; when the node joins a round it keeps the
-``NodeOptions.keep_rounds`` most recently used records and deletes the rest. Deleting a
+``NodeOptions.keep_rounds`` most recently used records and deletes the rest; under the
+default base it also removes other nodes' directories untouched for a day
+(:func:`remove_stale_nodes`: Flower's simulation draws new node ids every run). Deleting a
 record deletes the only copy of its round's snapshot key: whatever a ``Context`` still
 holds of that round can no longer be restored, and a message of that round is refused
 ("no record"), so pruning never re-opens the rollback. A setup of a pruned session sent
@@ -102,8 +104,48 @@ def snapshot_key(record: StageRecord, node_key: bytes) -> bytes:
     return hashlib.sha256(b"secagg/flower|snapshot-key|" + record.key + node_key).digest()
 
 
+STALE_AFTER = 24 * 3600.0
+"""Seconds after which another node's directory under the default base, untouched, is
+removed (:func:`remove_stale_nodes`): Flower's simulation draws new node ids every run."""
+
+
+def default_base() -> Path:
+    return Path(tempfile.gettempdir()) / f"secagg-flower-{os.getuid()}"
+
+
 def default_directory(node_id: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"secagg-flower-{os.getuid()}" / f"node-{node_id}"
+    return default_base() / f"node-{node_id}"
+
+
+def remove_stale_nodes(base: Path, own: Path, max_age: float = STALE_AFTER) -> int:
+    """Delete the ``node-*`` directories of ``base`` other than ``own`` whose directory and
+    records were all last written more than ``max_age`` seconds ago: each record under its
+    lock (one in use is left), then the directory if empty. Deleting a record deletes its
+    round's snapshot key, so this never re-opens a rollback (module docstring). Returns how
+    many directories were removed."""
+    import time
+
+    cutoff = time.time() - max_age
+    removed = 0
+    with contextlib.suppress(FileNotFoundError), os.scandir(base) as listing:
+        for entry in listing:
+            if not entry.name.startswith("node-") or entry.path == str(own):
+                continue
+            try:
+                info = os.lstat(entry.path)
+                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                    continue  # a link or another user's: never ours to delete
+                times = [info.st_mtime] + [e.stat(follow_symlinks=False).st_mtime
+                                           for e in os.scandir(entry.path)]
+            except OSError:
+                continue
+            if max(times) > cutoff:
+                continue
+            prune(Path(entry.path), 0, "")
+            with contextlib.suppress(OSError):
+                os.rmdir(entry.path)
+                removed += 1
+    return removed
 
 
 def private_directory(directory: Path) -> None:

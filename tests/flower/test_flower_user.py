@@ -103,3 +103,30 @@ def test_a_silent_node_holds_a_stage_for_the_stage_timeout_not_the_round_timeout
     assert grid.timeouts[0] == 3600
     # the three secure-aggregation stages after it wait for the stage timeout
     assert grid.timeouts[1:4] == [DEFAULT_STAGE_TIMEOUT] * 3 and DEFAULT_STAGE_TIMEOUT <= 120
+
+
+def test_node_directories_of_earlier_runs_are_removed_once_stale() -> None:
+    """Flower's simulation draws new node ids every run, so the default stage directory
+    gained one directory per node per run: a node joining a round removes the other nodes'
+    directories untouched for a day (their records under their lock), and keeps the rest."""
+    import os
+    import time
+
+    from fl.flower.guard import STALE_AFTER, default_base, hold
+
+    base = default_base()
+    old, recent = base / "node-1", base / "node-2"
+    for directory in (old, recent):
+        with hold(directory, b"\x07" * 32, 1) as record:
+            record.join_round(0, b"advertisement")
+    then = time.time() - STALE_AFTER - 60
+    for path in (*old.iterdir(), old):
+        os.utime(path, (then, then))
+    grid = LocalGrid(None, 4)
+    grid.app = apps.client_app()
+    wrapper = SecureAggregation(flower.FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
+                                neighbors=None)
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    assert wrapper.reports[0].aborted is None
+    assert not old.exists() and len(list(recent.iterdir())) == 1
+    assert all((base / f"node-{node}").is_dir() for node in grid.nodes)
