@@ -1,10 +1,13 @@
 """Client side: a Flower mod that runs the user's own ``train`` under secure aggregation.
 
-``ClientApp(mods=[secagg_mod])`` (or ``make_secagg_mod(...)`` for a node policy) is the
-whole change on a node. For a train message that carries a round setup
-(:mod:`fl.flower.setup`) the mod runs the user's train function, encodes the reply's
-arrays, metrics and weight (:mod:`fl.flower.encoding`), builds a ``secagg.Client`` and
-answers with its public key advertisement only. Every later message of the round goes to
+``ClientApp(mods=[secagg_mod])`` (or ``make_secagg_mod(NodeOptions(...))``) is the whole
+change on a node. The node is one runtime of the site core (:mod:`fl.site_core`: the same
+policy, ledger and checks as ``secagg train --role site``). For a train message that carries
+a round setup (:mod:`fl.flower.setup`) the mod checks the whole setup and the layout of the
+arrays sent, has the site core check the protocol margins and the policy and charge the
+round to the node's ledger, and only then runs the user's train function, encodes the
+reply's arrays, metrics and weight (:mod:`fl.flower.encoding`), builds a ``secagg.Client``
+and answers with its public key advertisement only. Every later message of the round goes to
 the same client, rebuilt from its snapshot in the node's ``Context.state`` (Flower builds a
 ClientApp per message). The snapshot holds the round's secrets; ``Context.state`` never
 leaves the node, and no reply carries anything but secagg wire bytes.
