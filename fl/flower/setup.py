@@ -110,8 +110,9 @@ class RoundSetup:
     def config(self, dim: int) -> Config:
         """The secagg configuration (``dim`` is the encoded length, see fl.flower.encoding)."""
         # a sparse graph is checked against the rates it was derived for (Bell et al.)
-        rates = ({} if self.neighbors is None else
-                 {"dropout_rate": self.dropout_rate, "corrupt_rate": self.corrupt_rate})
+        rates: dict[str, Any] = ({} if self.neighbors is None else
+                                 {"dropout_rate": self.dropout_rate,
+                                  "corrupt_rate": self.corrupt_rate})
         try:
             return Config(num_clients=self.num_clients, threshold=self.threshold, dim=dim,
                           bits=self.bits, neighbors=self.neighbors, security=self.security,
