@@ -119,7 +119,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     n.add_argument("--insecure-verify", action="store_true",
                    help="TESTING ONLY, defeats secure aggregation: sites also send their "
                         "input in the clear so the coordinator can verify each aggregate "
-                        "(a site sends it only when it is started with this flag too)")
+                        "(a site sends it only when it is started with this flag too, and "
+                        "refuses it unless it runs --dp none)")
     r.add_argument("--dataset", choices=DATASETS, default=d.dataset,
                    help="breast-cancer (scikit-learn's bundled clinical set, one record per "
                         "patient), ehr (synthetic longitudinal EHR, several visits per "
