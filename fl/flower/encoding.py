@@ -27,7 +27,8 @@ from fl.codec import (
     encode_weighted,
     noisy_mean,
 )
-from fl.flower.setup import ArraySpec, RoundSetup, SetupError
+from fl.flower.setup import RoundSetup, SetupError
+from fl.vector import ArrayLayout, ArraySpec, LayoutError
 
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
@@ -38,46 +39,23 @@ class ReplyError(ValueError):
 
 
 def layout_of(arrays: Any) -> tuple[ArraySpec, ...]:
-    """The layout of a Flower ``ArrayRecord`` (key order kept)."""
-    specs = []
-    for name, array in arrays.items():
-        dtype = str(array.numpy().dtype)
-        specs.append(ArraySpec(name, tuple(int(s) for s in array.shape), dtype))
-    return tuple(specs)
+    """The layout of a Flower ``ArrayRecord`` (key order kept), as :mod:`fl.vector` has it."""
+    return ArrayLayout.of({name: array.numpy() for name, array in arrays.items()}).specs
 
 
 def flatten(arrays: Any, specs: tuple[ArraySpec, ...]) -> F64:
-    """The arrays of an ``ArrayRecord`` in layout order as one float64 vector."""
-    names = list(arrays.keys())
-    expected = [s.name for s in specs]
-    if names != expected:
-        raise ReplyError(f"the reply's arrays are {names[:8]}; the round expects "
-                         f"{expected[:8]} (same keys, same order as the arrays sent)")
-    parts = []
-    for spec in specs:
-        value = arrays[spec.name].numpy()
-        if tuple(value.shape) != spec.shape:
-            raise ReplyError(f"array {spec.name!r} has shape {tuple(value.shape)}; the round "
-                             f"expects {spec.shape}")
-        if value.dtype.kind != "f":
-            raise ReplyError(f"array {spec.name!r} has dtype {value.dtype}; only floating "
-                             "arrays are averaged")
-        parts.append(np.asarray(value, dtype=np.float64).reshape(-1))
-    flat = np.concatenate(parts) if parts else np.zeros(0)
-    if not np.all(np.isfinite(flat)):
-        raise ReplyError("the reply's arrays contain NaN or inf; fix the training first")
-    return flat
+    """The arrays of an ``ArrayRecord`` in layout order as one float64 vector
+    (:meth:`fl.vector.ArrayLayout.flatten`; a mismatch is a :class:`ReplyError`)."""
+    try:
+        return ArrayLayout(specs).flatten({name: array.numpy()
+                                           for name, array in arrays.items()})
+    except LayoutError as exc:
+        raise ReplyError(str(exc)) from None
 
 
 def unflatten(vector: F64, specs: tuple[ArraySpec, ...]) -> dict[str, npt.NDArray[Any]]:
     """Layout-ordered arrays (each cast back to its dtype) from a flat vector."""
-    out: dict[str, npt.NDArray[Any]] = {}
-    offset = 0
-    for spec in specs:
-        chunk = vector[offset:offset + spec.size]
-        out[spec.name] = np.asarray(chunk.reshape(spec.shape), dtype=spec.dtype)
-        offset += spec.size
-    return out
+    return ArrayLayout(specs).unflatten(vector)
 
 
 def _fixed(setup: RoundSetup) -> FixedPointCodec:

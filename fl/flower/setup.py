@@ -16,11 +16,11 @@ complete the round with the others.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from fl.vector import ArraySpec
 from secagg import Config
 from transport import fields
 
@@ -37,19 +37,6 @@ DTYPES = ("float16", "float32", "float64")
 
 class SetupError(ValueError):
     """A round setup is malformed or unsafe; the node refuses the round."""
-
-
-@dataclass(frozen=True)
-class ArraySpec:
-    """One array of the reply's ArrayRecord: its key, shape and floating dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

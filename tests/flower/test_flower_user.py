@@ -130,3 +130,24 @@ def test_node_directories_of_earlier_runs_are_removed_once_stale() -> None:
     assert wrapper.reports[0].aborted is None
     assert not old.exists() and len(list(recent.iterdir())) == 1
     assert all((base / f"node-{node}").is_dir() for node in grid.nodes)
+
+
+def test_a_torch_models_flower_layout_is_its_parameter_layout() -> None:
+    """One layout (fl.vector): the Flower round's layout of a model's ArrayRecord is the
+    model's ParameterLayout, and both flatten it to the same vector."""
+    torch = pytest.importorskip("torch")
+    from flwr.app import ArrayRecord
+
+    from fl.flower.encoding import flatten, layout_of
+    from fl.vector import ParameterLayout
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU(),
+                                torch.nn.Linear(3, 2).to(torch.float64))
+    record = ArrayRecord(model.state_dict())
+    layout = ParameterLayout.of(model)
+    assert layout_of(record) == layout.arrays().specs
+    assert [s.dtype for s in layout.arrays().specs] == ["float32"] * 2 + ["float64"] * 2
+    vector = layout.to_vector(model)
+    assert (flatten(record, layout.arrays().specs) == vector).all()
+    restored = layout.arrays().unflatten(vector)
+    assert all((restored[k] == v.numpy()).all() for k, v in model.state_dict().items())

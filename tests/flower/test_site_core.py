@@ -23,8 +23,9 @@ from dp.policy import SitePolicy
 from fl.flower import DistributedDP, NodeOptions, SecureAggregation, make_secagg_mod, secagg_mod
 from fl.flower.encoding import dp_params
 from fl.flower.local import LocalGrid
-from fl.flower.setup import ArraySpec, RoundSetup
+from fl.flower.setup import RoundSetup
 from fl.site_core import open_site_core, state_directory
+from fl.vector import ArraySpec
 from tests.flower import apps
 
 
