@@ -256,3 +256,25 @@ def test_a_replayed_setup_is_neither_charged_nor_trained_again() -> None:
         assert reply is not None and reply.has_error()
         assert "already joined this round" in reply.error.reason
     assert trained.calls == 4 and len(_ledger(node)) == 1
+
+
+@pytest.mark.parametrize("security", ["semi-honest", "malicious"])
+def test_a_graph_derived_for_rates_at_or_above_the_nodes_floors_is_accepted(
+        security: str, tmp_path: Path) -> None:
+    """The node's floors only refuse thinner graphs: (k, t) a server derives for higher
+    dropout or corruption rates than the node assumes pass the node's check."""
+    from secagg import secagg_plus_parameters
+
+    checked = 0
+    with open_site_core(policy=SitePolicy(), ledger_path=str(tmp_path / "l.json")) as core:
+        for n in (16, 100, 1000):
+            for dropout in (0.1, 0.3):
+                for corrupt in (0.1, 0.2):
+                    try:
+                        graph = secagg_plus_parameters(n, dropout, corrupt, security)
+                    except ValueError:
+                        continue  # no safe parameters at all: the server runs no round
+                    core.check_protocol(num_clients=n, threshold=graph.threshold,
+                                        neighbors=graph.neighbors, security=security)
+                    checked += 1
+    assert checked >= 6
