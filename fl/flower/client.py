@@ -24,6 +24,8 @@ wrapper counts as this node dropping out at that stage.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -88,8 +90,8 @@ class NodeOptions:
     so only the node config is the hospital's own word. Without either the policy is
     ``SitePolicy()`` (distributed DP only; exact sums need the operator's opt-in,
     ``secagg-dp="none"``) and the ledger is
-    ``$XDG_STATE_HOME/secagg/ledger-flower-node-<node id>.json`` (default state home
-    ``~/.local/state``).
+    ``$XDG_STATE_HOME/secagg/ledger-flower-<sha256 of the node config>.json`` (default state
+    home ``~/.local/state``; :meth:`ledger_path`).
 
     ``snapshot_key``: a node secret that authenticates the round snapshot (HMAC, see
     ``secagg.resume``). Malicious mode: ``signing_key`` is this node's Ed25519 identity and
@@ -141,12 +143,19 @@ class NodeOptions:
         return policy
 
     def ledger_path(self, context: Any) -> str:
+        """The node config's ``secagg-ledger``, else this object's ``ledger``, else the
+        default: keyed by the node config without its ``secagg-`` keys (what the node's
+        operator set, e.g. ``partition-id``), never by the node id, which the SuperLink
+        assigns: a server that re-registers a node under a fresh id gets the same ledger."""
         path = context.node_config.get(LEDGER_KEY)
         if path is not None:
             return _config_text(path, LEDGER_KEY)
         if self.ledger is not None:
             return self.ledger
-        return str(state_directory() / f"ledger-flower-node-{int(context.node_id)}.json")
+        own = sorted((str(k), repr(v)) for k, v in context.node_config.items()
+                     if not str(k).startswith("secagg-"))
+        digest = hashlib.sha256(json.dumps(own).encode()).hexdigest()[:24]
+        return str(state_directory() / f"ledger-flower-{digest}.json")
 
     def open_core(self, context: Any) -> SiteCore:
         """The node's site core over its ledger (locked until :meth:`SiteCore.close`)."""

@@ -47,9 +47,12 @@ def _grid(n: int, mod: Any = secagg_mod, **grid_args: Any) -> tuple[LocalGrid, T
     return grid, trained
 
 
-def _ledger(node: int) -> list[dict[str, Any]]:
+def _ledger(grid: LocalGrid, node: int) -> list[dict[str, Any]]:
     """The charges of a node's default ledger (none if it was never written)."""
-    path = state_directory() / f"ledger-flower-node-{node}.json"
+    from flwr.common.serde import context_from_proto
+
+    path = Path(NodeOptions().ledger_path(context_from_proto(grid.contexts[node])))
+    assert path.parent == state_directory()
     if not path.exists():
         return []
     return list(json.loads(path.read_text())["charges"])
@@ -81,7 +84,7 @@ def test_a_zero_noise_dp_round_is_refused_before_training_and_nothing_is_charged
         "PolicyRefused" in r and "[min_noise_multiplier]" in r and "adds no noise" in r
         for r in reasons)
     assert trained.calls == 0
-    assert all(_ledger(node) == [] for node in grid.nodes)
+    assert all(_ledger(grid, node) == [] for node in grid.nodes)
 
 
 def _configure(wrapper: SecureAggregation, grid: LocalGrid, server_round: int = 1
@@ -121,13 +124,13 @@ def test_a_repeated_dp_round_is_refused_once_the_budget_is_spent_every_charge_in
     last = [r for r in _reasons(grid)]
     assert len(last) == n and all("[budget]" in r for r in last)
     for node in grid.nodes:
-        charges = _ledger(node)
+        charges = _ledger(grid, node)
         assert len(charges) == len(done)
         assert all(c["mode"] == "distributed" and "round 1 " in c["label"] for c in charges)
         assert [c["epsilon_after"] for c in charges] == pytest.approx(expected, rel=1e-9)
         assert charges[-1]["epsilon_after"] <= budget
     wrapper.secure_round(grid, messages, 5)  # once spent, it stays refused
-    assert all(len(_ledger(node)) == len(done) for node in grid.nodes)
+    assert all(len(_ledger(grid, node)) == len(done) for node in grid.nodes)
     assert trained.calls == n * len(done)
 
 
@@ -154,7 +157,7 @@ def test_a_layout_mismatch_is_refused_before_the_users_training_runs(
     assert len(reasons) == 12 and all("do not match the round setup" in r and "(4, 3)" in r
                                       for r in reasons)
     assert trained.calls == 0
-    assert all(_ledger(node) == [] for node in grid.nodes)
+    assert all(_ledger(grid, node) == [] for node in grid.nodes)
 
 
 def test_a_thin_secagg_plus_graph_from_stated_zero_rates_is_refused_at_1000_nodes() -> None:
@@ -208,7 +211,7 @@ def test_the_node_operators_config_overrides_the_apps_policy_and_ledger(tmp_path
     for node in grid.nodes:
         charges = json.loads((ledgers / f"{node}.json").read_text())["charges"]
         assert [c["mode"] for c in charges] == ["distributed"]
-        assert _ledger(node) == []  # not the default ledger
+    assert not list(state_directory().glob("ledger-flower-*.json"))  # no default ledger
 
 
 def test_a_malicious_mode_round_of_enrolled_nodes_counts_their_noise(tmp_path: Path) -> None:
@@ -233,7 +236,7 @@ def test_a_malicious_mode_round_of_enrolled_nodes_counts_their_noise(tmp_path: P
     lone = PrivacyBudget(1e9, 1e-5).epsilon_after(
         distributed_event(replace(params, threshold=1), 1.0))
     for node in grid.nodes:
-        (charge,) = _ledger(node)
+        (charge,) = _ledger(grid, node)
         assert charge["epsilon_after"] == pytest.approx(calibrated, rel=1e-9)
     assert lone > calibrated
 
@@ -247,7 +250,7 @@ def test_a_replayed_setup_is_neither_charged_nor_trained_again() -> None:
                                 neighbors=None)
     wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     node = grid.nodes[0]
-    assert trained.calls == 4 and len(_ledger(node)) == 1
+    assert trained.calls == 4 and len(_ledger(grid, node)) == 1
     setup = next(m for m in grid.sent if m.metadata.dst_node_id == node
                  and apps.stage_of(m) == "advertise_keys")
     for _ in range(3):
@@ -255,7 +258,7 @@ def test_a_replayed_setup_is_neither_charged_nor_trained_again() -> None:
                                      group_id="1"))
         assert reply is not None and reply.has_error()
         assert "already joined this round" in reply.error.reason
-    assert trained.calls == 4 and len(_ledger(node)) == 1
+    assert trained.calls == 4 and len(_ledger(grid, node)) == 1
 
 
 @pytest.mark.parametrize("security", ["semi-honest", "malicious"])
@@ -278,3 +281,21 @@ def test_a_graph_derived_for_rates_at_or_above_the_nodes_floors_is_accepted(
                                         neighbors=graph.neighbors, security=security)
                     checked += 1
     assert checked >= 6
+
+
+def test_a_fresh_node_id_does_not_give_a_node_a_fresh_budget() -> None:
+    """The SuperLink (the server's side) assigns node ids: the default ledger is keyed by the
+    node config its operator set, so the same node under new ids keeps its budget."""
+    policy = SitePolicy(modes=("distributed",), epsilon=6.0)
+    privacy = DistributedDP(clip_norm=1.0, noise_multiplier=2.0)
+    runs = []
+    for first_node in (1000, 5000, 9000):  # three registrations, three sets of ids
+        grid, _ = _grid(4, make_secagg_mod(NodeOptions(policy=policy)),
+                              first_node=first_node)
+        wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
+                                    neighbors=None, privacy=privacy)
+        wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=5)
+        runs.append(sum(r.aborted is None for r in wrapper.reports))
+    assert runs[0] >= 1 and sum(runs) == runs[0]  # later ids: refused, budget spent
+    assert all("[budget]" in r for r in _reasons(grid))
+    assert len(_ledger(grid, grid.nodes[0])) == runs[0]
