@@ -47,7 +47,8 @@ from flwr.server.strategy import FedAvg as LegacyFedAvg  # noqa: E402
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
-from fl.flower import SecureAggregation, secagg_mod  # noqa: E402
+from dp.policy import SitePolicy  # noqa: E402
+from fl.flower import NodeOptions, SecureAggregation, make_secagg_mod  # noqa: E402
 from fl.flower.local import LocalGrid  # noqa: E402
 from fl.flower.records import stage_of  # noqa: E402
 from secagg import secagg_plus_parameters  # noqa: E402
@@ -92,7 +93,10 @@ def legacy_app(dim: int, drops: set[int], stage: str) -> ClientApp:
 
 
 def our_app(dim: int, drops: set[int], stage: str) -> ClientApp:
-    app = ClientApp(mods=[_drop_mod(drops, stage, legacy=False), secagg_mod])
+    # exact sums, as Flower's SecAgg+ computes: the nodes' operators opt in (the default
+    # policy takes part in distributed-DP rounds only)
+    exact = make_secagg_mod(NodeOptions(policy=SitePolicy(modes=("none",))))
+    app = ClientApp(mods=[_drop_mod(drops, stage, legacy=False), exact])
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

@@ -120,6 +120,27 @@ def recompute_epsilon(data: dict[str, Any], delta: float, accountant: str = "rdp
         raise PrivacyConfigError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     if not acc.supports(event):
         raise PrivacyConfigError(
-            f"dp-accounting's {accountant} accountant cannot compose this event (it "
-            "subsamples only Gaussians); check those rounds with dp.accounting")
+            f"dp-accounting's {accountant} accountant cannot compose this run: "
+            f"{_unsupported(acc, event, accountant)}")
     return float(acc.compose(event).get_epsilon(delta))
+
+
+def _unsupported(acc: Any, event: Any, accountant: str) -> str:
+    """Which part of ``event`` the accountant lacks, and what recomputes it instead."""
+    for child in [*getattr(event, "events", ()), *filter(None, [getattr(event, "event",
+                                                                         None)])]:
+        if not acc.supports(child):
+            return _unsupported(acc, child, accountant)
+    name = type(event).__name__
+    inner = type(getattr(event, "event", None)).__name__
+    if name == "ZCDpEvent":
+        return ("a ZCDpEvent (a distributed discrete Gaussian or Skellam sum: the noised "
+                "feature statistics or a distributed round) has no privacy loss distribution "
+                "in dp-accounting; recompute the run with 'rdp', which composes zCDP exactly")
+    if name == "PoissonSampledDpEvent" and inner != "GaussianDpEvent":
+        q = getattr(event, "sampling_probability", None)
+        return (f"a PoissonSampledDpEvent of a {inner} (sampling probability {q}): "
+                f"dp-accounting's {accountant} accountant subsamples only Gaussians; a "
+                "subsampled distributed round is bounded by dp.accounting (Zhu & Wang), "
+                "an adaptive-clipping step by 'rdp'")
+    return f"a {name}"

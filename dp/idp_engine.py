@@ -3,27 +3,26 @@
 Every record is its own Poisson coin at its group's rate (coins from the cryptographic
 source, :mod:`dp.randomness`); Opacus' ``GradSampleModule`` computes per-record gradients;
 each is clipped to its group's clip norm here, then Opacus' ``DPOptimizer`` (whose own clip,
-at the largest group clip, is then a no-op) adds Gaussian noise of stddev ``z * C`` and
-divides by the plan's expected batch size. A :class:`dp.idp.GroupLedger` (one budget per
-rate group, at the group's target; shared across rounds) refuses a round that would take
-any group past its target before it runs.
+at the largest group clip, is then a no-op) adds Gaussian noise of stddev ``z * C`` drawn
+from the same cryptographic source as the coins (as in site mode:
+:class:`dp.opacus_glue.SecureNoiseOptimizer`) and divides by the plan's expected batch size.
+A :class:`dp.idp.GroupLedger` (one budget per rate group, at the group's target; shared
+across rounds) refuses a round that would take any group past its target before it runs.
 
 Needs torch and opacus (the ``torch`` extra).
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import numpy.typing as npt
 import torch
 from opacus import GradSampleModule
-from opacus.optimizers import DPOptimizer
 from torch.utils.data import Dataset, TensorDataset
 
 from dp.errors import PrivacyConfigError
 from dp.idp import GroupLedger, IdpPlan, poisson_sample
+from dp.opacus_glue import SecureNoiseOptimizer
 from dp.randomness import RandomSource, SystemRandom
 from dp.units import LossFn, per_unit_gradients
 
@@ -58,11 +57,13 @@ class IdpSgd:
         self.source: RandomSource = source or SystemRandom()
         self.module = GradSampleModule(model, loss_reduction="sum")
         top = max(g.clip_norm for g in plan.groups)
-        generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "big") >> 1)
-        self.optimizer = DPOptimizer(
+        # The noise from the engine's source (the kernel CSPRNG by default), as in site mode
+        # (dp.opacus_glue.SecureNoiseOptimizer), never torch's Mersenne Twister.
+        self.optimizer = SecureNoiseOptimizer(
             optimizer, noise_multiplier=plan.noise_multiplier * plan.clip_norm / top,
             max_grad_norm=top, expected_batch_size=max(1, round(plan.expected_batch_size)),
-            loss_reduction="mean", generator=generator)
+            loss_reduction="mean")
+        self.optimizer.noise_source = self.source
         self.ledger = ledger or GroupLedger(plan)
         if self.ledger.plan is not plan:
             raise PrivacyConfigError("the ledger belongs to another plan")

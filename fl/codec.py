@@ -14,6 +14,11 @@ Every site hands secure aggregation one ``uint64`` vector mod ``2**bits``: its u
   through :class:`dp.encoding.IntegerEncoder` (rotate, scale, round, the site's noise share).
   The last coordinate of the decoded sum is ``gamma * (#patients) + noise``: the count is
   protected by the same noise and the same epsilon as the update, at no extra privacy cost.
+
+The wire forms and their decode are written once, here, for every runtime: the site role
+and both coordinators (:mod:`fl.contribution`) and the Flower adapter
+(:mod:`fl.flower.encoding`) call :func:`encode_weighted` / :func:`decode_weighted` (weighted
+FedAvg) and :meth:`DistributedCodec.encode` / :func:`noisy_mean` (distributed DP).
 """
 
 from __future__ import annotations
@@ -126,3 +131,27 @@ class DistributedCodec:
         """The noisy sum of the unit updates and the noisy number of units."""
         s = self.encoder.decode(total, num_included)
         return s[:-1], float(s[-1] / self.gamma)
+
+
+def encode_weighted(codec: FixedPointCodec, values: F64, weight: float) -> U64:
+    """Weighted FedAvg's input ``[w * values, w]`` (``codec.dim == len(values) + 1``): the sum
+    reveals only ``sum w * values`` and ``sum w``."""
+    if not (math.isfinite(weight) and weight >= 0):
+        raise EncodingOverflow(f"the weight must be a non-negative number, got {weight!r}")
+    return codec.encode(np.append(weight * np.asarray(values, dtype=np.float64), weight))
+
+
+def decode_weighted(codec: FixedPointCodec, total: U64) -> tuple[F64, float]:
+    """The weighted average of the summed ``[w * values, w]`` inputs and ``sum w``."""
+    values = codec.decode(total)
+    weight = float(values[-1])
+    if not weight > 0:
+        raise EncodingOverflow("the securely summed weight is not positive")
+    return values[:-1] / weight, weight
+
+
+def noisy_mean(codec: DistributedCodec, total: U64, num_included: int) -> tuple[F64, float]:
+    """The noisy sum of the unit updates over the noisy unit count (floored at 1: the count
+    is post-processing of the same release), and that count."""
+    sums, count = codec.decode(total, num_included)
+    return sums / max(count, 1.0), count

@@ -33,7 +33,13 @@ import numpy.typing as npt
 import torch
 
 from dp.encoding import EncodingParams
-from fl.codec import DistributedCodec, FixedPointCodec
+from fl.codec import (
+    DistributedCodec,
+    FixedPointCodec,
+    decode_weighted,
+    encode_weighted,
+    noisy_mean,
+)
 from fl.privacy import DistributedPlan, Plan, SiteDpPlan
 from fl.settings import TrainSettings
 from fl.site import Scaler
@@ -212,7 +218,7 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
                                       seed=local_seed(task.seed, task.round, site_id))
         weight = trainer.num_records
     codec = FixedPointCodec(layout.size + 1, bits=64, max_summands=task.cohort)
-    return Contribution(codec.encode(np.append(weight * delta, weight)), weight)
+    return Contribution(encode_weighted(codec, delta, weight), weight)
 
 
 def decoder(task: RoundTask, model_dim: int) -> Decoder:
@@ -221,18 +227,12 @@ def decoder(task: RoundTask, model_dim: int) -> Decoder:
         codec = DistributedCodec(task.params)
 
         def decode_distributed(total: U64, included: int) -> tuple[F64, float]:
-            grad_sum, count = codec.decode(total, included)
-            # The noisy count is post-processing of the same release; floor it at 1.
-            return -grad_sum / max(count, 1.0), count
+            mean_gradient, count = noisy_mean(codec, total, included)
+            return -mean_gradient, count
 
         return decode_distributed
     fixed = FixedPointCodec(model_dim + 1, bits=64, max_summands=task.cohort)
-
-    def decode_fixed(total: U64, included: int) -> tuple[F64, float]:
-        values = fixed.decode(total)
-        return values[:-1] / values[-1], float(values[-1])
-
-    return decode_fixed
+    return lambda total, included: decode_weighted(fixed, total)
 
 
 # -- the feature scaler's secure sum -------------------------------------------------------

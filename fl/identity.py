@@ -16,6 +16,7 @@ genuine) still count as peers; docs/privacy.md states the assumption.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -71,9 +72,14 @@ def generate(key_path: str | Path, *, force: bool = False) -> tuple[Path, Path, 
     pub = public_path(path)
     if not path.parent.is_dir():
         raise IdentityError(f"{path.parent}: no such directory")
+    for existing in (path, pub):
+        if existing.is_symlink():  # a dangling one too: it would be followed out of the folder
+            raise IdentityError(f"{existing} is a symbolic link (to {os.readlink(existing)}); "
+                                "keygen writes only real files: remove the link or choose "
+                                "another --out")
     if not force:
         for existing in (path, pub):
-            if existing.exists():
+            if os.path.lexists(existing):
                 raise IdentityError(f"{existing} exists; a site's identity is long-term: "
                                     "keep it, or pass --force to replace it (its peers "
                                     "then need the new public key)")
@@ -83,38 +89,58 @@ def generate(key_path: str | Path, *, force: bool = False) -> tuple[Path, Path, 
                                     serialization.NoEncryption())
     public_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
                                                serialization.PublicFormat.SubjectPublicKeyInfo)
+    _write_new(path, private_pem, 0o600)
+    _write_new(pub, public_pem, 0o644)
+    raw = key.public_key().public_bytes(serialization.Encoding.Raw,
+                                        serialization.PublicFormat.Raw)
+    return path, pub, raw
+
+
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    """``data`` into ``path`` through a fresh temporary file renamed over it: a link at
+    ``path`` would be replaced, never followed (generate refuses one before)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.unlink(missing_ok=True)  # left by a crash
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        tmp.unlink(missing_ok=True)  # left by a crash (unlink removes a link, not its target)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         with os.fdopen(fd, "wb") as handle:
-            handle.write(private_pem)
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise IdentityError(f"{path}: {exc.strerror or exc}") from None
-    pub.write_bytes(public_pem)
-    raw = key.public_key().public_bytes(serialization.Encoding.Raw,
-                                        serialization.PublicFormat.Raw)
-    return path, pub, raw
 
 
-def _read(path: Path) -> bytes:
+def _read(path: Path) -> tuple[bytes, int]:
+    """A key file's bytes and mode bits: opened without following a link, and refused
+    unless it is a regular file of this operator (another user's file, or a link, could be
+    swapped for a key of someone else's choosing)."""
     try:
-        if path.stat().st_size > MAX_KEY_FILE:
-            raise IdentityError(f"{path}: {path.stat().st_size} bytes is not a key file")
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise IdentityError(f"{path} is a symbolic link; key files must be real files "
+                                "of this operator: copy the key in place of the link") from None
         raise IdentityError(f"{path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise IdentityError(f"{path} is not a regular file")
+        if info.st_uid != os.getuid():
+            raise IdentityError(f"{path} belongs to user {info.st_uid}, not to this operator "
+                                f"(user {os.getuid()}): another user could replace the key; "
+                                "copy it into a file of your own")
+        if info.st_size > MAX_KEY_FILE:
+            raise IdentityError(f"{path}: {info.st_size} bytes is not a key file")
+        return handle.read(MAX_KEY_FILE + 1), stat.S_IMODE(info.st_mode)
 
 
 def load_signing_key(key_path: str | Path) -> SigningKey:
     """The site's private key; refused when others may read it (like ssh does)."""
     path = Path(key_path)
-    data = _read(path)
-    mode = stat.S_IMODE(path.stat().st_mode)
+    data, mode = _read(path)
     if mode & 0o077:
         raise IdentityError(f"{path} is readable by others (mode {mode:o}): run "
                             f"`chmod 600 {path}`; the private key proves this site's identity")
@@ -131,7 +157,7 @@ def load_signing_key(key_path: str | Path) -> SigningKey:
 def load_public_key(path: str | Path) -> bytes:
     """The raw 32-byte Ed25519 public key of a ``.pub`` file (PEM, as keygen writes)."""
     path = Path(path)
-    data = _read(path)
+    data, _ = _read(path)
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
@@ -152,8 +178,8 @@ def load_peer_keys(directory: str | Path) -> dict[int, bytes]:
     owners: dict[bytes, int] = {}
     for entry in sorted(folder.iterdir()):
         match = PEER_FILE.match(entry.name)
-        if match is None or not entry.is_file():
-            continue
+        if match is None or (entry.is_dir() and not entry.is_symlink()):
+            continue  # a link or a non-file named like a key is refused by load_public_key
         cid = int(match.group(1))
         if not 1 <= cid <= MAX_SITE_ID or str(cid) != match.group(1):
             raise IdentityError(f"{entry}: site ids are 1..{MAX_SITE_ID} without leading "

@@ -12,7 +12,7 @@ pass its target; the report lists every site's groups.
 
 Across machines (``--role coordinator`` / ``--role site``) each site process does the same
 from its own table (:class:`SitePatients`: records per patient and its ``--budget-column``,
-capped by its operator's ``--epsilon``, never sent); its :class:`dp.policy.Ledger` charges
+capped by its operator's ``--epsilon``, never sent); its :class:`dp.ledger.Ledger` charges
 every rate group its own cost before the site computes anything and refuses a round that
 would take any group past its target. The coordinator only proposes the steps per round, the
 mean record rate, the clip and the planned steps (:class:`fl.contribution.RoundTask`); it
@@ -61,7 +61,7 @@ def site_groups(site_id: int, table: Table, epsilon: float | None) -> PatientGro
 
 class SiteIdp:
     """One site's plan and its records' groups; ``ledger`` (``--role all``) keeps the
-    spending in this process, None when the site's persistent :class:`dp.policy.Ledger`
+    spending in this process, None when the site's persistent :class:`dp.ledger.Ledger`
     charged the round before it was computed (the site role)."""
 
     def __init__(self, groups: PatientGroups, plan: IdpPlan,

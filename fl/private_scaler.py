@@ -114,7 +114,7 @@ class ScalerPlan:
     mode = "distributed"
     kind = "scaler"
     sample_rate = 1.0
-    """As a site's policy sees it (:func:`fl.privacy.site_proposal`): one unsubsampled
+    """As a site's policy sees it (:func:`fl.site_core.site_proposal`): one unsubsampled
     distributed release."""
 
     @property

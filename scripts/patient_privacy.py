@@ -556,7 +556,7 @@ def render(runs: list[dict[str, Any]], plot_name: str) -> str:
         "record rate (`--sample-rate`), the clip and the run's planned steps (`rounds x "
         "steps`). The site plans its noise multiplier and per-group rates for them with the "
         "planner `--role all` uses (`dp.idp.plan_idp`) and, before computing anything, "
-        "charges every group its own cost in its write-ahead ledger (`dp.policy.Ledger`: one "
+        "charges every group its own cost in its write-ahead ledger (`dp.ledger.Ledger`: one "
         "RDP event per group, composed per group, `IdpPlan.group_events`). A round that would "
         "take any group past its target is refused `[budget]`, naming no group. Whatever the "
         "coordinator proposes (e.g. a run of 1 planned step, so that the site would plan high "

@@ -94,7 +94,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     n.add_argument("--insecure-verify", action="store_true",
                    help="TESTING ONLY, defeats secure aggregation: sites also send their "
                         "input in the clear so the coordinator can verify each aggregate "
-                        "(a site sends it only when it is started with this flag too)")
+                        "(a site sends it only when it is started with this flag too, and "
+                        "refuses it unless it runs --dp none)")
     r.add_argument("--dataset", choices=DATASETS, default=d.dataset,
                    help="breast-cancer (scikit-learn's bundled clinical set, one record per "
                         "patient), ehr (synthetic longitudinal EHR, several visits per "
@@ -282,12 +283,9 @@ def default_ledger(site_id: int, data: Any) -> str:
     site and data set, outside any working tree. Nothing the coordinator chooses (broker
     address, federation name) is in the name, so no coordinator can start a site on a fresh
     budget; only changed data (another CSV) starts another ledger (docs/privacy.md)."""
-    import os
+    from fl.site_core import state_directory
 
-    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
-    folder = base / "secagg"
-    folder.mkdir(parents=True, exist_ok=True)
-    return str(folder / f"ledger-site-{site_id}-{data.fingerprint()[:24]}.json")
+    return str(state_directory() / f"ledger-site-{site_id}-{data.fingerprint()[:24]}.json")
 
 
 def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
@@ -471,7 +469,7 @@ def run_remote(args: argparse.Namespace) -> int:
             return 2
         from dp.errors import PrivacyError
         from fl.identity import SiteIdentity, fingerprint
-        from fl.privacy import open_site_guard
+        from fl.site_core import open_site_core
 
         try:
             identity = None if args.peer_keys is None else SiteIdentity.load(
@@ -481,8 +479,8 @@ def run_remote(args: argparse.Namespace) -> int:
             return 2
         try:
             ledger = args.ledger or default_ledger(args.site_id, data)
-            guard = open_site_guard(policy=site_policy_from_args(args), ledger_path=ledger,
-                                    log=log)
+            guard = open_site_core(policy=site_policy_from_args(args), ledger_path=ledger,
+                                   log=log)
         except (PrivacyError, OSError) as exc:
             print(f"secagg train: error: site privacy ledger/policy: {exc}", file=sys.stderr)
             return 2
@@ -518,7 +516,13 @@ def run_remote(args: argparse.Namespace) -> int:
         from transport.link import LinkLost
 
         try:
-            return asyncio.run(SiteProcess(data, MqttNetwork(broker), options, log).run())
+            site = SiteProcess(data, MqttNetwork(broker), options, log)
+        except ValueError as exc:  # e.g. --insecure-verify on a DP site
+            guard.close()
+            print(f"secagg train: error: {exc}", file=sys.stderr)
+            return 2
+        try:
+            return asyncio.run(site.run())
         except LinkLost as exc:
             print(f"secagg train: error: {exc}", file=sys.stderr)
             return 1

@@ -19,14 +19,14 @@ if importlib.util.find_spec("flwr") is None:  # pragma: no cover - exercised on 
     raise ImportError("fl.flower needs Flower: pip install 'secagg[flower]' "
                       "(flwr[simulation]==1.41.0, pinned in constraints.txt)")
 
-from fl.flower.client import NodePolicy, RoundStateError, make_secagg_mod, secagg_mod
+from fl.flower.client import NodeOptions, RoundStateError, make_secagg_mod, secagg_mod
 from fl.flower.rounds import RoundReport
 from fl.flower.server import DistributedDP, SecureAggregation
 from fl.flower.setup import RoundSetup, SetupError
 
 __all__ = [
     "DistributedDP",
-    "NodePolicy",
+    "NodeOptions",
     "RoundReport",
     "RoundSetup",
     "RoundStateError",

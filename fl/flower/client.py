@@ -1,10 +1,13 @@
 """Client side: a Flower mod that runs the user's own ``train`` under secure aggregation.
 
-``ClientApp(mods=[secagg_mod])`` (or ``make_secagg_mod(...)`` for a node policy) is the
-whole change on a node. For a train message that carries a round setup
-(:mod:`fl.flower.setup`) the mod runs the user's train function, encodes the reply's
-arrays, metrics and weight (:mod:`fl.flower.encoding`), builds a ``secagg.Client`` and
-answers with its public key advertisement only. Every later message of the round goes to
+``ClientApp(mods=[secagg_mod])`` (or ``make_secagg_mod(NodeOptions(...))``) is the whole
+change on a node. The node is one runtime of the site core (:mod:`fl.site_core`: the same
+policy, ledger and checks as ``secagg train --role site``). For a train message that carries
+a round setup (:mod:`fl.flower.setup`) the mod checks the whole setup and the layout of the
+arrays sent, has the site core check the protocol margins and the policy and charge the
+round to the node's ledger, and only then runs the user's train function, encodes the
+reply's arrays, metrics and weight (:mod:`fl.flower.encoding`), builds a ``secagg.Client``
+and answers with its public key advertisement only. Every later message of the round goes to
 the same client, rebuilt from its snapshot in the node's ``Context.state`` (Flower builds a
 ClientApp per message). The snapshot holds the round's secrets; ``Context.state`` never
 leaves the node, and no reply carries anything but secagg wire bytes.
@@ -21,12 +24,26 @@ wrapper counts as this node dropping out at that stage.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fl.flower.encoding import F64, U64, ReplyError, encode_reply, encoded_dim, flatten
+from dp.policy import SitePolicy
+from fl.errors import FLError
+from fl.flower.encoding import (
+    F64,
+    U64,
+    ReplyError,
+    dp_params,
+    encode_reply,
+    encoded_dim,
+    flatten,
+    validate_fixed,
+)
 from fl.flower.guard import (
     ABORTED,
     GuardError,
@@ -34,13 +51,16 @@ from fl.flower.guard import (
     hold,
     prune,
     record_name,
+    remove_stale_nodes,
     snapshot_key,
 )
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE, secagg_record
 from fl.flower.setup import RoundSetup, SetupError
+from fl.site_core import SecureSum, SiteCore, open_site_core, state_directory
 from secagg import Client, ProtocolAbort, SigningKey, Stage, encode
+from secagg.session import derive_session_id
 
-from ..errors import FLError
+log = logging.getLogger("fl.flower")
 
 
 class RoundStateError(FLError, RuntimeError):
@@ -48,18 +68,39 @@ class RoundStateError(FLError, RuntimeError):
     session, a stale or finished round, or no setup yet); nothing was changed."""
 
 
-@dataclass(frozen=True)
-class NodePolicy:
-    """What a node accepts from the server (docs/architecture.md section 9: the site is
-    sovereign). ``min_clients``: the smallest roster it joins; ``require_dp``: refuse
-    rounds without distributed DP; ``min_noise_stddev``: the smallest per-node noise
-    standard deviation (in the update's units) it adds; ``snapshot_key``: a node secret
-    that authenticates the round snapshot (HMAC, see ``secagg.resume``).
+POLICY_KEY = "secagg-policy"
+"""Node config key: the path of this node's :class:`dp.policy.SitePolicy` JSON file."""
+LEDGER_KEY = "secagg-ledger"
+"""Node config key: the path of this node's privacy ledger (:class:`dp.ledger.Ledger`)."""
+DP_KEY = "secagg-dp"
+"""Node config key: the one privacy mode this node takes part in (``none``: exact sums, the
+operator's opt-in; ``distributed``), as ``--dp`` on ``secagg train --role site``."""
 
-    Malicious mode: ``signing_key`` is this node's Ed25519 identity and ``trusted_keys``
-    the enrolled nodes' verification keys (distributed out of band). The node joins a
-    malicious-mode round only if the setup gives it its own key and every other key is
-    enrolled, so the server cannot slip in identities of its own.
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """What a Flower node runs with: the site core's policy and ledger (the same
+    :class:`dp.policy.SitePolicy`, defaults and refusals as ``secagg train --role site``,
+    :mod:`fl.site_core`), and what the Flower runtime adds (stage records, snapshot key,
+    malicious-mode identity).
+
+    ``policy``: the node's privacy policy; ``ledger``: the path of its write-ahead ledger.
+    The node operator's node config overrides both (``secagg-policy``: a policy JSON file,
+    ``secagg-dp``: the one mode it takes part in, ``secagg-ledger``: the ledger path): in
+    a deployment the ClientApp's code arrives with the app bundle the server side submits,
+    so only the node config is the hospital's own word. Without either the policy is
+    ``SitePolicy()`` (distributed DP only; exact sums need the operator's opt-in,
+    ``secagg-dp="none"``) and the ledger is
+    ``$XDG_STATE_HOME/secagg/ledger-flower-<sha256 of the node config>.json`` (default state
+    home ``~/.local/state``; :meth:`ledger_path`).
+
+    ``snapshot_key``: a node secret that authenticates the round snapshot (HMAC, see
+    ``secagg.resume``). Malicious mode: ``signing_key`` is this node's Ed25519 identity and
+    ``trusted_keys`` the enrolled nodes' verification keys (distributed out of band). The
+    node joins a malicious-mode round only if the setup gives it its own key and every
+    other key is enrolled, so the server cannot slip in identities of its own; such a
+    round's roster is authenticated and the ledger counts the other nodes' noise shares
+    (otherwise only the node's own share, :func:`fl.site_core.lone_share`).
 
     ``stage_dir``: where the node records, per round, the last stage it answered and the
     round's snapshot key (:mod:`fl.flower.guard`; default
@@ -69,9 +110,8 @@ class NodePolicy:
     count). A pruned round can no longer be answered (its snapshot key is gone), so keep
     more records than rounds the directory's nodes can have open at once."""
 
-    min_clients: int = 2
-    require_dp: bool = False
-    min_noise_stddev: float = 0.0
+    policy: SitePolicy | None = None
+    ledger: str | None = None
     snapshot_key: bytes = b""
     signing_key: SigningKey | None = None
     trusted_keys: frozenset[bytes] = frozenset()
@@ -81,33 +121,62 @@ class NodePolicy:
     def __post_init__(self) -> None:
         if isinstance(self.keep_rounds, bool) or not isinstance(self.keep_rounds, int) \
                 or self.keep_rounds < 1:
-            raise ValueError(f"NodePolicy.keep_rounds must be a positive integer (the stage "
+            raise ValueError(f"NodeOptions.keep_rounds must be a positive integer (the stage "
                              f"records a node keeps), got {self.keep_rounds!r}")
+        if self.policy is not None and not isinstance(self.policy, SitePolicy):
+            raise TypeError(f"NodeOptions.policy must be a dp.policy.SitePolicy, got "
+                            f"{type(self.policy).__name__}")
 
     def directory(self, context: Any) -> Path:
         """Where this node keeps its forward-only stage records (fl.flower.guard)."""
         return Path(self.stage_dir) if self.stage_dir else default_directory(context.node_id)
 
-    def check(self, setup: RoundSetup, client_id: int | None = None) -> None:
-        if setup.num_clients < self.min_clients:
-            raise SetupError(f"the round has {setup.num_clients} nodes; this node joins "
-                             f"rounds of at least {self.min_clients}")
-        if self.require_dp and setup.encoding != "ddp":
-            raise SetupError("this node only joins rounds with distributed DP")
-        if setup.dp is not None and setup.dp.noise_stddev < self.min_noise_stddev:
-            raise SetupError(f"the round asks for noise stddev {setup.dp.noise_stddev:.4g}; "
-                             f"this node adds at least {self.min_noise_stddev:.4g}")
-        if setup.security == "malicious" and client_id is not None:
-            if self.signing_key is None:
-                raise SetupError("a malicious-mode round needs this node's signing key: "
-                                 "give NodePolicy(signing_key=..., trusted_keys=...)")
-            if setup.verify_keys[client_id - 1] != self.signing_key.public:
-                raise SetupError("the setup gives this node a verify key that is not its own")
-            strangers = [i + 1 for i, key in enumerate(setup.verify_keys)
-                         if key not in self.trusted_keys]
-            if strangers:
-                raise SetupError(f"the setup names verify keys that are not enrolled "
-                                 f"(roster positions {strangers[:10]}); refused")
+    def site_policy(self, context: Any) -> SitePolicy:
+        """The node's policy: the node config's (``secagg-policy``, then ``secagg-dp``), else
+        this object's, else ``SitePolicy()``."""
+        config = context.node_config
+        path = config.get(POLICY_KEY)
+        policy = (SitePolicy.load(_config_text(path, POLICY_KEY)) if path is not None
+                  else self.policy or SitePolicy())
+        mode = config.get(DP_KEY)
+        if mode is not None:
+            policy = replace(policy, modes=(_config_text(mode, DP_KEY),))
+        return policy
+
+    def ledger_path(self, context: Any) -> str:
+        """The node config's ``secagg-ledger``, else this object's ``ledger``, else the
+        default: keyed by the node config without its ``secagg-`` keys (what the node's
+        operator set, e.g. ``partition-id``), never by the node id, which the SuperLink
+        assigns: a server that re-registers a node under a fresh id gets the same ledger."""
+        path = context.node_config.get(LEDGER_KEY)
+        if path is not None:
+            return _config_text(path, LEDGER_KEY)
+        if self.ledger is not None:
+            return self.ledger
+        own = sorted((str(k), repr(v)) for k, v in context.node_config.items()
+                     if not str(k).startswith("secagg-"))
+        digest = hashlib.sha256(json.dumps(own).encode()).hexdigest()[:24]
+        return str(state_directory() / f"ledger-flower-{digest}.json")
+
+    def open_core(self, context: Any) -> SiteCore:
+        """The node's site core over its ledger (locked until :meth:`SiteCore.close`)."""
+        return open_site_core(policy=self.site_policy(context),
+                              ledger_path=self.ledger_path(context),
+                              log=lambda text: log.info("node %s: %s", context.node_id, text))
+
+    def check_identity(self, setup: RoundSetup, client_id: int) -> None:
+        if setup.security != "malicious":
+            return
+        if self.signing_key is None:
+            raise SetupError("a malicious-mode round needs this node's signing key: "
+                             "give NodeOptions(signing_key=..., trusted_keys=...)")
+        if setup.verify_keys[client_id - 1] != self.signing_key.public:
+            raise SetupError("the setup gives this node a verify key that is not its own")
+        strangers = [i + 1 for i, key in enumerate(setup.verify_keys)
+                     if key not in self.trusted_keys]
+        if strangers:
+            raise SetupError(f"the setup names verify keys that are not enrolled "
+                             f"(roster positions {strangers[:10]}); refused")
 
     def identity(self, setup: RoundSetup) -> dict[str, Any]:
         """The keyword arguments secagg.Client needs for this round's security mode."""
@@ -116,13 +185,19 @@ class NodePolicy:
         return {"signing_key": self.signing_key, "verify_keys": setup.peer_keys()}
 
 
+def _config_text(value: object, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise SetupError(f"node config {key!r} must be a non-empty string, got {value!r}")
+    return value
+
+
 Mod = Callable[[Any, Any, Callable[[Any, Any], Any]], Any]
 
 
-def make_secagg_mod(policy: NodePolicy | Callable[[Any], NodePolicy] | None = None) -> Mod:
-    """A Flower mod with this node's policy (see :class:`NodePolicy`), or a function of the
-    node's ``Context`` that returns it (e.g. loading the node's signing key from a path in
-    ``context.node_config``)."""
+def make_secagg_mod(options: NodeOptions | Callable[[Any], NodeOptions] | None = None) -> Mod:
+    """A Flower mod with this node's :class:`NodeOptions` (policy, ledger, identity), or a
+    function of the node's ``Context`` that returns them (e.g. loading the node's signing
+    key from a path in ``context.node_config``)."""
 
     def secagg_mod(msg: Any, context: Any, call_next: Callable[[Any, Any], Any]) -> Any:
         if msg.metadata.message_type.split(".")[0] != "train":
@@ -130,17 +205,17 @@ def make_secagg_mod(policy: NodePolicy | Callable[[Any], NodePolicy] | None = No
         record = secagg_record(msg)
         if record is None:
             return call_next(msg, context)
-        node_policy = (policy if isinstance(policy, NodePolicy)
-                       else NodePolicy() if policy is None else policy(context))
+        node = (options if isinstance(options, NodeOptions)
+                else NodeOptions() if options is None else options(context))
         if SETUP in record:
-            return _start(msg, context, call_next, record, node_policy)
-        return _continue(msg, context, record, node_policy)
+            return _start(msg, context, call_next, record, node)
+        return _continue(msg, context, record, node)
 
     return secagg_mod
 
 
 secagg_mod = make_secagg_mod()
-"""The mod with the default :class:`NodePolicy`: ``ClientApp(mods=[secagg_mod])``."""
+"""The mod with the default :class:`NodeOptions`: ``ClientApp(mods=[secagg_mod])``."""
 
 
 def _reply(msg: Any, session: bytes, payload: bytes) -> Any:
@@ -165,35 +240,77 @@ def _number(record: Any, key: str) -> float:
 
 
 def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record: Any,
-           policy: NodePolicy) -> Any:
+           options: NodeOptions) -> Any:
+    """Join a round: the whole setup is checked and the round charged to the node's ledger
+    before the user's training runs (a refused round never trains)."""
     setup = RoundSetup.from_bytes(record.get(SETUP))
     if setup.run_id != msg.metadata.run_id:
         raise SetupError(f"the setup names run {setup.run_id}; this message belongs to run "
                          f"{msg.metadata.run_id}")
     client_id = setup.client_id(msg.metadata.dst_node_id)
-    policy.check(setup, client_id)
+    options.check_identity(setup, client_id)
     config = setup.config(encoded_dim(setup))
-    context.state.config_records.pop(STATE, None)  # an unfinished earlier round is gone
-    sent = None
-    if setup.encoding == "ddp":
+    try:  # the arrays the server sent must have the setup's layout
         sent = flatten(_single(msg.content.array_records, "ArrayRecord"), setup.arrays)
+    except ReplyError as exc:
+        raise SetupError(f"the train message's arrays do not match the round setup: "
+                         f"{exc}") from None
+    release = round_release(setup)
+    session = derive_session_id(config, tuple(range(1, setup.num_clients + 1)),
+                                setup.context())
+    directory = options.directory(context)
+    with hold(directory, session, client_id) as joined:
+        if joined.stage is not None:  # a replayed setup: neither charged nor trained again
+            raise GuardError("this node already joined this round (same session); a round "
+                             "is joined once")
+    context.state.config_records.pop(STATE, None)  # an unfinished earlier round is gone
+    core = options.open_core(context)
+    try:
+        core.authenticated_roster = setup.security == "malicious"  # enrolled keys only
+        core.check_protocol(num_clients=setup.num_clients, threshold=setup.threshold,
+                            neighbors=setup.neighbors, security=setup.security)
+        core.admit(release(core.policy), secagg_threshold=setup.threshold,
+                   label=f"flower run {setup.run_id} round {setup.server_round} "
+                         f"setup {setup.nonce[:8].hex()}")
+    finally:
+        core.close()
     del msg.content.config_records[RECORD]  # the user's train sees its own message only
     reply = call_next(msg, context)
     if reply.has_error():
         return reply
-    client = Client(config, client_id, reply_vector(setup, reply.content, sent),
+    client = Client(config, client_id,
+                    reply_vector(setup, reply.content, sent if setup.encoding == "ddp"
+                                 else None),
                     roster=range(1, setup.num_clients + 1), context=setup.context(),
-                    nonce=setup.nonce, **policy.identity(setup))
+                    nonce=setup.nonce, **options.identity(setup))
     advertisement = encode(client.advertise())
-    directory = policy.directory(context)
     with hold(directory, client.session_id, client_id) as record:
         record.join_round(int(client.stage), advertisement)
-        _save(context, setup, client, snapshot_key(record, policy.snapshot_key))
-    prune(directory, policy.keep_rounds, record_name(client.session_id, client_id))
+        _save(context, setup, client, snapshot_key(record, options.snapshot_key))
+    prune(directory, options.keep_rounds, record_name(client.session_id, client_id))
+    if options.stage_dir is None:  # the default base: other runs' node directories too
+        remove_stale_nodes(directory.parent, directory)
     return _reply(msg, client.session_id, advertisement)
 
 
-def _continue(msg: Any, context: Any, record: Any, policy: NodePolicy) -> Any:
+def round_release(setup: RoundSetup) -> Callable[[SitePolicy], SecureSum]:
+    """What a round releases, as the site core charges it (given the node's policy): an
+    exact sum, or one distributed-DP sum of the node's clipped update. The node charges it
+    at sample rate 1: the server picks the roster, so the node cannot count on being
+    sampled. The update is clipped as a whole, which bounds every patient's and every
+    record's influence: the release is per the policy's unit (patient or record)."""
+    params = dp_params(setup) if setup.encoding == "ddp" else None
+    if params is None:
+        validate_fixed(setup)
+
+    def release(policy: SitePolicy) -> SecureSum:
+        unit = policy.unit if policy.unit in ("patient", "record") else "patient"
+        return SecureSum(params=params, sample_rate=1.0, unit=unit)
+
+    return release
+
+
+def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
     saved = context.state.config_records.get(STATE)
     if saved is None:
         raise RoundStateError("no secure-aggregation round is in progress on this node "
@@ -209,16 +326,16 @@ def _continue(msg: Any, context: Any, record: Any, policy: NodePolicy) -> Any:
     if setup.run_id != msg.metadata.run_id:
         raise RoundStateError("the round in progress belongs to another run")
     client_id = setup.client_id(msg.metadata.dst_node_id)
-    with hold(policy.directory(context), session, client_id) as stage_record:
+    with hold(options.directory(context), session, client_id) as stage_record:
         if stage_record.stage == ABORTED:
             raise GuardError("this node aborted the round; it answers nothing more in it")
-        key = snapshot_key(stage_record, policy.snapshot_key)
+        key = snapshot_key(stage_record, options.snapshot_key)
         client = Client.restore(
             saved.get("snapshot"), config=setup.config(encoded_dim(setup)),
             client_id=client_id, context=setup.context(),
             roster=range(1, setup.num_clients + 1), key=key,
             min_stage=None if stage_record.stage is None else Stage(stage_record.stage),
-            **policy.identity(setup))
+            **options.identity(setup))
         try:
             out = encode(client.handle(payload))
         except ProtocolAbort as exc:

@@ -20,8 +20,15 @@ import numpy as np
 import numpy.typing as npt
 
 from dp.encoding import EncodingParams
-from fl.codec import DistributedCodec, FixedPointCodec
-from fl.flower.setup import ArraySpec, RoundSetup, SetupError
+from fl.codec import (
+    DistributedCodec,
+    FixedPointCodec,
+    decode_weighted,
+    encode_weighted,
+    noisy_mean,
+)
+from fl.flower.setup import RoundSetup, SetupError
+from fl.vector import ArrayLayout, ArraySpec, LayoutError
 
 from ..errors import FLError
 
@@ -34,46 +41,23 @@ class ReplyError(FLError, ValueError):
 
 
 def layout_of(arrays: Any) -> tuple[ArraySpec, ...]:
-    """The layout of a Flower ``ArrayRecord`` (key order kept)."""
-    specs = []
-    for name, array in arrays.items():
-        dtype = str(array.numpy().dtype)
-        specs.append(ArraySpec(name, tuple(int(s) for s in array.shape), dtype))
-    return tuple(specs)
+    """The layout of a Flower ``ArrayRecord`` (key order kept), as :mod:`fl.vector` has it."""
+    return ArrayLayout.of({name: array.numpy() for name, array in arrays.items()}).specs
 
 
 def flatten(arrays: Any, specs: tuple[ArraySpec, ...]) -> F64:
-    """The arrays of an ``ArrayRecord`` in layout order as one float64 vector."""
-    names = list(arrays.keys())
-    expected = [s.name for s in specs]
-    if names != expected:
-        raise ReplyError(f"the reply's arrays are {names[:8]}; the round expects "
-                         f"{expected[:8]} (same keys, same order as the arrays sent)")
-    parts = []
-    for spec in specs:
-        value = arrays[spec.name].numpy()
-        if tuple(value.shape) != spec.shape:
-            raise ReplyError(f"array {spec.name!r} has shape {tuple(value.shape)}; the round "
-                             f"expects {spec.shape}")
-        if value.dtype.kind != "f":
-            raise ReplyError(f"array {spec.name!r} has dtype {value.dtype}; only floating "
-                             "arrays are averaged")
-        parts.append(np.asarray(value, dtype=np.float64).reshape(-1))
-    flat = np.concatenate(parts) if parts else np.zeros(0)
-    if not np.all(np.isfinite(flat)):
-        raise ReplyError("the reply's arrays contain NaN or inf; fix the training first")
-    return flat
+    """The arrays of an ``ArrayRecord`` in layout order as one float64 vector
+    (:meth:`fl.vector.ArrayLayout.flatten`; a mismatch is a :class:`ReplyError`)."""
+    try:
+        return ArrayLayout(specs).flatten({name: array.numpy()
+                                           for name, array in arrays.items()})
+    except LayoutError as exc:
+        raise ReplyError(str(exc)) from None
 
 
 def unflatten(vector: F64, specs: tuple[ArraySpec, ...]) -> dict[str, npt.NDArray[Any]]:
     """Layout-ordered arrays (each cast back to its dtype) from a flat vector."""
-    out: dict[str, npt.NDArray[Any]] = {}
-    offset = 0
-    for spec in specs:
-        chunk = vector[offset:offset + spec.size]
-        out[spec.name] = np.asarray(chunk.reshape(spec.shape), dtype=spec.dtype)
-        offset += spec.size
-    return out
+    return ArrayLayout(specs).unflatten(vector)
 
 
 def _fixed(setup: RoundSetup) -> FixedPointCodec:
@@ -85,15 +69,23 @@ def _fixed(setup: RoundSetup) -> FixedPointCodec:
         raise SetupError(f"fixed-point parameters: {exc}") from None
 
 
+def validate_fixed(setup: RoundSetup) -> None:
+    """Refuse (:class:`SetupError`) fixed-point parameters that cannot hold the round."""
+    _fixed(setup)
+
+
 def dp_params(setup: RoundSetup) -> EncodingParams:
     spec = setup.dp
     if spec is None:
         raise SetupError("a distributed-DP round carries no DP parameters")
-    return EncodingParams(dim=setup.model_dim + 1, clip_norm=spec.clip_norm, scale=spec.scale,
-                          bits=spec.bits, noise_stddev=spec.noise_stddev,
-                          rotation_seed=spec.rotation_seed,
-                          mechanism=spec.mechanism,  # type: ignore[arg-type]
-                          beta=spec.beta, threshold=spec.threshold)
+    try:
+        return EncodingParams(dim=setup.model_dim + 1, clip_norm=spec.clip_norm,
+                              scale=spec.scale, bits=spec.bits, noise_stddev=spec.noise_stddev,
+                              rotation_seed=spec.rotation_seed,
+                              mechanism=spec.mechanism,  # type: ignore[arg-type]
+                              beta=spec.beta, threshold=spec.threshold)
+    except ValueError as exc:
+        raise SetupError(f"distributed-DP parameters: {exc}") from None
 
 
 def encoded_dim(setup: RoundSetup) -> int:
@@ -116,10 +108,9 @@ def encode_reply(setup: RoundSetup, arrays: F64, metrics: dict[str, float], weig
         raise ReplyError(f"the weight {setup.weight_key!r} must be a positive number, got "
                          f"{weight!r}")
     values = [metrics[name] for name in setup.metrics]
-    payload = np.concatenate([weight * arrays, weight * np.asarray(values, dtype=np.float64),
-                              [weight]])
     try:
-        return _fixed(setup).encode(payload)
+        return encode_weighted(_fixed(setup), np.concatenate(
+            [arrays, np.asarray(values, dtype=np.float64)]), weight)
     except ValueError as exc:
         raise ReplyError(str(exc)) from None
 
@@ -131,13 +122,12 @@ def decode_sum(setup: RoundSetup, total: U64, included: int, sent: F64
     ``fixed``: the weighted averages and ``sum w``. ``ddp``: ``sent`` plus the noisy sum
     of clipped updates over the noisy node count (floored at one), and that count."""
     if setup.encoding == "ddp":
-        sums, count = DistributedCodec(dp_params(setup)).decode(total, included)
-        weight = max(count, 1.0)
-        return sent + sums / weight, {}, weight
-    values = _fixed(setup).decode(total)
-    weight = float(values[-1])
-    if not weight > 0:
-        raise ReplyError("the securely summed weight is not positive")
+        mean, count = noisy_mean(DistributedCodec(dp_params(setup)), total, included)
+        return sent + mean, {}, max(count, 1.0)
+    try:
+        averages, weight = decode_weighted(_fixed(setup), total)
+    except ValueError as exc:
+        raise ReplyError(str(exc)) from None
     d = setup.model_dim
-    metrics = {name: float(values[d + i] / weight) for i, name in enumerate(setup.metrics)}
-    return values[:d] / weight, metrics, weight
+    metrics = {name: float(averages[d + i]) for i, name in enumerate(setup.metrics)}
+    return averages[:d], metrics, weight

@@ -19,7 +19,7 @@ one at a time across processes:
   no record of is refused, and a snapshot of an earlier join of the same session (kept in
   a rolled-back ``Context``) does not verify under a later join's key.
 
-**A private directory**: the records live in ``NodePolicy.stage_dir`` (default
+**A private directory**: the records live in ``NodeOptions.stage_dir`` (default
 ``<tmp>/secagg-flower-<uid>/node-<id>``), which must be a real directory owned by the node's
 user with no access for group or others, inside a parent that no other user can write to
 (owned by the user or root, and not group/other-writable unless sticky, as ``/tmp`` is);
@@ -28,7 +28,9 @@ user. Anything else is refused (:func:`private_directory`): a local user who cou
 rewrite a record could read the snapshot key or roll the record back.
 
 **Pruning** (:func:`prune`): 67 bytes per record; when the node joins a round it keeps the
-``NodePolicy.keep_rounds`` most recently used records and deletes the rest. Deleting a
+``NodeOptions.keep_rounds`` most recently used records and deletes the rest; under the
+default base it also removes other nodes' directories untouched for a day
+(:func:`remove_stale_nodes`: Flower's simulation draws new node ids every run). Deleting a
 record deletes the only copy of its round's snapshot key: whatever a ``Context`` still
 holds of that round can no longer be restored, and a message of that round is refused
 ("no record"), so pruning never re-opens the rollback. A setup of a pruned session sent
@@ -83,7 +85,7 @@ class StageRecord:
             raise GuardError("this node aborted the round; it answers nothing more in it")
         if self.stage is None and not self.key:
             raise GuardError("this node has no record of this round (it never joined it, "
-                             "or the record was pruned: NodePolicy.keep_rounds); refused")
+                             "or the record was pruned: NodeOptions.keep_rounds); refused")
         if self.stage is not None and stage < self.stage:
             raise GuardError("the node already answered a later stage of this round")
         if self.stage == stage and digest != self.digest:
@@ -97,15 +99,55 @@ class StageRecord:
 
 def snapshot_key(record: StageRecord, node_key: bytes) -> bytes:
     """The key a round's snapshot is authenticated under: the record's random key (gone
-    when the record is pruned) and the node's own ``NodePolicy.snapshot_key``."""
+    when the record is pruned) and the node's own ``NodeOptions.snapshot_key``."""
     if record.stage is None or not record.key:
         raise GuardError("this node has no record of this round (it never joined it, or "
-                         "the record was pruned: NodePolicy.keep_rounds); refused")
+                         "the record was pruned: NodeOptions.keep_rounds); refused")
     return hashlib.sha256(b"secagg/flower|snapshot-key|" + record.key + node_key).digest()
 
 
+STALE_AFTER = 24 * 3600.0
+"""Seconds after which another node's directory under the default base, untouched, is
+removed (:func:`remove_stale_nodes`): Flower's simulation draws new node ids every run."""
+
+
+def default_base() -> Path:
+    return Path(tempfile.gettempdir()) / f"secagg-flower-{os.getuid()}"
+
+
 def default_directory(node_id: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"secagg-flower-{os.getuid()}" / f"node-{node_id}"
+    return default_base() / f"node-{node_id}"
+
+
+def remove_stale_nodes(base: Path, own: Path, max_age: float = STALE_AFTER) -> int:
+    """Delete the ``node-*`` directories of ``base`` other than ``own`` whose directory and
+    records were all last written more than ``max_age`` seconds ago: each record under its
+    lock (one in use is left), then the directory if empty. Deleting a record deletes its
+    round's snapshot key, so this never re-opens a rollback (module docstring). Returns how
+    many directories were removed."""
+    import time
+
+    cutoff = time.time() - max_age
+    removed = 0
+    with contextlib.suppress(FileNotFoundError), os.scandir(base) as listing:
+        for entry in listing:
+            if not entry.name.startswith("node-") or entry.path == str(own):
+                continue
+            try:
+                info = os.lstat(entry.path)
+                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                    continue  # a link or another user's: never ours to delete
+                times = [info.st_mtime] + [e.stat(follow_symlinks=False).st_mtime
+                                           for e in os.scandir(entry.path)]
+            except OSError:
+                continue
+            if max(times) > cutoff:
+                continue
+            prune(Path(entry.path), 0, "")
+            with contextlib.suppress(OSError):
+                os.rmdir(entry.path)
+                removed += 1
+    return removed
 
 
 def private_directory(directory: Path) -> None:
@@ -122,14 +164,14 @@ def private_directory(directory: Path) -> None:
         raise GuardError(f"the stage directory {directory} must be a directory of this user "
                          f"with mode 0700 (it is {stat.filemode(mine.st_mode)}, owner "
                          f"{mine.st_uid}); another user could rewrite its records. Remove it "
-                         "or set NodePolicy.stage_dir to a private directory")
+                         "or set NodeOptions.stage_dir to a private directory")
     parent = os.stat(directory.parent)
     if parent.st_uid not in (uid, 0) or (
             stat.S_IMODE(parent.st_mode) & 0o022 and not parent.st_mode & stat.S_ISVTX):
         raise GuardError(f"the stage directory's parent {directory.parent} can be written "
                          f"by another user ({stat.filemode(parent.st_mode)}, owner "
                          f"{parent.st_uid}), who could replace the directory; set "
-                         "NodePolicy.stage_dir inside a directory only this user can write")
+                         "NodeOptions.stage_dir inside a directory only this user can write")
 
 
 def _open_record(path: Path, flags: int) -> int:

@@ -4,7 +4,8 @@ Every message crosses Flower's own protobuf serde both ways (as on the real tran
 and each node's ``Context`` is serialised after every message and rebuilt before the next
 (as when a SuperNode starts a fresh ClientApp process per message), so state survives only
 through ``Context.state``. ``silent`` nodes never answer from a given stage on (a crash or
-a timeout); exceptions in the ClientApp become Flower error replies.
+a timeout); exceptions in the ClientApp become Flower error replies. ``node_config`` adds
+to a node's config what its operator would pass a SuperNode (``--node-config``).
 
 For measurements it keeps, per node, the CPU seconds its ClientApp spent (serde of its
 messages included) and the serialised bytes of the messages it received and sent.
@@ -36,7 +37,8 @@ def wire(message: Message) -> Message:
 class LocalGrid(Grid):
     def __init__(self, app: Any, num_nodes: int, *, run_id: int = 7,
                  silent: Callable[[int, Message], bool] | None = None,
-                 first_node: int = 1000) -> None:
+                 first_node: int = 1000,
+                 node_config: Callable[[int], dict[str, Any]] | None = None) -> None:
         TaskIdentity.run_id = run_id
         TaskIdentity.node_id = 0
         TaskIdentity.task_id = 0
@@ -46,7 +48,9 @@ class LocalGrid(Grid):
         self.contexts = {
             node: context_to_proto(Context(run_id=run_id, node_id=node,
                                            node_config={"partition-id": i,
-                                                        "num-partitions": num_nodes},
+                                                        "num-partitions": num_nodes,
+                                                        **(node_config(node) if node_config
+                                                           else {})},
                                            state=RecordDict(), run_config={}))
             for i, node in enumerate(self.nodes)}
         self.silent = silent or (lambda node, msg: False)

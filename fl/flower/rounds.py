@@ -66,12 +66,15 @@ class RoundDriver:
     """Runs the stages of one round; ``run`` returns the report (``total`` set on success)."""
 
     def __init__(self, grid: Any, setup: RoundSetup, server: Server, message_type: str,
-                 timeout: float | None) -> None:
+                 timeout: float | None, *, first_timeout: float | None = None) -> None:
+        """``timeout``: each stage after the first; ``first_timeout``: the first (the
+        nodes train in it; default ``timeout``)."""
         self.grid = grid
         self.setup = setup
         self.server = server
         self.message_type = message_type
         self.timeout = timeout
+        self.first_timeout = timeout if first_timeout is None else first_timeout
         self.report = RoundReport(setup)
         self._cpu = 0.0
 
@@ -128,7 +131,8 @@ class RoundDriver:
 
     def _exchange(self, stage: Stage, outgoing: list[Any]) -> None:
         started = time.perf_counter()
-        replies = self.grid.send_and_receive(outgoing, timeout=self.timeout)
+        timeout = self.first_timeout if stage == Stage.ADVERTISE_KEYS else self.timeout
+        replies = self.grid.send_and_receive(outgoing, timeout=timeout)
         sent_to = {m.metadata.dst_node_id for m in outgoing}
         cpu = time.process_time()
         for reply in replies:

@@ -17,7 +17,7 @@ corrupt_rate)`` (the complete graph when no sparse one is safe); ``neighbors=Non
 SecAgg over the complete graph with ``threshold`` (default: the protocol's floor).
 ``security="malicious"`` adds signatures and the consistency check; it needs
 ``verify_keys`` (Flower node id -> enrolled Ed25519 key), sent to the nodes in the setup,
-which each node checks against its own enrolment list (``NodePolicy.trusted_keys``).
+which each node checks against its own enrolment list (``NodeOptions.trusted_keys``).
 ``privacy=DistributedDP(...)`` switches the encoding to distributed DP (:mod:`dp`): the
 per-node noise comes from ``fl.privacy.distributed_plan`` (calibrated so any ``t``
 survivors carry the target noise) and a round that would overshoot the budget is not run.
@@ -45,6 +45,71 @@ from fl.privacy import DistributedPlan, distributed_plan
 from secagg import Server, secagg_plus_parameters
 
 log = logging.getLogger("fl.flower")
+
+
+DEFAULT_STAGE_TIMEOUT = 120.0
+"""Seconds a node has to answer each stage after the first. The first stage (the train
+message: the user's training runs in it) waits for the ``timeout`` of ``start`` (Flower's
+round timeout, 3,600 s by default); the later stages are the node's own crypto on messages of
+kilobytes to megabytes (milliseconds to seconds) plus a ClientApp start in deployment, so a
+silent node costs the round at most two minutes per stage, not an hour."""
+
+PER_UPDATE = {
+    "FedMedian": "the coordinate-wise median of the node updates",
+    "FedTrimmedAvg": "a trimmed mean that drops the extreme node updates",
+    "MultiKrum": "distances between node updates (Krum, Multi-Krum)",
+    "Bulyan": "distances between node updates and a trimmed mean",
+    "QFedAvg": "each node's loss to weight its update",
+    "FedXgbBagging": "each node's trees",
+    "FedXgbCyclic": "one node's model at a time",
+    "DifferentialPrivacyServerSideFixedClipping": "each node's update, to clip it at the server",
+    "DifferentialPrivacyServerSideAdaptiveClipping": "each node's update, to clip it at the "
+                                                     "server",
+}
+"""Strategies (by class, subclasses included) whose update rule needs each node's update."""
+
+
+def check_strategy(strategy: Strategy) -> None:
+    """Refuse a strategy (or a strategy it wraps) that needs each node's update: secure
+    aggregation hands it one reply, the sum, so it would silently train something else."""
+    seen: Strategy | None = strategy
+    while seen is not None:
+        for cls in type(seen).__mro__:
+            if cls.__name__ in PER_UPDATE and cls.__module__.startswith("flwr."):
+                raise ValueError(
+                    f"{type(seen).__name__} needs {PER_UPDATE[cls.__name__]}; secure "
+                    "aggregation gives the server only their sum, so it would silently train "
+                    "a mean. Use FedAvg, FedProx, FedAvgM, FedAdam, FedAdagrad or FedYogi "
+                    "(their update rule applies to the secure aggregate)")
+        inner = getattr(seen, "strategy", None)
+        seen = inner if isinstance(inner, Strategy) and inner is not seen else None
+
+
+def _log_outcome(report: RoundReport) -> None:
+    """Where Flower users look (Flower's own log): the nodes a secure round dropped, with
+    the stage, and an aborted round (the strategy then reports the round without results)."""
+    from flwr.common.logger import log as flwr_log
+
+    n = report.setup.num_clients
+    if report.aborted is not None:
+        flwr_log(logging.WARNING, "secure aggregation round %d aborted: %s (%d of %d nodes "
+                 "dropped: %s)", report.server_round, report.aborted, len(report.dropped), n,
+                 _by_stage(report.dropped))
+    elif report.dropped:
+        flwr_log(logging.WARNING, "secure aggregation round %d: %d of %d nodes in the sum, "
+                 "%d dropped (%s)", report.server_round, len(report.included), n,
+                 len(report.dropped), _by_stage(report.dropped))
+    else:
+        flwr_log(logging.INFO, "secure aggregation round %d: all %d nodes in the sum",
+                 report.server_round, n)
+
+
+def _by_stage(dropped: Mapping[int, str]) -> str:
+    stages: dict[str, list[int]] = {}
+    for node, stage in sorted(dropped.items()):
+        stages.setdefault(stage, []).append(node)
+    return "; ".join(f"{stage}: {len(nodes)} (nodes {nodes[:5]}{'...' if len(nodes) > 5 else ''})"
+                     for stage, nodes in stages.items())
 
 
 @dataclass(frozen=True)
@@ -103,14 +168,20 @@ class SecureAggregation(Strategy):
     """Wrap a Message-API strategy so its train rounds are securely aggregated.
 
     ``metrics``: train-reply metrics averaged securely (weighted like the arrays); every
-    other metric of a train reply stays on the node. ``reports`` holds one
-    :class:`fl.flower.rounds.RoundReport` per round."""
+    other metric of a train reply stays on the node (none by default: name them).
+    ``stage_timeout``: seconds each stage after the first waits for the nodes
+    (:data:`DEFAULT_STAGE_TIMEOUT`); the first, in which the nodes train, waits for the
+    ``timeout`` of :meth:`start`. A strategy that needs each node's update (FedMedian, Krum,
+    ...) is refused (:func:`check_strategy`). ``reports`` holds one
+    :class:`fl.flower.rounds.RoundReport` per round; each round's drops are also logged to
+    Flower's log."""
 
     def __init__(self, strategy: Strategy, *, neighbors: int | str | None = "auto",
                  threshold: int | None = None, dropout_rate: float = 0.1,
-                 corrupt_rate: float = 0.0, security: str = "semi-honest", bits: int = 64,
+                 corrupt_rate: float = 0.1, security: str = "semi-honest", bits: int = 64,
                  frac_bits: int = 24, metrics: Sequence[str] = (),
-                 privacy: DistributedDP | None = None, stage_timeout: float | None = None,
+                 privacy: DistributedDP | None = None,
+                 stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
                  verify_keys: Mapping[int, bytes] | None = None) -> None:
         if security not in ("semi-honest", "malicious"):
             raise ValueError(f"security={security!r}: use 'semi-honest' or 'malicious'")
@@ -125,6 +196,10 @@ class SecureAggregation(Strategy):
                              "carry no noise); pass metrics=()")
         if privacy is not None and privacy.epsilon is None and privacy.noise_multiplier is None:
             raise ValueError("DistributedDP needs epsilon (a budget) or a noise_multiplier")
+        check_strategy(strategy)
+        if stage_timeout is not None and not stage_timeout > 0:
+            raise ValueError(f"stage_timeout={stage_timeout!r}: the seconds a node has for a "
+                             "secure-aggregation stage after its training (> 0)")
         self.strategy = strategy
         self.neighbors = neighbors
         self.threshold = threshold
@@ -214,9 +289,10 @@ class SecureAggregation(Strategy):
                         verify_keys=setup.peer_keys() if setup.verify_keys else None,
                         nonce=setup.nonce)
         driver = RoundDriver(grid, setup, server, messages[0].metadata.message_type,
-                             self.stage_timeout if self.stage_timeout is not None else timeout)
+                             self.stage_timeout, first_timeout=timeout)
         report = driver.run(messages)
         self.reports.append(report)
+        _log_outcome(report)
         if report.total is None:
             return []
         sent = flatten(arrays, setup.arrays)

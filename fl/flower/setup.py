@@ -16,13 +16,13 @@ complete the round with the others.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
-
+from fl.vector import ArraySpec
 from secagg import Config
+from transport import fields
 
 from ..errors import FLError
 
@@ -39,19 +39,6 @@ DTYPES = ("float16", "float32", "float64")
 
 class SetupError(FLError, ValueError):
     """A round setup is malformed or unsafe; the node refuses the round."""
-
-
-@dataclass(frozen=True)
-class ArraySpec:
-    """One array of the reply's ArrayRecord: its key, shape and floating dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -112,8 +99,9 @@ class RoundSetup:
     def config(self, dim: int) -> Config:
         """The secagg configuration (``dim`` is the encoded length, see fl.flower.encoding)."""
         # a sparse graph is checked against the rates it was derived for (Bell et al.)
-        rates = ({} if self.neighbors is None else
-                 {"dropout_rate": self.dropout_rate, "corrupt_rate": self.corrupt_rate})
+        rates: dict[str, Any] = ({} if self.neighbors is None else
+                                 {"dropout_rate": self.dropout_rate,
+                                  "corrupt_rate": self.corrupt_rate})
         try:
             return Config(num_clients=self.num_clients, threshold=self.threshold, dim=dim,
                           bits=self.bits, neighbors=self.neighbors, security=self.security,
@@ -145,7 +133,7 @@ class RoundSetup:
             "rates": [self.dropout_rate, self.corrupt_rate],
             "vk": list(self.verify_keys),
         }
-        return bytes(msgpack.packb(body, use_bin_type=True))
+        return fields.pack_map(body)
 
     @classmethod
     def from_bytes(cls, raw: object) -> RoundSetup:
@@ -154,12 +142,9 @@ class RoundSetup:
         if len(raw) > MAX_SETUP_BYTES:
             raise SetupError(f"the round setup has {len(raw)} bytes; at most "
                              f"{MAX_SETUP_BYTES} are accepted")
-        try:
-            body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-        except Exception as exc:
-            raise SetupError(f"the round setup does not decode: {exc}") from None
-        if not isinstance(body, dict):
-            raise SetupError("the round setup must be a map")
+        body = fields.unpack_map(raw, MAX_SETUP_BYTES, error=SetupError,
+                                 max_array_len=MAX_ROSTER, max_str_len=1 << 12,
+                                 what="the round setup")
         setup = cls._parse(body)
         if setup.to_bytes() != raw:
             raise SetupError("the round setup is not in canonical form")
@@ -217,8 +202,9 @@ class RoundSetup:
         rates = body.get("rates")
         if not isinstance(rates, list) or len(rates) != 2:
             raise SetupError("the setup needs [dropout_rate, corrupt_rate]")
-        dropout_rate = _float(rates[0], "dropout_rate", 0.0, 0.999)
-        corrupt_rate = _float(rates[1], "corrupt_rate", 0.0, 0.999)
+        named = {"dropout_rate": rates[0], "corrupt_rate": rates[1]}
+        dropout_rate = _float(named, "dropout_rate", 0.0, 0.999)
+        corrupt_rate = _float(named, "corrupt_rate", 0.0, 0.999)
         return cls(run_id=_int(body, "run", 0, (1 << 64) - 1),
                    server_round=_int(body, "round", 0, (1 << 63) - 1), nonce=nonce,
                    roster=tuple(roster), threshold=_int(body, "t", 1, MAX_ROSTER),
@@ -229,24 +215,13 @@ class RoundSetup:
                    verify_keys=tuple(keys))
 
 
-def _int(body: dict[str, Any], key: str, low: int, high: int) -> int:
-    value = body.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise SetupError(f"setup field {key!r} must be an integer in [{low}, {high}], "
-                         f"got {value!r}")
-    return value
-
-
-def _float(value: object, what: str, low: float, high: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not low <= value <= high:
-        raise SetupError(f"{what} must be a finite number in [{low}, {high}], got {value!r}")
-    return float(value)
+_int = partial(fields.integer, error=SetupError, what="setup field")
+_float = partial(fields.number, error=SetupError, what="setup field")
 
 
 def _str(body: dict[str, Any], key: str) -> str:
-    value = body.get(key)
-    if not isinstance(value, str) or not 0 < len(value) <= 256:
+    value = fields.text(body, key, limit=256, error=SetupError, what="setup field")
+    if not value:
         raise SetupError(f"setup field {key!r} must be a non-empty string")
     return value
 
@@ -277,15 +252,11 @@ def _array_spec(item: object) -> ArraySpec:
 def _dp_spec(item: object) -> DpSpec:
     if not isinstance(item, list) or len(item) != 8:
         raise SetupError("a distributed-DP round needs its 8 encoding parameters")
-    clip, scale, bits, stddev, seed, mechanism, beta, threshold = item
-    if mechanism not in MECHANISMS:
-        raise SetupError(f"DP mechanism {mechanism!r}: use one of {MECHANISMS}")
-    if not isinstance(bits, int) or not 8 <= bits <= 64:
-        raise SetupError("DP bits must be an integer in [8, 64]")
-    if not isinstance(seed, int) or not 0 <= seed < (1 << 63):
-        raise SetupError("the rotation seed must be an integer in [0, 2**63)")
-    if not isinstance(threshold, int) or threshold < 1:
-        raise SetupError("the DP threshold must be a positive integer")
-    return DpSpec(_float(clip, "clip_norm", 1e-12), _float(scale, "scale", 1e-12), bits,
-                  _float(stddev, "noise_stddev", 0.0), seed, mechanism,
-                  _float(beta, "beta", 0.0, 0.999999), threshold)
+    dp = dict(zip(("clip_norm", "scale", "bits", "noise_stddev", "rotation_seed",
+                   "mechanism", "beta", "threshold"), item, strict=True))
+    return DpSpec(_float(dp, "clip_norm", 0.0, low_open=True),
+                  _float(dp, "scale", 0.0, low_open=True), _int(dp, "bits", 8, 64),
+                  _float(dp, "noise_stddev", 0.0), _int(dp, "rotation_seed", 0, (1 << 63) - 1),
+                  fields.text(dp, "mechanism", MECHANISMS, error=SetupError,
+                              what="DP parameter"),
+                  _float(dp, "beta", 0.0, 0.999999), _int(dp, "threshold", 1, MAX_ROSTER))

@@ -148,7 +148,7 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
                require_dp: str | None, guard: Any = None) -> U64:
     """This site's secure-aggregation vector for the announced round.
 
-    With ``guard`` (:class:`fl.privacy.SiteGuard`: the site operator's policy and ledger)
+    With ``guard`` (:class:`fl.site_core.SiteCore`: the site operator's policy and ledger)
     the round is checked and charged to the site's ledger *before* anything about the
     site's own data is looked at or computed; a refusal names the policy rule
     (docs/privacy.md section 1). The task's shape comes from the announced (public) columns
@@ -245,6 +245,8 @@ def _admit(guard: Any, task: RoundTask | None, announce: Announce, label: str,
     from dp.errors import PrivacyError
 
     try:
+        guard.check_protocol(num_clients=len(announce.cohort), threshold=announce.threshold,
+                             neighbors=None, security=announce.security)
         guard.admit(task, secagg_threshold=announce.threshold, label=label, key=announce.key,
                     idp=idp)
     except PrivacyError as exc:  # the coordinator learns the rule, not the site's plan

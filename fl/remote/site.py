@@ -45,6 +45,7 @@ from fl.remote.messages import (
     round_context,
     site_will,
 )
+from fl.site_core import SiteCore
 from secagg import Config, Stage
 from secagg.client import Client
 from transport.client_driver import ClientDriver
@@ -70,8 +71,9 @@ class SiteOptions:
     """Give up waiting for a round's ``go`` (or its blob) after this long."""
     stage_timeout: float = 60.0
     max_payload: int = DEFAULT_MAX_PAYLOAD
-    guard: Any = None
-    """The site operator's privacy policy and ledger (:class:`fl.privacy.SiteGuard`)."""
+    guard: SiteCore | None = None
+    """The site's core: its operator's privacy policy and ledger (:class:`fl.site_core.SiteCore`,
+    every check of it runs in this role)."""
     identity: Any = None
     """The site's key and its operator's federation roster (:class:`fl.identity.SiteIdentity`):
     rounds run in secagg's malicious mode with the peers' keys from the site's own directory,
@@ -90,6 +92,12 @@ class SiteProcess:
         self.name = site_name(data.site_id)
         self.options = options
         if options.guard is not None:  # the charge follows how the roster is authenticated
+            if options.insecure_verify and set(options.guard.policy.modes) - {"none"}:
+                raise ValueError(
+                    "--insecure-verify sends this site's input in the clear, and a DP "
+                    "site's input carries only its own share of the noise its ledger "
+                    f"charges (policy modes {list(options.guard.policy.modes)}): drop "
+                    "--insecure-verify, or run the test with --dp none on both sides")
             options.guard.authenticated_roster = options.identity is not None
         self.topics = FedTopics(options.federation)
         self.network = network
@@ -335,6 +343,9 @@ class SiteProcess:
                 self._check_roster(go, go.roster, "roster")
                 if self.options.guard is not None:
                     self.options.guard.check_go(ann.key, go.threshold)
+                    self.options.guard.check_protocol(
+                        num_clients=len(go.roster), threshold=go.threshold, neighbors=None,
+                        security=go.security)
                 config = Config(num_clients=len(go.roster), threshold=go.threshold,
                                 dim=int(vector.size), bits=get_int(blob.task, "bits", 8, 64),
                                 security=go.security)

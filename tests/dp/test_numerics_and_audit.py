@@ -119,3 +119,20 @@ def test_calibration_after_earlier_releases_composes_to_the_budget() -> None:
     assert params.noise_stddev > noise_for_budget(template, 3.0, 1e-5, 0.1, 20).noise_stddev
     with pytest.raises(PrivacyConfigError, match="rdp accountant"):
         noise_multiplier_for(3.0, 1e-5, 0.05, 200, "prv", prior_rdp=prior)
+
+
+def test_an_unrecomputable_run_names_the_event_dp_accounting_lacks() -> None:
+    """A site-mode run after the noised feature statistics (a zCDP release) recomputes with
+    RDP; PLD has no zCDP event and says so, and a subsampled distributed round names its
+    sampling probability."""
+    params = EncodingParams(dim=30, clip_norm=1.0, scale=4096.0, bits=40,
+                            noise_stddev=2.0 / math.sqrt(4), rotation_seed=0, threshold=4)
+    run = run_json([distributed_event(params, 1.0), GaussianRound(1.2, 0.05, 30)])
+    assert recompute_epsilon(run, 1e-5, "rdp") > 0
+    with pytest.raises(PrivacyConfigError, match=r"ZCDpEvent .*no privacy loss distribution"
+                                                 r".*recompute the run with 'rdp'"):
+        recompute_epsilon(run, 1e-5, "pld")
+    sampled = run_json([GaussianRound(1.2, 0.05, 30), distributed_event(params, 0.1)])
+    with pytest.raises(PrivacyConfigError, match=r"PoissonSampledDpEvent of a ZCDpEvent "
+                                                 r"\(sampling probability 0\.1\)"):
+        recompute_epsilon(sampled, 1e-5, "rdp")

@@ -11,7 +11,8 @@ pytest.importorskip("opacus")
 
 from dp.encoding import EncodingParams
 from dp.errors import PrivacyConfigError
-from dp.policy import Ledger, PolicyRefused, Proposal, SitePolicy
+from dp.ledger import Ledger
+from dp.policy import PolicyRefused, Proposal, SitePolicy
 
 POLICY = SitePolicy(modes=("site", "distributed"), min_noise_multiplier=0.8, min_threshold=3,
                     max_sample_rate=0.2, max_steps=50, epsilon=3.0, delta=1e-5)

@@ -179,10 +179,10 @@ def test_a_site_process_judges_and_charges_the_noised_statistics(tmp_path: Path)
     import os
 
     from dp.policy import SitePolicy
-    from fl.privacy import open_site_guard
     from fl.remote.blob import Blob
     from fl.remote.inputs import demo_site_data, site_input
     from fl.remote.messages import Announce, WireError
+    from fl.site_core import open_site_core
 
     data = demo_site_data(BC, 1, (1, 2, 3))
     noised = private_scaler.scaler_plan(BC, load_split(BC).train)
@@ -190,7 +190,7 @@ def test_a_site_process_judges_and_charges_the_noised_statistics(tmp_path: Path)
     schema = {"features": list(data.schema.features), "labels": list(data.schema.labels)}
     policy = SitePolicy(modes=("site",), min_noise_multiplier=0.5, max_sample_rate=0.1,
                         epsilon=1.0)
-    guard = open_site_guard(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
+    guard = open_site_core(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
 
     def run(plan: private_scaler.ScalerPlan | None) -> Any:
         body: dict[str, Any] = {**schema, "dim": 61, "bits": 64}
@@ -211,7 +211,7 @@ def test_a_site_process_judges_and_charges_the_noised_statistics(tmp_path: Path)
     assert run(noised).size == noised.params.encoded_dim
     (charge,) = guard.ledger.active()
     # The site computes the cost itself (without an authenticated roster: its own noise
-    # share only, fl.privacy.lone_share), never less than the coordinator's figure.
+    # share only, fl.site_core.lone_share), never less than the coordinator's figure.
     assert charge.kind == "scaler" and noised.epsilon_target * 0.99 <= charge.epsilon_after
     assert charge.epsilon_after <= policy.epsilon
     guard.ledger.close()

@@ -20,9 +20,9 @@ from test_train_idp import _table
 from dp.policy import UNITS, PolicyRefused, SitePolicy
 from fl.contribution import RoundTask
 from fl.idp import SitePatients
-from fl.privacy import open_site_guard
 from fl.remote.inputs import SiteData
 from fl.remote.site import SiteOptions, SiteProcess
+from fl.site_core import open_site_core
 from transport.memory import MemoryNetwork
 from transport.topics import SERVER_USER, site_name
 
@@ -102,7 +102,7 @@ def _guard(tmp_path: Path, unit: str) -> tuple[SiteData, Any]:
     data = SiteData(1, csv=str(_table(tmp_path / "site.csv", patients=40)),
                     patient_column="pid", label_column="label", budget_column="budget")
     policy = SitePolicy(modes=("site",), unit=unit, epsilon=3.0, delta=1e-4)
-    guard = open_site_guard(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
+    guard = open_site_core(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
     if unit == "patient-idp":
         data.idp = SitePatients(1, data.table(data.schema.labels), epsilon=3.0, delta=1e-4)
     return data, guard
@@ -170,7 +170,7 @@ def test_the_site_ledger_caps_every_group_whatever_the_coordinator_proposes(
     # The same ledger under another unit: a release charged to every patient still counts
     # for each rate group, so none passes its target (the strictest group is spent).
     policy = SitePolicy(modes=("site",), unit="patient", epsilon=3.0, delta=1e-4)
-    guard = open_site_guard(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
+    guard = open_site_core(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
     with pytest.raises(PolicyRefused, match=r"\[budget\]"):
         guard.admit(_idp_task(3, unit="patient"), secagg_threshold=2, label="round 3")
     assert len(guard.ledger.charges) == 2
@@ -198,7 +198,7 @@ def test_a_refusal_tells_the_coordinator_the_rule_not_the_sites_private_plan(
         data.idp = SitePatients(1, data.table(data.schema.labels), epsilon=3.0, delta=1e-4)
         policy = SitePolicy(modes=("site",), unit="patient-idp", epsilon=3.0, delta=1e-4,
                             **ceiling)
-        guard = open_site_guard(policy=policy, ledger_path=str(tmp_path / f"l-{share}.json"))
+        guard = open_site_core(policy=policy, ledger_path=str(tmp_path / f"l-{share}.json"))
         network = MemoryNetwork()
         site = SiteProcess(data, network, SiteOptions(federation="fed", idle_timeout=30,
                                                       stage_timeout=10.0, guard=guard),

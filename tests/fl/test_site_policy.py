@@ -20,8 +20,8 @@ from fl.cli import main
 from fl.contribution import RoundTask
 from fl.coordinator import RoundCapture
 from fl.federation import privacy_plan, train
-from fl.privacy import open_site_guard
 from fl.settings import TrainSettings
+from fl.site_core import open_site_core
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -139,7 +139,7 @@ def test_the_site_refuses_noise0_threshold1_q1_and_its_ledger_survives_restart(
     policy = SitePolicy(modes=("distributed",), min_noise_multiplier=0.5, min_threshold=2,
                         max_sample_rate=0.3, epsilon=4.0)
     ledger = tmp_path / "site-1.json"
-    guard = open_site_guard(policy=policy, ledger_path=str(ledger))
+    guard = open_site_core(policy=policy, ledger_path=str(ledger))
     with pytest.raises(PolicyRefused) as err:
         guard.admit(_hostile_task(), secagg_threshold=1, label="round 1")
     assert err.value.rule in {"min_threshold", "min_noise_multiplier", "max_sample_rate"}
@@ -156,7 +156,7 @@ def test_the_site_refuses_noise0_threshold1_q1_and_its_ledger_survives_restart(
     charge = guard.admit(good, secagg_threshold=2, label="round 1")
     assert charge.epsilon_after > 0
     guard.ledger.close()
-    again = open_site_guard(policy=policy, ledger_path=str(ledger))  # the site restarts
+    again = open_site_core(policy=policy, ledger_path=str(ledger))  # the site restarts
     assert again.ledger.releases == 1
     assert again.ledger.epsilon == pytest.approx(charge.epsilon_after)
     again.ledger.close()
@@ -202,7 +202,7 @@ def test_a_site_process_refuses_the_hostile_round_before_computing_anything(
     hostile = _hostile_task()
     params = replace(hostile.params, dim=vector.size + 1)
     policy = SitePolicy(modes=("distributed",), min_noise_multiplier=0.5, max_sample_rate=0.3)
-    guard = open_site_guard(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
+    guard = open_site_core(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
 
     def run(task: RoundTask, threshold: int = 2, kind: str = "train") -> np.ndarray:
         body = {**schema, **task.to_wire()} if kind == "train" else {
@@ -248,7 +248,7 @@ def test_the_site_operators_policy_file_and_flags_make_the_policy(tmp_path: Path
 
 def test_a_lowered_threshold_at_go_is_refused_and_an_unsent_input_is_not_charged(
         tmp_path: Path) -> None:
-    guard = open_site_guard(policy=SitePolicy(), ledger_path=str(tmp_path / "l.json"))
+    guard = open_site_core(policy=SitePolicy(), ledger_path=str(tmp_path / "l.json"))
     task = _hostile_task()
     task = replace(task, sample_rate=0.1, params=replace(task.params, noise_stddev=1.0,
                                                          threshold=3))

@@ -31,11 +31,11 @@ from fl.commands.train import site_policy_from_args
 from fl.contribution import RoundTask
 from fl.data import DataError
 from fl.models import make_model
-from fl.privacy import open_site_guard
 from fl.remote.blob import Blob
 from fl.remote.channel import CoordinatorChannel, NotEnoughSites
 from fl.remote.inputs import SCHEMA_MISMATCH, SiteData
 from fl.remote.site import SiteOptions, SiteProcess
+from fl.site_core import open_site_core
 from fl.vector import ParameterLayout
 from transport.deadlines import round_timeouts
 from transport.memory import MemoryNetwork
@@ -110,7 +110,7 @@ def _announce(site: SiteProcess, network: MemoryNetwork, blobs: list[tuple[bytes
 
 def _site(tmp_path: Path, policy: SitePolicy, labels: list[str] | None = None
           ) -> tuple[SiteProcess, MemoryNetwork, Any]:
-    guard = open_site_guard(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
+    guard = open_site_core(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
     data = SiteData(1, csv=str(_csv(tmp_path)), patient_column="pid", label_column="dx",
                     labels=labels)
     network = MemoryNetwork()

@@ -17,7 +17,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fl.flower import RoundReport, RoundSetup, secagg_mod
+from dp.policy import SitePolicy
+from fl.flower import NodeOptions, RoundReport, RoundSetup, make_secagg_mod
 from fl.flower.client import reply_vector
 from fl.flower.records import RECORD, SETUP, stage_of
 
@@ -26,6 +27,10 @@ STAGES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
 EXCLUDING = ("advertise_keys", "share_keys", "masked_input")  # no masked input: not summed
 DropPlan = Callable[[int, int, Sequence[int]], str | None]  # (node, round, roster) -> stage
 PLANNED = "test-planned-drop"  # the node's planned stage for the current round, in its state
+OPEN = SitePolicy(modes=("none", "distributed"))
+"""A node operator's opt-in to exact sums besides distributed DP (the default policy
+takes part in distributed-DP rounds only, as ``secagg train --role site`` does)."""
+open_mod = make_secagg_mod(NodeOptions(policy=OPEN))
 
 
 def initial_arrays() -> ArrayRecord:
@@ -84,7 +89,7 @@ def dropout_mod(plan: DropPlan) -> Any:
 
 def client_app(plan: DropPlan | None = None, mods: list[Any] | None = None) -> ClientApp:
     app = ClientApp(mods=[dropout_mod(plan or (lambda n, r, roster: None)),
-                          *(mods if mods is not None else [secagg_mod])])
+                          *(mods if mods is not None else [open_mod])])
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

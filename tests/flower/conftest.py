@@ -27,6 +27,8 @@ if not _have_flwr():
 
 @pytest.fixture(autouse=True)
 def _own_stage_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """In-process nodes keep their forward-only stage records (fl.flower.guard) per test."""
+    """In-process nodes keep their forward-only stage records (fl.flower.guard) and their
+    privacy ledgers (default ``$XDG_STATE_HOME/secagg``) per test."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the nodes' ledgers
     yield

@@ -34,6 +34,7 @@ def environment(flwr_home: Path, root: Path) -> dict[str, str]:
     tmp = flwr_home / "tmp"  # the nodes' stage records (fl.flower.guard) stay in the test's dir
     tmp.mkdir(exist_ok=True)
     env["TMPDIR"] = str(tmp)
+    env["XDG_STATE_HOME"] = str(flwr_home / "state")  # the nodes' default privacy ledgers
     return env
 
 

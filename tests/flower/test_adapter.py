@@ -12,13 +12,15 @@ import pytest
 from flwr.app import Array, ConfigRecord, Message, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg
 
+from dp.policy import SitePolicy
 from fl.flower import (
     DistributedDP,
-    NodePolicy,
+    NodeOptions,
     RoundSetup,
     SecureAggregation,
     SetupError,
     make_secagg_mod,
+    secagg_mod,
 )
 from fl.flower.local import LocalGrid
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE
@@ -231,8 +233,8 @@ def _valid_setup(grid: LocalGrid, **changes: Any) -> RoundSetup:
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda raw: raw[:-1], "does not decode"),
-    (lambda raw: raw + b"\x00", "does not decode"),
+    (lambda raw: raw[:-1], "not msgpack"),
+    (lambda raw: raw + b"\x00", "not msgpack"),
     (lambda raw: b"\x80", "version"),
 ])
 def test_a_malformed_setup_is_refused_with_a_typed_error(
@@ -259,17 +261,18 @@ def test_a_node_refuses_an_unsafe_or_foreign_setup(changes: dict[str, Any],
     assert STATE not in grid.state(grid.nodes[0]).config_records
 
 
-def test_the_node_policy_refuses_small_rounds_and_rounds_without_dp() -> None:
-    grid, _ = _grid(4, mods=[make_secagg_mod(NodePolicy(min_clients=5))])
+def test_the_node_policy_refuses_low_thresholds_and_exact_sums_by_default() -> None:
+    policy = SitePolicy(modes=("none", "distributed"), min_threshold=4)
+    grid, _ = _grid(4, mods=[make_secagg_mod(NodeOptions(policy=policy))])
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
                                 neighbors=None)
     wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert wrapper.reports[0].aborted is not None
-    assert all("at least 5" in r.error.reason for r in grid.replies if r.has_error())
-    grid, _ = _grid(4, mods=[make_secagg_mod(NodePolicy(require_dp=True))])
+    assert all("[min_threshold]" in r.error.reason for r in grid.replies if r.has_error())
+    grid, _ = _grid(4, mods=[secagg_mod])  # the default policy: distributed DP only
     raw = _valid_setup(grid).to_bytes()
     reply = _send(grid, grid.nodes[0], _setup_message(grid, raw, grid.nodes[0]))
-    assert reply.has_error() and "distributed DP" in reply.error.reason
+    assert reply.has_error() and "[exact-release]" in reply.error.reason
 
 
 def test_distributed_dp_round_decodes_to_the_noisy_average_within_its_noise() -> None:
@@ -327,17 +330,26 @@ def test_unsupported_wrapper_settings_are_refused_with_what_to_change() -> None:
         SecureAggregation(FedAvg(), privacy=DistributedDP(1.0))
 
 
-def test_the_node_policy_sets_a_noise_floor() -> None:
+def test_the_node_policy_sets_a_noise_floor_relative_to_the_clip() -> None:
+    """``min_noise_multiplier`` is the Gaussian-equivalent multiplier of the noise the node
+    can count on, over the clip (dp.distributed.effective_noise_multiplier). In a
+    semi-honest round the roster is the server's word, so only the node's own share counts
+    (fl.site_core.lone_share): a 0.05 stddev at clip 1 is a multiplier of about 0.05, not
+    the 0.087 that three honest nodes would carry."""
     from dataclasses import replace
 
     from fl.flower.setup import DpSpec
 
-    grid, _ = _grid(4)
-    setup = replace(_valid_setup(grid), encoding="ddp", frac_bits=0,
-                    dp=DpSpec(1.0, 100.0, 40, 0.05, 3, "dgauss", 0.5, 3))
-    with pytest.raises(SetupError, match=r"at least 0\.1"):
-        NodePolicy(min_noise_stddev=0.1).check(setup)
-    NodePolicy(min_noise_stddev=0.05).check(setup)
+    for floor, refused in ((0.06, True), (0.04, False)):
+        policy = SitePolicy(modes=("distributed",), min_noise_multiplier=floor)
+        grid, _ = _grid(4, mods=[make_secagg_mod(NodeOptions(policy=policy))])
+        setup = replace(_valid_setup(grid), encoding="ddp", frac_bits=0,
+                        dp=DpSpec(1.0, 100.0, 40, 0.05, 3, "dgauss", 0.5, 3))
+        reply = _send(grid, grid.nodes[0],
+                      _setup_message(grid, setup.to_bytes(), grid.nodes[0]))
+        assert reply.has_error() == refused, reply.error.reason if refused else ""
+        if refused:
+            assert "[min_noise_multiplier]" in reply.error.reason
 
 
 def test_the_adapter_imports_without_torch() -> None:
@@ -359,8 +371,9 @@ def _malicious(n: int, drops: dict[int, str] | None = None
     grid = LocalGrid(None, n)
     keys = {node: SigningKey.generate() for node in grid.nodes}
     enrolled = frozenset(k.public for k in keys.values())
-    mod = make_secagg_mod(lambda ctx: NodePolicy(signing_key=keys[ctx.node_id],
-                                                 trusted_keys=enrolled))
+    mod = make_secagg_mod(lambda ctx: NodeOptions(policy=apps.OPEN,
+                                                  signing_key=keys[ctx.node_id],
+                                                  trusted_keys=enrolled))
     plan = _plan_by_position(grid, drops or {})
     grid.app = apps.client_app(plan, [mod])
     return grid, plan, keys
@@ -402,7 +415,8 @@ def test_malicious_mode_nodes_refuse_a_verify_key_that_is_not_enrolled() -> None
 
 
 def test_a_tampered_snapshot_is_refused_under_the_node_snapshot_key() -> None:
-    grid, _ = _grid(5, mods=[make_secagg_mod(NodePolicy(snapshot_key=b"node secret"))])
+    grid, _ = _grid(5, mods=[make_secagg_mod(NodeOptions(policy=apps.OPEN,
+                                                          snapshot_key=b"node secret"))])
     grid.silent = lambda node, msg: apps.stage_of(msg) == "unmasking"
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=5),
                                 neighbors=None)

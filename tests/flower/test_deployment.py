@@ -2,7 +2,8 @@
 processes on 127.0.0.1 (``--insecure``, the closest flwr 1.41 offers offline), the app
 submitted with ``flwr run``; every ClientApp runs in its own process, so the node's round
 state crosses messages only through ``Context.state``. One node drops before its masked
-input; the round completes and the aggregate equals the plaintext sum of the others."""
+input; the round completes and the aggregate equals the plaintext sum of the others. The
+nodes' policy and ledger come from their operators' ``--node-config`` (fl.flower.client)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def test_superlink_and_supernodes_as_processes_one_node_drops_the_round_is_exact
             processes.append(start(
                 ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{link}",
                  "--host", "127.0.0.1", "--port", str(free_port()),
-                 "--node-config", f"partition-id={partition} num-partitions={NODES}"],
+                 # the node operator's own word: exact sums (opt-in) and its ledger
+                 "--node-config", f"partition-id={partition} num-partitions={NODES} "
+                 f"secagg-dp='none' secagg-ledger='{tmp_path / f'ledger-{partition}.json'}'"],
                 env, tmp_path / f"supernode{partition}.log"))
         run = subprocess.run(
             [str(Path(env["PATH"].split(":")[0]) / "flwr"), "run", str(APP), "local",
@@ -58,6 +61,10 @@ def test_superlink_and_supernodes_as_processes_one_node_drops_the_round_is_exact
         stop(processes)
     records = list((home / "tmp").glob("secagg-flower-*/node-*/*"))
     assert len(records) == NODES  # each node kept its stage record for the round
+    for partition in range(NODES):  # each node charged the round to the ledger it was given
+        ledger = json.loads((tmp_path / f"ledger-{partition}.json").read_text())
+        assert [(c["mode"], c["kind"]) for c in ledger["charges"]] == [("none", "train")]
+        assert ledger["policy"]["modes"] == ["none"]
     out = json.loads(report_path.read_text())
     (data,) = out["reports"]
     report = apps.report_from_json(data)

@@ -1,4 +1,4 @@
-"""The node's stage records (fl.flower.guard) are pruned to NodePolicy.keep_rounds, and a
+"""The node's stage records (fl.flower.guard) are pruned to NodeOptions.keep_rounds, and a
 pruned round stays closed: its unmasking request is refused even from a rolled-back
 Context, and a replayed setup cannot revive the earlier join's snapshot."""
 
@@ -11,7 +11,7 @@ import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from fl.flower import NodePolicy, SecureAggregation, make_secagg_mod
+from fl.flower import NodeOptions, SecureAggregation, make_secagg_mod
 from fl.flower.guard import default_directory, hold, prune, record_name
 from fl.flower.local import LocalGrid
 from fl.flower.records import PAYLOAD, RECORD, SESSION
@@ -21,7 +21,8 @@ from tests.flower import apps
 
 def _grid(n: int, keep: int) -> tuple[LocalGrid, SecureAggregation]:
     grid = LocalGrid(None, n)
-    grid.app = apps.client_app(None, [make_secagg_mod(NodePolicy(keep_rounds=keep))])
+    grid.app = apps.client_app(None, [make_secagg_mod(NodeOptions(policy=apps.OPEN,
+                                                                  keep_rounds=keep))])
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=n),
                                 neighbors=None)
     return grid, wrapper
@@ -154,7 +155,7 @@ def test_a_refused_message_leaves_no_record_behind(tmp_path: Path) -> None:
 @pytest.mark.parametrize("keep", [0, -3, True, 2.5])
 def test_keep_rounds_must_be_a_positive_count(keep: object) -> None:
     with pytest.raises(ValueError, match="keep_rounds"):
-        NodePolicy(keep_rounds=keep)  # type: ignore[arg-type]
+        NodeOptions(keep_rounds=keep)  # type: ignore[arg-type]
 
 
 def test_a_stage_directory_another_user_could_write_is_refused_and_the_round_goes_on(
@@ -171,7 +172,7 @@ def test_a_stage_directory_another_user_could_write_is_refused_and_the_round_goe
     grid = LocalGrid(None, 5)
     victim = grid.nodes[0]
     grid.app = apps.client_app(None, [make_secagg_mod(
-        lambda ctx: NodePolicy(stage_dir=str(planted if ctx.node_id == victim
+        lambda ctx: NodeOptions(policy=apps.OPEN, stage_dir=str(planted if ctx.node_id == victim
                                              else tmp_path / f"own-{ctx.node_id}")))])
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=5),
                                 neighbors=None)

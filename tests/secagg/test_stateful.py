@@ -55,7 +55,7 @@ class SecAggSchedules(RuleBasedStateMachine):
         config = Config(num_clients=n, dim=dim, bits=bits, neighbors=neighbors,
                         security=security, unchecked_graph=True)
         self.rnd = Round(config, context=b"stateful-%d" % seed, seed=seed)
-        self.t = config.threshold or 0
+        self.t = config.threshold
         self.up: dict[int, bytes] = dict(self.rnd.pending)  # in flight to the server
         self.down: dict[int, bytes] = {}  # in flight to clients
         self.honest_up: list[tuple[int, bytes]] = []

@@ -58,7 +58,7 @@ def test_colluding_holders_with_offset_shares_cannot_frame_honest_holders(
         security: str) -> None:
     config = Config(num_clients=7, threshold=5 if security == "malicious" else 4, dim=DIM,
                     bits=BITS, security=security)
-    t = config.threshold or 0
+    t = config.threshold
     owner, colluders = 7, (1, 2)
     base = tuple(range(1, t + 1))  # the lowest ids, where the server starts
     weights = dict(zip(base, lagrange_weights(base), strict=True))

@@ -1,6 +1,7 @@
 """The hospital's ClientApp: an ordinary Flower train function. The one secagg line is
 ``mods=[secagg_mod]``: the reply's arrays and metrics are then securely aggregated and
-never leave the hospital in clear."""
+never leave the hospital in clear. The node's privacy policy and ledger are its operator's
+(node config ``secagg-policy``, ``secagg-dp``, ``secagg-ledger``; docs/flower.md)."""
 
 from __future__ import annotations
 
