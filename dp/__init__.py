@@ -15,9 +15,12 @@ from dp.errors import (
     PrivacyError,
     TooFewSurvivors,
 )
+from dp.ledger import Charge, Ledger
+from dp.policy import PolicyRefused, Proposal, SitePolicy
 
 __all__ = [
-    "BitsChoice", "BudgetExceeded", "EncodingParams", "GaussianRound", "IntegerEncoder",
-    "MissingExtra", "NoiseCalibration", "PrivacyBudget", "PrivacyConfigError", "PrivacyError",
-    "RdpRound", "TooFewSurvivors", "calibrate", "choose_bits", "noise_for_budget",
+    "BitsChoice", "BudgetExceeded", "Charge", "EncodingParams", "GaussianRound",
+    "IntegerEncoder", "Ledger", "MissingExtra", "NoiseCalibration", "PolicyRefused",
+    "PrivacyBudget", "PrivacyConfigError", "PrivacyError", "Proposal", "RdpRound",
+    "SitePolicy", "TooFewSurvivors", "calibrate", "choose_bits", "noise_for_budget",
 ]
