@@ -65,11 +65,17 @@ def test_drops_are_reported_in_flowers_log() -> None:
                                 neighbors=None)
     recorder = Recorder()
     logger = logging.getLogger("flwr")
+    # earlier tests' simulations (ray) may leave Flower's logger disabled or quieter than
+    # Flower's own INFO default: restore what a Flower app runs with
+    saved = logger.disabled, logger.level
+    logger.disabled = False
+    logger.setLevel(logging.INFO)
     logger.addHandler(recorder)
     try:
         wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     finally:
         logger.removeHandler(recorder)
+        logger.disabled, logger.level = saved
     (report,) = wrapper.reports
     assert report.dropped == drops
     lines = [r.getMessage() for r in recorder.records if r.levelno == logging.WARNING]
