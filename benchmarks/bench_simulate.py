@@ -41,10 +41,10 @@ except ImportError:  # pragma: no cover - optional
 # fl.cli imports every subcommand; stand in for ``train`` if it is not written yet.
 ENTRY = (
     "import sys, types, importlib.util\n"
-    "if importlib.util.find_spec('fl.commands.train') is None:\n"
-    "    m = types.ModuleType('fl.commands.train')\n"
+    "if importlib.util.find_spec('fl.cli.train') is None:\n"
+    "    m = types.ModuleType('fl.cli.train')\n"
     "    m.add_parser = lambda sub: sub.add_parser('train'); m.run = lambda a: 0\n"
-    "    sys.modules['fl.commands.train'] = m\n"
+    "    sys.modules['fl.cli.train'] = m\n"
     "from fl.cli import main\n"
     "sys.exit(main())\n"
 )
@@ -135,7 +135,7 @@ def run_cli(args: argparse.Namespace, broker: str) -> dict[str, Any]:
 
 def floor(args: argparse.Namespace) -> float:
     """The same round in one process with ``secagg.simulate`` (no transport)."""
-    from fl.commands.simulate import drop_schedule
+    from fl.cli.simulate import drop_schedule
     from transport.runner import InputSource
 
     config = Config(num_clients=args.clients, dim=args.dim, bits=args.bits)

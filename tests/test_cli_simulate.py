@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import fl.commands.simulate  # noqa: F401  (compiled before any test starts a thread)
+import fl.cli.simulate  # noqa: F401  (compiled before any test starts a thread)
 import transport.runner  # noqa: F401
 from secagg import Stage
 from transport.broker import EmbeddedBroker
@@ -28,17 +28,17 @@ pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = {"advertise_keys", "share_keys", "masked_input", "consistency_check", "unmasking"}
-HAS_TRAIN = importlib.util.find_spec("fl.commands.train") is not None
+HAS_TRAIN = importlib.util.find_spec("fl.cli.train") is not None
 
 
 @pytest.fixture(autouse=True)
 def _cli_without_train(monkeypatch: pytest.MonkeyPatch) -> None:
     """fl.cli imports every subcommand; stand in for ``train`` until it exists."""
     if not HAS_TRAIN:
-        stub = types.ModuleType("fl.commands.train")
+        stub = types.ModuleType("fl.cli.train")
         stub.add_parser = lambda sub: sub.add_parser("train")  # type: ignore[attr-defined]
         stub.run = lambda args: 0  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "fl.commands.train", stub)
+        monkeypatch.setitem(sys.modules, "fl.cli.train", stub)
 
 
 def cli(*argv: str) -> int:
@@ -184,9 +184,9 @@ def test_mosquitto_broker(tmp_path: Path) -> None:
 
 
 STUB_TRAIN = (
-    "import sys, types; m = types.ModuleType('fl.commands.train'); "
+    "import sys, types; m = types.ModuleType('fl.cli.train'); "
     "m.add_parser = lambda sub: sub.add_parser('train'); m.run = lambda a: 0; "
-    "sys.modules['fl.commands.train'] = m; from fl.cli import main; sys.exit(main())")
+    "sys.modules['fl.cli.train'] = m; from fl.cli import main; sys.exit(main())")
 
 
 def test_subprocess_entry_point(tmp_path: Path) -> None:
@@ -327,7 +327,7 @@ def test_two_runs_share_one_broker(tmp_path: Path) -> None:
 
 
 def test_progress_lines_inside_a_stage_when_not_on_a_terminal() -> None:
-    from fl.commands.simulate import StageDisplay
+    from fl.cli.simulate import StageDisplay
 
     class Clock:
         now = 0.0
@@ -350,7 +350,7 @@ def test_progress_lines_inside_a_stage_when_not_on_a_terminal() -> None:
 
 
 def test_progress_line_is_kept_up_to_date_on_a_terminal() -> None:
-    from fl.commands.simulate import StageDisplay
+    from fl.cli.simulate import StageDisplay
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

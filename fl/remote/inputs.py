@@ -84,7 +84,7 @@ class SiteData:
     def fingerprint(self) -> str:
         """SHA-256 of this site's data (the CSV's bytes, or the shard's records and patient
         ids): what the default privacy ledger is keyed by, so it follows the patients and
-        not the broker's address (fl/commands/train.py ``default_ledger``)."""
+        not the broker's address (fl/cli/train.py ``default_ledger``)."""
         digest = hashlib.sha256()
         if self._csv is not None:
             with open(self._csv, "rb") as handle:

@@ -1,4 +1,4 @@
-"""`secagg budget` through fl.cli.main and through a subprocess."""
+"""`secagg budget` through fl.cli.app and through a subprocess."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import pytest
 pytest.importorskip("opacus")
 
 from dp.accounting import gaussian_epsilon
-from fl.commands import budget
+from fl.cli import budget
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--epsilon", "3", "--delta", "1e-5", "--sample-rate", "0.01"]
 
 
 def _cli_ready() -> bool:
-    return all(importlib.util.find_spec(f"fl.commands.{c}") for c in ("simulate", "train"))
+    return all(importlib.util.find_spec(f"fl.cli.{c}") for c in ("simulate", "train"))
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -72,7 +72,7 @@ def test_bad_input_exits_2_with_a_hint(argv: list[str], hint: str,
 
 def test_subprocess_entry_point() -> None:
     if not _cli_ready():
-        pytest.skip("fl.cli needs fl.commands.simulate and train, written by other engineers")
+        pytest.skip("fl.cli needs fl.cli.simulate and train, written by other engineers")
     proc = subprocess.run(
         [sys.executable, "-m", "fl.cli", "budget", *COMMON, "--noise-multiplier", "2", "--json"],
         capture_output=True, text=True, cwd=ROOT, timeout=120)

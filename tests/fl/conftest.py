@@ -11,7 +11,7 @@ import pytest
 def _site_state_in_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
                        ) -> Path:
     """A site process started by a test without ``--ledger`` keeps its privacy ledger
-    under ``$XDG_STATE_HOME/secagg`` (fl/commands/train.py ``default_ledger``): point it at
+    under ``$XDG_STATE_HOME/secagg`` (fl/cli/train.py ``default_ledger``): point it at
     a temporary directory so no test writes to the user's home. Child processes inherit
     the variable."""
     state = tmp_path_factory.mktemp("xdg-state")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl.cli import EXAMPLES, build_parser, main
+from fl.cli.app import EXAMPLES, build_parser, main
 from fl.models import make_model
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""``secagg train`` through ``fl.cli.main``: report, plot, budget stop, option errors."""
+"""``secagg train`` through ``fl.cli.app``: report, plot, budget stop, option errors."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_train_csv_and_option_errors(tmp_path: Path, capsys) -> None:
 
 
 def test_cli_import_does_not_import_torch() -> None:
-    code = "import sys, fl.cli; fl.cli.build_parser(); print('torch' in sys.modules)"
+    code = "import sys, fl.cli.app; fl.cli.app.build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "False"

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fl.commands import simulate
+from fl.cli import simulate
 from secagg import Config, Stage
 from transport.deadlines import (
     MAX_GIVE_UP_SECONDS,

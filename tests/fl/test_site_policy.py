@@ -227,8 +227,8 @@ def test_a_site_process_refuses_the_hostile_round_before_computing_anything(
 
 
 def test_the_site_operators_policy_file_and_flags_make_the_policy(tmp_path: Path) -> None:
-    from fl.cli import build_parser
-    from fl.commands.train import site_policy_from_args
+    from fl.cli.app import build_parser
+    from fl.cli.train import site_policy_from_args
 
     path = tmp_path / "policy.json"
     path.write_text(json.dumps({"modes": ["site"], "min_noise_multiplier": 0.7,

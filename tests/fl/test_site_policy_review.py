@@ -26,8 +26,8 @@ import pytest
 from dp.encoding import EncodingParams
 from dp.errors import PrivacyConfigError
 from dp.policy import PolicyRefused, SitePolicy
-from fl.cli import build_parser, main
-from fl.commands.train import site_policy_from_args
+from fl.cli.app import build_parser, main
+from fl.cli.train import site_policy_from_args
 from fl.contribution import RoundTask
 from fl.data import DataError
 from fl.models import make_model

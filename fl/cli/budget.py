@@ -20,7 +20,7 @@ import math
 import sys
 from typing import Any
 
-from fl.commands._common import error
+from fl.cli._common import error
 
 MECHANISM = ("Poisson-sampled Gaussian, one step per round (--dp site with one DP-SGD step "
              "per round)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fl.commands._common import parse_sites
+from fl.cli._common import parse_sites
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fl.commands._common import emit_json, parse_sites, progress_log, setup_logging
+from fl.cli._common import emit_json, parse_sites, progress_log, setup_logging
 from fl.data import DATASETS
 from fl.settings import DP_MODES, MODELS, SCALING, UNITS, TrainSettings
 

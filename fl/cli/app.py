@@ -1,10 +1,10 @@
-"""The ``secagg`` command line: ``simulate``, ``train`` and ``budget``.
+"""The ``secagg`` command line: ``simulate``, ``train``, ``budget``, ``keygen`` and ``broker``.
 
-Each command lives in its own module under ``fl/commands/`` and exposes
+Each command lives in its own module under ``fl/cli/`` and exposes
 ``add_parser(subparsers)`` and ``run(args) -> int``. Heavy imports (torch) happen inside
 ``run`` so that ``secagg simulate`` and ``secagg budget`` work on a core install. What the
 commands share (the error shape and exit codes, -v/-q, ``--json``, ``--config RUN.toml``)
-is :mod:`fl.commands._common`, applied here to every command.
+is :mod:`fl.cli._common`, applied here to every command.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Sequence
 from importlib import metadata
 
-from fl.commands._common import (
+from fl.cli._common import (
     RUNTIME,
     USAGE,
     HelpFormatter,
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMANDS:
-        module = importlib.import_module(f"fl.commands.{name}")
+        module = importlib.import_module(f"fl.cli.{name}")
         command = module.add_parser(sub)
         command.epilog = EXAMPLES[name]
         command.formatter_class = HelpFormatter
@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         return error(command, exc, USAGE)
     args = parser.parse_args(tokens)
-    module = importlib.import_module(f"fl.commands.{args.command}")
+    module = importlib.import_module(f"fl.cli.{args.command}")
     try:
         return int(module.run(args))
     except KeyboardInterrupt:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fl.commands._common import emit_json
+from fl.cli._common import emit_json
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

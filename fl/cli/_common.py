@@ -8,7 +8,7 @@
 * ``--json`` prints exactly one JSON object on stdout (:func:`emit_json`); progress and
   errors stay on stderr, so ``secagg <cmd> --json | jq`` always parses.
 
-``fl.cli.main`` applies this to every command; a command's ``run`` may also call
+``fl.cli.app`` applies this to every command; a command's ``run`` may also call
 :func:`error` itself and return its code.
 """
 

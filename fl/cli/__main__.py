@@ -1,0 +1,7 @@
+"""``python -m fl.cli``: the ``secagg`` command line."""
+
+import sys
+
+from .app import main
+
+sys.exit(main())

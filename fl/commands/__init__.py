@@ -1,1 +1,0 @@
-"""Subcommands of the ``secagg`` command line, one module each."""
