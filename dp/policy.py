@@ -107,7 +107,7 @@ class Proposal:
     def distributed(cls, params: Any, *, sample_rate: float, secagg_threshold: int,
                     label: str = "", kind: str = "train", unit: str = "patient") -> Proposal:
         """Distributed mode: one noisy secure sum of ``params`` (:class:`EncodingParams`);
-        ``kind="scaler"``: the noised feature statistics (fl/private_scaler.py)."""
+        ``kind="scaler"``: the noised feature statistics (fl/site/private_scaler.py)."""
         from dp.audit import distributed_event
         from dp.distributed import effective_noise_multiplier
 
@@ -142,7 +142,7 @@ class SitePolicy:
     ``min_dropout_rate``, ``min_corrupt_rate``: the dropout and corrupt-party rates this site
     assumes at least, whatever a coordinator states; the secure-aggregation graph and
     threshold it accepts are checked against them (Bell et al. 2020 for SecAgg+, the corrupt
-    parties on the complete graph; :meth:`fl.site_core.SiteCore.check_protocol`).
+    parties on the complete graph; :meth:`fl.site.core.SiteCore.check_protocol`).
     """
 
     modes: tuple[str, ...] = ("site", "distributed")

@@ -52,7 +52,7 @@ from fl.contribution import Contribution, RoundTask, decoder, round_task, site_i
 from fl.coordinator import Coordinator
 from fl.federation import make_plan
 from fl.settings import TrainSettings
-from fl.site import Site
+from fl.site.training import Site
 from fl.vector import ParameterLayout
 from secagg import Config
 

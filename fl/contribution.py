@@ -40,9 +40,9 @@ from fl.codec import (
     encode_weighted,
     noisy_mean,
 )
-from fl.privacy import DistributedPlan, Plan, SiteDpPlan
 from fl.settings import TrainSettings
-from fl.site import Scaler
+from fl.site.privacy import DistributedPlan, Plan, SiteDpPlan
+from fl.site.training import Scaler
 from fl.vector import ParameterLayout
 from transport import fields
 
@@ -66,7 +66,8 @@ _str = partial(fields.text, error=TaskError, what="task field")
 
 
 class Trainer(Protocol):
-    """What a site needs to contribute: :class:`fl.site.Site` and :class:`fl.api.PrivateSite`."""
+    """What a site needs to contribute: :class:`fl.site.training.Site` and
+    :class:`fl.api.PrivateSite`."""
 
     @property
     def num_records(self) -> int: ...
@@ -110,7 +111,7 @@ class RoundTask:
     quantile and the noise of the clip count (accounted jointly, dp.budget.GaussianRound)."""
     plan_steps: int | None = None
     """``unit="patient-idp"``: the run's planned DP-SGD steps (rounds x steps), which each
-    site plans its own rate groups for (fl/idp.py); the site's ledger enforces the targets
+    site plans its own rate groups for (fl/site/idp.py); the site's ledger enforces the targets
     whatever this says."""
 
     @property
@@ -242,7 +243,7 @@ def scaler_codec(num_features: int, sites: int) -> FixedPointCodec:
 
 
 def scaler_input(feature_sums: F64, sites: int) -> U64:
-    """A site's ``[sum x, sum x^2, n]`` (:meth:`fl.site.Site.feature_sums`), encoded."""
+    """A site's ``[sum x, sum x^2, n]`` (:meth:`fl.site.training.Site.feature_sums`), encoded."""
     return scaler_codec((len(feature_sums) - 1) // 2, sites).encode(feature_sums)
 
 

@@ -33,7 +33,9 @@ from dp.budget import PrivacyBudget
 from fl import checkpoint as ckpt
 from fl.aggregation import AggregateOutcome, Aggregator
 from fl.contribution import Decoder, RoundTask, decoder, round_task, site_input
-from fl.privacy import (
+from fl.progress import Progress
+from fl.settings import TrainSettings
+from fl.site.privacy import (
     DistributedPlan,
     Plan,
     event_to_json,
@@ -41,9 +43,7 @@ from fl.privacy import (
     release_record,
     restore_budget,
 )
-from fl.progress import Progress
-from fl.settings import TrainSettings
-from fl.site import Site
+from fl.site.training import Site
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, Stage
 

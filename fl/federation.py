@@ -22,16 +22,23 @@ import torch
 from dp.audit import run_json
 from dp.budget import event_from_json
 from fl import checkpoint as ckpt
-from fl import idp as fl_idp
-from fl import private_scaler
 from fl.aggregation import Aggregator, Tap, open_aggregator
 from fl.contribution import scaler_from_sum, scaler_input
 from fl.coordinator import Coordinator, RoundCapture, evaluate
 from fl.data import Table, dirichlet_split, load_csv, load_dataset, split_patients
 from fl.models import make_model
-from fl.privacy import DEFAULT_MAX_UNITS, NoPrivacy, Plan, distributed_plan, schedule, site_plan
 from fl.settings import TrainSettings
-from fl.site import Scaler, Site
+from fl.site import idp as fl_idp
+from fl.site import private_scaler
+from fl.site.privacy import (
+    DEFAULT_MAX_UNITS,
+    NoPrivacy,
+    Plan,
+    distributed_plan,
+    schedule,
+    site_plan,
+)
+from fl.site.training import Scaler, Site
 from fl.vector import ParameterLayout
 from secagg import Config
 
@@ -98,7 +105,7 @@ def secure_scaler(sites: dict[int, Site], aggregator: Aggregator,
                   noised: private_scaler.ScalerPlan | None = None) -> Scaler:
     """Federation-wide mean and std from one secure sum of every site's feature sums:
     exact (``--dp none``), or with ``noised`` the bounded, noised statistics of
-    :mod:`fl.private_scaler` (the DP modes; charged to the budget by the caller)."""
+    :mod:`fl.site.private_scaler` (the DP modes; charged to the budget by the caller)."""
     f = next(iter(sites.values())).table.num_features
     if noised is not None:
         inputs = {cid: private_scaler.site_input(noised, site.table)
@@ -117,10 +124,10 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
               threshold: int, *, max_units: int | None = None, prior: Sequence[Any] = ()
               ) -> Plan:
     """The privacy plan. Distributed DP sizes the modulus for a *public* bound on the units
-    a site sums (``max_units``, ``--max-units``, else :data:`fl.privacy.DEFAULT_MAX_UNITS`),
+    a site sums (``max_units``, ``--max-units``, else :data:`fl.site.privacy.DEFAULT_MAX_UNITS`),
     never for a site's actual patient count: ``bits`` is published. ``sites`` is unused.
     The rounds are calibrated to fit ``--epsilon`` together with ``prior`` (the events of
-    releases before them: the noised feature statistics, :mod:`fl.private_scaler`)."""
+    releases before them: the noised feature statistics, :mod:`fl.site.private_scaler`)."""
     epsilon = settings.epsilon
     if settings.dp == "site":
         return site_plan(epsilon=epsilon, delta=settings.delta,

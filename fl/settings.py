@@ -58,12 +58,12 @@ class TrainSettings:
     budget_column: str | None = None
     feature_bounds: str | None = None
     """``--feature-bounds FILE``: public per-feature ranges for the noised scaler
-    (:mod:`fl.private_scaler`)."""
+    (:mod:`fl.site.private_scaler`)."""
     scaler_epsilon: float | None = None
     """The noised feature statistics' share of ``--epsilon`` (default 10 %)."""
     security: str = "semi-honest"
     """secagg's mode for the rounds: ``malicious`` when the coordinator has the sites'
-    public keys (``--peer-keys``, fl/identity.py); it sets the threshold
+    public keys (``--peer-keys``, fl/site/identity.py); it sets the threshold
     (:attr:`secagg_threshold`)."""
 
     def __post_init__(self) -> None:

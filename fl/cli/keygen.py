@@ -1,4 +1,4 @@
-"""``secagg keygen``: a site's long-term Ed25519 identity (fl/identity.py).
+"""``secagg keygen``: a site's long-term Ed25519 identity (fl/site/identity.py).
 
 ``secagg keygen --out site-3.key`` writes the private key ``site-3.key`` (mode 0600; it
 never leaves the site) and the public key ``site-3.pub``, and prints the public key's
@@ -37,7 +37,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fl.identity import fingerprint, generate
+    from fl.site.identity import fingerprint, generate
 
     key, pub, raw = generate(args.out, force=args.force)
     if args.json:

@@ -283,7 +283,7 @@ def default_ledger(site_id: int, data: Any) -> str:
     site and data set, outside any working tree. Nothing the coordinator chooses (broker
     address, federation name) is in the name, so no coordinator can start a site on a fresh
     budget; only changed data (another CSV) starts another ledger (docs/privacy.md)."""
-    from fl.site_core import state_directory
+    from fl.site.core import state_directory
 
     return str(state_directory() / f"ledger-site-{site_id}-{data.fingerprint()[:24]}.json")
 
@@ -468,8 +468,8 @@ def run_remote(args: argparse.Namespace) -> int:
             print(f"secagg train: error: {exc}", file=sys.stderr)
             return 2
         from dp.errors import PrivacyError
-        from fl.identity import SiteIdentity, fingerprint
-        from fl.site_core import open_site_core
+        from fl.site.core import open_site_core
+        from fl.site.identity import SiteIdentity, fingerprint
 
         try:
             identity = None if args.peer_keys is None else SiteIdentity.load(
@@ -487,7 +487,7 @@ def run_remote(args: argparse.Namespace) -> int:
         log(f"privacy policy {guard.ledger.policy.to_json()}; ledger {ledger} "
             f"({guard.ledger.releases} releases, epsilon {guard.ledger.epsilon:.4g})")
         if guard.ledger.policy.unit == "patient-idp":
-            from fl.idp import SitePatients
+            from fl.site.idp import SitePatients
 
             policy = guard.ledger.policy
             try:  # the site's own rate groups, from its own table and budgets
@@ -535,7 +535,7 @@ def run_remote(args: argparse.Namespace) -> int:
 
     labels = tuple(v.strip() for v in args.labels.split(",")) if args.labels else None
     try:
-        from fl.identity import load_peer_keys
+        from fl.site.identity import load_peer_keys
 
         peer_keys = None if args.peer_keys is None else load_peer_keys(args.peer_keys)
     except ValueError as exc:

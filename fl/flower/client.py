@@ -1,7 +1,7 @@
 """Client side: a Flower mod that runs the user's own ``train`` under secure aggregation.
 
 ``ClientApp(mods=[secagg_mod])`` (or ``make_secagg_mod(NodeOptions(...))``) is the whole
-change on a node. The node is one runtime of the site core (:mod:`fl.site_core`: the same
+change on a node. The node is one runtime of the site core (:mod:`fl.site.core`: the same
 policy, ledger and checks as ``secagg train --role site``). For a train message that carries
 a round setup (:mod:`fl.flower.setup`) the mod checks the whole setup and the layout of the
 arrays sent, has the site core check the protocol margins and the policy and charge the
@@ -56,7 +56,7 @@ from fl.flower.guard import (
 )
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE, secagg_record
 from fl.flower.setup import RoundSetup, SetupError
-from fl.site_core import SecureSum, SiteCore, open_site_core, state_directory
+from fl.site.core import SecureSum, SiteCore, open_site_core, state_directory
 from secagg import Client, ProtocolAbort, SigningKey, Stage, encode
 from secagg.session import derive_session_id
 
@@ -81,7 +81,7 @@ operator's opt-in; ``distributed``), as ``--dp`` on ``secagg train --role site``
 class NodeOptions:
     """What a Flower node runs with: the site core's policy and ledger (the same
     :class:`dp.policy.SitePolicy`, defaults and refusals as ``secagg train --role site``,
-    :mod:`fl.site_core`), and what the Flower runtime adds (stage records, snapshot key,
+    :mod:`fl.site.core`), and what the Flower runtime adds (stage records, snapshot key,
     malicious-mode identity).
 
     ``policy``: the node's privacy policy; ``ledger``: the path of its write-ahead ledger.
@@ -100,7 +100,7 @@ class NodeOptions:
     node joins a malicious-mode round only if the setup gives it its own key and every
     other key is enrolled, so the server cannot slip in identities of its own; such a
     round's roster is authenticated and the ledger counts the other nodes' noise shares
-    (otherwise only the node's own share, :func:`fl.site_core.lone_share`).
+    (otherwise only the node's own share, :func:`fl.site.core.lone_share`).
 
     ``stage_dir``: where the node records, per round, the last stage it answered and the
     round's snapshot key (:mod:`fl.flower.guard`; default

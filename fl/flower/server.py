@@ -19,7 +19,7 @@ SecAgg over the complete graph with ``threshold`` (default: the protocol's floor
 ``verify_keys`` (Flower node id -> enrolled Ed25519 key), sent to the nodes in the setup,
 which each node checks against its own enrolment list (``NodeOptions.trusted_keys``).
 ``privacy=DistributedDP(...)`` switches the encoding to distributed DP (:mod:`dp`): the
-per-node noise comes from ``fl.privacy.distributed_plan`` (calibrated so any ``t``
+per-node noise comes from ``fl.site.privacy.distributed_plan`` (calibrated so any ``t``
 survivors carry the target noise) and a round that would overshoot the budget is not run.
 """
 
@@ -41,7 +41,7 @@ from dp.budget import PrivacyBudget
 from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten
 from fl.flower.rounds import RoundDriver, RoundReport
 from fl.flower.setup import DpSpec, RoundSetup
-from fl.privacy import DistributedPlan, distributed_plan
+from fl.site.privacy import DistributedPlan, distributed_plan
 from secagg import Server, secagg_plus_parameters
 
 log = logging.getLogger("fl.flower")

@@ -84,7 +84,7 @@ class CoordinatorChannel:
                  max_payload: int = DEFAULT_MAX_PAYLOAD,
                  verify_keys: Mapping[int, bytes] | None = None) -> None:
         self.network = network
-        # The sites' public keys (--peer-keys, fl/identity.py): rounds then run in secagg's
+        # The sites' public keys (--peer-keys, fl/site/identity.py): rounds then run in secagg's
         # malicious mode (signed messages, consistency check; round_stages has the schedule).
         self.verify_keys = dict(verify_keys) if verify_keys else None
         self.security = "semi-honest" if self.verify_keys is None else "malicious"

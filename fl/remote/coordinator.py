@@ -21,8 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl import idp as fl_idp
-from fl import private_scaler
 from fl.aggregation import AggregateOutcome
 from fl.contribution import RoundTask, decoder, round_task, scaler_from_sum
 from fl.coordinator import Aggregated, Coordinator, RoundFailed
@@ -37,13 +35,15 @@ from fl.federation import (
     uses_scaler,
 )
 from fl.models import make_model
-from fl.privacy import DEFAULT_MAX_UNITS, Plan
 from fl.remote.blob import Blob
 from fl.remote.channel import CoordinatorChannel, NotEnoughSites, RemoteRound
 from fl.remote.inputs import Schema, dataset_schema
 from fl.remote.messages import Hello
 from fl.settings import TrainSettings
-from fl.site import Scaler
+from fl.site import idp as fl_idp
+from fl.site import private_scaler
+from fl.site.privacy import DEFAULT_MAX_UNITS, Plan
+from fl.site.training import Scaler
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, Stage
 from transport.deadlines import round_timeouts
@@ -68,7 +68,7 @@ class RemoteOptions:
     max_units: int | None = None
     insecure_verify: bool = False
     peer_keys: Mapping[int, bytes] | None = None
-    """Every site's Ed25519 public key (``--peer-keys``, fl/identity.py): the rounds then run
+    """Every site's Ed25519 public key (``--peer-keys``, fl/site/identity.py): the rounds then run
     in secagg's malicious mode, as sites with their own peer keys require."""
 
 
@@ -201,7 +201,7 @@ async def _remote_scaler(channel: CoordinatorChannel, options: RemoteOptions,
                          ) -> tuple[Scaler, list[int]]:
     """Federation-wide feature mean and std from one secure sum of the sites' feature sums
     (:func:`fl.federation.secure_scaler` with the sites in their own processes); with
-    ``noised`` the bounded, noised statistics of :mod:`fl.private_scaler`, which each site's
+    ``noised`` the bounded, noised statistics of :mod:`fl.site.private_scaler`, which each site's
     own policy judges and charges (the caller charged the coordinator's budget)."""
     f = len(schema.features)
     ids = options.site_ids
@@ -315,7 +315,7 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
             settings, model, None if test_table is None else tensors(test_table, scaler), plan,
             channel=channel, loop=asyncio.get_running_loop(), options=options, schema=schema,
             scaler=scaler, log=say)
-        if idp:  # each site's ledger charges and caps its own rate groups (fl/idp.py)
+        if idp:  # each site's ledger charges and caps its own rate groups (fl/site/idp.py)
             coordinator.budget = None
         if released is not None:
             coordinator.scaler = released.scaler_json()

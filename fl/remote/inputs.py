@@ -24,7 +24,7 @@ from fl.models import make_model
 from fl.remote.blob import Blob
 from fl.remote.messages import Announce, WireError, get_int, get_names, get_str
 from fl.settings import MODELS, TrainSettings
-from fl.site import Scaler, Site
+from fl.site.training import Scaler, Site
 from fl.vector import ParameterLayout
 
 U64 = npt.NDArray[np.uint64]
@@ -63,7 +63,7 @@ class SiteData:
         self._budget_column = budget_column
         self._tables: dict[tuple[str, ...], Table] = {}
         self.idp: Any = None
-        """``--unit patient-idp``: this site's rate groups (:class:`fl.idp.SitePatients`)."""
+        """``--unit patient-idp``: this site's rate groups (:class:`fl.site.idp.SitePatients`)."""
         if csv is not None:
             features, own_labels = csv_schema(csv, patient_column=self._columns[0],
                                               label_column=self._columns[1])
@@ -148,7 +148,7 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
                require_dp: str | None, guard: Any = None) -> U64:
     """This site's secure-aggregation vector for the announced round.
 
-    With ``guard`` (:class:`fl.site_core.SiteCore`: the site operator's policy and ledger)
+    With ``guard`` (:class:`fl.site.core.SiteCore`: the site operator's policy and ledger)
     the round is checked and charged to the site's ledger *before* anything about the
     site's own data is looked at or computed; a refusal names the policy rule
     (docs/privacy.md section 1). The task's shape comes from the announced (public) columns
@@ -168,9 +168,9 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
     cid = data.site_id
     cohort = len(announce.cohort)
     if blob.kind == "scaler" and task.get("noised") is not None:
-        from fl import private_scaler
+        from fl.site import private_scaler
 
-        try:  # bounded, noised statistics (fl/private_scaler.py): a DP release
+        try:  # bounded, noised statistics (fl/site/private_scaler.py): a DP release
             noised = private_scaler.from_wire(task["noised"], num_features)
         except TaskError as exc:
             raise WireError(str(exc)) from None
@@ -208,7 +208,7 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
     if round_task.unit == "patient-idp" and data.idp is not None:
         from dp.errors import PrivacyError
 
-        try:  # the site's own plan for the proposal (fl/idp.py); its groups are charged
+        try:  # the site's own plan for the proposal (fl/site/idp.py); its groups are charged
             idp = data.idp.for_task(round_task)
         except (PrivacyError, ValueError) as exc:  # details name groups: own log only
             logger.warning("site %d: no patient-idp plan: %s", cid, exc)
@@ -237,7 +237,7 @@ def _table(data: SiteData, task: Mapping[str, Any], site_id: int) -> Table:
 def _admit(guard: Any, task: RoundTask | None, announce: Announce, label: str,
            idp: Any = None) -> None:
     """The site's privacy gate (write-ahead charge, or a refusal naming the rule);
-    ``idp``: the site's own :class:`fl.idp.SiteIdp` plan under ``--unit patient-idp``."""
+    ``idp``: the site's own :class:`fl.site.idp.SiteIdp` plan under ``--unit patient-idp``."""
     if guard is None:
         if getattr(task, "unit", None) == "patient-idp":
             raise WireError("a patient-idp round needs the site's privacy ledger")

@@ -98,7 +98,7 @@ class Announce:
     bytes), computes its input and answers :class:`Ready`. ``phase="go"``: the secagg round
     ``name`` runs with ``roster`` (the ready sites) and ``threshold``; sites outside the
     roster sit it out. ``security``: the secagg mode of the round; ``"malicious"`` when the
-    coordinator has the sites' public keys (``--peer-keys``, fl/identity.py), and a site with
+    coordinator has the sites' public keys (``--peer-keys``, fl/site/identity.py), and a site with
     its own peer keys refuses any other.
     """
 

@@ -45,7 +45,7 @@ from fl.remote.messages import (
     round_context,
     site_will,
 )
-from fl.site_core import SiteCore
+from fl.site.core import SiteCore
 from secagg import Config, Stage
 from secagg.client import Client
 from transport.client_driver import ClientDriver
@@ -72,10 +72,10 @@ class SiteOptions:
     stage_timeout: float = 60.0
     max_payload: int = DEFAULT_MAX_PAYLOAD
     guard: SiteCore | None = None
-    """The site's core: its operator's privacy policy and ledger (:class:`fl.site_core.SiteCore`,
+    """The site's core: its operator's privacy policy and ledger (:class:`fl.site.core.SiteCore`,
     every check of it runs in this role)."""
     identity: Any = None
-    """The site's key and its operator's federation roster (:class:`fl.identity.SiteIdentity`):
+    """The site's key and its operator's federation roster (:class:`fl.site.identity.SiteIdentity`):
     rounds run in secagg's malicious mode with the peers' keys from the site's own directory,
     and a cohort or roster naming a site without a key is refused. Without it the roster is
     the coordinator's word and the guard charges as if this site's noise were the only noise
@@ -283,11 +283,11 @@ class SiteProcess:
     def _check_roster(self, ann: Announce, ids: tuple[int, ...], what: str) -> None:
         """With the operator's peer keys: only malicious-mode rounds whose ``ids`` all have a
         key in this site's own directory, and at least the policy's ``min_threshold`` of
-        them (raises :class:`WireError` naming the rule; fl/identity.py)."""
+        them (raises :class:`WireError` naming the rule; fl/site/identity.py)."""
         identity = self.options.identity
         if identity is None:
             return
-        from fl.identity import RosterRefused, check_roster
+        from fl.site.identity import RosterRefused, check_roster
 
         guard = self.options.guard
         try:

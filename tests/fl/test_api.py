@@ -125,7 +125,7 @@ def test_the_cnn_learns_bundled_digits_and_its_site_gradients_are_per_patient() 
     from fl.federation import train
     from fl.models import make_model
     from fl.settings import TrainSettings
-    from fl.site import Site
+    from fl.site.training import Site
 
     report = train(TrainSettings(sites=3, rounds=1, dataset="digits", model="cnn",
                                  broker="memory", lr=0.5))

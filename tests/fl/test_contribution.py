@@ -21,7 +21,7 @@ from fl.remote.inputs import dataset_schema, demo_site_data
 from fl.remote.inputs import site_input as remote_site_input
 from fl.remote.messages import Announce
 from fl.settings import TrainSettings
-from fl.site import Site
+from fl.site.training import Site
 from fl.vector import ParameterLayout
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Key files are the federation's roster (fl/identity.py): ``secagg keygen`` never follows a
+"""Key files are the federation's roster (fl/site/identity.py): ``secagg keygen`` never follows a
 link out of the key folder, and loading refuses links and files another user owns (either
 could be swapped for a key of someone else's choosing)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fl.cli import main
-from fl.identity import IdentityError, generate, load_peer_keys, load_signing_key
+from fl.site.identity import IdentityError, generate, load_peer_keys, load_signing_key
 
 
 def test_keygen_refuses_a_dangling_pub_symlink_and_writes_nothing_outside(

@@ -1,7 +1,7 @@
 """Issue 13 item 2, the third option: in the DP modes the feature scaler of data not on a
 public scale is a noised secure sum of bounded statistics, charged to the run's budget
 (write-ahead), listed in the report and the plan; the exact statistics are never released
-and the noised scaler restores utility on breast-cancer (fl/private_scaler.py)."""
+and the noised scaler restores utility on breast-cancer (fl/site/private_scaler.py)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ pytest.importorskip("opacus")
 
 import fl.federation as federation
 from fl import checkpoint as ckpt
-from fl import private_scaler
 from fl.aggregation import InProcessAggregator
 from fl.cli import main
 from fl.federation import load_split, privacy_plan, train
 from fl.settings import TrainSettings
+from fl.site import private_scaler
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -182,7 +182,7 @@ def test_a_site_process_judges_and_charges_the_noised_statistics(tmp_path: Path)
     from fl.remote.blob import Blob
     from fl.remote.inputs import demo_site_data, site_input
     from fl.remote.messages import Announce, WireError
-    from fl.site_core import open_site_core
+    from fl.site.core import open_site_core
 
     data = demo_site_data(BC, 1, (1, 2, 3))
     noised = private_scaler.scaler_plan(BC, load_split(BC).train)
@@ -211,7 +211,7 @@ def test_a_site_process_judges_and_charges_the_noised_statistics(tmp_path: Path)
     assert run(noised).size == noised.params.encoded_dim
     (charge,) = guard.ledger.active()
     # The site computes the cost itself (without an authenticated roster: its own noise
-    # share only, fl.site_core.lone_share), never less than the coordinator's figure.
+    # share only, fl.site.core.lone_share), never less than the coordinator's figure.
     assert charge.kind == "scaler" and noised.epsilon_target * 0.99 <= charge.epsilon_after
     assert charge.epsilon_after <= policy.epsilon
     guard.ledger.close()

@@ -19,10 +19,10 @@ from test_train_idp import _table
 
 from dp.policy import UNITS, PolicyRefused, SitePolicy
 from fl.contribution import RoundTask
-from fl.idp import SitePatients
 from fl.remote.inputs import SiteData
 from fl.remote.site import SiteOptions, SiteProcess
-from fl.site_core import open_site_core
+from fl.site.core import open_site_core
+from fl.site.idp import SitePatients
 from transport.memory import MemoryNetwork
 from transport.topics import SERVER_USER, site_name
 

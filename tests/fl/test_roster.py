@@ -1,4 +1,4 @@
-"""The federation roster each site operator holds (fl/identity.py, docs/privacy.md section 1).
+"""The federation roster each site operator holds (fl/site/identity.py, docs/privacy.md section 1).
 
 The attack (attacker review, HIGH): the coordinator chooses the roster and relays the keys,
 so alone it can fill a round with t-1 sites it simulates (zero inputs, keys it made); the
@@ -32,7 +32,15 @@ from dp.policy import Proposal, SitePolicy
 from fl.cli import main
 from fl.contribution import round_task
 from fl.federation import make_plan
-from fl.identity import (
+from fl.models import make_model
+from fl.remote.blob import Blob
+from fl.remote.channel import CoordinatorChannel, NotEnoughSites, RemoteRound
+from fl.remote.inputs import demo_site_data
+from fl.remote.messages import Ready, decode_coordinator_message, round_context
+from fl.remote.site import SiteOptions, SiteProcess
+from fl.settings import TrainSettings
+from fl.site.core import open_site_core
+from fl.site.identity import (
     IdentityError,
     RosterRefused,
     SiteIdentity,
@@ -41,14 +49,6 @@ from fl.identity import (
     load_peer_keys,
     load_signing_key,
 )
-from fl.models import make_model
-from fl.remote.blob import Blob
-from fl.remote.channel import CoordinatorChannel, NotEnoughSites, RemoteRound
-from fl.remote.inputs import demo_site_data
-from fl.remote.messages import Ready, decode_coordinator_message, round_context
-from fl.remote.site import SiteOptions, SiteProcess
-from fl.settings import TrainSettings
-from fl.site_core import open_site_core
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, SigningKey
 from secagg.client import Client

@@ -1,4 +1,4 @@
-"""The site role is one runtime of the site core (fl/site_core.py): what it adds may not
+"""The site role is one runtime of the site core (fl/site/core.py): what it adds may not
 weaken what the core charges."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fl.cli import main
 from fl.remote.inputs import demo_site_data
 from fl.remote.site import SiteOptions, SiteProcess
 from fl.settings import TrainSettings
-from fl.site_core import open_site_core
+from fl.site.core import open_site_core
 from transport.memory import MemoryNetwork
 
 

@@ -21,7 +21,7 @@ from fl.contribution import RoundTask
 from fl.coordinator import RoundCapture
 from fl.federation import privacy_plan, train
 from fl.settings import TrainSettings
-from fl.site_core import open_site_core
+from fl.site.core import open_site_core
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -39,7 +39,7 @@ def test_sites_refuse_a_coordinator_proposing_too_little_noise(tmp_path: Path) -
     for cid in SITES:
         ledger = tmp_path / f"ledger-{cid}.json"
         charges = json.loads(ledger.read_text())["charges"] if ledger.exists() else []
-        # The noised feature statistics (fl/private_scaler.py) were acceptable and charged
+        # The noised feature statistics (fl/site/private_scaler.py) were acceptable and charged
         # before they were computed; the round was refused before anything was charged.
         assert [c["kind"] for c in charges] == ["scaler"]
         assert 0 < charges[0]["epsilon_after"] < 4 and charges[0]["mode"] == "distributed"

@@ -35,7 +35,7 @@ from fl.remote.blob import Blob
 from fl.remote.channel import CoordinatorChannel, NotEnoughSites
 from fl.remote.inputs import SCHEMA_MISMATCH, SiteData
 from fl.remote.site import SiteOptions, SiteProcess
-from fl.site_core import open_site_core
+from fl.site.core import open_site_core
 from fl.vector import ParameterLayout
 from transport.deadlines import round_timeouts
 from transport.memory import MemoryNetwork
@@ -219,7 +219,7 @@ def test_the_bundled_breast_cancer_bounds_are_its_own_patients_min_and_max() -> 
     precision; they are treated as public by assumption only."""
     from sklearn.datasets import load_breast_cancer
 
-    from fl.private_scaler import BREAST_CANCER_BOUNDS
+    from fl.site.private_scaler import BREAST_CANCER_BOUNDS
 
     x = load_breast_cancer().data
     bounds = np.asarray(BREAST_CANCER_BOUNDS)

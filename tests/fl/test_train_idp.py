@@ -1,4 +1,4 @@
-"""``secagg train --unit patient-idp [--budget-column COL]`` end to end (fl/idp.py)."""
+"""``secagg train --unit patient-idp [--budget-column COL]`` end to end (fl/site/idp.py)."""
 
 from __future__ import annotations
 
@@ -103,9 +103,9 @@ def test_the_budget_column_is_a_sites_own(capsys: pytest.CaptureFixture[str]) ->
 def test_site_charges_each_round_once(tmp_path: Path) -> None:
     """A retried attempt of a round is not charged twice; a round past the plan is refused."""
     from dp.errors import BudgetExceeded
-    from fl.idp import SiteIdp
     from fl.models import make_model
-    from fl.site import Site
+    from fl.site.idp import SiteIdp
+    from fl.site.training import Site
     from fl.vector import ParameterLayout
 
     table = load_csv(_table(tmp_path / "t.csv", patients=30), patient_column="pid",

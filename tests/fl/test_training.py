@@ -16,7 +16,7 @@ from fl.coordinator import Coordinator, RoundCapture
 from fl.data import synthetic_ehr
 from fl.federation import train, train_central
 from fl.settings import TrainSettings
-from fl.site import Site
+from fl.site.training import Site
 from fl.vector import ParameterLayout
 
 pytestmark = pytest.mark.timeout(120)

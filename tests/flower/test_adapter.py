@@ -334,7 +334,7 @@ def test_the_node_policy_sets_a_noise_floor_relative_to_the_clip() -> None:
     """``min_noise_multiplier`` is the Gaussian-equivalent multiplier of the noise the node
     can count on, over the clip (dp.distributed.effective_noise_multiplier). In a
     semi-honest round the roster is the server's word, so only the node's own share counts
-    (fl.site_core.lone_share): a 0.05 stddev at clip 1 is a multiplier of about 0.05, not
+    (fl.site.core.lone_share): a 0.05 stddev at clip 1 is a multiplier of about 0.05, not
     the 0.087 that three honest nodes would carry."""
     from dataclasses import replace
 

@@ -1,5 +1,5 @@
 """A malicious Flower server against real nodes, through Flower's own serialisation
-(fl.flower.local.LocalGrid): the node's site core (fl/site_core.py) refuses what the site
+(fl.flower.local.LocalGrid): the node's site core (fl/site/core.py) refuses what the site
 role refuses, before the user's training runs, and its ledger shows every charge.
 
 Each server here is ``SecureAggregation`` with one thing changed, as a server operator could
@@ -24,7 +24,7 @@ from fl.flower import DistributedDP, NodeOptions, SecureAggregation, make_secagg
 from fl.flower.encoding import dp_params
 from fl.flower.local import LocalGrid
 from fl.flower.setup import RoundSetup
-from fl.site_core import open_site_core, state_directory
+from fl.site.core import open_site_core, state_directory
 from fl.vector import ArraySpec
 from tests.flower import apps
 
@@ -216,7 +216,7 @@ def test_the_node_operators_config_overrides_the_apps_policy_and_ledger(tmp_path
 
 def test_a_malicious_mode_round_of_enrolled_nodes_counts_their_noise(tmp_path: Path) -> None:
     """With every key enrolled the roster is authenticated: the node charges the noise the
-    calibration threshold's nodes carry, not its lone share (fl.site_core.lone_share)."""
+    calibration threshold's nodes carry, not its lone share (fl.site.core.lone_share)."""
     from secagg import SigningKey
 
     grid = LocalGrid(None, 4)

@@ -2,7 +2,7 @@
 a coordinator sends with the noised feature-statistics task, a patient's row has norm at
 most the clip, so the bounds change utility, never privacy.
 
-The coordinator's task goes through the site's own validation (``fl.private_scaler.
+The coordinator's task goes through the site's own validation (``fl.site.private_scaler.
 from_wire``) and the site's own input function (``site_input``), with the noise set to zero
 so that the site's input *is* what a patient contributes; its norm is then compared with
 the bound the accounting uses (``EncodingParams.rounded_l2_bound``)."""
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from adversary import threat
 
-from fl import private_scaler
 from fl.data import Table, breast_cancer
 from fl.settings import TrainSettings
+from fl.site import private_scaler
 
 pytestmark = pytest.mark.security
 

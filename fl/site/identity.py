@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from dp.policy import PolicyRefused
 from secagg import SigningKey
 
-from .errors import FLError
+from ..errors import FLError
 
 PEER_FILE = re.compile(r"^site-([0-9]+)\.pub$")
 MAX_SITE_ID = (1 << 32) - 1

@@ -194,7 +194,7 @@ def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
     """The privacy plan of a run: the budget the coordinator keeps (:func:`make_budget`),
     spent round by round with the plan's event exactly as :class:`fl.coordinator.Coordinator`
     does, until ``rounds`` or the budget stops it. ``prior``: releases before the first
-    round (the noised feature statistics, :mod:`fl.private_scaler`), spent first as the run
+    round (the noised feature statistics, :mod:`fl.site.private_scaler`), spent first as the run
     spends them. ``secagg train --plan`` prints it; the run follows it
     (tests/fl/test_site_policy.py)."""
     out: dict[str, Any] = {"mode": plan.mode, "mechanism": mechanism_of(plan),

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from fl.coordinator import Coordinator
     from fl.data import Table
     from fl.settings import TrainSettings
-    from fl.site import Site
+    from fl.site.training import Site
     from fl.vector import ParameterLayout
 
 
@@ -255,7 +255,7 @@ def remote_report(report: dict[str, Any]) -> dict[str, Any]:
 def plan_summary(settings: TrainSettings, tables: list[Table], out: dict[str, Any]) -> None:
     """``secagg train --plan`` under ``--unit patient-idp``: every site's rate groups and the
     largest group epsilon after each round, in place of the patient-unit schedule."""
-    from fl.site import Site
+    from fl.site.training import Site
 
     sites = {i + 1: Site(i + 1, t) for i, t in enumerate(tables)}
     out["description"] = configure(settings, sites)

@@ -34,8 +34,8 @@ from dp.distributed import choose_bits, noise_for_budget
 from dp.encoding import EncodingParams
 from fl.codec import DistributedCodec
 from fl.data import Table
-from fl.privacy import DEFAULT_MAX_UNITS
-from fl.site import Scaler
+from fl.site.privacy import DEFAULT_MAX_UNITS
+from fl.site.training import Scaler
 
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
@@ -114,7 +114,7 @@ class ScalerPlan:
     mode = "distributed"
     kind = "scaler"
     sample_rate = 1.0
-    """As a site's policy sees it (:func:`fl.site_core.site_proposal`): one unsubsampled
+    """As a site's policy sees it (:func:`fl.site.core.site_proposal`): one unsubsampled
     distributed release."""
 
     @property
@@ -258,7 +258,7 @@ class Released:
     def attach(self, coordinator: Any) -> None:
         """Put the charge on the coordinator's budget and checkpoint (the rounds compose
         with it)."""
-        from fl.privacy import restore_budget
+        from fl.site.privacy import restore_budget
 
         s = coordinator.settings
         coordinator.events = list(self.events)
@@ -287,7 +287,7 @@ def charge(plan: ScalerPlan, settings: Any, saved: Any, num_features: int,
     cannot afford it raises :class:`dp.errors.BudgetExceeded`; nothing is released."""
     from fl import checkpoint as ckpt
     from fl.models import make_model
-    from fl.privacy import event_to_json, restore_budget
+    from fl.site.privacy import event_to_json, restore_budget
 
     events = list(saved.events) if saved is not None else []
     budget = restore_budget(settings.epsilon, settings.delta, events, settings.accountant)

@@ -52,9 +52,9 @@ class SecureSum:
 def site_proposal(task: Any, *, secagg_threshold: int, label: str = "",
                   idp: Any = None) -> Proposal:
     """What a round's task (:class:`fl.contribution.RoundTask`, a :class:`SecureSum`, None for
-    the feature statistics' exact sum, a :class:`fl.private_scaler.ScalerPlan` for their noised
+    the feature statistics' exact sum, a :class:`fl.site.private_scaler.ScalerPlan` for their noised
     sum) asks this site to release, as its policy sees it. ``idp``: under ``--unit
-    patient-idp`` the site's *own* plan and grouping for the task (:class:`fl.idp.SiteIdp`),
+    patient-idp`` the site's *own* plan and grouping for the task (:class:`fl.site.idp.SiteIdp`),
     whose rate groups are charged each their own cost; without one such a task is
     refused."""
     if task is None:

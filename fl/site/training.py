@@ -23,7 +23,7 @@ import numpy.typing as npt
 import torch
 
 from fl.data import Table
-from fl.idp import SiteIdp
+from fl.site.idp import SiteIdp
 from fl.vector import ParameterLayout
 
 F64 = npt.NDArray[np.float64]
@@ -53,7 +53,7 @@ class Site:
         self.y = torch.from_numpy(np.ascontiguousarray(table.y, dtype=np.int64))
         self.patient_ids = table.patient_ids
         self.idp: SiteIdp | None = None
-        """``--unit patient-idp``: this site's rate groups and ledger (:mod:`fl.idp`)."""
+        """``--unit patient-idp``: this site's rate groups and ledger (:mod:`fl.site.idp`)."""
 
     @property
     def num_records(self) -> int:
@@ -113,13 +113,13 @@ class Site:
                        round_number: int | None = None) -> F64:
         """``w_local - w_global`` after ``steps`` DP-SGD steps (Poisson-sampled patients);
         with ``target_quantile``/``count_stddev``, private adaptive clipping per step.
-        ``unit="patient-idp"``: this site's own rates and noise (:mod:`fl.idp`) instead."""
+        ``unit="patient-idp"``: this site's own rates and noise (:mod:`fl.site.idp`) instead."""
         from torch.utils.data import TensorDataset
 
         if unit == "patient-idp":
             if self.idp is None:
                 raise ValueError(f"site {self.site_id}: --unit patient-idp needs the site's "
-                                 "plan (fl.idp.configure)")
+                                 "plan (fl.site.idp.configure)")
             return self.idp.update(self, model, layout, steps=steps, lr=lr,
                                    round_number=round_number)
 
