@@ -24,7 +24,7 @@ from dp.accounting import (
     skellam_rdp_fn,
 )
 from dp.adaptive_clip import QuantileClipper
-from dp.encoding import EncodingParams, Mechanism, rounded_l2_bound
+from dp.encoding import EncodingParams, Mechanism
 from dp.errors import PrivacyConfigError
 from dp.rotation import padded_dim
 
@@ -158,9 +158,8 @@ def round_epsilon(params: EncodingParams, sample_rate: float, steps: int, delta:
 
 def effective_noise_multiplier(params: EncodingParams) -> float:
     """Central stddev over the rounded sensitivity: the Gaussian-equivalent multiplier."""
-    return math.sqrt(params.threshold) * params.scale * params.noise_stddev / rounded_l2_bound(
-        params.scale * params.clip_norm, params.encoded_dim, params.beta
-    )
+    return math.sqrt(params.threshold) * params.scale * params.noise_stddev / (
+        params.rounded_l2_bound)
 
 
 def noise_for_budget(

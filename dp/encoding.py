@@ -21,7 +21,7 @@ calibrated for (:class:`dp.errors.TooFewSurvivors`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import numpy as np
@@ -94,6 +94,22 @@ class EncodingParams:
         """L1 sensitivity: ``||v||_1 <= min(sqrt(d) ||v||_2, ||v||_2**2)`` for integer ``v``."""
         l2 = self.rounded_l2_bound
         return min(math.sqrt(self.encoded_dim) * l2, l2 * l2)
+
+    def replace_one(self) -> EncodingParams:
+        """These parameters as the accounting must see a release whose ONE row is a whole
+        site's update (a Flower node): one patient can move that row anywhere in the clip
+        ball, so neighbouring datasets differ by two rounded rows, and the sensitivity is
+        twice :attr:`rounded_l2_bound` (the encoding itself is unchanged)."""
+        return _ReplaceOne(**{f.name: getattr(self, f.name) for f in fields(self) if f.init})
+
+
+class _ReplaceOne(EncodingParams):
+    """:meth:`EncodingParams.replace_one`: the same encoding, twice the L2 sensitivity (and
+    the L1 bound that follows from it)."""
+
+    @property
+    def rounded_l2_bound(self) -> float:
+        return 2 * super().rounded_l2_bound
 
 
 def rounded_l2_bound(scaled_clip: float, dim: int, beta: float) -> float:

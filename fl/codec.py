@@ -57,6 +57,7 @@ class FixedPointCodec:
         self.dim = dim
         self.bits = bits
         self.scale = float(2**frac_bits)
+        self.frac_bits = frac_bits
         self.limit = 2 ** (bits - 1) // max(1, max_summands)
 
     @property
@@ -72,9 +73,11 @@ class FixedPointCodec:
         ints = np.rint(v * self.scale)
         worst = float(np.max(np.abs(ints))) if ints.size else 0.0
         if worst >= self.limit:
-            raise EncodingOverflow(f"a coordinate of {worst / self.scale:.4g} does not fit "
-                                   f"{self.bits}-bit fixed point for this many sites; lower "
-                                   "the learning rate or frac_bits")
+            # the value is not in the message: a runtime may pass the text to the server,
+            # and a server that picks bits and frac_bits would read the site's update off it
+            raise EncodingOverflow(f"a coordinate does not fit {self.bits}-bit fixed point "
+                                   f"with {self.frac_bits} fractional bits for this many "
+                                   "sites; lower the learning rate or frac_bits")
         as_int = ints.astype(np.int64)
         if self.bits == 64:
             return as_int.view(np.uint64)

@@ -202,8 +202,9 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
         assert task.params is not None
         rows = trainer.unit_gradients(model, sample_rate=task.sample_rate, unit=task.unit)
         if task.max_units is not None and len(rows) > task.max_units:
-            raise TaskError(f"{len(rows)} sampled units exceed the federation's bound "
-                            f"{task.max_units} (--max-units): the sum could wrap")
+            # the count is the site's own: it is not said to the coordinator
+            raise TaskError(f"the round's sample exceeds the federation's bound of "
+                            f"{task.max_units} units (--max-units): the sum could wrap")
         return Contribution(DistributedCodec(task.params).encode(rows), len(rows))
     if task.mode == "site":
         delta = trainer.site_dp_update(

@@ -17,6 +17,7 @@ Vectors are float64 so no precision is lost for float16/float32/float64 paramete
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,7 +47,7 @@ class ArraySpec:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # Python integers: a hostile shape cannot wrap to 0
 
 
 @dataclass(frozen=True)

@@ -203,8 +203,10 @@ def make_secagg_mod(options: NodeOptions | Callable[[Any], NodeOptions] | None =
         if msg.metadata.message_type.split(".")[0] != "train":
             return call_next(msg, context)
         record = secagg_record(msg)
-        if record is None:
-            return call_next(msg, context)
+        if record is None:  # a plain train message would return the raw update
+            raise RoundStateError("a train message without a secure-aggregation setup: this "
+                                  "node sends its update only through secure aggregation "
+                                  "(wrap the server's strategy in SecureAggregation)")
         node = (options if isinstance(options, NodeOptions)
                 else NodeOptions() if options is None else options(context))
         if SETUP in record:
@@ -235,7 +237,8 @@ def _single(records: Any, what: str) -> Any:
 def _number(record: Any, key: str) -> float:
     value = record.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ReplyError(f"the reply's metric {key!r} must be one number, got {value!r}")
+        raise ReplyError(f"the reply's metric {key!r} must be one number, got a "
+                         f"{type(value).__name__}")
     return float(value)
 
 
@@ -302,10 +305,14 @@ def round_release(setup: RoundSetup) -> Callable[[SitePolicy], SecureSum]:
     params = dp_params(setup) if setup.encoding == "ddp" else None
     if params is None:
         validate_fixed(setup)
+    # the node's whole update is one clipped row: one patient (or record) can move it
+    # anywhere in the clip ball, so it is charged at the replace-one sensitivity (twice the
+    # row's bound), not the add/remove one of the site role's one-row-per-patient sums
+    charged = None if params is None else params.replace_one()
 
     def release(policy: SitePolicy) -> SecureSum:
         unit = policy.unit if policy.unit in ("patient", "record") else "patient"
-        return SecureSum(params=params, sample_rate=1.0, unit=unit)
+        return SecureSum(params=charged, sample_rate=1.0, unit=unit)
 
     return release
 

@@ -199,6 +199,10 @@ class RoundSetup:
                              "no noise); send none")
         if encoding == "fixed" and body.get("dp") is not None:
             raise SetupError("a fixed-point round carries no DP parameters")
+        if dp is not None and dp.bits != _int(body, "bits", 8, 64):
+            raise SetupError("the DP encoding's modulus (dp bits) must be the secure sum's "
+                             "(bits): a sum over a wider modulus than the encoding's does not "
+                             "wrap as the noise calibration assumes")
         rates = body.get("rates")
         if not isinstance(rates, list) or len(rates) != 2:
             raise SetupError("the setup needs [dropout_rate, corrupt_rate]")

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dp.errors import PrivacyError
+from fl.codec import EncodingOverflow
+from fl.contribution import TaskError
 from fl.remote.blob import Blob, blob_digest
 from fl.remote.inputs import SiteData, site_input
 from fl.remote.link import PartyLink, connect_party
@@ -315,12 +317,15 @@ class SiteProcess:
             vector = await asyncio.to_thread(site_input, self.data, blob, ann,
                                              require_dp=self.options.require_dp,
                                              guard=self.options.guard)
-        except (WireError, ValueError) as exc:
+        except (WireError, TaskError, EncodingOverflow) as exc:  # rules, no data in them
             await self._decline(ann, label, str(exc))
             return
         except Exception as exc:  # e.g. torch on a hostile model: refuse, do not crash
+            # the text may carry numbers of this site's data: it stays in the site's log
             logger.exception("site %d: computing the input failed", self.site_id)
-            await self._decline(ann, label, f"{type(exc).__name__}: {exc}")
+            self.log(f"{label}: computing the input failed: {type(exc).__name__}: {exc}")
+            await self._decline(ann, label, f"the site could not compute its input "
+                                f"({type(exc).__name__}; the details are in its own log)")
             return
         trained = time.perf_counter() - started
         assert self._party is not None
