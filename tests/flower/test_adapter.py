@@ -334,16 +334,17 @@ def test_the_node_policy_sets_a_noise_floor_relative_to_the_clip() -> None:
     """``min_noise_multiplier`` is the Gaussian-equivalent multiplier of the noise the node
     can count on, over the clip (dp.distributed.effective_noise_multiplier). In a
     semi-honest round the roster is the server's word, so only the node's own share counts
-    (fl.site.core.lone_share): a 0.05 stddev at clip 1 is a multiplier of about 0.05, not
-    the 0.087 that three honest nodes would carry."""
+    (fl.site.core.lone_share), and the node's one clipped row is charged at the replace-one
+    sensitivity (twice the clip): a 0.05 stddev at clip 1 is a multiplier of about 0.025,
+    not the 0.087 that three honest nodes' shares over the add/remove sensitivity give."""
     from dataclasses import replace
 
     from fl.flower.setup import DpSpec
 
-    for floor, refused in ((0.06, True), (0.04, False)):
+    for floor, refused in ((0.03, True), (0.02, False)):
         policy = SitePolicy(modes=("distributed",), min_noise_multiplier=floor)
         grid, _ = _grid(4, mods=[make_secagg_mod(NodeOptions(policy=policy))])
-        setup = replace(_valid_setup(grid), encoding="ddp", frac_bits=0,
+        setup = replace(_valid_setup(grid), encoding="ddp", frac_bits=0, bits=40,
                         dp=DpSpec(1.0, 100.0, 40, 0.05, 3, "dgauss", 0.5, 3))
         reply = _send(grid, grid.nodes[0],
                       _setup_message(grid, setup.to_bytes(), grid.nodes[0]))

@@ -103,7 +103,7 @@ def test_a_repeated_dp_round_is_refused_once_the_budget_is_spent_every_charge_in
     grid, trained = _grid(n, make_secagg_mod(NodeOptions(policy=policy)))
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=n),
                                 neighbors=None,
-                                privacy=DistributedDP(clip_norm=1.0, noise_multiplier=2.0))
+                                privacy=DistributedDP(clip_norm=1.0, noise_multiplier=4.0))
     messages = _configure(wrapper, grid)
     for _ in range(40):
         if not wrapper.secure_round(grid, messages, 5):
@@ -114,7 +114,7 @@ def test_a_repeated_dp_round_is_refused_once_the_budget_is_spent_every_charge_in
     assert {r.setup.server_round for r in wrapper.reports} == {1}
     assert len({r.setup.nonce for r in wrapper.reports}) == len(wrapper.reports)
     # independently of the ledger: the lone share's event, composed until the budget stops it
-    event = distributed_event(replace(dp_params(done[0].setup), threshold=1), 1.0)
+    event = distributed_event(replace(dp_params(done[0].setup), threshold=1).replace_one(), 1.0)
     independent = PrivacyBudget(budget, policy.delta)
     expected = []
     while independent.can_run(event):
@@ -231,7 +231,7 @@ def test_a_malicious_mode_round_of_enrolled_nodes_counts_their_noise(tmp_path: P
     wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     (report,) = wrapper.reports
     assert report.aborted is None
-    params = dp_params(report.setup)
+    params = dp_params(report.setup).replace_one()  # the node's one row: replace-one
     calibrated = PrivacyBudget(1e9, 1e-5).epsilon_after(distributed_event(params, 1.0))
     lone = PrivacyBudget(1e9, 1e-5).epsilon_after(
         distributed_event(replace(params, threshold=1), 1.0))
@@ -287,7 +287,7 @@ def test_a_fresh_node_id_does_not_give_a_node_a_fresh_budget() -> None:
     """The SuperLink (the server's side) assigns node ids: the default ledger is keyed by the
     node config its operator set, so the same node under new ids keeps its budget."""
     policy = SitePolicy(modes=("distributed",), epsilon=6.0)
-    privacy = DistributedDP(clip_norm=1.0, noise_multiplier=2.0)
+    privacy = DistributedDP(clip_norm=1.0, noise_multiplier=4.0)
     runs = []
     for first_node in (1000, 5000, 9000):  # three registrations, three sets of ids
         grid, _ = _grid(4, make_secagg_mod(NodeOptions(policy=policy)),
