@@ -1,4 +1,5 @@
-"""Built-in models: logistic regression and an MLP for tables, a small CNN for images.
+"""Built-in models: logistic regression and an MLP for tables, a small CNN for images, the
+linear Cox model for survival (risk score ``x . beta + b``).
 
 Every model takes a batch of flat feature rows ``(batch, features)``; the CNN reshapes its
 rows into square single-channel images (``features`` must be a square, e.g. 64 pixels of
@@ -11,17 +12,20 @@ import math
 
 import torch
 
-MODELS = ("logreg", "mlp", "cnn")
+MODELS = ("logreg", "mlp", "cnn", "cox")
 
 
 def make_model(kind: str, in_features: int, num_classes: int, seed: int = 0,
                hidden: int = 16) -> torch.nn.Module:
-    """``logreg``, ``mlp`` (linear, ReLU, linear) or ``cnn``; seeded initialisation."""
+    """``logreg``, ``mlp`` (linear, ReLU, linear), ``cnn``, or ``cox`` (the linear Cox model:
+    one risk score per record, ``num_classes`` unused); seeded initialisation."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
         if kind == "logreg":
             return torch.nn.Linear(in_features, num_classes)
+        if kind == "cox":
+            return torch.nn.Linear(in_features, 1)
         if kind == "mlp":
             return torch.nn.Sequential(torch.nn.Linear(in_features, hidden), torch.nn.ReLU(),
                                        torch.nn.Linear(hidden, num_classes))
