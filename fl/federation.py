@@ -53,6 +53,13 @@ def load_split(settings: TrainSettings) -> Split:
         from fl.survival import tcga_brca
 
         data = tcga_brca()  # FLamby's natural centers and static split
+        if settings.model == "discrete-time":  # person-period rows, public feature scale
+            from fl.survival import person_period, pooled, public_scale
+
+            rows = [person_period(t) for t in data.train]
+            tests = [public_scale(t) for t in data.test]
+            return Split(pooled(rows, "tcga-brca-person-period"), pooled(tests, "tcga-brca-test"),
+                         rows, tests)
         return Split(data.pooled_train, data.pooled_test, list(data.train), list(data.test))
     if settings.csv is not None:
         assert settings.patient_column is not None and settings.label_column is not None
@@ -200,18 +207,20 @@ def tensors(table: Table, scaler: Scaler | None) -> tuple[torch.Tensor, torch.Te
     return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(table.y.copy())
 
 
-def survival_evaluator(site_tests: Sequence[Table] | None) -> Any:
+def survival_evaluator(site_tests: Sequence[Table] | None,
+                       discrete_time: bool = False) -> Any:
     """Round metrics of a survival task: the pooled test set's C-index and Cox loss, and
-    each site's own test C-index (``c_index_by_site``, if the data set has per-site tests)."""
+    each site's own test C-index (``c_index_by_site``, if the data set has per-site tests);
+    ``discrete_time``: of the discrete-time model's risk (fl.survival.discrete_time_risk)."""
     from fl.survival import evaluate_cox
 
     per_site = [tensors(t, None) for t in site_tests or ()]
 
     def metrics(model: torch.nn.Module,
                 test: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
-        c_index, loss = evaluate_cox(model, *test)
+        c_index, loss = evaluate_cox(model, *test, discrete_time=discrete_time)
         return {"accuracy": None, "c_index": c_index, "loss": loss,
-                "c_index_by_site": {str(k + 1): evaluate_cox(model, *xy)[0]
+                "c_index_by_site": {str(k + 1): evaluate_cox(model, *xy, discrete_time)[0]
                                     for k, xy in enumerate(per_site)}}
 
     return metrics
@@ -270,7 +279,7 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
     split = load_split(settings)
     saved = load_checkpoint(settings, say)
     site_class = Site
-    if settings.survival:
+    if settings.survival and settings.model == "cox":
         from fl.survival import CoxSite
 
         site_class = CoxSite
@@ -314,7 +323,8 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
         coordinator = Coordinator(settings, model, sites, tensors(split.test, scaler), plan,
                                   aggregator, scaler=scaler_json, log=say,
                                   on_capture=on_capture,
-                                  evaluator=(survival_evaluator(split.site_tests)
+                                  evaluator=(survival_evaluator(
+                                      split.site_tests, settings.model == "discrete-time")
                                              if settings.survival else None))
         if idp_text is not None:
             coordinator.budget = fl_idp.FederationBudget(settings, sites)  # type: ignore[assignment]

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-MODELS = ("logreg", "mlp", "cnn", "cox")
+MODELS = ("logreg", "mlp", "cnn", "cox", "discrete-time")
 
 
 def make_model(kind: str, in_features: int, num_classes: int, seed: int = 0,
@@ -22,7 +22,7 @@ def make_model(kind: str, in_features: int, num_classes: int, seed: int = 0,
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        if kind == "logreg":
+        if kind in ("logreg", "discrete-time"):  # discrete-time: logreg on person-periods
             return torch.nn.Linear(in_features, num_classes)
         if kind == "cox":
             # No bias: the partial likelihood is invariant to shifting every risk by one

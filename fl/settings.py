@@ -10,7 +10,8 @@ from secagg.config import SECURITY_MODES, Config
 
 DP_MODES = ("none", "site", "distributed")
 UNITS = ("patient", "record", "patient-idp")
-MODELS = ("logreg", "mlp", "cnn", "cox")  # fl.models.MODELS (kept here without torch)
+# fl.models.MODELS (kept here without torch)
+MODELS = ("logreg", "mlp", "cnn", "cox", "discrete-time")
 STRATEGIES = ("fedavg", "fedprox", "scaffold", "fedadam", "fedyogi", "fedadagrad")
 """``--strategy``: the local step and the server's use of the secure sum (fl/strategies.py)."""
 SURVIVAL_DATASETS = ("tcga-brca",)
@@ -156,18 +157,20 @@ class TrainSettings:
                 and self.server_tau > 0):
             problems.append("server optimizer: need 0 <= beta1, beta2 < 1 and tau > 0")
         if self.dataset in SURVIVAL_DATASETS and self.csv is None:
-            if self.dp != "none":
-                problems.append(f"--dataset {self.dataset} (survival, Cox loss) runs without "
-                                "--dp: the partial likelihood couples the patients of a batch, "
-                                "so per-patient clipping does not bound one patient's "
-                                "influence (not implemented yet)")
+            if self.dp != "none" and self.model == "cox":
+                problems.append(f"--dataset {self.dataset} --model cox runs without --dp: the "
+                                "partial likelihood couples the patients of a batch, so "
+                                "per-patient clipping does not bound one patient's influence; "
+                                "use --model discrete-time (a sum of per-patient terms)")
             if self.sites != 6:
                 problems.append(f"--sites {self.sites}: {self.dataset}'s sites are its 6 "
                                 "natural centers (give 6 or leave --sites out)")
-            if self.model != "cox":
-                problems.append(f"--dataset {self.dataset} is a survival task: --model cox")
-        elif self.model == "cox":
-            problems.append("--model cox goes with a survival dataset (--dataset tcga-brca)")
+            if self.model not in ("cox", "discrete-time"):
+                problems.append(f"--dataset {self.dataset} is a survival task: --model cox "
+                                "or discrete-time")
+        elif self.model in ("cox", "discrete-time"):
+            problems.append(f"--model {self.model} goes with a survival dataset (--dataset "
+                            "tcga-brca)")
         if self.model not in MODELS:
             problems.append(f"--model {self.model}: use one of {', '.join(MODELS)}")
         if self.scaling not in SCALING:

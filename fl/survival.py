@@ -14,6 +14,12 @@ scaling), so results compare with FLamby's.
 * :func:`concordance_index`: Harrell's C-index of risk scores (higher risk, earlier event),
   with lifelines' conventions for ties.
 * :class:`CoxSite`: a site whose local training minimises :func:`cox_loss`.
+* :func:`person_period`: the discrete-time formulation (Andreux et al. 2020, the
+  preprocessing FLamby's data come from): one row per patient and time interval at risk,
+  label "event in this interval", features ``[x, interval one-hot]``; a logistic model on
+  these rows is a discrete-time proportional-odds survival model whose loss is a *sum of
+  per-patient terms*, so per-patient clipping bounds one patient's influence and the
+  package's patient-level DP modes apply as they are (``--model discrete-time``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ DATA_DIR = Path(__file__).resolve().parent / "datasets" / "tcga_brca"
 CENTERS = ("Northeast", "South", "West", "Midwest", "Europe", "Canada")
 """FLamby's centers 0..5: the regions of the tissue source sites (``centers.csv``)."""
 NUM_FEATURES = 39
+INTERVAL_EDGES = tuple(365.25 * year for year in range(11))
+"""Public interval boundaries of the discrete-time model, in days: years 1 to 10, then one
+open interval beyond 10 years (11 intervals)."""
+AGE_SCALE = 100.0
+"""``--model discrete-time`` puts age (column 0, years) on a public scale: age / 100. The
+other 38 features are 0/1 indicators. No statistic of the data is used (nothing released)."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +65,12 @@ class TcgaBrca:
 
 
 def pooled(tables: tuple[Table, ...] | list[Table], name: str) -> Table:
-    """The records of several survival tables in one (patient ids kept)."""
+    """The records of several tables in one (patient ids, times and scale kept)."""
+    times = [t.times for t in tables if t.times is not None]
     return Table(np.concatenate([t.x for t in tables]), np.concatenate([t.y for t in tables]),
                  np.concatenate([t.patient_ids for t in tables]), 2, name,
-                 times=np.concatenate([t.times for t in tables if t.times is not None]))
+                 all(t.standardized for t in tables),
+                 times=np.concatenate(times) if len(times) == len(tables) else None)
 
 
 def tcga_brca(data_dir: Path = DATA_DIR) -> TcgaBrca:
@@ -136,12 +150,13 @@ def concordance_index(times: npt.ArrayLike, risk: npt.ArrayLike,
     return float((higher.sum() + 0.5 * tied.sum()) / pairs)
 
 
-def evaluate_cox(model: torch.nn.Module, x: torch.Tensor,
-                 target: torch.Tensor) -> tuple[float, float]:
-    """``(C-index, Cox loss)`` of ``model``'s risk scores on a survival test set."""
+def evaluate_cox(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor,
+                 discrete_time: bool = False) -> tuple[float, float]:
+    """``(C-index, Cox loss)`` of ``model``'s risk scores on a survival test set (of
+    :func:`discrete_time_risk` if ``discrete_time``)."""
     model.eval()
     with torch.no_grad():
-        risk = model(x).reshape(-1)
+        risk = (discrete_time_risk(model, x) if discrete_time else model(x)).reshape(-1)
         loss = float(cox_loss(risk.double(), target.double()))
     return concordance_index(target[:, 1].numpy(), risk.numpy(), target[:, 0].numpy()), loss
 
@@ -175,3 +190,39 @@ def train_single_centric(model: torch.nn.Module, table: Table, *, epochs: int = 
         site.train_loss(local(site.x[rows]), site.y[rows]).backward()
         optimizer.step()
     return local
+
+
+def public_scale(table: Table) -> Table:
+    """``table`` with age divided by :data:`AGE_SCALE` (a public constant), marked
+    standardized (on a public scale: no secure scaler)."""
+    x = table.x.copy()
+    x[:, 0] = x[:, 0] / AGE_SCALE
+    return Table(x, table.y, table.patient_ids, table.num_classes, table.name, True,
+                 table.budgets, table.times)
+
+
+def person_period(table: Table) -> Table:
+    """The discrete-time rows of a survival table (features publicly scaled): a patient
+    whose time falls in interval ``k`` (of :data:`INTERVAL_EDGES`) has rows ``0..k``, each
+    ``[x, one-hot(j)]`` with label 1 only in row ``k`` and only if the event was observed;
+    every row keeps the patient's id (the privacy unit)."""
+    if table.times is None:
+        raise DataError(f"{table.name}: not a survival table (no times)")
+    scaled = public_scale(table)
+    edges = np.asarray(INTERVAL_EDGES[1:])
+    last = np.searchsorted(edges, table.times, side="right")  # interval of each time
+    rows = np.repeat(np.arange(len(table)), last + 1)
+    interval = np.concatenate([np.arange(k + 1) for k in last])
+    onehot = np.eye(len(INTERVAL_EDGES), dtype=np.float32)[interval]
+    labels = ((interval == last[rows]) & (table.y[rows] == 1)).astype(np.int64)
+    return Table(np.hstack([scaled.x[rows], onehot]), labels, table.patient_ids[rows], 2,
+                 f"{table.name}-person-period", True)
+
+
+def discrete_time_risk(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A discrete-time model's risk score of each patient (features publicly scaled): the
+    covariate part of the hazard's log-odds, ``x . (w_event - w_no_event)``; the intervals'
+    baseline is common to every patient, so it does not change the ranking."""
+    weight = next(p for name, p in model.named_parameters() if name.endswith("weight"))
+    beta = (weight[1] - weight[0])[:x.shape[1]]
+    return x @ beta
