@@ -155,6 +155,12 @@ def test_train_tcga_brca_refuses_what_it_cannot_do(capsys: pytest.CaptureFixture
     assert main(["train", "--dataset", "tcga-brca", "--strategy", "fedprox",
                  "--fedprox-mu", "0"]) == 2
     assert "--fedprox-mu > 0" in capsys.readouterr().err
+    assert main(["train", "--dataset", "tcga-brca", "--role", "coordinator",
+                 "--broker", "mqtt://127.0.0.1:1"]) == 2
+    assert "--role all" in capsys.readouterr().err
+    assert main(["train", "--dataset", "ehr", "--sites", "3", "--rounds", "1", "--strategy",
+                 "scaffold", "--role", "coordinator", "--broker", "mqtt://127.0.0.1:1"]) == 2
+    assert "control variate" in capsys.readouterr().err
 
 
 def test_default_fedadam_matches_flambys_best_strategy(capsys: pytest.CaptureFixture[str]
