@@ -118,3 +118,27 @@ def test_strategy_options_are_checked() -> None:
         TrainSettings(strategy="fedadam", checkpoint="/tmp/x")
     with pytest.raises(ValueError, match="local-steps"):
         TrainSettings(local_steps=0)
+
+
+def test_local_steps_run_through_reshuffled_passes() -> None:
+    """``local_steps`` (FLamby's local updates): batches of fresh seeded passes, each pass
+    holding every record once; ``epochs`` is unchanged (the same batches as before)."""
+    from fl.site import Site
+
+    site = Site(1, tcga_brca().train[5])  # 40 records
+    batches = site.batches(epochs=1, batch_size=16, seed=7, steps=7)
+    assert [len(b) for b in batches] == [16, 16, 8, 16, 16, 8, 16]
+    for start in (0, 3):
+        assert sorted(torch.cat(batches[start:start + 3]).tolist()) == list(range(40))
+    assert batches[0].tolist() != batches[3].tolist()  # a new shuffle per pass
+    epochs = site.batches(epochs=2, batch_size=16, seed=7)
+    assert [b.tolist() for b in epochs] == [b.tolist() for b in batches[:6]]
+
+
+def test_server_strategy_refuses_an_update_of_the_wrong_width() -> None:
+    from fl.strategies import ServerStrategy
+
+    with pytest.raises(ValueError, match="expects 8"):
+        ServerStrategy("scaffold", 4).step(np.zeros(4), np.zeros(4))
+    with pytest.raises(ValueError, match="expects 4"):
+        ServerStrategy("fedadam", 4).step(np.zeros(4), np.zeros(8))
