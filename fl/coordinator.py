@@ -171,6 +171,11 @@ class Coordinator:
         self.history = list(saved.history)
         self.events = list(saved.events)
         self.stopped = saved.stopped
+        if saved.server is not None:
+            try:
+                self.strategy.restore(saved.server)
+            except ValueError as exc:
+                raise ckpt.CheckpointError(str(exc)) from None
         if self.budget is not None:
             self.budget = restore_budget(self.settings.epsilon, self.settings.delta,
                                          self.events, self.settings.accountant)
@@ -181,7 +186,8 @@ class Coordinator:
         ckpt.save(self.settings.checkpoint, ckpt.Checkpoint(
             round=self.round, model=self.model.state_dict(),
             fingerprint=self.settings.fingerprint(), history=self.history,
-            events=self.events, scaler=self.scaler, stopped=self.stopped))
+            events=self.events, scaler=self.scaler, stopped=self.stopped,
+            server=self.strategy.state()))
 
     # -- training ------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:

@@ -148,9 +148,9 @@ class TrainSettings:
             problems.append(f"--strategy {self.strategy} trains without --dp (SCAFFOLD's "
                             "control variates and FedProx's local steps are not private); "
                             "with --dp use fedavg or a server optimizer")
-        if self.strategy not in ("fedavg", "fedprox") and self.checkpoint is not None:
-            problems.append(f"--strategy {self.strategy} keeps server state that checkpoints "
-                            "do not hold yet: run it without --checkpoint")
+        if self.strategy == "scaffold" and self.checkpoint is not None:
+            problems.append("--strategy scaffold keeps control variates at the sites that "
+                            "checkpoints do not hold yet: run it without --checkpoint")
         if self.local_steps is not None and self.local_steps < 1:
             problems.append(f"--local-steps {self.local_steps}: need at least 1")
         if not (0 <= self.server_beta1 < 1 and 0 <= self.server_beta2 < 1

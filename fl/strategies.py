@@ -24,6 +24,9 @@ aggregation reveals, and under DP they are post-processing of the noised sum.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -53,6 +56,20 @@ class ServerStrategy:
     def of(cls, settings: TrainSettings, dim: int) -> ServerStrategy:
         return cls(settings.strategy, dim, lr=settings.server_lr, beta1=settings.server_beta1,
                    beta2=settings.server_beta2, tau=settings.server_tau)
+
+    def state(self) -> dict[str, Any]:
+        """The state a checkpoint keeps (JSON): the moments of the adaptive optimizers."""
+        return {"kind": self.kind, "m": self.m.tolist(), "v": self.v.tolist()}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state` of the same strategy and model size."""
+        m = np.asarray(state.get("m", ()), dtype=np.float64)
+        v = np.asarray(state.get("v", ()), dtype=np.float64)
+        if state.get("kind") != self.kind or m.shape != (self.dim,) or v.shape != (self.dim,):
+            raise ValueError(f"the checkpoint's server state is not that of strategy "
+                             f"{self.kind} with {self.dim} parameters; use a new "
+                             "--checkpoint directory")
+        self.m, self.v = m, v
 
     @property
     def update_width(self) -> int:

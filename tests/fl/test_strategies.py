@@ -115,7 +115,7 @@ def test_strategy_options_are_checked() -> None:
     with pytest.raises(ValueError, match="without --dp"):
         TrainSettings(strategy="scaffold", dp="site", epsilon=4.0)
     with pytest.raises(ValueError, match="checkpoints"):
-        TrainSettings(strategy="fedadam", checkpoint="/tmp/x")
+        TrainSettings(strategy="scaffold", checkpoint="/tmp/x")
     with pytest.raises(ValueError, match="local-steps"):
         TrainSettings(local_steps=0)
 
@@ -142,3 +142,28 @@ def test_server_strategy_refuses_an_update_of_the_wrong_width() -> None:
         ServerStrategy("scaffold", 4).step(np.zeros(4), np.zeros(4))
     with pytest.raises(ValueError, match="expects 4"):
         ServerStrategy("fedadam", 4).step(np.zeros(4), np.zeros(8))
+
+
+def test_server_optimizer_state_survives_a_checkpoint(tmp_path) -> None:
+    """Two rounds, a stop, then two more from the checkpoint equal four rounds at once:
+    the moments m and v are in the checkpoint."""
+    from dataclasses import replace
+
+    settings = tcga_brca_settings("fedadam", rounds=4, local_steps=5, seed=2,
+                                  broker="inprocess")
+    whole = np.asarray(train(settings)["model"])
+    saved = replace(settings, checkpoint=str(tmp_path / "ck"))
+    train(replace(saved, rounds=2))
+    resumed = train(replace(saved, resume=True))
+    assert [row["round"] for row in resumed["rounds"]] == [1, 2, 3, 4]
+    np.testing.assert_array_equal(np.asarray(resumed["model"]), whole)
+    stateless = train(replace(settings, rounds=2, checkpoint=str(tmp_path / "ck2")))
+    assert stateless["rounds"]
+    from fl import checkpoint
+
+    loaded = checkpoint.load(tmp_path / "ck2")
+    assert loaded is not None and loaded.server is not None
+    loaded.server["m"] = [0.0]  # a state of another size is refused
+    checkpoint.save(tmp_path / "ck2", loaded)
+    with pytest.raises(checkpoint.CheckpointError, match="server state"):
+        train(replace(settings, checkpoint=str(tmp_path / "ck2"), resume=True))
