@@ -138,10 +138,15 @@ class PrivateSite(Site):
         return site_input(self, self.module if model is None else model, task, self.site_id)
 
     def fedavg_update(self, model: torch.nn.Module, layout: ParameterLayout, *, epochs: int,
-                      lr: float, batch_size: int, mu: float = 0.0, seed: int = 0) -> F64:
+                      lr: float, batch_size: int, mu: float = 0.0, seed: int = 0,
+                      steps: int | None = None, correction: F64 | None = None) -> F64:
         """``w_local - w_global`` after ``epochs`` passes of *your* loop (the task's ``lr``
         and ``batch_size`` are your optimizer's and loader's to decide)."""
         del lr, batch_size, seed
+        if steps is not None or correction is not None:
+            raise ValueError(f"site {self.site_id}: local_steps and strategy scaffold step "
+                             "the built-in loop; a PrivateSite trains with its own loop "
+                             "(use local_epochs and fedavg, fedprox or a server optimizer)")
         start = layout.to_vector(model)
         self._layout.load(self.module, start)  # refuses a module of another layout
         self.module.train()

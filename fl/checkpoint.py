@@ -2,7 +2,8 @@
 
 A checkpoint is a directory written after every round, so a crash loses at most one round:
 ``model.pt`` (the global model's ``state_dict``, ``torch.save``) and ``state.json`` (round,
-history, spent privacy events, scaler, the settings it belongs to). Both are written to
+history, spent privacy events, scaler, the server optimizer's moments, the settings it
+belongs to). Both are written to
 temporary files and renamed into place, model first, so a crash mid-write leaves the
 previous checkpoint intact (``os.replace`` is atomic on POSIX); ``state.json`` records the
 model file's SHA-256, so a state paired with the wrong model is refused.
@@ -52,6 +53,8 @@ class Checkpoint:
     events: list[dict[str, Any]] = field(default_factory=list)
     scaler: dict[str, list[float]] | None = None
     stopped: str | None = None
+    server: dict[str, Any] | None = None
+    """The server optimizer's state (:meth:`fl.strategies.ServerStrategy.state`)."""
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -89,7 +92,7 @@ def save(directory: str | Path, checkpoint: Checkpoint) -> None:
              "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
              "fingerprint": checkpoint.fingerprint, "history": checkpoint.history,
              "events": checkpoint.events, "scaler": checkpoint.scaler,
-             "stopped": checkpoint.stopped}
+             "stopped": checkpoint.stopped, "server": checkpoint.server}
     _write_atomic(directory / STATE, json.dumps(state, indent=1).encode())
 
 
@@ -112,7 +115,7 @@ def load(directory: str | Path) -> Checkpoint | None:
     return Checkpoint(round=int(state["round"]), model=_read_state(raw, str(directory / MODEL)),
                       fingerprint=dict(state["fingerprint"]), history=list(state["history"]),
                       events=list(state["events"]), scaler=state.get("scaler"),
-                      stopped=state.get("stopped"))
+                      stopped=state.get("stopped"), server=state.get("server"))
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:

@@ -10,7 +10,8 @@ the privacy arithmetic cannot drift between the two modes.
 Per mode (the encodings are those of :mod:`fl.codec`):
 
 * ``none``: ``[n_k * delta_k, n_k]`` in 64-bit fixed point, ``delta_k`` after
-  ``local_epochs`` of seeded SGD (FedProx if ``fedprox_mu > 0``): weighted FedAvg.
+  ``local_epochs`` (or ``local_steps`` minibatches) of seeded SGD (FedProx if ``fedprox_mu >
+  0``): weighted FedAvg; SCAFFOLD: ``[n_k * delta_k, n_k * delta_c_k, n_k]``.
 * ``site``: ``[delta_k, 1]``: the update is DP-SGD-private at the site (Opacus), and the
   count coordinate carries only the number of sites (an exact record count is not private).
 * ``distributed``: per sampled unit ``[g_p clipped, gamma]`` through the integer encoder
@@ -40,7 +41,7 @@ from fl.codec import (
     encode_weighted,
     noisy_mean,
 )
-from fl.settings import TrainSettings
+from fl.settings import STRATEGIES, TrainSettings
 from fl.site.privacy import DistributedPlan, Plan, SiteDpPlan
 from fl.site.training import Scaler
 from fl.vector import ParameterLayout
@@ -109,6 +110,10 @@ class RoundTask:
     count_stddev: float | None = None
     """Site DP with private adaptive clipping (Andrew et al. 2021): the clip's target
     quantile and the noise of the clip count (accounted jointly, dp.budget.GaussianRound)."""
+    strategy: str = "fedavg"
+    """``scaffold``: the site also returns its control variate's delta (fl/strategies.py)."""
+    local_steps: int | None = None
+    """Mode ``none``: local minibatch updates instead of ``local_epochs`` passes."""
     plan_steps: int | None = None
     """``unit="patient-idp"``: the run's planned DP-SGD steps (rounds x steps), which each
     site plans its own rate groups for (fl/site/idp.py); the site's ledger enforces the targets
@@ -158,7 +163,11 @@ class RoundTask:
             clip_norm=_float(body, "clip_norm", low_open=True),
             sample_rate=_float(body, "sample_rate", 0, 1, low_open=True),
             steps=_int(body, "steps", 1, 1 << 20), params=params, max_units=max_units,
-            plan_steps=plan_steps, **_adaptive(body))
+            plan_steps=plan_steps,
+            strategy=_str(body, "strategy", STRATEGIES) if "strategy" in body else "fedavg",
+            local_steps=(_int(body, "local_steps", 1, 1 << 24)
+                         if body.get("local_steps") is not None else None),
+            **_adaptive(body))
 
 
 def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: int, *,
@@ -168,7 +177,8 @@ def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: i
     task = RoundTask(mode=plan.mode, round=round_number, cohort=cohort, seed=s.seed,
                      unit=s.unit, lr=s.lr, local_epochs=s.local_epochs,
                      batch_size=s.batch_size, fedprox_mu=s.fedprox_mu,
-                     clip_norm=s.clip_norm, sample_rate=s.sample_rate)
+                     clip_norm=s.clip_norm, sample_rate=s.sample_rate,
+                     strategy=s.strategy, local_steps=s.local_steps)
     if isinstance(plan, SiteDpPlan):
         return replace(task, noise_multiplier=plan.noise_multiplier,
                         clip_norm=plan.clip_norm, sample_rate=plan.sample_rate,
@@ -192,11 +202,14 @@ class Contribution:
 
     vector: U64
     count: int
+    control: F64 | None = None
+    """SCAFFOLD: the site's next control variate, adopted if the round's sum includes it."""
 
 
 def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
-               site_id: int) -> Contribution:
-    """Site ``site_id``'s input for ``task`` at the global ``model`` (left unchanged)."""
+               site_id: int, control: F64 | None = None) -> Contribution:
+    """Site ``site_id``'s input for ``task`` at the global ``model`` (left unchanged);
+    ``control``: SCAFFOLD's server control variate (``task.strategy == "scaffold"``)."""
     layout = ParameterLayout.of(model)
     if task.mode == "distributed":
         assert task.params is not None
@@ -214,10 +227,25 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
                 "target_quantile": task.target_quantile, "count_stddev": task.count_stddev}),
             **({"round_number": task.round} if task.unit == "patient-idp" else {}))
         weight = 1  # uniform: a site's count is not protected in site mode
+    elif task.strategy == "scaffold":
+        if control is None or not hasattr(trainer, "scaffold_update"):  # a remote site
+            raise TaskError("a SCAFFOLD round needs the server's control variate and a site "
+                            "that keeps its own (fl.site.Site, simulated federations)")
+        own = getattr(trainer, "control", None)
+        own = np.zeros(layout.size) if own is None else own
+        delta, new_control = trainer.scaffold_update(
+            model, layout, server_control=control, epochs=task.local_epochs, lr=task.lr,
+            batch_size=task.batch_size, seed=local_seed(task.seed, task.round, site_id),
+            steps=task.local_steps)
+        weight = trainer.num_records
+        codec = FixedPointCodec(2 * layout.size + 1, bits=64, max_summands=task.cohort)
+        values = np.concatenate([delta, new_control - own])  # [delta_y, delta_c], weighted
+        return Contribution(encode_weighted(codec, values, weight), weight, new_control)
     else:
+        steps = {} if task.local_steps is None else {"steps": task.local_steps}
         delta = trainer.fedavg_update(model, layout, epochs=task.local_epochs, lr=task.lr,
                                       batch_size=task.batch_size, mu=task.fedprox_mu,
-                                      seed=local_seed(task.seed, task.round, site_id))
+                                      seed=local_seed(task.seed, task.round, site_id), **steps)
         weight = trainer.num_records
     codec = FixedPointCodec(layout.size + 1, bits=64, max_summands=task.cohort)
     return Contribution(encode_weighted(codec, delta, weight), weight)
@@ -233,7 +261,8 @@ def decoder(task: RoundTask, model_dim: int) -> Decoder:
             return -mean_gradient, count
 
         return decode_distributed
-    fixed = FixedPointCodec(model_dim + 1, bits=64, max_summands=task.cohort)
+    width = 2 * model_dim if task.strategy == "scaffold" else model_dim  # [delta_y, delta_c]
+    fixed = FixedPointCodec(width + 1, bits=64, max_summands=task.cohort)
     return lambda total, included: decode_weighted(fixed, total)
 
 

@@ -44,6 +44,7 @@ from fl.site.privacy import (
     restore_budget,
 )
 from fl.site.training import Site
+from fl.strategies import ServerStrategy
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, Stage
 
@@ -99,6 +100,17 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[
     return acc, loss
 
 
+Evaluator = Callable[[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]], dict[str, Any]]
+"""``(model, test set) -> metrics`` of a round's row (``loss`` and ``accuracy`` or
+``c_index``, ...)."""
+
+
+def classification_metrics(model: torch.nn.Module,
+                           test: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    acc, loss = evaluate(model, *test)
+    return {"accuracy": acc, "loss": loss}
+
+
 def drop_schedule(cohort: list[int], rate: float, seed: int, round_number: int,
                   attempt: int) -> dict[int, Stage]:
     """Each cohort site drops with probability ``rate`` at a uniformly random stage.
@@ -121,7 +133,8 @@ class Coordinator:
                  aggregator: Aggregator,
                  *, scaler: dict[str, list[float]] | None = None,
                  log: Callable[[str], None] | None = None,
-                 on_capture: Callable[[RoundCapture], None] | None = None) -> None:
+                 on_capture: Callable[[RoundCapture], None] | None = None,
+                 evaluator: Evaluator | None = None) -> None:
         self.settings = settings
         self.model = model
         self.layout = ParameterLayout.of(model)
@@ -133,6 +146,10 @@ class Coordinator:
         self.scaler = scaler
         self.log = log or (lambda text: None)
         self.on_capture = on_capture
+        self.strategy = ServerStrategy.of(settings, self.layout.size)
+        self.evaluator = evaluator or classification_metrics
+        self.controls: dict[int, Any] = {}
+        """SCAFFOLD: each site's proposed control variate of the round being aggregated."""
         self.history: list[dict[str, Any]] = []
         self.progress = Progress(settings.rounds)
         self.events: list[dict[str, Any]] = []
@@ -156,6 +173,11 @@ class Coordinator:
         self.history = list(saved.history)
         self.events = list(saved.events)
         self.stopped = saved.stopped
+        if saved.server is not None:
+            try:
+                self.strategy.restore(saved.server)
+            except ValueError as exc:
+                raise ckpt.CheckpointError(str(exc)) from None
         if self.budget is not None:
             self.budget = restore_budget(self.settings.epsilon, self.settings.delta,
                                          self.events, self.settings.accountant)
@@ -166,7 +188,8 @@ class Coordinator:
         ckpt.save(self.settings.checkpoint, ckpt.Checkpoint(
             round=self.round, model=self.model.state_dict(),
             fingerprint=self.settings.fingerprint(), history=self.history,
-            events=self.events, scaler=self.scaler, stopped=self.stopped))
+            events=self.events, scaler=self.scaler, stopped=self.stopped,
+            server=self.strategy.state()))
 
     # -- training ------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
@@ -222,11 +245,16 @@ class Coordinator:
             self.on_capture(RoundCapture(r, config, inputs, outcome.total, outcome.included,
                                          done.counts))
         update, count = done.decode(outcome.total, len(outcome.included))
-        vector = self.layout.to_vector(self.model) + s.server_lr * update
+        vector = self.strategy.step(self.layout.to_vector(self.model), update)
         self.layout.load(self.model, vector)
+        for cid in outcome.included:  # SCAFFOLD: only an included site's c_k moved c
+            if self.controls.get(cid) is not None:
+                self.sites[cid].commit_control(self.controls[cid])
         epsilon, delta = self.budget.spent if self.budget is not None else (None, None)
-        acc, loss = evaluate(self.model, *self.test) if self.test is not None else (None, None)
-        row = {"round": r, "accuracy": acc, "loss": loss, "epsilon": epsilon, "delta": delta,
+        metrics: dict[str, Any] = ({"accuracy": None, "loss": None} if self.test is None
+                                   else self.evaluator(self.model, self.test))
+        acc, loss = metrics.get("accuracy"), metrics["loss"]
+        row = {"round": r, **metrics, "epsilon": epsilon, "delta": delta,
                "included": sorted(outcome.included),
                "dropped": {str(c): st for c, st in sorted(outcome.dropped.items())},
                "attempts": done.attempts, "aggregate_correct": correct,
@@ -241,6 +269,8 @@ class Coordinator:
         eps = f"  epsilon {epsilon:.3f}" if epsilon is not None else ""
         dropped = ", ".join(f"{c}@{st}" for c, st in row["dropped"].items()) or "none"
         quality = (f"accuracy {acc:.4f}  loss {loss:.4f}" if acc is not None and loss is not None
+                   else f"c_index {metrics['c_index']:.4f}  loss {loss:.4f}"
+                   if metrics.get("c_index") is not None
                    else "accuracy n/a (no evaluation data)")
         self.log(f"round {r:3d}/{s.rounds}  {quality}{eps}  "
                  f"included {len(outcome.included)}/{len(cohort)} (dropped: {dropped})"
@@ -285,7 +315,10 @@ class Coordinator:
         task = self.task(r, cohort)
         inputs: dict[int, U64] = {}
         counts: dict[int, int] = {}
+        self.controls = {}
         for cid in cohort:
-            given = site_input(self.sites[cid], self.model, task, cid)
+            given = site_input(self.sites[cid], self.model, task, cid,
+                               control=self.strategy.control)
             inputs[cid], counts[cid] = given.vector, given.count
+            self.controls[cid] = given.control
         return inputs, decoder(task, self.layout.size), counts

@@ -10,6 +10,8 @@ generators: it is simulation, not a secret.
 * :func:`synthetic_ehr`: several visits per patient whose labels share the patient's latent
   risk, so record-level DP would under-protect a patient with many visits.
 * :func:`load_csv`: a user's own table with a patient-id column and a label column.
+* ``tcga-brca``: FLamby's Fed-TCGA-BRCA survival set, 6 natural centers
+  (:func:`fl.survival.tcga_brca`).
 * :func:`dirichlet_split`: non-IID sites, label proportions per site ~ Dirichlet(alpha).
 """
 
@@ -25,7 +27,7 @@ import numpy.typing as npt
 
 from .errors import FLError
 
-DATASETS = ("breast-cancer", "ehr", "digits")
+DATASETS = ("breast-cancer", "ehr", "digits", "tcga-brca")
 
 
 class DataError(FLError, ValueError):
@@ -45,6 +47,9 @@ class Table:
     """True when features are already on a common, public scale (no scaler needed)."""
     budgets: npt.NDArray[np.float64] | None = None
     """Per-record target epsilon of the record's patient (``--budget-column``), if any."""
+    times: npt.NDArray[np.float64] | None = None
+    """Survival data (:mod:`fl.survival`): each record's time to event or censoring; ``y``
+    is then the event indicator (1 observed, 0 censored)."""
 
     def __post_init__(self) -> None:
         n = len(self.y)
@@ -53,6 +58,8 @@ class Table:
                             f"{self.patient_ids.shape} must have one row per record")
         if self.budgets is not None and self.budgets.shape != (n,):
             raise DataError(f"{self.name}: need one privacy budget per record")
+        if self.times is not None and self.times.shape != (n,):
+            raise DataError(f"{self.name}: need one survival time per record")
 
     def __len__(self) -> int:
         return len(self.y)
@@ -68,7 +75,8 @@ class Table:
     def subset(self, rows: npt.NDArray[np.int64], name: str | None = None) -> Table:
         return Table(self.x[rows], self.y[rows], self.patient_ids[rows], self.num_classes,
                      name or self.name, self.standardized,
-                     None if self.budgets is None else self.budgets[rows])
+                     None if self.budgets is None else self.budgets[rows],
+                     None if self.times is None else self.times[rows])
 
     def rows_of_patients(self, patients: npt.ArrayLike) -> npt.NDArray[np.int64]:
         return np.flatnonzero(np.isin(self.patient_ids, np.asarray(patients)))
@@ -308,4 +316,8 @@ def load_dataset(name: str, seed: int, num_patients: int | None = None) -> Table
         return synthetic_ehr(num_patients or 1000, seed=seed)
     if name == "digits":
         return digits()
+    if name == "tcga-brca":
+        from fl.survival import tcga_brca
+
+        return tcga_brca().pooled_train
     raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)} or --csv")

@@ -50,10 +50,24 @@ class Split:
     train: Table
     test: Table
     site_tables: list[Table]
+    site_tests: list[Table] | None = None
+    """A naturally federated set's per-site test sets (``tcga-brca``), else None."""
 
 
 def load_split(settings: TrainSettings) -> Split:
     """The settings' table, split into test and per-site training data (seeded)."""
+    if settings.survival:
+        from fl.survival import tcga_brca
+
+        data = tcga_brca()  # FLamby's natural centers and static split
+        if settings.model == "discrete-time":  # person-period rows, public feature scale
+            from fl.survival import person_period, pooled, public_scale
+
+            rows = [person_period(t) for t in data.train]
+            tests = [public_scale(t) for t in data.test]
+            return Split(pooled(rows, "tcga-brca-person-period"), pooled(tests, "tcga-brca-test"),
+                         rows, tests)
+        return Split(data.pooled_train, data.pooled_test, list(data.train), list(data.test))
     if settings.csv is not None:
         assert settings.patient_column is not None and settings.label_column is not None
         table = load_csv(settings.csv, patient_column=settings.patient_column,
@@ -190,9 +204,33 @@ def privacy_plan(settings: TrainSettings) -> dict[str, Any]:
 
 
 def tensors(table: Table, scaler: Scaler | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A table as (features, labels) tensors, scaled like the sites scale theirs."""
+    """A table as (features, labels) tensors, scaled like the sites scale theirs; a
+    survival table's targets are ``[event, time]`` rows (:func:`fl.survival.targets`)."""
     x = table.x if scaler is None else scaler.apply(table.x)
+    if table.times is not None:
+        from fl.survival import targets
+
+        return torch.from_numpy(np.ascontiguousarray(x)), targets(table)
     return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(table.y.copy())
+
+
+def survival_evaluator(site_tests: Sequence[Table] | None,
+                       discrete_time: bool = False) -> Any:
+    """Round metrics of a survival task: the pooled test set's C-index and Cox loss, and
+    each site's own test C-index (``c_index_by_site``, if the data set has per-site tests);
+    ``discrete_time``: of the discrete-time model's risk (fl.survival.discrete_time_risk)."""
+    from fl.survival import evaluate_cox
+
+    per_site = [tensors(t, None) for t in site_tests or ()]
+
+    def metrics(model: torch.nn.Module,
+                test: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+        c_index, loss = evaluate_cox(model, *test, discrete_time=discrete_time)
+        return {"accuracy": None, "c_index": c_index, "loss": loss,
+                "c_index_by_site": {str(k + 1): evaluate_cox(model, *xy, discrete_time)[0]
+                                    for k, xy in enumerate(per_site)}}
+
+    return metrics
 
 
 @contextlib.contextmanager
@@ -222,9 +260,11 @@ def report(settings: TrainSettings, plan: Plan, threshold: int, dim: int,
     is what :func:`fl.checkpoint.save_model` records next to the model."""
     final = coordinator.history[-1] if coordinator.history else {}
     return {"model_info": {"model": settings.model, "in_features": in_features,
+                           "task": "survival" if settings.survival else "classification",
                            "num_classes": len(labels), "labels": list(labels),
                            "scaler": coordinator.scaler, "rounds": coordinator.round,
                            "final_accuracy": final.get("accuracy"),
+                           "final_c_index": final.get("c_index"),
                            "final_epsilon": final.get("epsilon"),
                            "privacy": plan.describe()},
             "settings": {k: v for k, v in vars(settings).items()},
@@ -233,7 +273,8 @@ def report(settings: TrainSettings, plan: Plan, threshold: int, dim: int,
             + [row["release"] for row in coordinator.history if "release" in row],
             "dp_events": run_json([event_from_json(e) for e in coordinator.events]),
             "rounds": coordinator.history, "stopped": coordinator.stopped,
-            "final_accuracy": final.get("accuracy"), "final_epsilon": final.get("epsilon"),
+            "final_accuracy": final.get("accuracy"), "final_c_index": final.get("c_index"),
+            "final_epsilon": final.get("epsilon"),
             "model": coordinator.layout.to_vector(model).tolist()}
 
 
@@ -244,7 +285,12 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
     torch.manual_seed(settings.seed)
     split = load_split(settings)
     saved = load_checkpoint(settings, say)
-    raw_sites = {i + 1: Site(i + 1, t) for i, t in enumerate(split.site_tables)}
+    site_class = Site
+    if settings.survival and settings.model == "cox":
+        from fl.survival import CoxSite
+
+        site_class = CoxSite
+    raw_sites = {i + 1: site_class(i + 1, t) for i, t in enumerate(split.site_tables)}
     with _aggregator(settings, tap) as aggregator:
         scaler: Scaler | None = None
         if saved is not None and saved.scaler is not None:
@@ -262,7 +308,7 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
             released = charged.released(scaler, sorted(raw_sites))
             say(f"feature scaling: {noised.describe()}; epsilon "
                 f"{released.record['epsilon_after']:.4g} after it")
-        sites = {cid: Site(cid, s.table, scaler) for cid, s in raw_sites.items()}
+        sites = {cid: site_class(cid, s.table, scaler) for cid, s in raw_sites.items()}
         model = make_model(settings.model, split.train.num_features, split.train.num_classes,
                            settings.seed)
         dim, threshold, plan = federation_plan(
@@ -283,7 +329,10 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
             scaler_json = saved.scaler  # keeps the record of how it was released
         coordinator = Coordinator(settings, model, sites, tensors(split.test, scaler), plan,
                                   aggregator, scaler=scaler_json, log=say,
-                                  on_capture=on_capture)
+                                  on_capture=on_capture,
+                                  evaluator=(survival_evaluator(
+                                      split.site_tests, settings.model == "discrete-time")
+                                             if settings.survival else None))
         if idp_text is not None:
             coordinator.budget = fl_idp.FederationBudget(settings, sites)  # type: ignore[assignment]
         if saved is not None:

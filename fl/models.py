@@ -1,4 +1,5 @@
-"""Built-in models: logistic regression and an MLP for tables, a small CNN for images.
+"""Built-in models: logistic regression and an MLP for tables, a small CNN for images, the
+linear Cox model for survival (risk score ``x . beta``).
 
 Every model takes a batch of flat feature rows ``(batch, features)``; the CNN reshapes its
 rows into square single-channel images (``features`` must be a square, e.g. 64 pixels of
@@ -11,17 +12,23 @@ import math
 
 import torch
 
-MODELS = ("logreg", "mlp", "cnn")
+MODELS = ("logreg", "mlp", "cnn", "cox", "discrete-time")
 
 
 def make_model(kind: str, in_features: int, num_classes: int, seed: int = 0,
                hidden: int = 16) -> torch.nn.Module:
-    """``logreg``, ``mlp`` (linear, ReLU, linear) or ``cnn``; seeded initialisation."""
+    """``logreg``, ``mlp`` (linear, ReLU, linear), ``cnn``, or ``cox`` (the linear Cox model:
+    one risk score ``x . beta`` per record, ``num_classes`` unused); seeded initialisation."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        if kind == "logreg":
+        if kind in ("logreg", "discrete-time"):  # discrete-time: logreg on person-periods
             return torch.nn.Linear(in_features, num_classes)
+        if kind == "cox":
+            # No bias: the partial likelihood is invariant to shifting every risk by one
+            # constant, so a bias gets no gradient, and a server optimizer would only
+            # amplify the rounding noise of its zero update (m / sqrt(v)).
+            return torch.nn.Linear(in_features, 1, bias=False)
         if kind == "mlp":
             return torch.nn.Sequential(torch.nn.Linear(in_features, hidden), torch.nn.ReLU(),
                                        torch.nn.Linear(hidden, num_classes))

@@ -8,18 +8,19 @@ from typing import Any
 
 
 def plot_rounds(rounds: Sequence[Mapping[str, Any]], path: str | Path, title: str = "") -> None:
-    """Accuracy (left axis) and spent epsilon (right axis, if any) against the round."""
+    """Accuracy or C-index (left axis) and spent epsilon (right axis, if any) against the round."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     xs = [r["round"] for r in rounds]
+    metric = "c_index" if rounds and rounds[0].get("c_index") is not None else "accuracy"
+    label = "test C-index" if metric == "c_index" else "test accuracy"
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs, [r["accuracy"] for r in rounds], color="tab:blue", marker="o", ms=3,
-            label="test accuracy")
+    ax.plot(xs, [r[metric] for r in rounds], color="tab:blue", marker="o", ms=3, label=label)
     ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy", color="tab:blue")
+    ax.set_ylabel(label, color="tab:blue")
     ax.grid(alpha=0.3)
     eps = [r.get("epsilon") for r in rounds]
     if any(e is not None for e in eps):

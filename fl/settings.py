@@ -10,7 +10,11 @@ from secagg.config import SECURITY_MODES, Config
 
 DP_MODES = ("none", "site", "distributed")
 UNITS = ("patient", "record", "patient-idp")
-MODELS = ("logreg", "mlp", "cnn")  # fl.models.MODELS (kept here without torch)
+# fl.models.MODELS (kept here without torch)
+MODELS = ("logreg", "mlp", "cnn", "cox", "discrete-time")
+STRATEGIES = ("fedavg", "fedprox", "scaffold", "fedadam", "fedyogi", "fedadagrad")
+"""``--strategy``: the local step and the server's use of the secure sum (fl/strategies.py)."""
+SURVIVAL_DATASETS = ("tcga-brca",)
 SCALING = ("auto", "secure", "none")
 
 
@@ -61,6 +65,15 @@ class TrainSettings:
     (:mod:`fl.site.private_scaler`)."""
     scaler_epsilon: float | None = None
     """The noised feature statistics' share of ``--epsilon`` (default 10 %)."""
+    strategy: str = "fedavg"
+    """fedavg, fedprox (needs ``fedprox_mu > 0``), scaffold, or a server optimizer of Reddi
+    et al. 2021 (fedadam, fedyogi, fedadagrad) applied to the securely aggregated update."""
+    local_steps: int | None = None
+    """Local minibatch updates per round (FLamby's ``num_updates``); None: ``local_epochs``."""
+    server_beta1: float = 0.9
+    server_beta2: float = 0.999
+    server_tau: float = 1e-8
+    """The server optimizers' momentum, second-moment decay and adaptivity (fedadam etc.)."""
     security: str = "semi-honest"
     """secagg's mode for the rounds: ``malicious`` when the coordinator has the sites'
     public keys (``--peer-keys``, fl/site/identity.py); it sets the threshold
@@ -127,6 +140,37 @@ class TrainSettings:
             problems.append(f"--local-epochs {self.local_epochs}: need at least 1")
         if self.fedprox_mu < 0:
             problems.append(f"--fedprox-mu {self.fedprox_mu}: need mu >= 0")
+        if self.strategy not in STRATEGIES:
+            problems.append(f"--strategy {self.strategy}: use one of {', '.join(STRATEGIES)}")
+        if self.strategy == "fedprox" and not self.fedprox_mu > 0:
+            problems.append("--strategy fedprox needs --fedprox-mu > 0")
+        if self.strategy in ("fedprox", "scaffold") and self.dp != "none":
+            problems.append(f"--strategy {self.strategy} trains without --dp (SCAFFOLD's "
+                            "control variates and FedProx's local steps are not private); "
+                            "with --dp use fedavg or a server optimizer")
+        if self.strategy == "scaffold" and self.checkpoint is not None:
+            problems.append("--strategy scaffold keeps control variates at the sites that "
+                            "checkpoints do not hold yet: run it without --checkpoint")
+        if self.local_steps is not None and self.local_steps < 1:
+            problems.append(f"--local-steps {self.local_steps}: need at least 1")
+        if not (0 <= self.server_beta1 < 1 and 0 <= self.server_beta2 < 1
+                and self.server_tau > 0):
+            problems.append("server optimizer: need 0 <= beta1, beta2 < 1 and tau > 0")
+        if self.dataset in SURVIVAL_DATASETS and self.csv is None:
+            if self.dp != "none" and self.model == "cox":
+                problems.append(f"--dataset {self.dataset} --model cox runs without --dp: the "
+                                "partial likelihood couples the patients of a batch, so "
+                                "per-patient clipping does not bound one patient's influence; "
+                                "use --model discrete-time (a sum of per-patient terms)")
+            if self.sites != 6:
+                problems.append(f"--sites {self.sites}: {self.dataset}'s sites are its 6 "
+                                "natural centers (give 6 or leave --sites out)")
+            if self.model not in ("cox", "discrete-time"):
+                problems.append(f"--dataset {self.dataset} is a survival task: --model cox "
+                                "or discrete-time")
+        elif self.model in ("cox", "discrete-time"):
+            problems.append(f"--model {self.model} goes with a survival dataset (--dataset "
+                            "tcga-brca)")
         if self.model not in MODELS:
             problems.append(f"--model {self.model}: use one of {', '.join(MODELS)}")
         if self.scaling not in SCALING:
@@ -143,6 +187,11 @@ class TrainSettings:
             problems.append("--resume needs --checkpoint DIR")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def survival(self) -> bool:
+        """A survival task (Cox model, C-index) rather than classification."""
+        return self.dataset in SURVIVAL_DATASETS and self.csv is None
 
     @property
     def cohort_size(self) -> int:
@@ -167,3 +216,35 @@ class TrainSettings:
         if self.dp != "none" and (self.noise_multiplier is None or self.unit == "patient-idp"):
             data["rounds"] = self.rounds  # the noise (patient-idp: the rates) was planned for it
         return data
+
+
+FLAMBY_TCGA_BRCA: dict[str, dict[str, float]] = {
+    "fedavg": {"lr": 0.1},
+    "fedprox": {"lr": 0.1, "fedprox_mu": 0.1},
+    "scaffold": {"lr": 0.01, "server_lr": 1.0},
+    "fedadam": {"lr": 0.01, "server_lr": 0.1},
+    "fedyogi": {"lr": 0.01, "server_lr": 0.1},
+    "fedadagrad": {"lr": 0.01, "server_lr": 1.0},
+}
+"""FLamby's learning rates per strategy on Fed-TCGA-BRCA (their ``config_tcga_brca.json``);
+every strategy there: SGD at the sites, batch 8, 100 local updates, 5 rounds, 6 centers,
+beta1 0.9, beta2 0.999, tau 1e-8."""
+
+
+def dataset_defaults(dataset: str, strategy: str = "fedavg") -> dict[str, Any]:
+    """The options a dataset brings when the user does not give them: FLamby's protocol
+    for ``tcga-brca`` (:data:`FLAMBY_TCGA_BRCA`), nothing for the others."""
+    if dataset != "tcga-brca":
+        return {}
+    if strategy not in FLAMBY_TCGA_BRCA:
+        raise ValueError(f"--strategy {strategy}: use one of {', '.join(STRATEGIES)}")
+    return {"sites": 6, "rounds": 5, "batch_size": 8, "local_steps": 100, "model": "cox",
+            "scaling": "none", "server_lr": 1.0, "fedprox_mu": 0.0, "strategy": strategy,
+            **FLAMBY_TCGA_BRCA[strategy]}
+
+
+def tcga_brca_settings(strategy: str = "fedavg", **options: Any) -> TrainSettings:
+    """Settings of a Fed-TCGA-BRCA run with FLamby's protocol for ``strategy``; ``options``
+    (any :class:`TrainSettings` field) override it."""
+    return TrainSettings(**{"dataset": "tcga-brca",
+                            **dataset_defaults("tcga-brca", strategy), **options})

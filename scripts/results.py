@@ -74,8 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     b = args.broker
     if args.from_json:
-        Path(args.out).write_text(render(json.loads(Path(args.from_json).read_text()), b),
-                                  encoding="utf-8")
+        write(Path(args.out), render(json.loads(Path(args.from_json).read_text()), b))
         return
 
     print("1. central vs FedAvg (breast cancer)", file=sys.stderr)
@@ -102,8 +101,19 @@ def main() -> None:
            "dp_site": dp_site, "drop_none": drop_none, "drop_distributed": drop_dist}
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=1))
-    Path(args.out).write_text(render(raw, b), encoding="utf-8")
+    write(Path(args.out), render(raw, b))
     print(f"wrote {args.out}", file=sys.stderr)
+
+
+def write(out: Path, text: str) -> None:
+    """Write ``text``, keeping the sections other scripts own (scripts/tcga_brca.py)."""
+    from tcga_brca import END, START
+
+    old = out.read_text(encoding="utf-8") if out.exists() else ""
+    if START in old and END in old:
+        kept = START + old.split(START, 1)[1].split(END, 1)[0] + END
+        text = text.rstrip("\n") + "\n\n" + kept + "\n"
+    out.write_text(text, encoding="utf-8")
 
 
 def _acc(report: dict[str, Any]) -> float:

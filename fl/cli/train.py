@@ -24,7 +24,15 @@ from typing import Any
 
 from fl.cli._common import emit_json, parse_sites, progress_log, setup_logging
 from fl.data import DATASETS
-from fl.settings import DP_MODES, MODELS, SCALING, UNITS, TrainSettings
+from fl.settings import (
+    DP_MODES,
+    MODELS,
+    SCALING,
+    STRATEGIES,
+    UNITS,
+    TrainSettings,
+    dataset_defaults,
+)
 
 ROLES = ("all", "coordinator", "site")
 
@@ -99,7 +107,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--dataset", choices=DATASETS, default=d.dataset,
                    help="breast-cancer (scikit-learn's bundled clinical set, one record per "
                         "patient), ehr (synthetic longitudinal EHR, several visits per "
-                        "patient) or digits (scikit-learn's 8x8 images, for --model cnn); "
+                        "patient), digits (scikit-learn's 8x8 images, for --model cnn) or "
+                        "tcga-brca (FLamby's Fed-TCGA-BRCA survival set: its 6 centers are "
+                        "the sites, Cox model, C-index, FLamby's protocol by default); "
                         f"default {d.dataset}")
     r.add_argument("--csv", metavar="PATH", help="train on your own table instead")
     r.add_argument("--patient-column", metavar="COL", help="patient id column of --csv")
@@ -138,17 +148,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     o.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     c.add_argument("--local-epochs", type=int, default=d.local_epochs, metavar="E",
                    help=f"local passes over a site's data per round (default {d.local_epochs})")
-    c.add_argument("--fedprox-mu", type=float, default=d.fedprox_mu, metavar="MU",
+    c.add_argument("--fedprox-mu", type=float, default=None, metavar="MU",
                    help="FedProx proximal weight (default 0: FedAvg)")
-    c.add_argument("--lr", type=float, default=d.lr, metavar="LR",
+    c.add_argument("--lr", type=float, default=None, metavar="LR",
                    help=f"local learning rate (default {d.lr})")
-    c.add_argument("--server-lr", type=float, default=d.server_lr, metavar="LR",
+    c.add_argument("--server-lr", type=float, default=None, metavar="LR",
                    help=f"step applied to the averaged update (default {d.server_lr})")
-    c.add_argument("--batch-size", type=int, default=d.batch_size, metavar="B",
+    c.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help=f"local minibatch size (default {d.batch_size})")
-    r.add_argument("--model", choices=MODELS, default=d.model,
+    r.add_argument("--model", choices=MODELS, default=None,
                    help="logreg or mlp for tables, cnn for square images such as --dataset "
-                        f"digits (default {d.model})")
+                        f"digits, cox for survival (default {d.model}; tcga-brca: cox)")
     c.add_argument("--alpha", type=float, default=d.alpha,
                    help=f"Dirichlet non-IID concentration (default {d.alpha})")
     c.add_argument("--clip-norm", type=float, default=d.clip_norm, metavar="C",
@@ -206,8 +216,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     site.add_argument("--max-releases", type=int, metavar="N",
                       help="take part in at most N releases in all (the ledger counts them)")
     c.add_argument("--cohort", type=int, metavar="K", help="sites per round (default all)")
-    c.add_argument("--scaling", choices=SCALING, default=d.scaling,
-                   help="feature scaling: secure sum of statistics, none, or auto")
+    c.add_argument("--scaling", choices=SCALING, default=None,
+                   help="feature scaling: secure sum of statistics, none, or auto (default; "
+                        "tcga-brca: none, as FLamby)")
+    # Strategies and the dataset presets (fl/strategies.py, fl.settings.dataset_defaults).
+    c.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
+                   help="fedavg (default), fedprox, scaffold (control variates in the same "
+                        "secure sum), or a server optimizer on the secure sum: fedadam, "
+                        "fedyogi, fedadagrad (Reddi et al. 2021)")
+    c.add_argument("--local-steps", type=int, default=None, metavar="K",
+                   help="local minibatch updates per round instead of --local-epochs passes "
+                        "(tcga-brca: 100, FLamby's protocol)")
     p.set_defaults(command="train")
     return p
 
@@ -216,7 +235,32 @@ SITE_POLICY_FLAGS = ("policy", "ledger", "min_noise_multiplier", "min_threshold"
                      "max_sample_rate", "max_steps", "max_releases")
 
 
+PRESET_OPTIONS = ("lr", "server_lr", "batch_size", "fedprox_mu", "model", "scaling",
+                  "local_steps")
+"""Options a dataset preset fills when not given (``--dataset tcga-brca``: FLamby's)."""
+
+
+def preset_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The values of :data:`PRESET_OPTIONS`: given, else the dataset's, else the default."""
+    d = TrainSettings()
+    preset = dataset_defaults(args.dataset if args.csv is None else "", args.strategy)
+    out = {name: getattr(args, name) if getattr(args, name) is not None
+           else preset.get(name, getattr(d, name)) for name in PRESET_OPTIONS}
+    if preset and args.role != "all":
+        raise ValueError(f"--dataset {args.dataset} runs with --role all for now (its "
+                         "survival sites are simulated in this process)")
+    if preset and args.sites is None:
+        args.sites = str(preset["sites"])
+    if preset and args.rounds is None:
+        args.rounds = preset["rounds"]
+    if args.strategy == "scaffold" and args.role != "all":
+        raise ValueError("--strategy scaffold runs with --role all for now (the server's "
+                         "control variate is not sent to site processes)")
+    return out
+
+
 def settings_from_args(args: argparse.Namespace) -> TrainSettings:
+    options = preset_options(args)
     ids = parse_sites(args.sites, args.role)
     rounds = args.rounds
     if rounds is None:
@@ -240,11 +284,10 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         delta=args.delta, drop_rate=args.drop_rate, max_attempts=args.max_attempts,
         unit=args.unit if args.role != "site" else "patient",  # a site's: its policy
         broker=args.broker, seed=args.seed, local_epochs=args.local_epochs,
-        fedprox_mu=args.fedprox_mu, lr=args.lr, server_lr=args.server_lr,
-        batch_size=args.batch_size, model=args.model, alpha=args.alpha,
+        alpha=args.alpha, strategy=args.strategy, **options,
         clip_norm=args.clip_norm, sample_rate=args.sample_rate,
         noise_multiplier=args.noise_multiplier if args.role != "site" else None,
-        cohort=args.cohort, scaling=args.scaling,
+        cohort=args.cohort,
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
         max_units=args.max_units, adaptive_clip=args.adaptive_clip, scaler_file=args.scaler,
         clip_count_stddev=args.clip_count_stddev,
@@ -600,7 +643,8 @@ def _finish(args: argparse.Namespace, settings: TrainSettings, report: dict[str,
     if last is not None:
         eps = f", epsilon {last['epsilon']:.3f}" if last["epsilon"] is not None else ""
         acc = (f"final test accuracy {last['accuracy']:.4f}" if last["accuracy"] is not None
-               else "no test set")
+               else f"final test C-index {last['c_index']:.4f}"
+               if last.get("c_index") is not None else "no test set")
         print(f"secagg train: {len(report['rounds'])} rounds, {acc}{eps}", file=summary)
     else:
         print("secagg train: no round was run", file=summary)

@@ -4,8 +4,9 @@ The site trains on a private copy of the global model and returns a *float* upda
 federation code in the same process, which encodes it (:mod:`fl.codec`) and hands only the
 encoded, masked vector to the transport. Three ways to compute the update, one per mode:
 
-* :meth:`Site.fedavg_update`: FedAvg local epochs of minibatch SGD (McMahan et al. 2017),
-  optionally with the FedProx proximal term ``mu/2 ||w - w_global||^2`` (Li et al. 2020).
+* :meth:`Site.fedavg_update`: FedAvg local epochs (or steps) of minibatch SGD (McMahan et
+  al. 2017), optionally with the FedProx proximal term ``mu/2 ||w - w_global||^2`` (Li et al.
+  2020); :meth:`Site.scaffold_update` adds SCAFFOLD's control variates.
 * :meth:`Site.site_dp_update`: DP-SGD steps with Opacus at the patient level
   (:class:`dp.opacus_glue.SitePrivacyEngine`); the update is private before it leaves.
 * :meth:`Site.unit_gradients`: one gradient per Poisson-sampled patient at the global model,
@@ -43,6 +44,9 @@ class Scaler:
 class Site:
     """One hospital's data and local training."""
 
+    control: F64 | None = None
+    """SCAFFOLD: this site's control variate ``c_i`` (None: zeros, before round 1)."""
+
     def __init__(self, site_id: int, table: Table, scaler: Scaler | None = None) -> None:
         if len(table) == 0:
             raise ValueError(f"site {site_id} has no records")
@@ -68,31 +72,76 @@ class Site:
         x = self.table.x.astype(np.float64)
         return np.concatenate([x.sum(axis=0), (x * x).sum(axis=0), [float(len(x))]])
 
+    def train_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The local training loss of mode ``none``, averaged over a batch: cross-entropy
+        here; a survival site (:class:`fl.survival.CoxSite`) uses the Cox loss."""
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    def batches(self, *, epochs: int, batch_size: int, seed: int,
+                steps: int | None = None) -> list[torch.Tensor]:
+        """The row indices of each local step: ``epochs`` seeded shuffles cut into batches,
+        or with ``steps`` that many batches, reshuffling whenever a pass ends (FLamby's
+        "local updates")."""
+        generator = torch.Generator().manual_seed(seed)
+        n = self.num_records
+        out: list[torch.Tensor] = []
+        passes = 0
+        while (steps is None and passes < epochs) or (steps is not None and len(out) < steps):
+            order = torch.randperm(n, generator=generator)
+            out.extend(order[start:start + batch_size] for start in range(0, n, batch_size))
+            passes += 1
+        return out if steps is None else out[:steps]
+
     def fedavg_update(self, model: torch.nn.Module, layout: ParameterLayout, *, epochs: int,
-                      lr: float, batch_size: int, mu: float = 0.0, seed: int = 0) -> F64:
-        """``w_local - w_global`` after ``epochs`` of SGD (FedProx if ``mu > 0``)."""
+                      lr: float, batch_size: int, mu: float = 0.0, seed: int = 0,
+                      steps: int | None = None, correction: F64 | None = None) -> F64:
+        """``w_local - w_global`` after ``epochs`` (or ``steps`` minibatches) of SGD: FedProx
+        if ``mu > 0``; SCAFFOLD's drift correction ``c - c_i`` (a flat vector in ``layout``
+        order) added to every gradient if ``correction`` is given (Karimireddy et al.
+        2020)."""
         local = copy.deepcopy(model)
         local.train()
         anchor = [p.detach().clone() for p in local.parameters() if p.requires_grad]
         trainable = [p for p in local.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(trainable, lr=lr)
-        loss_fn = torch.nn.CrossEntropyLoss()
-        generator = torch.Generator().manual_seed(seed)
-        n = self.num_records
-        for _ in range(epochs):
-            order = torch.randperm(n, generator=generator)
-            for start in range(0, n, batch_size):
-                rows = order[start:start + batch_size]
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(local(self.x[rows]), self.y[rows])
-                if mu > 0:
-                    # FedProx keeps heterogeneous sites from drifting far from the global model.
-                    prox = sum(((p - a) ** 2).sum() for p, a in zip(trainable, anchor,
-                                                                      strict=True))
-                    loss = loss + mu / 2 * prox
-                loss.backward()
-                optimizer.step()
+        shifts = None
+        if correction is not None:
+            shifts, offset = [], 0
+            for p in trainable:
+                chunk = correction[offset:offset + p.numel()]
+                shifts.append(torch.from_numpy(chunk.copy()).reshape(p.shape).to(p.dtype))
+                offset += p.numel()
+        for rows in self.batches(epochs=epochs, batch_size=batch_size, seed=seed, steps=steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = self.train_loss(local(self.x[rows]), self.y[rows])
+            if mu > 0:
+                # FedProx keeps heterogeneous sites from drifting far from the global model.
+                prox = sum(((p - a) ** 2).sum() for p, a in zip(trainable, anchor, strict=True))
+                loss = loss + mu / 2 * prox
+            loss.backward()
+            if shifts is not None:
+                for p, shift in zip(trainable, shifts, strict=True):
+                    assert p.grad is not None
+                    p.grad.add_(shift)
+            optimizer.step()
         return layout.to_vector(local) - layout.to_vector(model)
+
+    def scaffold_update(self, model: torch.nn.Module, layout: ParameterLayout, *,
+                        server_control: F64, epochs: int, lr: float, batch_size: int,
+                        seed: int = 0, steps: int | None = None) -> tuple[F64, F64]:
+        """SCAFFOLD's local round (Karimireddy et al. 2020, Algorithm 1, option II):
+        ``(delta_y, c_i+)``: the model update after corrected SGD steps and the site's next
+        control variate ``c_i - c + (x - y) / (K lr)``. The site's :attr:`control` is not
+        changed here: :meth:`commit_control` adopts ``c_i+`` once the round's sum is used."""
+        control = self.control if self.control is not None else np.zeros(layout.size)
+        k = len(self.batches(epochs=epochs, batch_size=batch_size, seed=seed, steps=steps))
+        delta = self.fedavg_update(model, layout, epochs=epochs, lr=lr, batch_size=batch_size,
+                                   seed=seed, steps=steps, correction=server_control - control)
+        return delta, control - server_control - delta / (k * lr)
+
+    def commit_control(self, control: F64) -> None:
+        """Adopt the control variate of a round whose secure sum included this site."""
+        self.control = np.asarray(control, dtype=np.float64).copy()
 
     def dp_loss(self) -> torch.nn.Module:
         """The loss of the DP modes, summed over a batch (per-unit clipping needs each
