@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fl.cli._common import emit_json, parse_sites, progress_log, setup_logging
+from fl.cli._common import UsageError, emit_json, parse_sites, progress_log, setup_logging
 from fl.data import DATASETS
 from fl.settings import (
     DP_MODES,
@@ -333,14 +333,9 @@ def default_ledger(site_id: int, data: Any) -> str:
 
 def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
     """``--plan``: the run's privacy plan, from the functions the run itself calls."""
-    from fl.data import DataError
     from fl.federation import privacy_plan
 
-    try:
-        plan = privacy_plan(settings)
-    except (DataError, ValueError) as exc:
-        print(f"secagg train: error: {exc}", file=sys.stderr)
-        return 2
+    plan = privacy_plan(settings)  # a DataError or ValueError: the CLI's error path, exit 2
     if args.json:
         print(json.dumps(plan))
         return 0
@@ -408,141 +403,115 @@ def _torch_missing() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``secagg train``. Errors go to the command line's one error path (fl/cli/app.py): a
+    ``ValueError`` (bad options, data, checkpoint, policy) exits 2, a runtime failure (a
+    round that kept aborting, a lost broker) exits 1, each in one line."""
     if _torch_missing():
         return 2
     if args.role != "all" and not (args.plan and args.role == "coordinator"):
         return run_remote(args)
-    try:
-        settings = settings_from_args(args)
-        if args.plan:
-            return print_plan(args, settings)
-        from fl.aggregation import check_broker
-
-        check_broker(settings.broker)
-        check_output_paths(args)
-    except ValueError as exc:
-        print(f"secagg train: error: {exc}", file=sys.stderr)
-        return 2
-
-    log = progress_log(args, "train")
-    setup_logging(args, "train")
-
-    from fl.checkpoint import CheckpointError
-    from fl.data import DataError
+    settings = settings_from_args(args)
+    if args.plan:
+        return print_plan(args, settings)
+    from fl.aggregation import check_broker
     from fl.federation import train
 
-    try:
-        report = train(settings, log=log)
-    except (CheckpointError, DataError, ValueError) as exc:
-        print(f"secagg train: error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:  # a round that kept aborting, or a wrong aggregate
-        print(f"secagg train: error: {exc}", file=sys.stderr)
-        return 1
-    return _finish(args, settings, report)
+    check_broker(settings.broker)
+    check_output_paths(args)
+    log = progress_log(args, "train")
+    setup_logging(args, "train")
+    return _finish(args, settings, train(settings, log=log))
 
 
 def run_remote(args: argparse.Namespace) -> int:
     """``--role coordinator`` or ``--role site``: one party of a federation across machines."""
-    try:
-        if args.budget_column is not None and (args.role != "site" or args.csv is None
-                                               or args.unit != "patient-idp"):
-            raise ValueError("--budget-column is read by each site (--role site with --csv "
-                             "and --unit patient-idp), never by the coordinator")
-        settings = settings_from_args(args)
-        ids = parse_sites(args.sites, args.role)
-        if args.role == "site":
-            if args.site_id is None or not 1 <= args.site_id < 1 << 32:
-                raise ValueError("--role site needs --site-id N (it connects as site-N)")
-            if settings.csv is None and not ids:
-                raise ValueError("a site of a bundled --dataset needs --sites (the number of "
-                                 "shards) to pick its shard by --site-id and --seed")
-        elif args.site_id is not None:
-            raise ValueError("--site-id is for --role site")
-        if args.role == "site" and (args.signing_key is None) != (args.peer_keys is None):
-            raise ValueError("--signing-key and --peer-keys go together: this site's key and "
-                             "the federation's public keys (secagg keygen)")
-        if args.role != "site" and args.signing_key is not None:
-            raise ValueError("--signing-key is a site's (--role site); the coordinator "
-                             "needs only --peer-keys")
-        if args.drop_rate:
-            raise ValueError("--drop-rate simulates dropouts in --role all; across machines "
-                             "stop or kill a site instead")
-        check_output_paths(args)
-        if args.eval_csv is not None and settings.csv is None:
-            raise ValueError("--eval-csv goes with --csv (sites with their own tables)")
-        from fl.remote.messages import FedTopics
+    settings, ids = _remote_settings(args)
+    from transport.mqtt import MqttNetwork
+    from transport.topics import SERVER_USER, site_name
 
-        FedTopics(args.federation)
-        from transport.topics import SERVER_USER, site_name
-
-        broker = broker_settings(args, site_name(args.site_id) if args.role == "site"
-                                 else SERVER_USER)
-    except ValueError as exc:
-        print(f"secagg train: error: {exc}", file=sys.stderr)
-        return 2
-
+    user = site_name(args.site_id) if args.role == "site" else SERVER_USER
+    network = MqttNetwork(broker_settings(args, user))
     tag = f"site {args.site_id}" if args.role == "site" else "coordinator"
-
     log = progress_log(args, tag)
     setup_logging(args, tag)
-    from fl.checkpoint import CheckpointError
-    from fl.data import DataError
-    from transport.mqtt import MqttNetwork
-
     if args.role == "site":
-        from fl.remote.inputs import SiteData, demo_site_data
-        from fl.remote.site import SiteOptions, SiteProcess
+        return _run_site(args, settings, ids, network, log)
+    return _run_coordinator(args, settings, ids, network, log)
 
-        try:
-            if settings.csv is not None:
-                data = SiteData(args.site_id, csv=settings.csv,
-                            patient_column=settings.patient_column,
-                            label_column=settings.label_column, labels=(
-                                None if args.labels is None else
-                                [v.strip() for v in args.labels.split(",")]),
-                            budget_column=args.budget_column)
-            else:
-                if args.labels is not None:
-                    raise ValueError("--labels on a site goes with --csv (a bundled "
-                                     "dataset's labels are fixed)")
-                data = demo_site_data(settings, args.site_id, ids)
-        except (DataError, ValueError) as exc:
-            print(f"secagg train: error: {exc}", file=sys.stderr)
-            return 2
-        from dp.errors import PrivacyError
-        from fl.site.core import open_site_core
-        from fl.site.identity import SiteIdentity, fingerprint
 
-        try:
-            identity = None if args.peer_keys is None else SiteIdentity.load(
-                args.site_id, args.signing_key, args.peer_keys)
-        except ValueError as exc:
-            print(f"secagg train: error: {exc}", file=sys.stderr)
-            return 2
-        try:
-            ledger = args.ledger or default_ledger(args.site_id, data)
-            guard = open_site_core(policy=site_policy_from_args(args), ledger_path=ledger,
-                                   log=log)
-        except (PrivacyError, OSError) as exc:
-            print(f"secagg train: error: site privacy ledger/policy: {exc}", file=sys.stderr)
-            return 2
+def _remote_settings(args: argparse.Namespace) -> tuple[TrainSettings, tuple[int, ...]]:
+    """The options of a party across machines, checked before anything connects."""
+    if args.budget_column is not None and (args.role != "site" or args.csv is None
+                                           or args.unit != "patient-idp"):
+        raise UsageError("--budget-column is read by each site (--role site with --csv and "
+                         "--unit patient-idp), never by the coordinator")
+    settings = settings_from_args(args)
+    ids = parse_sites(args.sites, args.role)
+    if args.role == "site":
+        if args.site_id is None or not 1 <= args.site_id < 1 << 32:
+            raise UsageError("--role site needs --site-id N (it connects as site-N)")
+        if settings.csv is None and not ids:
+            raise UsageError("a site of a bundled --dataset needs --sites (the number of "
+                             "shards) to pick its shard by --site-id and --seed")
+        if (args.signing_key is None) != (args.peer_keys is None):
+            raise UsageError("--signing-key and --peer-keys go together: this site's key and "
+                             "the federation's public keys (secagg keygen)")
+    else:
+        if args.site_id is not None:
+            raise UsageError("--site-id is for --role site")
+        if args.signing_key is not None:
+            raise UsageError("--signing-key is a site's (--role site); the coordinator needs "
+                             "only --peer-keys")
+    if args.drop_rate:
+        raise UsageError("--drop-rate simulates dropouts in --role all; across machines stop "
+                         "or kill a site instead")
+    check_output_paths(args)
+    if args.eval_csv is not None and settings.csv is None:
+        raise UsageError("--eval-csv goes with --csv (sites with their own tables)")
+    from fl.remote.messages import FedTopics
+
+    FedTopics(args.federation)
+    return settings, ids
+
+
+def _site_data(args: argparse.Namespace, settings: TrainSettings, ids: tuple[int, ...]
+               ) -> Any:
+    from fl.remote.inputs import SiteData, demo_site_data
+
+    if settings.csv is None:
+        if args.labels is not None:
+            raise UsageError("--labels on a site goes with --csv (a bundled dataset's labels "
+                             "are fixed)")
+        return demo_site_data(settings, args.site_id, ids)
+    labels = None if args.labels is None else [v.strip() for v in args.labels.split(",")]
+    return SiteData(args.site_id, csv=settings.csv, patient_column=settings.patient_column,
+                    label_column=settings.label_column, labels=labels,
+                    budget_column=args.budget_column)
+
+
+def _run_site(args: argparse.Namespace, settings: TrainSettings, ids: tuple[int, ...],
+              network: Any, log: Any) -> int:
+    """``--role site``: the hospital's own process, wrapped around its site core."""
+    import asyncio
+
+    from dp.errors import PrivacyError
+    from fl.remote.site import SiteOptions, SiteProcess
+    from fl.site.core import open_site_core
+    from fl.site.identity import SiteIdentity, fingerprint
+
+    data = _site_data(args, settings, ids)
+    identity = None if args.peer_keys is None else SiteIdentity.load(
+        args.site_id, args.signing_key, args.peer_keys)
+    ledger = args.ledger or default_ledger(args.site_id, data)
+    try:
+        guard = open_site_core(policy=site_policy_from_args(args), ledger_path=ledger, log=log)
+    except (PrivacyError, OSError) as exc:
+        raise UsageError(f"site privacy ledger/policy: {exc}") from None
+    try:
         log(f"privacy policy {guard.ledger.policy.to_json()}; ledger {ledger} "
             f"({guard.ledger.releases} releases, epsilon {guard.ledger.epsilon:.4g})")
         if guard.ledger.policy.unit == "patient-idp":
-            from fl.site.idp import SitePatients
-
-            policy = guard.ledger.policy
-            try:  # the site's own rate groups, from its own table and budgets
-                data.idp = SitePatients(args.site_id, data.table(data.schema.labels),
-                                        epsilon=policy.epsilon, delta=policy.delta)
-            except (DataError, ValueError) as exc:
-                guard.ledger.close()
-                print(f"secagg train: error: {exc}", file=sys.stderr)
-                return 2
-            log(f"patient-idp: {len(data.idp.groups.sizes)} rate groups from this site's "
-                "table (records per patient" + (", --budget-column" if args.budget_column
-                                                else "") + "); each is charged on its own")
+            _site_idp(args, data, guard, log)
         options = SiteOptions(federation=args.federation, insecure_verify=args.insecure_verify,
                               require_dp=args.dp, idle_timeout=args.idle_timeout,
                               stage_timeout=args.stage_timeout, guard=guard,
@@ -554,50 +523,38 @@ def run_remote(args: argparse.Namespace) -> int:
         else:
             log("no --peer-keys: the roster is the coordinator's word, so a distributed "
                 "round is charged as if this site's noise share were the only noise")
-        import asyncio
+        site = SiteProcess(data, network, options, log)  # refuses e.g. --insecure-verify
+        return int(asyncio.run(site.run()))
+    finally:
+        guard.ledger.close()  # release the ledger's lock
 
-        from transport.link import LinkLost
 
-        try:
-            site = SiteProcess(data, MqttNetwork(broker), options, log)
-        except ValueError as exc:  # e.g. --insecure-verify on a DP site
-            guard.close()
-            print(f"secagg train: error: {exc}", file=sys.stderr)
-            return 2
-        try:
-            return asyncio.run(site.run())
-        except LinkLost as exc:
-            print(f"secagg train: error: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            guard.ledger.close()  # release the ledger's lock
+def _site_idp(args: argparse.Namespace, data: Any, guard: Any, log: Any) -> None:
+    """The site's own patient-idp rate groups, from its own table and budgets."""
+    from fl.site.idp import SitePatients
 
+    policy = guard.ledger.policy
+    data.idp = SitePatients(args.site_id, data.table(data.schema.labels),
+                            epsilon=policy.epsilon, delta=policy.delta)
+    log(f"patient-idp: {len(data.idp.groups.sizes)} rate groups from this site's table "
+        "(records per patient" + (", --budget-column" if args.budget_column else "")
+        + "); each is charged on its own")
+
+
+def _run_coordinator(args: argparse.Namespace, settings: TrainSettings,
+                     ids: tuple[int, ...], network: Any, log: Any) -> int:
+    """``--role coordinator``: announces the rounds and runs the server side."""
     from fl.remote.coordinator import RemoteOptions, train_coordinator
-    from transport.errors import TransportError
-    from transport.link import LinkLost
+    from fl.site.identity import load_peer_keys
 
     labels = tuple(v.strip() for v in args.labels.split(",")) if args.labels else None
-    try:
-        from fl.site.identity import load_peer_keys
-
-        peer_keys = None if args.peer_keys is None else load_peer_keys(args.peer_keys)
-    except ValueError as exc:
-        print(f"secagg train: error: {exc}", file=sys.stderr)
-        return 2
+    peer_keys = None if args.peer_keys is None else load_peer_keys(args.peer_keys)
     options = RemoteOptions(site_ids=ids, federation=args.federation, labels=labels,
                             eval_csv=args.eval_csv, join_timeout=args.join_timeout,
                             ready_timeout=args.ready_timeout, stage_timeout=args.stage_timeout,
                             max_units=args.max_units, insecure_verify=args.insecure_verify,
                             peer_keys=peer_keys)
-    try:
-        report = train_coordinator(settings, options, MqttNetwork(broker), log=log)
-    except (CheckpointError, DataError, ValueError) as exc:
-        print(f"secagg train: error: {exc}", file=sys.stderr)
-        return 2
-    except (RuntimeError, TransportError, LinkLost) as exc:
-        print(f"secagg train: error: {exc}", file=sys.stderr)
-        return 1
-    return _finish(args, settings, report)
+    return _finish(args, settings, train_coordinator(settings, options, network, log=log))
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
