@@ -138,8 +138,16 @@ class TrainSettings:
             problems.append(f"--drop-rate {self.drop_rate}: need a fraction in [0, 1)")
         if self.local_epochs < 1:
             problems.append(f"--local-epochs {self.local_epochs}: need at least 1")
-        if self.fedprox_mu < 0:
+        if not (self.fedprox_mu >= 0 and math.isfinite(self.fedprox_mu)):
             problems.append(f"--fedprox-mu {self.fedprox_mu}: need mu >= 0")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            problems.append(f"--lr {self.lr}: need a positive number")
+        if not (self.server_lr > 0 and math.isfinite(self.server_lr)):
+            problems.append(f"--server-lr {self.server_lr}: need a positive number")
+        if self.batch_size < 1:
+            problems.append(f"--batch-size {self.batch_size}: need at least 1")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            problems.append(f"--alpha {self.alpha}: need a positive Dirichlet concentration")
         if self.strategy not in STRATEGIES:
             problems.append(f"--strategy {self.strategy}: use one of {', '.join(STRATEGIES)}")
         if self.strategy == "fedprox" and not self.fedprox_mu > 0:
