@@ -32,10 +32,10 @@ def _one_line_error(done: subprocess.CompletedProcess[str], option: str) -> str:
     (["simulate", "--seed", "-1"], "--seed"),
     (["simulate", "--seed", "x"], "--seed"),
     (["train", "--sites", "1,1,2,3"], "site 1 is listed twice"),
-    (["train", "--sites", "3", "--batch-size", "0"], "--batch-size"),
-    (["train", "--sites", "3", "--lr", "nan"], "--lr"),
-    (["train", "--sites", "3", "--lr", "-1"], "--lr"),
-    (["train", "--sites", "3", "--alpha", "0"], "--alpha"),
+    (["train", "--sites", "3", "--rounds", "1", "--batch-size", "0"], "--batch-size"),
+    (["train", "--sites", "3", "--rounds", "1", "--lr", "nan"], "--lr"),
+    (["train", "--sites", "3", "--rounds", "1", "--lr", "-1"], "--lr"),
+    (["train", "--sites", "3", "--rounds", "1", "--alpha", "0"], "--alpha"),
     (["train", "--sites", "3", "--rounds", "x"], "--rounds"),
 ])
 def test_a_bad_value_is_refused_before_any_work_naming_its_option(argv: list[str], option: str) -> None:
