@@ -38,7 +38,8 @@ def _one_line_error(done: subprocess.CompletedProcess[str], option: str) -> str:
     (["train", "--sites", "3", "--rounds", "1", "--alpha", "0"], "--alpha"),
     (["train", "--sites", "3", "--rounds", "x"], "--rounds"),
 ])
-def test_a_bad_value_is_refused_before_any_work_naming_its_option(argv: list[str], option: str) -> None:
+def test_a_bad_value_is_refused_before_any_work_naming_its_option(argv: list[str],
+                                                                   option: str) -> None:
     _one_line_error(_secagg(*argv), option)
 
 
