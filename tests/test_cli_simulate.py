@@ -153,7 +153,9 @@ def test_too_many_dropouts_abort_with_exit_1(tmp_path: Path,
     rc = cli("--clients", "5", "--dim", "10", "--drop-rate", "0.6", "--drop-stage",
              "masked_input", "--seed", "1", "--report", str(rep))
     assert rc == 1
-    assert "round aborted" in capsys.readouterr().err
+    out = capsys.readouterr()
+    assert "round aborted" in out.err
+    assert "threshold" not in out.out  # the abort is said once, on stderr
     report = json.loads(rep.read_text())
     assert report["correct"] is False and "threshold" in report["error"]
 

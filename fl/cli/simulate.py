@@ -488,7 +488,7 @@ def summary(report: Mapping[str, Any]) -> str:
              f"bits, threshold {cfg['threshold']}, {cfg['security']}, broker "
              f"{report['broker']}"]
     if report["error"] is not None:
-        lines.append(f"aborted: {report['error']}")
+        lines.append("the round aborted (the reason follows on stderr)")
         return "\n".join(lines)
     by_stage: dict[str, int] = {}
     for stage in report["dropped"].values():
