@@ -155,7 +155,7 @@ def test_too_many_dropouts_abort_with_exit_1(tmp_path: Path,
     assert rc == 1
     out = capsys.readouterr()
     assert "round aborted" in out.err
-    assert "threshold" not in out.out  # the abort is said once, on stderr
+    assert "responded" not in out.out  # the abort is said once, on stderr
     report = json.loads(rep.read_text())
     assert report["correct"] is False and "threshold" in report["error"]
 
