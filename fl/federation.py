@@ -199,7 +199,8 @@ def privacy_plan(settings: TrainSettings) -> dict[str, Any]:
                                 if uses_scaler(settings, split.train) else
                                 noised.describe() if noised is not None else "none"))
     if settings.unit == "patient-idp":
-        fl_idp.plan_summary(settings, split.site_tables, out)
+        fl_idp.plan_summary(settings, {i + 1: Site(i + 1, t)
+                                       for i, t in enumerate(split.site_tables)}, out)
     return out
 
 

@@ -25,87 +25,29 @@ scaling), so results compare with FLamby's.
 from __future__ import annotations
 
 import copy
-import csv
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from fl.data import DataError, Table
+from fl.data import (  # noqa: F401  (the dataset, re-exported beside its task)
+    CENTERS,
+    DATA_DIR,
+    NUM_FEATURES,
+    DataError,
+    Table,
+    TcgaBrca,
+    pooled,
+    tcga_brca,
+)
 from fl.site.training import Scaler, Site
 
-DATA_DIR = Path(__file__).resolve().parent / "datasets" / "tcga_brca"
-CENTERS = ("Northeast", "South", "West", "Midwest", "Europe", "Canada")
-"""FLamby's centers 0..5: the regions of the tissue source sites (``centers.csv``)."""
-NUM_FEATURES = 39
 INTERVAL_EDGES = tuple(365.25 * year for year in range(11))
 """Public interval boundaries of the discrete-time model, in days: years 1 to 10, then one
 open interval beyond 10 years (11 intervals)."""
 AGE_SCALE = 100.0
 """``--model discrete-time`` puts age (column 0, years) on a public scale: age / 100. The
 other 38 features are 0/1 indicators. No statistic of the data is used (nothing released)."""
-
-
-@dataclass(frozen=True)
-class TcgaBrca:
-    """Fed-TCGA-BRCA by center: ``train[k]`` and ``test[k]`` are center ``k``'s records."""
-
-    train: tuple[Table, ...]
-    test: tuple[Table, ...]
-
-    @property
-    def pooled_train(self) -> Table:
-        return pooled(self.train, "tcga-brca-train")
-
-    @property
-    def pooled_test(self) -> Table:
-        return pooled(self.test, "tcga-brca-test")
-
-
-def pooled(tables: tuple[Table, ...] | list[Table], name: str) -> Table:
-    """The records of several tables in one (patient ids, times and scale kept)."""
-    times = [t.times for t in tables if t.times is not None]
-    return Table(np.concatenate([t.x for t in tables]), np.concatenate([t.y for t in tables]),
-                 np.concatenate([t.patient_ids for t in tables]), 2, name,
-                 all(t.standardized for t in tables),
-                 times=np.concatenate(times) if len(times) == len(tables) else None)
-
-
-def tcga_brca(data_dir: Path = DATA_DIR) -> TcgaBrca:
-    """The bundled Fed-TCGA-BRCA set with FLamby's static split (``train_test_split.csv``:
-    ``fold2`` is ``train_k``/``test_k`` for center ``k``). Patients of ``brca.csv`` not in
-    the split file are left out, as FLamby's loader does (1,096 rows, 1,088 in the split)."""
-    try:
-        with (data_dir / "train_test_split.csv").open(newline="", encoding="utf-8") as handle:
-            fold = {row["pid"]: row["fold2"] for row in csv.DictReader(handle)}
-        with (data_dir / "brca.csv").open(newline="", encoding="utf-8") as handle:
-            reader = csv.reader(handle)
-            header = next(reader)
-            rows = list(reader)
-    except (OSError, KeyError, StopIteration) as exc:
-        raise DataError(f"cannot read the bundled Fed-TCGA-BRCA files in {data_dir}: "
-                        f"{exc}; reinstall the package") from None
-    if header[0] != "pid" or header[-2:] != ["E", "T"] or len(header) != NUM_FEATURES + 3:
-        raise DataError(f"{data_dir / 'brca.csv'}: expected pid, {NUM_FEATURES} features, E, T")
-    parts: dict[str, list[int]] = {}
-    for i, row in enumerate(rows):
-        if row[0] in fold:
-            parts.setdefault(fold[row[0]], []).append(i)
-    x = np.array([[float(v) for v in row[1:-2]] for row in rows], dtype=np.float32)
-    events = np.array([int(float(row[-2])) for row in rows], dtype=np.int64)
-    times = np.array([float(row[-1]) for row in rows], dtype=np.float64)
-    ids = np.arange(len(rows), dtype=np.int64)  # one record per patient (TCGA barcode)
-
-    def table(key: str) -> Table:
-        sel = np.array(parts.get(key, []), dtype=np.int64)
-        if len(sel) == 0:
-            raise DataError(f"{data_dir}: no patients in fold {key}")
-        return Table(x[sel], events[sel], ids[sel], 2, f"tcga-brca-{key}", times=times[sel])
-
-    return TcgaBrca(tuple(table(f"train_{k}") for k in range(len(CENTERS))),
-                    tuple(table(f"test_{k}") for k in range(len(CENTERS))))
 
 
 def targets(table: Table) -> torch.Tensor:

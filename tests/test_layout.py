@@ -86,3 +86,58 @@ def test_the_readme_and_docs_import_only_from_front_doors() -> None:
                 if module.split(".")[0] in layers and module not in FRONT_DOORS:
                     bad.append(f"{path.name}: {module}")
     assert bad == [], "import these names from the layer's front door instead"
+
+
+def _imports(module: str, path: Path, modules: set[str]) -> set[str]:
+    """The package modules ``module`` imports when it runs (module level and inside
+    functions; ``if TYPE_CHECKING:`` blocks are annotations only and do not count)."""
+    import ast
+
+    found: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, *([base] if base else [])])
+                subs = {f"{base}.{a.name}" for a in node.names}
+                found.update(subs & modules)
+                if subs - modules and base in modules:
+                    found.add(base)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                inner = getattr(node, field, None)
+                if isinstance(inner, list):
+                    visit(inner)
+
+    visit(ast.parse(path.read_text()).body)
+    return found - {module}
+
+
+def test_no_import_circles() -> None:
+    """No module of the four layers imports, at run time, one that imports it back."""
+    paths = {}
+    for layer in LAYERS:
+        for path in (ROOT / layer).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            paths[name.removesuffix(".__init__")] = path
+    graph = {m: _imports(m, p, set(paths)) for m, p in paths.items()}
+    circles = []
+    for start in graph:  # a depth-first search back to the start, from each module
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.append(" -> ".join((*trail, start)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, (*trail, nxt)))
+    assert circles == []

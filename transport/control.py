@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from secagg import Config
-from transport import fields
 
+from . import fields
 from .errors import TransportError
 
 MAX_CONTROL_BYTES = 16 << 20

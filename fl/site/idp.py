@@ -252,12 +252,10 @@ def remote_report(report: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
-def plan_summary(settings: TrainSettings, tables: list[Table], out: dict[str, Any]) -> None:
+def plan_summary(settings: TrainSettings, sites: dict[int, Site], out: dict[str, Any]) -> None:
     """``secagg train --plan`` under ``--unit patient-idp``: every site's rate groups and the
-    largest group epsilon after each round, in place of the patient-unit schedule."""
-    from fl.site.training import Site
-
-    sites = {i + 1: Site(i + 1, t) for i, t in enumerate(tables)}
+    largest group epsilon after each round, in place of the patient-unit schedule
+    (``sites``: the run's sites, numbered from 1)."""
     out["description"] = configure(settings, sites)
     budget = FederationBudget(settings, sites)
     eps = [budget._worst(r)[0] for r in range(1, settings.rounds + 1)]
