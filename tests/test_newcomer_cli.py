@@ -37,6 +37,9 @@ def _one_line_error(done: subprocess.CompletedProcess[str], option: str) -> str:
     (["train", "--sites", "3", "--rounds", "1", "--lr", "-1"], "--lr"),
     (["train", "--sites", "3", "--rounds", "1", "--alpha", "0"], "--alpha"),
     (["train", "--sites", "3", "--rounds", "x"], "--rounds"),
+    (["train", "--sites", "3", "--rounds", "1", "--seed", "-1"], "--seed"),
+    (["simulate", "--threshold", "0"], "--threshold"),
+    (["broker", "--sites", "2", "--dir", "/proc/no-such-dir", "--write-only"], "/proc"),
 ])
 def test_a_bad_value_is_refused_before_any_work_naming_its_option(argv: list[str],
                                                                    option: str) -> None:

@@ -40,7 +40,11 @@ class FederationFiles:
 
 
 def _private_dir(directory: Path) -> None:
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CredentialsError(f"{directory}: cannot create it ({exc.strerror}); give a "
+                               "directory you can write") from None
     info = directory.lstat()
     if not directory.is_dir() or directory.is_symlink():
         raise CredentialsError(f"{directory}: not a directory; give a directory of your own")

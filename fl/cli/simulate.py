@@ -32,7 +32,7 @@ import numpy as np
 from secagg import Config, Stage, round_stages
 
 from ..errors import FLError
-from ._common import UsageError, nonnegative_int
+from ._common import UsageError, nonnegative_int, positive_int
 
 DEFAULT_CLIENTS = 10
 DEFAULT_DIM = 1000
@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--clients", type=int, metavar="N",
                         help=f"number of clients (default {DEFAULT_CLIENTS}, or the number "
                              "of files in --inputs)")
-    parser.add_argument("--threshold", type=int, metavar="T",
+    parser.add_argument("--threshold", type=positive_int, metavar="T",
                         help="Shamir threshold (default: the smallest safe one)")
     parser.add_argument("--dim", type=int, metavar="D",
                         help=f"vector length (default {DEFAULT_DIM}, or that of --inputs)")

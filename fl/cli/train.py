@@ -22,7 +22,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fl.cli._common import UsageError, emit_json, parse_sites, progress_log, setup_logging
+from fl.cli._common import (
+    UsageError,
+    emit_json,
+    nonnegative_int,
+    parse_sites,
+    progress_log,
+    setup_logging,
+)
 from fl.data import DATASETS
 from fl.settings import (
     DP_MODES,
@@ -141,7 +148,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "Mosquitto, or an existing broker's URL")
     o.add_argument("--report", metavar="REPORT.json", help="write the JSON report here")
     o.add_argument("--plot", metavar="PATH.png", help="plot accuracy and epsilon per round")
-    r.add_argument("--seed", type=int, default=d.seed, metavar="S",
+    r.add_argument("--seed", type=nonnegative_int, default=d.seed, metavar="S",
                    help="seeds data splits, model init, shuffles and the drop schedule "
                         "(never the masks or the DP noise)")
     o.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint after every round")
