@@ -38,10 +38,11 @@ def _acl_json(acl: AclTable) -> dict[str, dict[str, list[str]]]:
     return out
 
 
-def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable
+def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable, port: int = 0
                     ) -> tuple[subprocess.Popen[bytes], Path, Path]:
-    """Write the users (scrypt hashes) and ACL files into ``tmp`` and start the broker;
-    returns the process, its port file (written once it listens) and its log."""
+    """Write the users (scrypt hashes) and ACL files into ``tmp`` and start the broker on
+    ``port`` (0: a free one); returns the process, its port file (written once it listens)
+    and its log."""
     users_file, acl_file, port_file = (Path(tmp, n) for n in ("users", "acl", "port"))
     hashes = {user: hash_password(pw, log2_n=TOKEN_LOG2_N) for user, pw in users.items()}
     for path, data in ((users_file, hashes), (acl_file, _acl_json(acl))):
@@ -56,7 +57,7 @@ def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable
     try:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "transport.broker", "--port", "0", "--users-file",
+                [sys.executable, "-m", "transport.broker", "--port", str(port), "--users-file",
                  str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
                  "--parties", str(len(users)), "--log-level", "WARNING"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
