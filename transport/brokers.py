@@ -3,7 +3,9 @@ embedded broker in its own process, a generated Mosquitto, or an existing broker
 
 The embedded broker is started the way an installed package is (``python -m
 transport.broker``), in its own session so a Ctrl-C on the terminal reaches only its parent,
-with a users file of scrypt hashes (never the passwords) and login places for every party.
+with a users file of scrypt hashes (never the passwords) and login places for every party,
+in a private (0700) temporary folder. It watches its parent: if the parent dies, even by
+SIGKILL, the broker removes that folder and stops (``transport.lifeline``).
 """
 
 from __future__ import annotations
@@ -59,7 +61,10 @@ def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable, port: int
             proc = subprocess.Popen(
                 [sys.executable, "-m", "transport.broker", "--port", str(port), "--users-file",
                  str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
-                 "--parties", str(len(users)), "--log-level", "WARNING"],
+                 "--parties", str(len(users)), "--log-level", "WARNING",
+                 # SIGKILLed, this process cannot stop the broker: it stops by itself and
+                 # removes the folder with the users and ACL files (transport.lifeline).
+                 "--parent-pid", str(os.getpid()), "--remove-if-orphaned", tmp],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
     finally:
