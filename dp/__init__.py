@@ -10,6 +10,7 @@ from dp.distributed import BitsChoice, NoiseCalibration, calibrate, choose_bits,
 from dp.encoding import EncodingParams, IntegerEncoder
 from dp.errors import (
     BudgetExceeded,
+    LedgerWriteError,
     MissingExtra,
     PrivacyConfigError,
     PrivacyError,
@@ -18,6 +19,7 @@ from dp.errors import (
 
 __all__ = [
     "BitsChoice", "BudgetExceeded", "EncodingParams", "GaussianRound", "IntegerEncoder",
-    "MissingExtra", "NoiseCalibration", "PrivacyBudget", "PrivacyConfigError", "PrivacyError",
-    "RdpRound", "TooFewSurvivors", "calibrate", "choose_bits", "noise_for_budget",
+    "LedgerWriteError", "MissingExtra", "NoiseCalibration", "PrivacyBudget",
+    "PrivacyConfigError", "PrivacyError", "RdpRound", "TooFewSurvivors", "calibrate",
+    "choose_bits", "noise_for_budget",
 ]

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dp.budget import Event, GaussianRound, PrivacyBudget, event_from_json, event_to_json
-from dp.errors import PrivacyConfigError, PrivacyError
+from dp.errors import LedgerWriteError, PrivacyConfigError, PrivacyError
 
 MODES = ("none", "site", "distributed")
 MECHANISMS = ("gaussian", "dgauss", "skellam")
@@ -464,14 +464,23 @@ class Ledger:
         self.charges = updated
 
     def _write(self, charges: list[Charge]) -> None:
+        """Replace the ledger file with ``charges``, durably; :class:`LedgerWriteError`
+        (naming the file, nothing changed) when the disk refuses."""
         data = {"format": LEDGER_FORMAT, "policy": self.policy.to_json(),
                 "charges": [asdict(c) for c in charges]}
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps(data, indent=1) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(json.dumps(data, indent=1) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise LedgerWriteError(
+                f"cannot write the privacy ledger {self.path}: {exc.strerror or exc}; "
+                "nothing is released until it can be (free space on its disk)") from None
         with contextlib.suppress(OSError):  # make the rename itself durable
             fd = os.open(self.path.parent, os.O_RDONLY)
             try:

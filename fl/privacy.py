@@ -27,6 +27,7 @@ from dp.budget import GaussianRound, PrivacyBudget, RdpRound, event_from_json
 from dp.budget import event_to_json as event_to_json  # re-exported for checkpoints
 from dp.distributed import calibrate, choose_bits, noise_for_budget
 from dp.encoding import EncodingParams
+from dp.errors import LedgerWriteError
 from dp.policy import Charge, Ledger, PolicyRefused, Proposal, SitePolicy
 from fl.codec import DistributedCodec
 
@@ -397,7 +398,10 @@ class SiteGuard:
         """The input of ``key``'s round never left the site: withdraw its charge."""
         entry = self.pending.pop(key, None)
         if entry is not None:
-            self.ledger.withdraw(entry[0], reason)
+            try:
+                self.ledger.withdraw(entry[0], reason)
+            except LedgerWriteError as exc:  # the charge stays: conservative, said once
+                self.log(f"the charge of a round whose input never left stays: {exc}")
 
 
 def open_site_guard(*, policy: SitePolicy, ledger_path: str, log: Any = None,
