@@ -67,6 +67,8 @@ class Checkpoint:
     events: list[dict[str, Any]] = field(default_factory=list)
     scaler: dict[str, list[float]] | None = None
     stopped: str | None = None
+    charged: int | None = None
+    """A round whose cost is in ``events`` (written ahead) but that did not complete."""
 
 
 def _io_error(path: Path, exc: OSError) -> CheckpointError:
@@ -184,7 +186,8 @@ def save(directory: str | Path, checkpoint: Checkpoint) -> None:
         state = {"format": FORMAT, "generation": generation, "round": checkpoint.round,
                  "model": model_name, "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
                  "logs": logs, "fingerprint": checkpoint.fingerprint,
-                 "scaler": checkpoint.scaler, "stopped": checkpoint.stopped}
+                 "scaler": checkpoint.scaler, "stopped": checkpoint.stopped,
+                 "charged": checkpoint.charged}
         path = directory / STATE
         _write_atomic(path, json.dumps(state, indent=1).encode())  # the commit
         path = directory / MODEL
@@ -242,6 +245,7 @@ def load(directory: str | Path) -> Checkpoint | None:
         round_number = int(state["round"])
         fingerprint = dict(state["fingerprint"])
         expected = str(state["model_sha256"])
+        charged = None if state.get("charged") is None else int(state["charged"])
     except CheckpointError:
         raise
     except OSError as exc:
@@ -256,7 +260,8 @@ def load(directory: str | Path) -> Checkpoint | None:
                               f"{_FIX}")
     return Checkpoint(round=round_number, model=_read_state(raw, str(model_path)),
                       fingerprint=fingerprint, history=history, events=events,
-                      scaler=state.get("scaler"), stopped=state.get("stopped"))
+                      scaler=state.get("scaler"), stopped=state.get("stopped"),
+                      charged=charged)
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:

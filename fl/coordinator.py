@@ -136,6 +136,8 @@ class Coordinator:
         self.events: list[dict[str, Any]] = []
         self.round = 0
         self.stopped: str | None = None
+        self.charged: int | None = None
+        """The round whose cost is written ahead and that has not completed yet."""
         self.budget: PrivacyBudget | None = None
         if plan.mode != "none":  # always accounted; capped only by --epsilon
             self.budget = make_budget(settings.epsilon, settings.delta, settings.accountant)
@@ -154,6 +156,10 @@ class Coordinator:
         self.history = list(saved.history)
         self.events = list(saved.events)
         self.stopped = saved.stopped
+        if saved.charged is not None and saved.charged > saved.round:
+            self.log(f"round {saved.charged} was charged to the privacy budget but did not "
+                     "complete before the run stopped: its charge stays, and running it again "
+                     "charges it again (conservative)")
         if self.budget is not None:
             self.budget = restore_budget(self.settings.epsilon, self.settings.delta,
                                          self.events, self.settings.accountant)
@@ -164,7 +170,8 @@ class Coordinator:
         ckpt.save(self.settings.checkpoint, ckpt.Checkpoint(
             round=self.round, model=self.model.state_dict(),
             fingerprint=self.settings.fingerprint(), history=self.history,
-            events=self.events, scaler=self.scaler, stopped=self.stopped))
+            events=self.events, scaler=self.scaler, stopped=self.stopped,
+            charged=self.charged))
 
     # -- training ------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
@@ -202,6 +209,7 @@ class Coordinator:
             # released; a crash after unmasking cannot leave it uncounted.
             self.budget.spend(event)
             self.events.append(event_to_json(event))
+            self.charged = r
             self.save()
         done = self._aggregate(r, cohort)
         outcome, config, inputs = done.outcome, done.config, done.inputs
@@ -235,6 +243,7 @@ class Coordinator:
                                          spent_before, epsilon, done.attempts)}
         self.history.append(row)
         self.round = r
+        self.charged = None
         self.save()
         eps = f"  epsilon {epsilon:.3f}" if epsilon is not None else ""
         dropped = ", ".join(f"{c}@{st}" for c, st in row["dropped"].items()) or "none"
