@@ -176,7 +176,8 @@ def _fail_fast_before_connack(client: aiomqtt.Client) -> None:
         if not connected.done():
             connected.add_done_callback(retrieve_outcome)
             connected.set_exception(aiomqtt.MqttError(
-                "the broker closed the connection before accepting it"))
+                "the broker closed the connection before accepting it (at a TLS port: a "
+                "missing or untrusted client certificate, or mqtt:// instead of mqtts://)"))
 
     def on_disconnect(*args: Any, **kwargs: Any) -> None:
         loop.call_soon_threadsafe(fail)  # paho may call this from aiomqtt's connect thread
