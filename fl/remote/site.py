@@ -132,7 +132,10 @@ class SiteProcess:
 
     async def _follow(self, loop: asyncio.AbstractEventLoop) -> int:
         assert self._party is not None
-        handled: set[tuple[bytes, int, int, str]] = set()
+        # The announcements already acted on; only the latest few can come again (a
+        # reconnection re-delivers the retained one), so a long run keeps 64, not all.
+        handled: collections.OrderedDict[tuple[bytes, int, int, str], None] = (
+            collections.OrderedDict())
         while True:
             if self._party.lost is not None:
                 self.log(f"lost the broker: {self._party.lost}")
@@ -144,7 +147,9 @@ class SiteProcess:
                 return 0
             ann = self.announce
             if ann is not None and ann.key not in handled:
-                handled.add(ann.key)
+                handled[ann.key] = None
+                while len(handled) > 64:
+                    handled.popitem(last=False)
                 if self.site_id not in ann.cohort:
                     self.log(f"round {ann.round}: not in this round's cohort")
                 elif ann.phase == "open":
