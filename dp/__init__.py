@@ -10,6 +10,7 @@ from dp.distributed import BitsChoice, NoiseCalibration, calibrate, choose_bits,
 from dp.encoding import EncodingParams, IntegerEncoder
 from dp.errors import (
     BudgetExceeded,
+    LedgerWriteError,
     MissingExtra,
     PrivacyConfigError,
     PrivacyError,
@@ -20,7 +21,8 @@ from dp.policy import PolicyRefused, Proposal, SitePolicy
 
 __all__ = [
     "BitsChoice", "BudgetExceeded", "Charge", "EncodingParams", "GaussianRound",
-    "IntegerEncoder", "Ledger", "MissingExtra", "NoiseCalibration", "PolicyRefused",
-    "PrivacyBudget", "PrivacyConfigError", "PrivacyError", "Proposal", "RdpRound",
-    "SitePolicy", "TooFewSurvivors", "calibrate", "choose_bits", "noise_for_budget",
+    "IntegerEncoder", "Ledger", "LedgerWriteError", "MissingExtra", "NoiseCalibration",
+    "PolicyRefused", "PrivacyBudget", "PrivacyConfigError", "PrivacyError", "Proposal",
+    "RdpRound", "SitePolicy", "TooFewSurvivors", "calibrate", "choose_bits",
+    "noise_for_budget",
 ]

@@ -11,6 +11,11 @@ class PrivacyConfigError(PrivacyError, ValueError):
     """A privacy parameter is out of range or inconsistent; the message names the fix."""
 
 
+class LedgerWriteError(PrivacyError, ValueError):
+    """The privacy ledger could not be written (a full disk, a read-only file system): the
+    release was not charged, so it must not happen; the message names the file."""
+
+
 class BudgetExceeded(PrivacyError):
     """Running the requested round would spend more than the fixed (epsilon, delta) budget.
 

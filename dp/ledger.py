@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dp.budget import PrivacyBudget, event_from_json, event_to_json
-from dp.errors import PrivacyConfigError
+from dp.errors import LedgerWriteError, PrivacyConfigError
 from dp.policy import PolicyRefused, Proposal, SitePolicy
 
 LEDGER_FORMAT = 1
@@ -212,11 +212,18 @@ class Ledger:
         data = {"format": LEDGER_FORMAT, "policy": self.policy.to_json(),
                 "charges": [asdict(c) for c in charges]}
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps(data, indent=1) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(json.dumps(data, indent=1) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise LedgerWriteError(
+                f"cannot write the privacy ledger {self.path}: {exc.strerror or exc}; "
+                "nothing is released until it can be (free space on its disk)") from None
         with contextlib.suppress(OSError):  # make the rename itself durable
             fd = os.open(self.path.parent, os.O_RDONLY)
             try:

@@ -155,6 +155,8 @@ class Coordinator:
         self.events: list[dict[str, Any]] = []
         self.round = 0
         self.stopped: str | None = None
+        self.charged: int | None = None
+        """The round whose cost is written ahead and that has not completed yet."""
         self.budget: PrivacyBudget | None = None
         if plan.mode != "none":  # always accounted; capped only by --epsilon
             self.budget = make_budget(settings.epsilon, settings.delta, settings.accountant)
@@ -178,6 +180,10 @@ class Coordinator:
                 self.strategy.restore(saved.server)
             except ValueError as exc:
                 raise ckpt.CheckpointError(str(exc)) from None
+        if saved.charged is not None and saved.charged > saved.round:
+            self.log(f"round {saved.charged} was charged to the privacy budget but did not "
+                     "complete before the run stopped: its charge stays, and running it again "
+                     "charges it again (conservative)")
         if self.budget is not None:
             self.budget = restore_budget(self.settings.epsilon, self.settings.delta,
                                          self.events, self.settings.accountant)
@@ -189,7 +195,7 @@ class Coordinator:
             round=self.round, model=self.model.state_dict(),
             fingerprint=self.settings.fingerprint(), history=self.history,
             events=self.events, scaler=self.scaler, stopped=self.stopped,
-            server=self.strategy.state()))
+            server=self.strategy.state(), charged=self.charged))
 
     # -- training ------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
@@ -227,6 +233,7 @@ class Coordinator:
             # released; a crash after unmasking cannot leave it uncounted.
             self.budget.spend(event)
             self.events.append(event_to_json(event))
+            self.charged = r
             self.save()
         done = self._aggregate(r, cohort)
         outcome, config, inputs = done.outcome, done.config, done.inputs
@@ -265,6 +272,7 @@ class Coordinator:
                                          spent_before, epsilon, done.attempts)}
         self.history.append(row)
         self.round = r
+        self.charged = None
         self.save()
         eps = f"  epsilon {epsilon:.3f}" if epsilon is not None else ""
         dropped = ", ".join(f"{c}@{st}" for c, st in row["dropped"].items()) or "none"

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
@@ -81,7 +80,7 @@ def _keystream_permutation(seed: bytes, n: int) -> list[int]:
     return perm
 
 
-@dataclass(frozen=True, eq=False)  # hashed by identity: neighbourhood lookups stay O(1)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one graph per session
 class Graph:
     """The share/mask graph of one session.
 
@@ -95,6 +94,10 @@ class Graph:
     def __post_init__(self) -> None:
         order = sorted(self.clients)
         object.__setattr__(self, "clients", tuple(order))
+        # N[u] per client, computed once per graph and freed with it (a module-level cache
+        # keyed by graph kept up to 65,536 entries, each holding its graph of a past round).
+        object.__setattr__(self, "_neighborhoods", {})
+        object.__setattr__(self, "_all", frozenset(order))  # N[u] of a complete graph
         n = len(order)
         if self.neighbors is None or self.neighbors >= n:
             object.__setattr__(self, "_ring", ())
@@ -111,7 +114,11 @@ class Graph:
 
     def closed_neighborhood(self, client_id: int) -> frozenset[int]:
         """N[u]: the holders of u's Shamir shares (u included)."""
-        return _closed_neighborhood(self, client_id)
+        cache: dict[int, frozenset[int]] = self._neighborhoods  # type: ignore[attr-defined]
+        found = cache.get(client_id)
+        if found is None:
+            found = cache[client_id] = _closed_neighborhood(self, client_id)
+        return found
 
     def min_holders(self) -> int:
         """The smallest closed neighbourhood size in the graph."""
@@ -121,12 +128,12 @@ class Graph:
         return self.neighbors
 
 
-@lru_cache(maxsize=65536)
 def _closed_neighborhood(graph: Graph, client_id: int) -> frozenset[int]:
-    if client_id not in graph.clients:
+    if client_id not in graph._all:  # type: ignore[attr-defined]
         raise KeyError(client_id)
     if graph.is_complete:
-        return frozenset(graph.clients)
+        all_clients: frozenset[int] = graph._all  # type: ignore[attr-defined]
+        return all_clients
     assert graph.neighbors is not None
     ring: tuple[int, ...] = graph._ring  # type: ignore[attr-defined]
     position: dict[int, int] = graph._position  # type: ignore[attr-defined]

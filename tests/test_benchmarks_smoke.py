@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from secagg import Config, Stage
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -39,3 +41,23 @@ def test_protocol_benchmark_runs_and_reports_ratios(tmp_path: Path) -> None:
     for row in bench.RESULTS.values():
         if isinstance(row, dict) and row.get("floor_seconds"):
             assert row["ratio"] > 0
+
+
+def test_long_run_benchmark_reports_rss_per_interval(tmp_path: Path) -> None:
+    import io
+
+    import numpy as np
+
+    from fl import checkpoint as ckpt
+
+    bench = _load("bench_long_run")
+    out = io.StringIO()
+    result = bench.run(rounds=4, every=2, broker="memory", checkpoint=str(tmp_path / "ck"),
+                       out=out)
+    assert [s["round"] for s in result["rss_mib"]] == [0, 2, 4]
+    assert all(s["rss_mib"] > 10 for s in result["rss_mib"])
+    assert "round     4  rss" in out.getvalue() and "KiB per round" in out.getvalue()
+    saved = ckpt.load(tmp_path / "ck")
+    assert saved is not None and saved.round == 4 and len(saved.history) == 4
+    points = [(0, 100), (100, 350), (200, 500), (300, 910)]
+    assert bench.slope(points) == pytest.approx(np.polyfit(*zip(*points, strict=True), 1)[0])

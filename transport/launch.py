@@ -3,7 +3,9 @@ embedded broker in its own process, a generated Mosquitto, or an existing broker
 
 The embedded broker is started the way an installed package is (``python -m
 transport.broker``), in its own session so a Ctrl-C on the terminal reaches only its parent,
-with a users file of scrypt hashes (never the passwords) and login places for every party.
+with a users file of scrypt hashes (never the passwords) and login places for every party,
+in a private (0700) temporary folder. It watches its parent: if the parent dies, even by
+SIGKILL, the broker removes that folder and stops (``transport.lifeline``).
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ def _acl_json(acl: AclTable) -> dict[str, dict[str, list[str]]]:
     return out
 
 
-def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable
+def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable, port: int = 0
                     ) -> tuple[subprocess.Popen[bytes], Path, Path]:
-    """Write the users (scrypt hashes) and ACL files into ``tmp`` and start the broker;
-    returns the process, its port file (written once it listens) and its log."""
+    """Write the users (scrypt hashes) and ACL files into ``tmp`` and start the broker on
+    ``port`` (0: a free one); returns the process, its port file (written once it listens)
+    and its log."""
     users_file, acl_file, port_file = (Path(tmp, n) for n in ("users", "acl", "port"))
     hashes = {user: hash_password(pw, log2_n=TOKEN_LOG2_N) for user, pw in users.items()}
     for path, data in ((users_file, hashes), (acl_file, _acl_json(acl))):
@@ -56,9 +59,12 @@ def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable
     try:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "transport.broker", "--port", "0", "--users-file",
+                [sys.executable, "-m", "transport.broker", "--port", str(port), "--users-file",
                  str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
-                 "--parties", str(len(users)), "--log-level", "WARNING"],
+                 "--parties", str(len(users)), "--log-level", "WARNING",
+                 # SIGKILLed, this process cannot stop the broker: it stops by itself and
+                 # removes the folder with the users and ACL files (transport.lifeline).
+                 "--parent-pid", str(os.getpid()), "--remove-if-orphaned", tmp],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
     finally:

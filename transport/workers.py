@@ -38,6 +38,7 @@ from secagg.client import Client, check_input
 from .client_driver import ClientDriver
 from .drivers import Timeouts
 from .framing import DEFAULT_MAX_PAYLOAD
+from .lifeline import watch_parent
 from .mqtt import BrokerSettings, MqttNetwork
 from .rounds import serve_client
 from .topics import Topics
@@ -107,6 +108,8 @@ class WorkerSpec:
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_payload: int = DEFAULT_MAX_PAYLOAD
     log_level: int = logging.WARNING
+    parent_pid: int = field(default_factory=os.getpid)
+    """The process that starts the worker (built in it): the worker exits once it is gone."""
 
 
 def _outcome_dict(outcome: object) -> dict[str, Any]:
@@ -119,6 +122,8 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
     workers itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # A parent SIGKILLed cannot stop its workers: each exits by itself once it is gone.
+    watch_parent(spec.parent_pid, functools.partial(os._exit, 1))
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(asctime)s worker{spec.index} %(levelname)s %(name)s: "
                                "%(message)s")

@@ -98,7 +98,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="coordinator: how long a round waits for the sites' local training "
                         "(default 300)")
     n.add_argument("--connect-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="give up reaching the broker after this long (default 30)")
+                   help="give up reaching the broker after this long, at the start and "
+                        "after a lost connection (default 30)")
     n.add_argument("--stage-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="coordinator/site: secure-aggregation stage deadline (default 60)")
     t.add_argument("--idle-timeout", type=float, default=1800.0, metavar="SECONDS",
@@ -395,7 +396,8 @@ def broker_settings(args: argparse.Namespace, user: str) -> Any:
     from dataclasses import replace
 
     return replace(settings, username=username, password=password,
-                   connect_timeout=args.connect_timeout)
+                   connect_timeout=args.connect_timeout,
+                   reconnect_timeout=args.connect_timeout)
 
 
 def _torch_missing() -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dp.errors import PrivacyError
+from dp.errors import LedgerWriteError, PrivacyError
 from fl.codec import EncodingOverflow
 from fl.contribution import TaskError
 from fl.remote.blob import Blob, blob_digest
@@ -142,7 +142,10 @@ class SiteProcess:
 
     async def _follow(self, loop: asyncio.AbstractEventLoop) -> int:
         assert self._party is not None
-        handled: set[tuple[bytes, int, int, str]] = set()
+        # The announcements already acted on; only the latest few can come again (a
+        # reconnection re-delivers the retained one), so a long run keeps 64, not all.
+        handled: collections.OrderedDict[tuple[bytes, int, int, str], None] = (
+            collections.OrderedDict())
         while True:
             if self._party.lost is not None:
                 self.log(f"lost the broker: {self._party.lost}")
@@ -154,7 +157,9 @@ class SiteProcess:
                 return 0
             ann = self.announce
             if ann is not None and ann.key not in handled:
-                handled.add(ann.key)
+                handled[ann.key] = None
+                while len(handled) > 64:
+                    handled.popitem(last=False)
                 if self.site_id not in ann.cohort:
                     self.log(f"round {ann.round}: not in this round's cohort")
                 elif ann.phase == "open":
@@ -319,6 +324,11 @@ class SiteProcess:
                                              guard=self.options.guard)
         except (WireError, TaskError, EncodingOverflow) as exc:  # rules, no data in them
             await self._decline(ann, label, str(exc))
+            return
+        except LedgerWriteError as exc:  # a full ledger disk: one line a round, no traceback
+            self.log(f"{label}: {exc}")
+            await self._decline(ann, label, "the site cannot write its privacy ledger; it "
+                                "releases nothing until it can")
             return
         except Exception as exc:  # e.g. torch on a hostile model: refuse, do not crash
             # the text may carry numbers of this site's data: it stays in the site's log

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dp.encoding import EncodingParams
-from dp.errors import PrivacyConfigError
+from dp.errors import LedgerWriteError, PrivacyConfigError
 from dp.ledger import Charge, Ledger
 from dp.policy import PolicyRefused, Proposal, SitePolicy
 
@@ -194,7 +194,10 @@ class SiteCore:
         """The input of ``key``'s round never left the site: withdraw its charge."""
         entry = self.pending.pop(key, None)
         if entry is not None:
-            self.ledger.withdraw(entry[0], reason)
+            try:
+                self.ledger.withdraw(entry[0], reason)
+            except LedgerWriteError as exc:  # the charge stays: conservative, said once
+                self.log(f"the charge of a round whose input never left stays: {exc}")
 
     def close(self) -> None:
         """Release the ledger's lock."""

@@ -7,12 +7,12 @@ input carries the weight 1, not its record count."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from fl import checkpoint as ckpt
 from fl.codec import FixedPointCodec
 from fl.coordinator import RoundFailed
 from fl.federation import privacy_plan, train
@@ -41,10 +41,11 @@ def test_a_round_that_fails_every_attempt_stays_charged(tmp_path: Path) -> None:
     hopeless = replace(RUN, drop_rate=0.9, max_attempts=2, checkpoint=str(ck))
     with pytest.raises(RoundFailed, match="aborted 2 times"):
         train(hopeless)
-    state = json.loads((ck / "state.json").read_text())
+    state = ckpt.load(ck)
+    assert state is not None
     # nothing was released (no round completed), but round 1's write-ahead charge is kept
-    assert state["round"] == 0 and state["history"] == []
-    assert len(state["events"]) == 1 and state["events"][0]["kind"] == "rdp"
+    assert state.round == 0 and state.history == []
+    assert len(state.events) == 1 and state.events[0]["kind"] == "rdp"
 
 
 def test_site_mode_weighs_sites_uniformly_and_sends_no_record_count() -> None:

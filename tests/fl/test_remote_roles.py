@@ -116,6 +116,8 @@ def test_one_connection_routes_each_round_apart_from_the_federation() -> None:
                 party.to_round(Delivery(open_round.offline(2), b"will"))
                 got_round = [(await view.receive(2.0)) for _ in range(2)]
                 assert await view.receive(0.2) is None
+            # The round's subscription ended with it; the federation's stay.
+            assert party.link.subscriptions == ("secagg/fed/server/#", old_round.server_filter)
             party.to_round(Delivery(open_round.offline(3), b"late"))  # no round: dropped
             got_fed = [(await party.receive(2.0)) for _ in range(2)]
             quiet = await party.receive(0.2) is None

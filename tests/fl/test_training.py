@@ -98,6 +98,40 @@ def test_crash_mid_round_loses_only_that_round(tmp_path: Path, monkeypatch) -> N
     assert [r["round"] for r in resumed["rounds"]] == [1, 2, 3]
 
 
+def test_a_round_charged_but_lost_in_a_crash_is_charged_again_and_said_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write-ahead charge of round 2 is checkpointed, then the run dies mid-round: the
+    resumed run says in one line that round 2 is charged again, and its final epsilon is
+    that of an uninterrupted run plus one round's cost (never less)."""
+    settings = TrainSettings(sites=3, rounds=3, dataset="ehr", ehr_patients=150,
+                             dp="distributed", noise_multiplier=2.0, sample_rate=0.2,
+                             broker="memory", seed=1, checkpoint=str(tmp_path / "ck"))
+    original = Coordinator._aggregate
+
+    def die_in_round_2(self: Coordinator, r: int, cohort: list[int]) -> object:
+        if r == 2:
+            raise RuntimeError("coordinator killed")
+        return original(self, r, cohort)
+
+    monkeypatch.setattr(Coordinator, "_aggregate", die_in_round_2)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(settings)
+    monkeypatch.setattr(Coordinator, "_aggregate", original)
+    lines: list[str] = []
+    resumed = train(replace(settings, resume=True), log=lines.append)
+    said = [line for line in lines if "charged again" in line or "charges it again" in line]
+    assert said == ["round 2 was charged to the privacy budget but did not complete before "
+                    "the run stopped: its charge stays, and running it again charges it "
+                    "again (conservative)"], lines
+    straight = train(replace(settings, checkpoint=None))
+    assert [r["round"] for r in resumed["rounds"]] == [1, 2, 3]
+    assert len(resumed["dp_events"]["events"]) == len(straight["dp_events"]["events"]) + 1
+    assert resumed["final_epsilon"] > straight["final_epsilon"]
+    again: list[str] = []
+    train(replace(settings, resume=True, rounds=4), log=again.append)  # completed: silent
+    assert not [line for line in again if "charges it again" in line], again
+
+
 def test_budget_stops_training_before_the_round_that_would_exceed_it() -> None:
     settings = TrainSettings(sites=3, rounds=40, dataset="ehr", ehr_patients=150,
                              dp="distributed", epsilon=2.0, noise_multiplier=2.0,

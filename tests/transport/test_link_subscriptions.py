@@ -68,7 +68,8 @@ def test_a_refusal_at_the_cap_names_the_cap() -> None:
             return str(refused.value)
 
     message = asyncio.run(scenario())
-    assert "cap on subscriptions per session" in message
+    assert "holds 4 other subscriptions" in message and "4 is its cap on subscriptions per " \
+        "session" in message
     assert "max_subscriptions" in message and "secagg/r4/server/#" in message
 
 

@@ -18,9 +18,11 @@ import getpass
 import json
 import logging
 import os
+import shutil
 import signal
 import ssl
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -124,8 +126,37 @@ def _parser() -> argparse.ArgumentParser:
                              "server): login and connection places for all of them, even "
                              "from one address when --host is loopback (at most 65536; "
                              "BrokerLimits.for_parties; default: the fixed limits)")
+    parser.add_argument("--parent-pid", type=int, metavar="PID",
+                        help="stop when process PID (the one that started this broker) is "
+                             "gone, even if it was SIGKILLed")
+    parser.add_argument("--remove-if-orphaned", metavar="DIR",
+                        help="with --parent-pid: remove DIR (the private folder holding the "
+                             "users and ACL files) as soon as the parent is gone")
     parser.add_argument("--log-level", default="INFO")
     return parser
+
+
+ORPHAN_GRACE = 5.0
+"""Seconds an orphaned broker has to stop cleanly before it exits regardless."""
+
+
+def _watch_parent(args: argparse.Namespace, loop: asyncio.AbstractEventLoop,
+                  stop: asyncio.Event) -> None:
+    """With ``--parent-pid``: once the parent is gone, remove ``--remove-if-orphaned`` at
+    once, stop the broker, and exit after ``ORPHAN_GRACE`` s if it has not."""
+    from .. import lifeline
+
+    def orphaned() -> None:
+        if args.remove_if_orphaned:
+            shutil.rmtree(args.remove_if_orphaned, ignore_errors=True)
+        logger.warning("the process that started this broker (pid %d) is gone; stopping",
+                       args.parent_pid)
+        with contextlib.suppress(RuntimeError):  # the loop already closed: exiting anyway
+            loop.call_soon_threadsafe(stop.set)
+        time.sleep(ORPHAN_GRACE)
+        os._exit(1)
+
+    lifeline.watch_parent(args.parent_pid, orphaned)
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -148,6 +179,8 @@ async def _serve(args: argparse.Namespace) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(signum, stop.set)
+    if args.parent_pid is not None:
+        _watch_parent(args, loop, stop)
     try:
         if args.port_file:
             write_port_file(args.port_file, broker.port)
@@ -188,6 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["hash-password"]:
         return _hash_password(argv[1:])
     args = _parser().parse_args(argv)
+    if args.remove_if_orphaned and args.parent_pid is None:
+        print(f"{PROG}: error: --remove-if-orphaned needs --parent-pid", file=sys.stderr)
+        return 2
     if not args.users_file:
         print(f"{PROG}: error: --users-file is required (authentication is always on)",
               file=sys.stderr)

@@ -1,0 +1,161 @@
+"""The broker killed (SIGKILL) and restarted on its port mid-run, under a coordinator and
+three sites that are each their own ``secagg train`` process, on the embedded broker and on
+Mosquitto: every party finishes or exits by itself within its timeouts, never hangs.
+
+The parties' deadlines are short (``--connect-timeout 10``: each reconnection succeeds or
+gives up within 10 s; ``--ready-timeout 20``, ``--stage-timeout 5``, ``--idle-timeout
+30``), so "by itself" is a bound a hang cannot meet. Before, a site could stay hung after
+"Connection reset by peer" (``MqttLink._run_pump`` awaited aiomqtt's ``__aexit__`` with no
+bound) and the coordinator then stalled for ``--ready-timeout`` every round. Measured here
+(3 of 8 runs hung): aiomqtt waits its whole timeout (30 s) for the CONNACK of a connection
+the restarting broker reset, so every party's one attempt outlasted its reconnect timeout;
+and a site whose link had given up re-published its round message for the round's whole
+give-up time (120 s), each publish waiting the reconnect timeout again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.fl.test_long_federation import SITES, _urls, _users
+from tests.fl.test_multiprocess_training import COMMON, Party
+from transport.launch import _listening_port, _start_embedded, stop_process
+from transport.mosquitto import MosquittoBroker, _free_port, mosquitto_available
+from transport.topics import SERVER_USER, acl_table, site_name
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+ROUNDS = 40
+CONNECT_TIMEOUT = 10.0
+IDLE_TIMEOUT = 30.0
+READY_TIMEOUT = 20.0
+EXIT_BOUND = 120.0
+"""From the restart, the most any party may take to end: a reconnection (10 s), then at
+most ``--max-attempts`` (5) failed rounds of a ready wait (20 s) each for the coordinator, or
+the idle timeout (30 s) for a site that lost its coordinator."""
+
+
+Broker = tuple[int, Callable[[], None], Callable[[], str]]
+"""(port, kill and restart it, its log's tail)"""
+
+def _parties(urls: dict[str, str], report: Path) -> tuple[Party, dict[int, Party]]:
+    timeouts = ["--connect-timeout", str(CONNECT_TIMEOUT)]
+    coordinator = Party(["--role", "coordinator", "--sites", "1,2,3", "--rounds", str(ROUNDS),
+                         "--dp", "none", "--broker", urls[SERVER_USER], "--report",
+                         str(report), "--join-timeout", "60", "--ready-timeout",
+                         str(READY_TIMEOUT), "--insecure-verify", *timeouts, *COMMON])
+    sites = {cid: Party(["--role", "site", "--site-id", str(cid), "--sites", "3",
+                         "--broker", urls[site_name(cid)], "--idle-timeout",
+                         str(IDLE_TIMEOUT), "--dp", "none", "--insecure-verify",
+                         *timeouts, *COMMON]) for cid in SITES}
+    return coordinator, sites
+
+
+@contextmanager
+def _embedded(users: dict[str, str], tmp: Path) -> Iterator[Broker]:
+    """The embedded broker process on a fixed port; yields (port, kill-and-restart, log)."""
+    acl = acl_table(list(SITES))
+    port = _free_port("127.0.0.1")
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def launch() -> None:
+        (tmp / "port").unlink(missing_ok=True)
+        proc, port_file, log = _start_embedded(str(tmp), users, acl, port=port)
+        procs.append(proc)
+        deadline = time.monotonic() + 30
+        while _listening_port(proc, port_file, log, deadline) is None:
+            time.sleep(0.02)
+
+    def restart() -> None:
+        os.kill(procs[-1].pid, signal.SIGKILL)
+        procs[-1].wait(10)
+        time.sleep(1.0)
+        launch()
+
+    launch()
+    try:
+        yield port, restart, lambda: (tmp / "broker.log").read_text(errors="replace")[-3000:]
+    finally:
+        for proc in procs:
+            stop_process(proc)
+
+
+@contextmanager
+def _mosquitto(users: dict[str, str], tmp: Path) -> Iterator[Broker]:
+    acl = dict(acl_table(list(SITES)))
+    port = _free_port("127.0.0.1")
+    brokers = [MosquittoBroker(users=users, acl=acl, port=port)]
+    brokers[0].start()
+
+    def restart() -> None:
+        os.kill(brokers[-1].pid, signal.SIGKILL)
+        brokers[-1].stop()
+        time.sleep(1.0)
+        fresh = MosquittoBroker(users=users, acl=acl, port=port)
+        fresh.start()
+        brokers.append(fresh)
+
+    try:
+        yield port, restart, lambda: brokers[-1].log_tail(40)
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
+def _kill_restart_mid_run(broker: Callable[..., object], tmp_path: Path,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
+    users = _users()
+    report = tmp_path / "report.json"
+    with broker(users, tmp_path) as (port, restart, broker_log):  # type: ignore[attr-defined]
+        urls = _urls(users, "127.0.0.1", port)
+        coordinator, sites = _parties(urls, report)
+        parties = [coordinator, *sites.values()]
+        try:
+            coordinator.wait_for(f"round   5/{ROUNDS}", timeout=120)
+            restart()
+            restarted = time.monotonic()
+            codes = {}
+            for name, party in zip(("coordinator", *map(str, SITES)), parties, strict=True):
+                left = EXIT_BOUND - (time.monotonic() - restarted)
+                try:
+                    codes[name] = party.wait(max(left, 0.1))
+                except subprocess.TimeoutExpired:
+                    for hung in parties:  # PYTHONFAULTHANDLER: each thread's stack to stderr
+                        if hung.proc.poll() is None:
+                            hung.proc.send_signal(signal.SIGABRT)
+                            hung.wait(10)
+                    logs = "\n\n".join([*(p.log for p in parties), broker_log()])
+                    pytest.fail(f"{name} still running {EXIT_BOUND:.0f} s after the broker "
+                                f"restart:\n{logs}")
+        finally:
+            for party in parties:
+                party.kill()
+    logs = "\n\n".join(p.log for p in parties)
+    # A restart costs at most the round it cut: the run goes on to the end.
+    assert codes["coordinator"] == 0, logs
+    rows = json.loads(report.read_text())["rounds"]
+    assert [row["round"] for row in rows] == list(range(1, ROUNDS + 1)), logs
+    assert all(row["aggregate_correct"] for row in rows), rows
+    assert all(code == 0 for code in codes.values()), (codes, logs)
+
+
+def test_embedded_broker_killed_and_restarted_mid_run(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    _kill_restart_mid_run(_embedded, tmp_path, monkeypatch)
+
+
+@pytest.mark.mosquitto
+@pytest.mark.skipif(not mosquitto_available(), reason="mosquitto binary not installed")
+def test_mosquitto_killed_and_restarted_mid_run(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _kill_restart_mid_run(_mosquitto, tmp_path, monkeypatch)
