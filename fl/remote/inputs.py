@@ -242,13 +242,15 @@ def _admit(guard: Any, task: RoundTask | None, announce: Announce, label: str,
         if getattr(task, "unit", None) == "patient-idp":
             raise WireError("a patient-idp round needs the site's privacy ledger")
         return
-    from dp.errors import PrivacyError
+    from dp.errors import LedgerWriteError, PrivacyError
 
     try:
         guard.check_protocol(num_clients=len(announce.cohort), threshold=announce.threshold,
                              neighbors=None, security=announce.security)
         guard.admit(task, secagg_threshold=announce.threshold, label=label, key=announce.key,
                     idp=idp)
+    except LedgerWriteError:
+        raise  # the site role says it in one line; the file stays in its own log
     except PrivacyError as exc:  # the coordinator learns the rule, not the site's plan
         from dp.policy import PolicyRefused
 
