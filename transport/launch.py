@@ -32,12 +32,7 @@ AclTable = Mapping[str, AclEntry]
 
 
 def _acl_json(acl: AclTable) -> dict[str, dict[str, list[str]]]:
-    out = {}
-    for user, entry in acl.items():
-        rules = TopicAcl.coerce(entry)
-        out[user] = {"subscribe": list(rules.subscribe), "publish": list(rules.publish),
-                     "retain": list(rules.retain)}
-    return out
+    return {user: TopicAcl.coerce(entry).to_json() for user, entry in acl.items()}
 
 
 def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable, port: int = 0
