@@ -46,6 +46,7 @@ from dp.accounting import (
     F64,
     _check,
     gaussian_rdp,
+    group_gaussian_event,
     group_gaussian_pld_epsilon,
     group_gaussian_rdp,
     rdp_to_epsilon,
@@ -61,6 +62,9 @@ MAX_ORDER = 64
 _INTEGER_ORDERS = (*range(2, 65), 72, 80, 96, 112, 128)
 #: Noise multipliers searched by the planner.
 Z_RANGE = (0.3, 500.0)
+#: Patients with up to this many records are grouped by their exact count; above it by
+#: :func:`accounted_records`.
+EXACT_RECORDS = 16
 #: The smallest per-record rate the planner gives a group: a group that cannot meet its
 #: target at this rate is infeasible at that noise.
 MIN_RATE = 1e-6
@@ -75,7 +79,8 @@ def poisson_sample(rates: F64, source: RandomSource | None = None) -> npt.NDArra
 
 @dataclass(frozen=True)
 class RateGroup:
-    """Patients with the same number of (kept) records and the same target epsilon."""
+    """Patients with the same accounted number of (kept) records and the same target
+    epsilon (``records``: :func:`accounted_records` of each patient's count)."""
 
     records: int
     target_epsilon: float
@@ -176,6 +181,13 @@ class IdpPlan:
                                      / g.clip_norm, "steps": steps})
                 for g in self.groups]
 
+    def group_dp_event(self, group: RateGroup, steps: int) -> dict[str, Any]:
+        """``steps`` steps for one patient of ``group`` as a dp-accounting ``DpEvent`` (JSON,
+        :func:`dp.audit.recompute_epsilon` composes it): the mixture over Binomial(k, q)
+        records sampled of Gaussians of sensitivity m, whatever ``bound`` the plan used."""
+        return group_gaussian_event(self.noise_multiplier * self.clip_norm / group.clip_norm,
+                                    group.sample_rate, group.records, steps)
+
     def describe(self) -> str:
         return (f"individual privacy assignment ({self.method}, {self.bound} accounting): noise "
                 f"multiplier {self.noise_multiplier:.3f}, clip {self.clip_norm}, mean record "
@@ -203,6 +215,11 @@ class PatientGroups:
     sizes: tuple[tuple[int, float, int], ...]
     """``(records, target_epsilon, patients)`` per group, in group-index order."""
 
+    @property
+    def dropped_records(self) -> int:
+        """Records beyond the cut-off (never sampled)."""
+        return int(np.count_nonzero(self.record_group < 0))
+
     def digest(self) -> str:
         """SHA-256 of which patient is in which group (a site's ledger matches its per-group
         spending to the same grouping only; it stays at the site)."""
@@ -211,6 +228,18 @@ class PatientGroups:
         text = "\n".join(f"{k!r}\t{self.sizes[g][0]}\t{self.sizes[g][1]!r}"
                          for k, g in zip(self.keys, self.group_of_patient.tolist(), strict=True))
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def accounted_records(records: int) -> int:
+    """The group size a patient with ``records`` kept records is accounted at: exact up to
+    :data:`EXACT_RECORDS`, above it the next of four sizes per doubling (17..20 -> 20,
+    21..24 -> 24, ..., 81..96 -> 96). A larger group only overstates the patient's loss (an
+    upper bound) and keeps a heavy-tailed table (1 to 92 records) at ~26 rate groups, each
+    planned on its own."""
+    if records <= EXACT_RECORDS:
+        return records
+    step = 1 << max(0, (records - 1).bit_length() - 3)  # a quarter of the enclosing power
+    return -(-records // step) * step
 
 
 def group_patients(patient_ids: Sequence[Hashable], target_epsilon: float | Sequence[float],
@@ -250,7 +279,8 @@ def group_patients(patient_ids: Sequence[Hashable], target_epsilon: float | Sequ
         if max_records is None or seen[p] < max_records:
             kept[i] = True
             seen[p] += 1
-    labels = list(zip(seen.tolist(), first.tolist(), strict=True))
+    labels = list(zip([accounted_records(int(k)) for k in seen.tolist()], first.tolist(),
+                      strict=True))
     order = sorted(set(labels), key=lambda t: (t[1], t[0]))
     index = {t: i for i, t in enumerate(order)}
     group_of_patient = np.array([index[t] for t in labels], dtype=np.int64)
@@ -378,11 +408,12 @@ def _largest_log_in(fits: Callable[[float], float], lo_guess: float, hi_guess: f
         lo = max(lo_limit, lo / grow)
         f_lo = fits(lo)
     u_lo, u_hi, tol = math.log(lo), math.log(hi), math.log1p(rel)
-    side = 0
+    side, width = 0, u_hi - u_lo
     while u_hi - u_lo > tol:
         u = u_hi - f_hi * (u_hi - u_lo) / (f_hi - f_lo)
-        if not u_lo + tol / 4 < u < u_hi - tol / 4:
-            u = (u_lo + u_hi) / 2
+        if not u_lo + tol / 4 < u < u_hi - tol / 4 or u_hi - u_lo > width / 2:
+            u = (u_lo + u_hi) / 2  # bisect when interpolation stalls (a kinked curve)
+        width = u_hi - u_lo
         f_u = fits(math.exp(u))
         if f_u <= 0:
             u_lo, f_lo = u, f_u
@@ -404,6 +435,18 @@ def _log_ratio(value: float, target: float) -> float:
     if not math.isfinite(value):
         return 50.0
     return max(-50.0, min(50.0, math.log(value / target)))
+
+
+def _predict(known: dict[float, list[float]], z: float, i: int) -> float | None:
+    """Group ``i``'s largest rate at ``z``, interpolated (log-log) from the two nearest
+    noise multipliers already solved, or None."""
+    near = sorted((x for x in known if known[x][i] > 0), key=lambda x: abs(math.log(x / z)))
+    if len(near) < 2:
+        return None
+    (z1, z2) = near[:2]
+    q1, q2 = known[z1][i], known[z2][i]
+    slope = math.log(q2 / q1) / math.log(z2 / z1)
+    return float(min(1.0, q1 * math.exp(slope * math.log(z / z1))))
 
 
 def _plan_rates(eps: Callable[[float, float, int, float], float],
@@ -432,12 +475,15 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
         for i, (k, t, _) in enumerate(sizes):
             lo = known[below][i] if below is not None and known[below][i] > 0 else MIN_RATE
             hi = known[above][i] if above is not None else 1.0
-            if i and sizes[i - 1][1] == t and sizes[i - 1][0] < k:
-                hi = min(hi, out[-1]) if out[-1] > 0 else hi  # more records: a lower rate
+            if i and sizes[i - 1][1] == t and sizes[i - 1][0] < k and out[-1] > 0:
+                hi = min(hi, out[-1])  # more records: a lower rate
             hi = max(hi, lo)
+            guess = _predict(known, z, i)
+            if guess is not None:  # a narrow bracket around log q interpolated in log z
+                lo, hi = max(lo, guess / 1.02), min(hi, guess * 1.02)
             out.append(_largest_log_in(
-                lambda q, k=k, t=t: _log_ratio(eps(z, q, k, t), t), lo, hi * 1.01,
-                MIN_RATE, 1.0, rel=5e-3))
+                lambda q, k=k, t=t: _log_ratio(eps(z, q, k, t), t), lo, hi * 1.001,
+                MIN_RATE, 1.0, rel=5e-3, grow=1.5))
         known[z] = out
         return out
 
@@ -450,8 +496,15 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
     if fixed_z is not None:
         z = fixed_z
     else:  # the smallest z whose largest rates reach the mean (infeasible groups count 0)
-        s = _largest_log_in(lambda s: _log_ratio(sample_rate, mean(1.0 / s) or 1e-300), 1.0,
-                            1.0, 1.0 / Z_RANGE[1], 1.0 / Z_RANGE[0], rel=1e-2, grow=1.3)
+        # a lower bound to start from: one record at rate q for the strictest target
+        # (some group of the plan samples at a rate >= q)
+        t_min = min(t for _, t, _ in sizes)
+        s_rec = _largest_log(lambda s: _log_ratio(eps(1.0 / s, sample_rate, 1, t_min), t_min),
+                             1.0 / Z_RANGE[1], 1.0 / Z_RANGE[0], rel=1e-2)
+        s_rec = s_rec or 1.0 / Z_RANGE[1]
+        s = _largest_log_in(lambda s: _log_ratio(sample_rate, mean(1.0 / s) or 1e-300),
+                            s_rec / 1.1, s_rec, 1.0 / Z_RANGE[1], 1.0 / Z_RANGE[0], rel=1e-2,
+                            grow=1.2)
         z = 1.0 / s if s > 0 else Z_RANGE[1]
         for i, r in enumerate(largest_rates(z)):
             if r <= 0:  # then raise z until this group is feasible too

@@ -127,7 +127,10 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
                          sample_rate=settings.sample_rate, steps=settings.steps_per_round,
                          rounds=settings.rounds, clip_norm=settings.clip_norm,
                          noise_multiplier=settings.noise_multiplier,
-                         accountant=settings.accountant, target_quantile=settings.adaptive_clip,
+                         # patient-idp: each site's own plan replaces this one's noise
+                         accountant=("rdp" if settings.unit == "patient-idp"
+                                     else settings.accountant),
+                         target_quantile=settings.adaptive_clip,
                          count_stddev=settings.clip_count_stddev, prior=prior)
     if settings.dp == "distributed":
         units = max_units or settings.max_units or DEFAULT_MAX_UNITS
