@@ -516,6 +516,17 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
     if not feasible(z):
         worst = [i for i, r in enumerate(largest_rates(z)) if r <= 0]
         k, t, _ = max((sizes[i] for i in worst), key=lambda g: g[0] / g[1])
+        floor = eps(Z_RANGE[1], MIN_RATE, k, t)
+        if fixed_z is not None and floor <= t:
+            s = _largest_log(lambda s: _log_ratio(eps(1.0 / s, MIN_RATE, k, t), t),
+                             1.0 / Z_RANGE[1], 1.0 / fixed_z)
+            raise PrivacyConfigError(
+                f"noise multiplier {fixed_z:g} cannot meet the target {t:g} of patients with "
+                f"{k} records at any sampling rate: raise it to at least {1.0 / s:.4g}")
+        raise PrivacyConfigError(
+            f"no noise multiplier up to {Z_RANGE[1]:g} meets the target {t:g} of patients "
+            f"with {k} records at any sampling rate: raise that epsilon to at least "
+            f"{floor * 1.01:.4g}")
     rates = largest_rates(z)
     scale = min(1.0, sample_rate / mean(z))
     return z, [r * scale for r in rates]
