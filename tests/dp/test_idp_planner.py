@@ -66,7 +66,8 @@ def test_fixed_noise_gets_the_highest_reachable_mean_or_the_noise_to_raise_to() 
 
 def test_an_unreachable_target_names_the_epsilon_to_raise_to() -> None:
     g = group_patients(_ids({1: 5, 64: 2}), 1e-4)
-    with pytest.raises(PrivacyConfigError, match=r"64 records at any sampling rate: raise that epsilon"):
+    with pytest.raises(PrivacyConfigError,
+                       match=r"64 records at any sampling rate: raise that epsilon"):
         plan_idp(g, delta=1e-9, sample_rate=0.1, steps=10**6)
 
 
