@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -75,3 +76,52 @@ def test_heavy_tail_without_cutoff_trains_every_group(tmp_path: Path) -> None:
     assert max(counts) >= 20 and len(report["rounds"]) == 2
     assert all(g["epsilon_spent"] <= g["target_epsilon"]
                for site in report["idp"].values() for g in site["groups"])
+
+
+def test_a_site_applies_its_own_cutoff() -> None:
+    """The site role (fl.idp.SitePatients, what `--role site --max-records-per-patient K`
+    builds): its groups are at most K records and its plan for a task says so."""
+    from fl.contribution import RoundTask
+    from fl.idp import SitePatients
+
+    counts = heavy_tailed_counts(60, max_records=30, seed=2)
+    table = synthetic_ehr(60, record_counts=counts, num_features=3, seed=2)
+    site = SitePatients(1, table, epsilon=4.0, delta=1e-5, max_records=5)
+    assert max(k for k, _, _ in site.groups.sizes) <= 5
+    assert site.groups.dropped_records == int(np.maximum(counts - 5, 0).sum()) > 0
+    task = RoundTask(mode="site", round=1, cohort=2, seed=0, unit="patient-idp",
+                     sample_rate=0.05, steps=5, plan_steps=20)
+    plan = site.for_task(task).plan
+    assert plan.max_records == 5 and all(g.epsilon <= g.target_epsilon for g in plan.groups)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--role", "coordinator", "--sites", "2", "--rounds", "1", "--dp", "site",
+      "--unit", "patient-idp", "--max-records-per-patient", "4",
+      "--broker", "mqtt://127.0.0.1:1"], "never by the coordinator"),
+    (["--role", "site", "--site-id", "1", "--dp", "site", "--unit", "patient-idp",
+      "--accountant", "pld", "--broker", "mqtt://127.0.0.1:1"], "plans with --accountant rdp"),
+    (["--sites", "2", "--rounds", "1", "--dp", "site", "--epsilon", "1",
+      "--max-records-per-patient", "4"], "--max-records-per-patient 4: a count >= 1, with "),
+    (["--sites", "2", "--rounds", "1", "--dp", "site", "--epsilon", "1",
+      "--accountant", "pld"], "--accountant pld is for --unit patient-idp"),
+])
+def test_the_command_line_refuses_what_it_cannot_do(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from fl.cli import main
+
+    assert main(["train", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_calibrating_the_noise_warns_nothing(recwarn: pytest.WarningsRecorder) -> None:
+    """The patient-unit noise `--unit patient-idp` runs still calibrate (eps 8, q 0.01,
+    500 steps) printed Opacus' 'optimal order is the largest alpha' before training."""
+    import warnings
+
+    from dp.accounting import gaussian_epsilon, noise_multiplier_for
+
+    warnings.simplefilter("always")
+    z = noise_multiplier_for(8.0, 1e-5, 0.01, 500)
+    assert gaussian_epsilon(z, 0.01, 500, 1e-5) <= 8.0
+    assert not [w for w in recwarn if "alpha" in str(w.message)]
