@@ -6,10 +6,11 @@ Rueckert, Kaissis, "User-level differential privacy in medical machine learning 
 privacy assignment". Patients are put in *rate groups* by (records after the cut-off, target
 epsilon); every group gets
 
-* ``method="sampling"`` (the paper's strategy 1): its own per-record Poisson rate ``q_g``,
-  the largest whose patient-level epsilon is at most the group's target; one noise
-  multiplier ``z`` for everyone, chosen so the record-weighted mean rate equals plain
-  DP-SGD's rate (same expected batch). Patients with fewer records get higher rates.
+* ``method="sampling"`` (the paper's strategy 1): its own per-record Poisson rate ``q_g``;
+  one noise multiplier ``z`` for everyone, the smallest at which every group can meet its
+  target and the groups' largest rates reach plain DP-SGD's rate on (record-weighted)
+  average; the largest rates are then scaled to that mean (same expected batch).
+  Patients with fewer records get higher rates (:func:`_plan_rates`).
 * ``method="clipping"`` (strategy 2): one rate for every record, a per-record clip norm
   ``c_g`` (the per-record sensitivity), the largest that meets the target; ``z`` is chosen
   so the record-weighted mean clip equals the reference clip norm.
@@ -23,6 +24,9 @@ A patient's guarantee is accounted by ``bound``:
 
 * ``"rdp"``: the RDP of the patient's mixture of Gaussians
   (:func:`dp.accounting.group_gaussian_rdp`), composed over steps, converted once;
+* ``"pld"``: the privacy loss distribution of the same mixture, by dp-accounting
+  (:func:`dp.accounting.group_gaussian_pld_epsilon`; far tighter for large groups, where
+  RDP's high orders are dominated by all k records being sampled);
 * ``"group-privacy"``: record-level (epsilon_r, delta_r) of Opacus' sampled-Gaussian RDP,
   then approximate-DP group privacy for k records, ``(k eps_r, k e^((k-1) eps_r) delta_r)``
   (what the paper's implementation uses; looser).
@@ -468,7 +472,7 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
 
     A group's *largest rate* at noise z is the largest q in [MIN_RATE, 1] whose patient
     epsilon is at most its target (0: infeasible at z). The noise is the smallest z (to
-    0.5 %) at which every group is feasible and the record-weighted mean of the largest
+    1 %) at which every group is feasible and the record-weighted mean of the largest
     rates reaches ``sample_rate``, capped at ``Z_RANGE[1]`` (or ``fixed_z``); the rates are
     the largest rates scaled down so their mean is ``sample_rate`` (when the cap leaves it
     out of reach: the largest rates, the highest mean there is). Raises
@@ -548,7 +552,9 @@ class GroupLedger:
     """Every rate group's spending under a plan, kept across rounds (one per site).
 
     With ``bound="rdp"`` each group holds a :class:`dp.budget.PrivacyBudget` at its target
-    and composes RDP; with ``"group-privacy"`` the plan certifies its own ``steps`` only.
+    and composes RDP; with ``"pld"`` or ``"group-privacy"`` the plan certifies its own
+    ``steps`` (every step has the same rates and noise, so the epsilon after n steps is the
+    group's figure for n steps, at most the planned one).
     """
 
     def __init__(self, plan: IdpPlan) -> None:

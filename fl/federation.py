@@ -128,8 +128,7 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
                          rounds=settings.rounds, clip_norm=settings.clip_norm,
                          noise_multiplier=settings.noise_multiplier,
                          # patient-idp: each site's own plan replaces this one's noise
-                         accountant=("rdp" if settings.unit == "patient-idp"
-                                     else settings.accountant),
+                         accountant=settings.release_accountant,
                          target_quantile=settings.adaptive_clip,
                          count_stddev=settings.clip_count_stddev, prior=prior)
     if settings.dp == "distributed":
@@ -172,7 +171,8 @@ def privacy_plan(settings: TrainSettings) -> dict[str, Any]:
         settings, split.train.num_features, split.train.num_classes,
         prior=() if noised is None else (noised.event(),))
     out = schedule(plan, rounds=settings.rounds, epsilon=settings.epsilon,
-                   delta=settings.delta, accountant=settings.accountant, threshold=threshold,
+                   delta=settings.delta, accountant=settings.release_accountant,
+                   threshold=threshold,
                    prior=() if noised is None else (noised.event(),))
     out.update(description=plan.describe(), model_parameters=dim, sites=settings.sites,
                cohort=settings.cohort_size, warnings=plan_warnings(settings, split),

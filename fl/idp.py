@@ -294,7 +294,8 @@ def plan_summary(settings: TrainSettings, tables: list[Table], out: dict[str, An
                 "count_stddev"):
         out.pop(key, None)
     out.update(mechanism="sampled Gaussian with individual per-record rates per rate group "
-                         "(see 'idp')", epsilon_after=eps, epsilon_final=eps[-1],
+                         "(see 'idp')", accountant=settings.accountant,
+               epsilon_after=eps, epsilon_final=eps[-1],
                rounds_run=settings.rounds, rounds_affordable=settings.rounds,
                idp={str(cid): s.idp.plan.report() for cid, s in sites.items()
                     if s.idp is not None})

@@ -169,6 +169,12 @@ class TrainSettings:
                           security=self.security).threshold or 2)
 
     @property
+    def release_accountant(self) -> str:
+        """The accountant of the federation's own budget and plan (``--accountant pld`` is
+        patient-idp's per-group accountant, fl/idp.py; the run's other releases use rdp)."""
+        return "rdp" if self.accountant == "pld" else self.accountant
+
+    @property
     def steps_per_round(self) -> int:
         """Site-mode DP-SGD steps per round: ``local_epochs`` passes in expectation."""
         return self.site_steps or max(1, math.ceil(self.local_epochs / self.sample_rate))
