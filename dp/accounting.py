@@ -94,12 +94,13 @@ def epsilon_of_history(
     if not history:
         return 0.0
     require_opacus()
-    from opacus.accountants import PRVAccountant, RDPAccountant
+    from opacus.accountants import PRVAccountant
 
-    acc = RDPAccountant() if accountant == "rdp" else PRVAccountant()
+    if accountant == "rdp":  # Opacus' conversion, without its warning about the orders
+        return rdp_to_epsilon(sum((gaussian_rdp(z, q, n) for z, q, n in history),
+                                  np.zeros(len(ORDERS))), delta)
+    acc = PRVAccountant()
     acc.history = list(history)
-    if accountant == "rdp":
-        return float(acc.get_epsilon(delta=delta, alphas=list(ORDERS)))
     return float(acc.get_epsilon(delta=delta))
 
 
@@ -130,17 +131,15 @@ def noise_multiplier_for(
 
     try:
         with warnings.catch_warnings():
-            # the bisection tries noise multipliers up to 1e6, where the best order is the
-            # largest: that epsilon is still an upper bound (a noise multiplier found there is
-            # conservative, never too small), so the user is not shown Opacus' hint
+            # Opacus' search probes noise far above the answer, where the best order is the
+            # largest of ORDERS; at the answer it is inside them for epsilon above ~0.05
+            # (order 256's conversion term at delta 1e-5 is log(1/delta)/255 = 0.045)
             warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-            return float(
-                get_noise_multiplier(
-                    target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
-                    steps=steps, accountant=accountant, epsilon_tolerance=epsilon * 1e-3,
-                    **({"alphas": list(ORDERS)} if accountant == "rdp" else {}),
-                )
-            )
+            z = float(get_noise_multiplier(
+                target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
+                steps=steps, accountant=accountant, epsilon_tolerance=epsilon * 1e-3,
+                **({"alphas": list(ORDERS)} if accountant == "rdp" else {})))
+        return z
     except ValueError as exc:
         raise PrivacyConfigError(
             f"no noise multiplier up to 1e6 reaches epsilon={epsilon}: raise epsilon or "

@@ -95,7 +95,7 @@ def to_dp_event(data: dict[str, Any]) -> Any:
         name = data["class_name"]
         if name == "UnsupportedDpEvent":
             return dp_accounting.UnsupportedDpEvent()
-        cls = getattr(dp_accounting, name)
+        cls = getattr(dp_accounting, name, None) or getattr(dp_accounting.dp_event, name)
         kwargs = {k: v for k, v in data.items() if k != "class_name"}
         if "event" in kwargs:
             kwargs["event"] = to_dp_event(kwargs["event"])

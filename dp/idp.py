@@ -6,10 +6,11 @@ Rueckert, Kaissis, "User-level differential privacy in medical machine learning 
 privacy assignment". Patients are put in *rate groups* by (records after the cut-off, target
 epsilon); every group gets
 
-* ``method="sampling"`` (the paper's strategy 1): its own per-record Poisson rate ``q_g``,
-  the largest whose patient-level epsilon is at most the group's target; one noise
-  multiplier ``z`` for everyone, chosen so the record-weighted mean rate equals plain
-  DP-SGD's rate (same expected batch). Patients with fewer records get higher rates.
+* ``method="sampling"`` (the paper's strategy 1): its own per-record Poisson rate ``q_g``;
+  one noise multiplier ``z`` for everyone, the smallest at which every group can meet its
+  target and the groups' largest rates reach plain DP-SGD's rate on (record-weighted)
+  average; the largest rates are then scaled to that mean (same expected batch).
+  Patients with fewer records get higher rates (:func:`_plan_rates`).
 * ``method="clipping"`` (strategy 2): one rate for every record, a per-record clip norm
   ``c_g`` (the per-record sensitivity), the largest that meets the target; ``z`` is chosen
   so the record-weighted mean clip equals the reference clip norm.
@@ -23,6 +24,9 @@ A patient's guarantee is accounted by ``bound``:
 
 * ``"rdp"``: the RDP of the patient's mixture of Gaussians
   (:func:`dp.accounting.group_gaussian_rdp`), composed over steps, converted once;
+* ``"pld"``: the privacy loss distribution of the same mixture, by dp-accounting
+  (:func:`dp.accounting.group_gaussian_pld_epsilon`; far tighter for large groups, where
+  RDP's high orders are dominated by all k records being sampled);
 * ``"group-privacy"``: record-level (epsilon_r, delta_r) of Opacus' sampled-Gaussian RDP,
   then approximate-DP group privacy for k records, ``(k eps_r, k e^((k-1) eps_r) delta_r)``
   (what the paper's implementation uses; looser).
@@ -46,6 +50,7 @@ from dp.accounting import (
     F64,
     _check,
     gaussian_rdp,
+    group_gaussian_event,
     group_gaussian_pld_epsilon,
     group_gaussian_rdp,
     rdp_to_epsilon,
@@ -61,6 +66,9 @@ MAX_ORDER = 64
 _INTEGER_ORDERS = (*range(2, 65), 72, 80, 96, 112, 128)
 #: Noise multipliers searched by the planner.
 Z_RANGE = (0.3, 500.0)
+#: Patients with up to this many records are grouped by their exact count; above it by
+#: :func:`accounted_records`.
+EXACT_RECORDS = 16
 #: The smallest per-record rate the planner gives a group: a group that cannot meet its
 #: target at this rate is infeasible at that noise.
 MIN_RATE = 1e-6
@@ -75,7 +83,8 @@ def poisson_sample(rates: F64, source: RandomSource | None = None) -> npt.NDArra
 
 @dataclass(frozen=True)
 class RateGroup:
-    """Patients with the same number of (kept) records and the same target epsilon."""
+    """Patients with the same accounted number of (kept) records and the same target
+    epsilon (``records``: :func:`accounted_records` of each patient's count)."""
 
     records: int
     target_epsilon: float
@@ -96,6 +105,17 @@ class RateGroup:
                 "clip_norm": self.clip_norm, "epsilon": self.epsilon}
 
 
+def max_order(target_epsilon: float | None, delta: float) -> int:
+    """The highest RDP order a group is accounted at: about three times the order at which
+    the conversion term ``log(1/delta) / (a - 1)`` alone equals the target (the optimum lies
+    well below it), between 12 and :data:`MAX_ORDER`. The cost of a group's RDP grows with
+    the square of it (every order expands a polynomial of degree a k); fewer orders only
+    loosen the bound."""
+    if target_epsilon is None:
+        return MAX_ORDER
+    return int(min(MAX_ORDER, max(12, math.ceil(1 + 3 * math.log(1 / delta) / target_epsilon))))
+
+
 def patient_epsilon(noise_multiplier: float, sample_rate: float, records: int, steps: int,
                     delta: float, bound: str = "rdp", target_epsilon: float | None = None
                     ) -> float:
@@ -110,7 +130,7 @@ def patient_epsilon(noise_multiplier: float, sample_rate: float, records: int, s
         return 0.0
     if bound == "rdp":
         rdp = group_gaussian_rdp(noise_multiplier, sample_rate, records, steps,
-                                 max_order=MAX_ORDER)
+                                 max_order=max_order(target_epsilon, delta))
         return rdp_to_epsilon(rdp, delta)
     if bound == "pld":
         return group_gaussian_pld_epsilon(noise_multiplier, sample_rate, records, steps, delta)
@@ -163,7 +183,8 @@ class IdpPlan:
         if self.bound != "rdp":
             raise PrivacyConfigError("per-step RDP exists for bound='rdp' only")
         return group_gaussian_rdp(self.noise_multiplier * self.clip_norm / group.clip_norm,
-                                  group.sample_rate, group.records, steps, max_order=MAX_ORDER)
+                                  group.sample_rate, group.records, steps,
+                                  max_order=max_order(group.target_epsilon, self.delta))
 
     def group_events(self, steps: int) -> list[Any]:
         """One :class:`dp.budget.RdpRound` per group: ``steps`` steps for one of its patients
@@ -175,6 +196,13 @@ class IdpPlan:
                                      "noise_multiplier": self.noise_multiplier * self.clip_norm
                                      / g.clip_norm, "steps": steps})
                 for g in self.groups]
+
+    def group_dp_event(self, group: RateGroup, steps: int) -> dict[str, Any]:
+        """``steps`` steps for one patient of ``group`` as a dp-accounting ``DpEvent`` (JSON,
+        :func:`dp.audit.recompute_epsilon` composes it): the mixture over Binomial(k, q)
+        records sampled of Gaussians of sensitivity m, whatever ``bound`` the plan used."""
+        return group_gaussian_event(self.noise_multiplier * self.clip_norm / group.clip_norm,
+                                    group.sample_rate, group.records, steps)
 
     def describe(self) -> str:
         return (f"individual privacy assignment ({self.method}, {self.bound} accounting): noise "
@@ -203,6 +231,11 @@ class PatientGroups:
     sizes: tuple[tuple[int, float, int], ...]
     """``(records, target_epsilon, patients)`` per group, in group-index order."""
 
+    @property
+    def dropped_records(self) -> int:
+        """Records beyond the cut-off (never sampled)."""
+        return int(np.count_nonzero(self.record_group < 0))
+
     def digest(self) -> str:
         """SHA-256 of which patient is in which group (a site's ledger matches its per-group
         spending to the same grouping only; it stays at the site)."""
@@ -211,6 +244,18 @@ class PatientGroups:
         text = "\n".join(f"{k!r}\t{self.sizes[g][0]}\t{self.sizes[g][1]!r}"
                          for k, g in zip(self.keys, self.group_of_patient.tolist(), strict=True))
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def accounted_records(records: int) -> int:
+    """The group size a patient with ``records`` kept records is accounted at: exact up to
+    :data:`EXACT_RECORDS`, above it the next of four sizes per doubling (17..20 -> 20,
+    21..24 -> 24, ..., 81..96 -> 96). A larger group only overstates the patient's loss (an
+    upper bound) and keeps a heavy-tailed table (1 to 92 records) at ~26 rate groups, each
+    planned on its own."""
+    if records <= EXACT_RECORDS:
+        return records
+    step = 1 << max(0, (records - 1).bit_length() - 3)  # a quarter of the enclosing power
+    return -(-records // step) * step
 
 
 def group_patients(patient_ids: Sequence[Hashable], target_epsilon: float | Sequence[float],
@@ -250,7 +295,8 @@ def group_patients(patient_ids: Sequence[Hashable], target_epsilon: float | Sequ
         if max_records is None or seen[p] < max_records:
             kept[i] = True
             seen[p] += 1
-    labels = list(zip(seen.tolist(), first.tolist(), strict=True))
+    labels = list(zip([accounted_records(int(k)) for k in seen.tolist()], first.tolist(),
+                      strict=True))
     order = sorted(set(labels), key=lambda t: (t[1], t[0]))
     index = {t: i for i, t in enumerate(order)}
     group_of_patient = np.array([index[t] for t in labels], dtype=np.int64)
@@ -378,11 +424,12 @@ def _largest_log_in(fits: Callable[[float], float], lo_guess: float, hi_guess: f
         lo = max(lo_limit, lo / grow)
         f_lo = fits(lo)
     u_lo, u_hi, tol = math.log(lo), math.log(hi), math.log1p(rel)
-    side = 0
+    side, width = 0, u_hi - u_lo
     while u_hi - u_lo > tol:
         u = u_hi - f_hi * (u_hi - u_lo) / (f_hi - f_lo)
-        if not u_lo + tol / 4 < u < u_hi - tol / 4:
-            u = (u_lo + u_hi) / 2
+        if not u_lo + tol / 4 < u < u_hi - tol / 4 or u_hi - u_lo > width / 2:
+            u = (u_lo + u_hi) / 2  # bisect when interpolation stalls (a kinked curve)
+        width = u_hi - u_lo
         f_u = fits(math.exp(u))
         if f_u <= 0:
             u_lo, f_lo = u, f_u
@@ -406,6 +453,18 @@ def _log_ratio(value: float, target: float) -> float:
     return max(-50.0, min(50.0, math.log(value / target)))
 
 
+def _predict(known: dict[float, list[float]], z: float, i: int) -> float | None:
+    """Group ``i``'s largest rate at ``z``, interpolated (log-log) from the two nearest
+    noise multipliers already solved, or None."""
+    near = sorted((x for x in known if known[x][i] > 0), key=lambda x: abs(math.log(x / z)))
+    if len(near) < 2:
+        return None
+    (z1, z2) = near[:2]
+    q1, q2 = known[z1][i], known[z2][i]
+    slope = math.log(q2 / q1) / math.log(z2 / z1)
+    return float(min(1.0, q1 * math.exp(slope * math.log(z / z1))))
+
+
 def _plan_rates(eps: Callable[[float, float, int, float], float],
                 sizes: Sequence[tuple[int, float, int]], weight: npt.NDArray[np.float64],
                 sample_rate: float, fixed_z: float | None) -> tuple[float, list[float]]:
@@ -413,7 +472,7 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
 
     A group's *largest rate* at noise z is the largest q in [MIN_RATE, 1] whose patient
     epsilon is at most its target (0: infeasible at z). The noise is the smallest z (to
-    0.5 %) at which every group is feasible and the record-weighted mean of the largest
+    1 %) at which every group is feasible and the record-weighted mean of the largest
     rates reaches ``sample_rate``, capped at ``Z_RANGE[1]`` (or ``fixed_z``); the rates are
     the largest rates scaled down so their mean is ``sample_rate`` (when the cap leaves it
     out of reach: the largest rates, the highest mean there is). Raises
@@ -432,12 +491,15 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
         for i, (k, t, _) in enumerate(sizes):
             lo = known[below][i] if below is not None and known[below][i] > 0 else MIN_RATE
             hi = known[above][i] if above is not None else 1.0
-            if i and sizes[i - 1][1] == t and sizes[i - 1][0] < k:
-                hi = min(hi, out[-1]) if out[-1] > 0 else hi  # more records: a lower rate
+            if i and sizes[i - 1][1] == t and sizes[i - 1][0] < k and out[-1] > 0:
+                hi = min(hi, out[-1])  # more records: a lower rate
             hi = max(hi, lo)
+            guess = _predict(known, z, i)
+            if guess is not None:  # a narrow bracket around log q interpolated in log z
+                lo, hi = max(lo, guess / 1.02), min(hi, guess * 1.02)
             out.append(_largest_log_in(
-                lambda q, k=k, t=t: _log_ratio(eps(z, q, k, t), t), lo, hi * 1.01,
-                MIN_RATE, 1.0, rel=5e-3))
+                lambda q, k=k, t=t: _log_ratio(eps(z, q, k, t), t), lo, hi * 1.001,
+                MIN_RATE, 1.0, rel=5e-3, grow=1.5))
         known[z] = out
         return out
 
@@ -450,8 +512,15 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
     if fixed_z is not None:
         z = fixed_z
     else:  # the smallest z whose largest rates reach the mean (infeasible groups count 0)
-        s = _largest_log_in(lambda s: _log_ratio(sample_rate, mean(1.0 / s) or 1e-300), 1.0,
-                            1.0, 1.0 / Z_RANGE[1], 1.0 / Z_RANGE[0], rel=1e-2, grow=1.3)
+        # a lower bound to start from: one record at rate q for the strictest target
+        # (some group of the plan samples at a rate >= q)
+        t_min = min(t for _, t, _ in sizes)
+        s_rec = _largest_log(lambda s: _log_ratio(eps(1.0 / s, sample_rate, 1, t_min), t_min),
+                             1.0 / Z_RANGE[1], 1.0 / Z_RANGE[0], rel=1e-2)
+        s_rec = s_rec or 1.0 / Z_RANGE[1]
+        s = _largest_log_in(lambda s: _log_ratio(sample_rate, mean(1.0 / s) or 1e-300),
+                            s_rec / 1.1, s_rec, 1.0 / Z_RANGE[1], 1.0 / Z_RANGE[0], rel=1e-2,
+                            grow=1.2)
         z = 1.0 / s if s > 0 else Z_RANGE[1]
         for i, r in enumerate(largest_rates(z)):
             if r <= 0:  # then raise z until this group is feasible too
@@ -463,6 +532,17 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
     if not feasible(z):
         worst = [i for i, r in enumerate(largest_rates(z)) if r <= 0]
         k, t, _ = max((sizes[i] for i in worst), key=lambda g: g[0] / g[1])
+        floor = eps(Z_RANGE[1], MIN_RATE, k, t)
+        if fixed_z is not None and floor <= t:
+            s = _largest_log(lambda s: _log_ratio(eps(1.0 / s, MIN_RATE, k, t), t),
+                             1.0 / Z_RANGE[1], 1.0 / fixed_z)
+            raise PrivacyConfigError(
+                f"noise multiplier {fixed_z:g} cannot meet the target {t:g} of patients with "
+                f"{k} records at any sampling rate: raise it to at least {1.0 / s:.4g}")
+        raise PrivacyConfigError(
+            f"no noise multiplier up to {Z_RANGE[1]:g} meets the target {t:g} of patients "
+            f"with {k} records at any sampling rate: raise that epsilon to at least "
+            f"{floor * 1.01:.4g}")
     rates = largest_rates(z)
     scale = min(1.0, sample_rate / mean(z))
     return z, [r * scale for r in rates]
@@ -472,7 +552,9 @@ class GroupLedger:
     """Every rate group's spending under a plan, kept across rounds (one per site).
 
     With ``bound="rdp"`` each group holds a :class:`dp.budget.PrivacyBudget` at its target
-    and composes RDP; with ``"group-privacy"`` the plan certifies its own ``steps`` only.
+    and composes RDP; with ``"pld"`` or ``"group-privacy"`` the plan certifies its own
+    ``steps`` (every step has the same rates and noise, so the epsilon after n steps is the
+    group's figure for n steps, at most the planned one).
     """
 
     def __init__(self, plan: IdpPlan) -> None:

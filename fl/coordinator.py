@@ -159,7 +159,8 @@ class Coordinator:
         """The round whose cost is written ahead and that has not completed yet."""
         self.budget: PrivacyBudget | None = None
         if plan.mode != "none":  # always accounted; capped only by --epsilon
-            self.budget = make_budget(settings.epsilon, settings.delta, settings.accountant)
+            self.budget = make_budget(settings.epsilon, settings.delta,
+                                      settings.release_accountant)
         cohort = settings.cohort_size
         self.secagg = Config(num_clients=cohort, dim=1, bits=64, security=settings.security)
         self.threshold = self.secagg.threshold
@@ -186,7 +187,7 @@ class Coordinator:
                      "charges it again (conservative)")
         if self.budget is not None:
             self.budget = restore_budget(self.settings.epsilon, self.settings.delta,
-                                         self.events, self.settings.accountant)
+                                         self.events, self.settings.release_accountant)
 
     def save(self) -> None:
         if self.settings.checkpoint is None:

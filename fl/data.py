@@ -140,9 +140,27 @@ def digits() -> Table:
                  np.arange(len(y), dtype=np.int64), 10, "digits", standardized=True)
 
 
+def heavy_tailed_counts(num_patients: int, *, max_records: int = 92, single: float = 0.41,
+                        seed: int = 0) -> np.ndarray:
+    """Records per patient as in Kaiser et al.'s CheXpert setting: a share ``single`` of the
+    patients have one record, the rest 2..``max_records`` from a discrete power law
+    (P(k) ~ k^-1.6), and one patient has ``max_records``; fixed by ``seed``."""
+    if num_patients < 2 or max_records < 2 or not 0 <= single < 1:
+        raise DataError("need >= 2 patients, max_records >= 2 and 0 <= single < 1")
+    rng = np.random.default_rng([seed, 0x7A1])
+    k = np.arange(2, max_records + 1)
+    p = k ** -1.6
+    counts = np.where(rng.random(num_patients) < single, 1,
+                      rng.choice(k, size=num_patients, p=p / p.sum()))
+    counts[rng.integers(num_patients)] = max_records
+    return counts.astype(np.int64)
+
+
 def synthetic_ehr(num_patients: int = 1000, *, min_records: int = 2, max_records: int = 8,
-                  num_features: int = 12, seed: int = 0) -> Table:
-    """Longitudinal EHR: each patient has ``min_records..max_records`` visits.
+                  num_features: int = 12, seed: int = 0,
+                  record_counts: np.ndarray | None = None) -> Table:
+    """Longitudinal EHR: each patient has ``min_records..max_records`` visits (or
+    ``record_counts[i]`` visits, e.g. :func:`heavy_tailed_counts`).
 
     A patient has static covariates and a latent risk; each visit adds drifting lab values.
     The visit's label (e.g. an adverse event) depends on the visit's features and the
@@ -156,6 +174,11 @@ def synthetic_ehr(num_patients: int = 1000, *, min_records: int = 2, max_records
     rng = np.random.default_rng([seed, 0xE11])
     weights = rng.normal(size=num_features) * 1.5 / math.sqrt(num_features / 4)
     counts = rng.integers(min_records, max_records + 1, size=num_patients)
+    if record_counts is not None:
+        if len(record_counts) != num_patients or int(np.min(record_counts)) < 1:
+            raise DataError("record_counts: one count >= 1 per patient")
+        counts = np.asarray(record_counts, dtype=np.int64)
+        max_records = int(counts.max())
     patient = np.repeat(np.arange(num_patients, dtype=np.int64), counts)
     static = rng.normal(size=(num_patients, num_features))
     risk = rng.normal(scale=0.8, size=num_patients)

@@ -148,7 +148,9 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
                          sample_rate=settings.sample_rate, steps=settings.steps_per_round,
                          rounds=settings.rounds, clip_norm=settings.clip_norm,
                          noise_multiplier=settings.noise_multiplier,
-                         accountant=settings.accountant, target_quantile=settings.adaptive_clip,
+                         # patient-idp: each site's own plan replaces this one's noise
+                         accountant=settings.release_accountant,
+                         target_quantile=settings.adaptive_clip,
                          count_stddev=settings.clip_count_stddev, prior=prior)
     if settings.dp == "distributed":
         units = max_units or settings.max_units or DEFAULT_MAX_UNITS
@@ -190,7 +192,8 @@ def privacy_plan(settings: TrainSettings) -> dict[str, Any]:
         settings, split.train.num_features, split.train.num_classes,
         prior=() if noised is None else (noised.event(),))
     out = schedule(plan, rounds=settings.rounds, epsilon=settings.epsilon,
-                   delta=settings.delta, accountant=settings.accountant, threshold=threshold,
+                   delta=settings.delta, accountant=settings.release_accountant,
+                   threshold=threshold,
                    prior=() if noised is None else (noised.event(),))
     out.update(description=plan.describe(), model_parameters=dim, sites=settings.sites,
                cohort=settings.cohort_size, warnings=plan_warnings(settings, split),

@@ -60,6 +60,9 @@ class TrainSettings:
     clip_count_stddev: float | None = None
     scaler_file: str | None = None
     budget_column: str | None = None
+    max_records_per_patient: int | None = None
+    """``--unit patient-idp``: a patient's first K records are kept, the rest never sampled
+    (its rate group is then at most K records; dp.idp.group_patients)."""
     feature_bounds: str | None = None
     """``--feature-bounds FILE``: public per-feature ranges for the noised scaler
     (:mod:`fl.site.private_scaler`)."""
@@ -95,8 +98,14 @@ class TrainSettings:
                                   or self.adaptive_clip is not None):
             problems.append("--epsilon/--noise-multiplier/--adaptive-clip without --dp would "
                             "train without privacy: add --dp site or --dp distributed")
-        if self.accountant not in ("rdp", "prv"):
-            problems.append(f"--accountant {self.accountant}: use rdp or prv")
+        if self.accountant not in ("rdp", "prv", "pld"):
+            problems.append(f"--accountant {self.accountant}: use rdp, prv or pld")
+        elif self.unit == "patient-idp" and self.accountant == "prv":
+            problems.append("--unit patient-idp accounts its rate groups with rdp or pld "
+                            "(dp-accounting's PLD of the patient's mixture), not prv")
+        elif self.accountant == "pld" and self.unit != "patient-idp":
+            problems.append("--accountant pld is for --unit patient-idp's rate groups; the "
+                            "sampled Gaussian of the other units uses rdp or prv")
         elif self.accountant == "prv" and self.dp == "distributed":
             problems.append("--accountant prv composes only the sampled Gaussian (--dp site); "
                             "distributed rounds are accounted with rdp")
@@ -132,6 +141,10 @@ class TrainSettings:
             problems.append("--unit patient-idp needs --dp site (individual sampling rates "
                             "are accounted for the Gaussian; distributed mode's integer "
                             "noise has no such analysis: docs/patient_privacy.md section 5)")
+        if self.max_records_per_patient is not None and (
+                self.unit != "patient-idp" or self.max_records_per_patient < 1):
+            problems.append(f"--max-records-per-patient {self.max_records_per_patient}: a "
+                            "count >= 1, with --unit patient-idp")
         if self.budget_column is not None and (self.unit != "patient-idp" or self.csv is None):
             problems.append("--budget-column goes with --unit patient-idp and --csv")
         if not 0 <= self.drop_rate < 1:
@@ -211,6 +224,12 @@ class TrainSettings:
         ``security`` mode (the distributed noise is calibrated to it)."""
         return int(Config(num_clients=self.cohort_size, dim=1,
                           security=self.security).threshold)
+
+    @property
+    def release_accountant(self) -> str:
+        """The accountant of the federation's own budget and plan (``--accountant pld`` is
+        patient-idp's per-group accountant, fl/site/idp.py; the run's other releases use rdp)."""
+        return "rdp" if self.accountant == "pld" else self.accountant
 
     @property
     def steps_per_round(self) -> int:

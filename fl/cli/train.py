@@ -139,6 +139,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="--unit patient-idp with --csv (--role all or site): column with "
                         "each patient's own epsilon (at most --epsilon); read by the site, "
                         "never sent")
+    r.add_argument("--max-records-per-patient", type=int, metavar="K",
+                   help="--unit patient-idp (--role all or site): keep each patient's first K "
+                        "records and never sample the rest, so no rate group is larger "
+                        "than K records (the cut-off of Kaiser et al.); the records dropped "
+                        "are counted in the report and on the terminal")
     c.add_argument("--drop-rate", type=float, default=d.drop_rate, metavar="P",
                    help="probability a site drops out of a round, at a random stage")
     c.add_argument("--max-attempts", type=int, default=d.max_attempts, metavar="N",
@@ -176,8 +181,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--noise-multiplier", type=float, metavar="Z",
                    help="DP: fix the noise instead of calibrating it to --epsilon/--rounds "
                         "(epsilon is still accounted and reported)")
-    c.add_argument("--accountant", choices=("rdp", "prv"), default=d.accountant,
-                   help="rdp (default) or prv (tighter; --dp site, the sampled Gaussian)")
+    r.add_argument("--accountant", choices=("rdp", "prv", "pld"), default=d.accountant,
+                   help="rdp (default) or prv (tighter; --dp site, the sampled Gaussian); "
+                        "--unit patient-idp: rdp or pld (dp-accounting's privacy loss "
+                        "distribution of each rate group: tighter for patients with many "
+                        "records, slower to plan; --role all only: a site's ledger composes RDP)")
     c.add_argument("--adaptive-clip", type=float, metavar="QUANTILE",
                    help="--dp site: private adaptive clipping (Andrew et al. 2021) toward "
                         "this quantile of patient gradient norms, accounted jointly")
@@ -300,6 +308,8 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         max_units=args.max_units, adaptive_clip=args.adaptive_clip, scaler_file=args.scaler,
         clip_count_stddev=args.clip_count_stddev,
         budget_column=args.budget_column if args.role != "site" else None,
+        max_records_per_patient=(args.max_records_per_patient if args.role != "site"
+                                 else None),
         feature_bounds=args.feature_bounds, scaler_epsilon=args.scaler_epsilon,
         security="malicious" if args.role == "coordinator" and args.peer_keys else
         "semi-honest")
@@ -450,6 +460,12 @@ def run_remote(args: argparse.Namespace) -> int:
 
 def _remote_settings(args: argparse.Namespace) -> tuple[TrainSettings, tuple[int, ...]]:
     """The options of a party across machines, checked before anything connects."""
+    if args.role == "site" and args.accountant == "pld":
+        raise UsageError("a site's ledger composes each rate group's RDP: --role site plans "
+                         "with --accountant rdp")
+    if args.max_records_per_patient is not None and args.role == "coordinator":
+        raise UsageError("--max-records-per-patient is read by each site (--role site with "
+                         "--unit patient-idp), never by the coordinator")
     if args.budget_column is not None and (args.role != "site" or args.csv is None
                                            or args.unit != "patient-idp"):
         raise UsageError("--budget-column is read by each site (--role site with --csv and "
@@ -544,10 +560,16 @@ def _site_idp(args: argparse.Namespace, data: Any, guard: Any, log: Any) -> None
 
     policy = guard.ledger.policy
     data.idp = SitePatients(args.site_id, data.table(data.schema.labels),
-                            epsilon=policy.epsilon, delta=policy.delta)
+                            epsilon=policy.epsilon, delta=policy.delta,
+                            max_records=args.max_records_per_patient)
     log(f"patient-idp: {len(data.idp.groups.sizes)} rate groups from this site's table "
         "(records per patient" + (", --budget-column" if args.budget_column else "")
         + "); each is charged on its own")
+    if args.max_records_per_patient is not None:
+        groups = data.idp.groups
+        log(f"--max-records-per-patient {args.max_records_per_patient}: "
+            f"{groups.dropped_records} of {len(groups.record_group)} records dropped "
+            "(never sampled)")
 
 
 def _run_coordinator(args: argparse.Namespace, settings: TrainSettings,

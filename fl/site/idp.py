@@ -42,9 +42,11 @@ if TYPE_CHECKING:
     from fl.vector import ParameterLayout
 
 
-def site_groups(site_id: int, table: Table, epsilon: float | None) -> PatientGroups:
+def site_groups(site_id: int, table: Table, epsilon: float | None,
+                max_records: int | None = None) -> PatientGroups:
     """A site's rate groups: each patient's target is its ``--budget-column`` value (at most
-    ``epsilon``) or ``epsilon``."""
+    ``epsilon``) or ``epsilon``; with ``max_records`` (``--max-records-per-patient``) a
+    patient keeps its first K records."""
     if table.budgets is not None:
         if epsilon is not None and float(table.budgets.max()) > epsilon:
             raise ValueError(f"site {site_id}: --budget-column has a budget "
@@ -56,7 +58,7 @@ def site_groups(site_id: int, table: Table, epsilon: float | None) -> PatientGro
     else:
         raise ValueError("--unit patient-idp needs --epsilon (every patient's budget) "
                          "or --budget-column COL")
-    return group_patients(table.patient_ids.tolist(), targets)
+    return group_patients(table.patient_ids.tolist(), targets, max_records)
 
 
 class SiteIdp:
@@ -74,10 +76,12 @@ class SiteIdp:
     @classmethod
     def for_site(cls, site: Site, settings: TrainSettings) -> SiteIdp:
         """``--role all``: plan the site's groups for the whole run."""
-        groups = site_groups(site.site_id, site.table, settings.epsilon)
+        groups = site_groups(site.site_id, site.table, settings.epsilon,
+                             settings.max_records_per_patient)
         plan = plan_idp(groups, delta=settings.delta, sample_rate=settings.sample_rate,
                         steps=settings.rounds * settings.steps_per_round,
-                        clip_norm=settings.clip_norm)
+                        clip_norm=settings.clip_norm, bound=settings.accountant,
+                        max_records=settings.max_records_per_patient)
         return cls(groups, plan, GroupLedger(plan))
 
     def update(self, site: Site, model: torch.nn.Module, layout: ParameterLayout, *,
@@ -122,12 +126,15 @@ class SitePatients:
     """A site process's patients under ``--unit patient-idp`` (the site role): its rate
     groups from its own table, computed once (the budget column is read here and never
     sent), and its plan for a proposed round, recomputed only when the coordinator proposes
-    other parameters. ``epsilon``/``delta``: the site operator's budget."""
+    other parameters. ``epsilon``/``delta``: the site operator's budget; ``max_records``:
+    its ``--max-records-per-patient``. Its ledger composes each group's RDP, so the site
+    role plans with the RDP accountant."""
 
     def __init__(self, site_id: int, table: Table, *, epsilon: float | None,
-                 delta: float) -> None:
-        self.groups = site_groups(site_id, table, epsilon)
+                 delta: float, max_records: int | None = None) -> None:
+        self.groups = site_groups(site_id, table, epsilon, max_records)
         self.delta = delta
+        self.max_records = max_records
         self._plans: dict[tuple[float, int, float], IdpPlan] = {}
 
     def for_task(self, task: RoundTask) -> SiteIdp:
@@ -139,7 +146,8 @@ class SitePatients:
         if key not in self._plans:
             self._plans = {key: plan_idp(self.groups, delta=self.delta,
                                          sample_rate=task.sample_rate,
-                                         steps=task.plan_steps, clip_norm=task.clip_norm)}
+                                         steps=task.plan_steps, clip_norm=task.clip_norm,
+                                         max_records=self.max_records)}
         return SiteIdp(self.groups, self._plans[key], None)
 
 
@@ -147,13 +155,20 @@ def configure(settings: TrainSettings, sites: dict[int, Site]) -> str:
     """Plan every site (``--unit patient-idp``); returns the run's privacy description."""
     for site in sites.values():
         site.idp = SiteIdp.for_site(site, settings)
-    groups = sum(len(s.idp.plan.groups) for s in sites.values() if s.idp is not None)
-    zs = [s.idp.plan.noise_multiplier for s in sites.values() if s.idp is not None]
+    idps = [s.idp for s in sites.values() if s.idp is not None]
+    groups = sum(len(i.plan.groups) for i in idps)
+    zs = [i.plan.noise_multiplier for i in idps]
+    rates = [i.plan.mean_sample_rate for i in idps]
+    cut = settings.max_records_per_patient
+    dropped = sum(i.groups.dropped_records for i in idps)
+    kept = sum(int(np.count_nonzero(i.groups.record_group >= 0)) for i in idps)
     return (f"site DP-SGD with individual privacy assignment (per-record sampling rates per "
-            f"rate group, RDP group accounting): {groups} rate groups over {len(sites)} "
-            f"sites, noise multipliers {min(zs):.3f}-{max(zs):.3f}, clip "
-            f"{settings.clip_norm}, mean record rate {settings.sample_rate}, "
-            f"{settings.steps_per_round} steps per round")
+            f"rate group, {settings.accountant.upper()} group accounting): {groups} rate "
+            f"groups over {len(sites)} sites, noise multipliers {min(zs):.3f}-{max(zs):.3f}, "
+            f"clip {settings.clip_norm}, mean record rate {min(rates):.4g}-{max(rates):.4g} "
+            f"(asked {settings.sample_rate}), {settings.steps_per_round} steps per round"
+            + (f"; --max-records-per-patient {cut} drops {dropped} of {dropped + kept} "
+               "records" if cut is not None else ""))
 
 
 class FederationBudget:
@@ -220,7 +235,7 @@ def restore(settings: TrainSettings, sites: dict[int, Site], coordinator: Coordi
 def _report_mechanism(report: dict[str, Any], description: str, where: str) -> None:
     report["privacy"] = description
     report["model_info"]["privacy"] = description
-    report["dp_events"] = None  # per-group RDP curves, at the sites
+    report["dp_events"] = None  # per-group events, at the sites (finish_report: --role all)
     for release in report["releases"]:  # the coordinator's plan was only the round's task
         for key in ("noise_multiplier", "sample_rate", "count_stddev", "dp_event"):
             release.pop(key, None)
@@ -234,9 +249,23 @@ def finish_report(settings: TrainSettings, sites: dict[int, Site], report: dict[
     (records, target, patients, rate, clip, planned and spent epsilon)."""
     plans = {cid: s.idp for cid, s in sites.items() if s.idp is not None}
     _report_mechanism(report, description, "see 'idp'")
-    report["idp"] = {str(cid): {**p.plan.report(), "groups": p.ledger.report()}
-                     for cid, p in plans.items() if p.ledger is not None}
+    report["idp"] = {str(cid): site_report(p) for cid, p in plans.items()
+                     if p.ledger is not None}
+    # per site, per rate group: the steps run as a DpEvent (dp.audit.recompute_epsilon)
+    report["dp_events"] = {cid: {g["key"]: g["dp_event"] for g in site["groups"]}
+                           for cid, site in report["idp"].items()}
     return report
+
+
+def site_report(idp: SiteIdp) -> dict[str, Any]:
+    """One site's idp section: the plan, the accountant, the records the cut-off dropped,
+    and per group its rate, planned and spent epsilon and the steps run as a DpEvent."""
+    assert idp.ledger is not None
+    steps = idp.ledger.steps_done
+    groups = [{**g, "key": group.key, "dp_event": idp.plan.group_dp_event(group, steps)}
+              for g, group in zip(idp.ledger.report(), idp.plan.groups, strict=True)]
+    return {**idp.plan.report(), "accountant": idp.plan.bound, "steps_done": steps,
+            "dropped_records": idp.groups.dropped_records, "groups": groups}
 
 
 REMOTE_DESCRIPTION = ("site DP-SGD with individual privacy assignment: each site plans its "
@@ -263,7 +292,8 @@ def plan_summary(settings: TrainSettings, sites: dict[int, Site], out: dict[str,
                 "count_stddev"):
         out.pop(key, None)
     out.update(mechanism="sampled Gaussian with individual per-record rates per rate group "
-                         "(see 'idp')", epsilon_after=eps, epsilon_final=eps[-1],
+                         "(see 'idp')", accountant=settings.accountant,
+               epsilon_after=eps, epsilon_final=eps[-1],
                rounds_run=settings.rounds, rounds_affordable=settings.rounds,
                idp={str(cid): s.idp.plan.report() for cid, s in sites.items()
                     if s.idp is not None})

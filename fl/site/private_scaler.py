@@ -172,7 +172,7 @@ def uses_noised_scaler(settings: Any, table: Table | None = None) -> bool:
     has_bounds = (getattr(settings, "feature_bounds", None) is not None
                   or (settings.csv is None and settings.dataset == "breast-cancer"))
     return (settings.dp != "none" and settings.scaling == "auto" and has_bounds
-            and settings.scaler_file is None and settings.accountant == "rdp"
+            and settings.scaler_file is None and settings.release_accountant == "rdp"
             and settings.unit != "patient-idp")
 
 
@@ -262,7 +262,8 @@ class Released:
 
         s = coordinator.settings
         coordinator.events = list(self.events)
-        coordinator.budget = restore_budget(s.epsilon, s.delta, self.events, s.accountant)
+        coordinator.budget = restore_budget(s.epsilon, s.delta, self.events,
+                                            s.release_accountant)
         coordinator.save()
 
 
@@ -290,7 +291,8 @@ def charge(plan: ScalerPlan, settings: Any, saved: Any, num_features: int,
     from fl.site.privacy import event_to_json, restore_budget
 
     events = list(saved.events) if saved is not None else []
-    budget = restore_budget(settings.epsilon, settings.delta, events, settings.accountant)
+    budget = restore_budget(settings.epsilon, settings.delta, events,
+                            settings.release_accountant)
     before = budget.spent[0]
     after = budget.spend(plan.event())[0]
     events.append(event_to_json(plan.event()))
