@@ -24,7 +24,7 @@ from .errors import (
 from .graph import GraphParameters, secagg_plus_parameters
 from .messages import decode, encode
 from .server import AggregateResult, Server
-from .simulate import SimulationResult, simulate
+from .simulate import LocalRound, SimulationResult, simulate
 from .stage import Stage, round_stages
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "CryptoError",
     "DecodeError",
     "GraphParameters",
+    "LocalRound",
     "ProtocolAbort",
     "ProtocolError",
     "SecAggError",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +35,41 @@ class SimulationResult:
     client_aborts: Mapping[int, str] = field(default_factory=dict)
     corrupt_shares: Mapping[int, frozenset[int]] = field(default_factory=dict)
     unattributable: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class LocalRound:
+    """One round's parties made in one place (a simulation or a test, where every party is
+    local): the roster, the context, each client's signing key and the verify keys
+    (``malicious`` mode; fresh Ed25519 keys), and the ``Server`` with its fresh nonce.
+    ``client`` builds a client bound to all of it. ``simulate``, ``transport.run_round``
+    and ``secagg simulate``'s runner all start here."""
+
+    config: Config
+    roster: tuple[int, ...]
+    context: bytes
+    signing_keys: Mapping[int, SigningKey]
+    verify_keys: Mapping[int, bytes] | None
+    server: Server
+
+    @classmethod
+    def new(cls, config: Config, client_ids: Iterable[int], context: bytes | None = None
+            ) -> LocalRound:
+        roster = tuple(sorted(int(c) for c in client_ids))
+        context = os.urandom(32) if context is None else context
+        signing: dict[int, SigningKey] = {}
+        verify: dict[int, bytes] | None = None
+        if config.malicious:
+            signing = {cid: SigningKey.generate() for cid in roster}
+            verify = {cid: key.public for cid, key in signing.items()}
+        server = Server(config, roster=roster, context=context, verify_keys=verify)
+        return cls(config, roster, context, signing, verify, server)
+
+    def client(self, client_id: int, vector: object) -> Client:
+        """Client ``client_id`` of this round with ``vector``, its key and the nonce bound."""
+        return Client(self.config, client_id, vector, roster=self.roster,
+                      context=self.context, signing_key=self.signing_keys.get(client_id),
+                      verify_keys=self.verify_keys, nonce=self.server.nonce)
 
 
 def _parse_drop(drop: Mapping[int, Stage | str] | None, ids: set[int]) -> dict[int, Stage]:
@@ -69,20 +104,12 @@ def simulate(config: Config, inputs: Mapping[int, object],
     drops = _parse_drop(drop, set(inputs))
     if context is None:
         context = (b"secagg.simulate|seed=%d" % seed) if seed is not None else os.urandom(32)
-    roster = sorted(inputs)
-    signing: dict[int, SigningKey] = {}
-    verify: dict[int, bytes] | None = None
-    if config.malicious:
-        signing = {cid: SigningKey.generate() for cid in roster}
-        verify = {cid: key.public for cid, key in signing.items()}
-    nonce = os.urandom(32)  # the round's freshness for the advertisements (5.7)
-    server = Server(config, roster=roster, context=context, verify_keys=verify, nonce=nonce)
+    parties = LocalRound.new(config, inputs, context)
+    roster, server = parties.roster, parties.server
     clients: dict[int, Client] = {}
     for cid in roster:  # each input is checked and copied once, by its client
         try:
-            clients[cid] = Client(config, cid, inputs[cid], roster=roster, context=context,
-                                  signing_key=signing.get(cid), verify_keys=verify,
-                                  nonce=server.nonce)
+            clients[cid] = parties.client(cid, inputs[cid])
         except ValueError as exc:
             text = str(exc)
             raise ValueError(f"inputs[{cid}]{text[5:]}" if text.startswith("input ")

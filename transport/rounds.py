@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from secagg import Config, SigningKey, Stage
+from secagg import Config, Stage
 from secagg.client import Client, check_input
 from secagg.server import AggregateResult, Server
+from secagg.simulate import LocalRound
 
 from .client_driver import ClientDriver, ClientOutcome, DropHook
 from .drivers import StageProgress, Timeouts, client_will, server_will
@@ -125,17 +125,9 @@ async def run_round(network: Network, config: Config, inputs: Mapping[int, objec
     if unknown:
         raise ValueError(f"drop names clients {unknown[:10]} that have no input")
     topics = Topics(round_name or new_round_name())
-    context = context if context is not None else os.urandom(32)
-    roster = sorted(checked)
-    signing: dict[int, SigningKey] = {}
-    verify: dict[int, bytes] | None = None
-    if config.malicious:
-        signing = {cid: SigningKey.generate() for cid in roster}
-        verify = {cid: key.public for cid, key in signing.items()}
-    server = Server(config, roster=roster, context=context, verify_keys=verify,
-                    nonce=os.urandom(32))
-    clients = [Client(config, cid, checked[cid], roster=roster, context=context,
-                      signing_key=signing.get(cid), verify_keys=verify) for cid in roster]
+    parties = LocalRound.new(config, checked, context)
+    server = parties.server
+    clients = [parties.client(cid, checked[cid]) for cid in parties.roster]
     server_ready, start = asyncio.Event(), asyncio.Event()
     server_task = asyncio.create_task(serve_server(
         network, server, topics, timeouts=timeouts, max_payload=max_payload,

@@ -24,10 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 from secagg import Config, ProtocolAbort, Stage
-from secagg.server import AggregateResult, Server
+from secagg.server import AggregateResult
+from secagg.simulate import LocalRound
 
 from .drivers import StageProgress, Timeouts
 from .errors import TransportError
@@ -113,14 +112,9 @@ async def run_simulation(spec: SimulationSpec,
     passwords = {SERVER_USER: secrets.token_urlsafe(18)}
     passwords.update({site_name(c): secrets.token_urlsafe(18) for c in roster})
     acl = acl_table(list(roster))
-    signing: dict[int, bytes] = {}
-    verify: dict[int, bytes] | None = None
-    if config.malicious:
-        keys = {c: Ed25519PrivateKey.generate() for c in roster}
-        signing = {c: k.private_bytes_raw() for c, k in keys.items()}
-        verify = {c: k.public_key().public_bytes_raw() for c, k in keys.items()}
-    server = Server(config, roster=roster, context=context, verify_keys=verify,
-                    nonce=os.urandom(32))
+    parties = LocalRound.new(config, roster, context)
+    server, verify = parties.server, parties.verify_keys
+    signing = {c: key.private_bytes() for c, key in parties.signing_keys.items()}
     topics = Topics(round_name)
     seconds: dict[str, float] = {}
     async with running_broker(spec.broker, passwords, acl) as broker_settings:
