@@ -389,8 +389,3 @@ class SiteProcess:
                  + f"; trained in {trained:.2f} s, sent "
                  f"{sum(outcome.bytes_sent.values())} bytes to {len(go.roster)}-site "
                  "secure aggregation")
-
-
-def run_site(data: SiteData, network: Network, options: SiteOptions, log: Log) -> int:
-    """Run a site process until the coordinator says done (0) or stays silent (1)."""
-    return asyncio.run(SiteProcess(data, network, options, log).run())
