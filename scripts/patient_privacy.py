@@ -533,7 +533,8 @@ def render(runs: list[dict[str, Any]], plot_name: str) -> str:
         "",
         "The plan is fixed before training (`dp.idp.plan_idp`). During training "
         "(`dp.idp_engine.IdpSgd`) each rate group holds its own `dp.budget.PrivacyBudget` at its "
-        "target (with PLD: the plan's steps, whose epsilon the plan certifies); a round that would take *any* group past its target is refused before it "
+        "target (with PLD: the plan's steps, whose epsilon the plan certifies); a round "
+        "that would take *any* group past its target is refused before it "
         "runs (`BudgetExceeded`), and the report lists every group's records, rate, clip and "
         "epsilon.",
         "",
