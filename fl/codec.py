@@ -17,7 +17,7 @@ Every site hands secure aggregation one ``uint64`` vector mod ``2**bits``: its u
 
 The wire forms and their decode are written once, here, for every runtime: the site role
 and both coordinators (:mod:`fl.contribution`) and the Flower adapter
-(:mod:`fl.flower.encoding`) call :func:`encode_weighted` / :func:`decode_weighted` (weighted
+(:mod:`fl.round_setup`, for the Flower and NVFlare runtimes) call :func:`encode_weighted` / :func:`decode_weighted` (weighted
 FedAvg) and :meth:`DistributedCodec.encode` / :func:`noisy_mean` (distributed DP).
 """
 
