@@ -22,7 +22,10 @@ complete the round with the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -30,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dp.encoding import EncodingParams
+from dp.policy import SitePolicy
 from fl.codec import (
     DistributedCodec,
     FixedPointCodec,
@@ -38,8 +42,10 @@ from fl.codec import (
     noisy_mean,
 )
 from fl.errors import FLError
+from fl.privacy import DistributedPlan, distributed_plan
+from fl.site_core import SecureSum, SiteCore
 from fl.vector import ArraySpec
-from secagg import Config
+from secagg import Config, secagg_plus_parameters
 from transport import fields
 
 F64 = npt.NDArray[np.float64]
@@ -364,3 +370,142 @@ def decode_sum(setup: RoundSetup, total: U64, included: int, sent: F64
     d = setup.model_dim
     metrics = {name: float(averages[d + i]) for i, name in enumerate(setup.metrics)}
     return averages[:d], metrics, weight
+
+
+def round_release(setup: RoundSetup) -> Callable[[SitePolicy], SecureSum]:
+    """What a round releases, as the site core charges it (given the node's policy): an
+    exact sum, or one distributed-DP sum of the node's clipped update. The node charges it
+    at sample rate 1: the server picks the roster, so the node cannot count on being
+    sampled (the NVFlare site likewise, :mod:`fl.nvflare.client`). The update is clipped as
+    a whole, which bounds every patient's and every record's influence: the release is per
+    the policy's unit (patient or record)."""
+    params = dp_params(setup) if setup.encoding == "ddp" else None
+    if params is None:
+        validate_fixed(setup)
+
+    def release(policy: SitePolicy) -> SecureSum:
+        unit = policy.unit if policy.unit in ("patient", "record") else "patient"
+        return SecureSum(params=params, sample_rate=1.0, unit=unit)
+
+    return release
+
+
+def admit_round(core: SiteCore, setup: RoundSetup, label: str) -> None:
+    """A site's checks of a round setup before its data is touched (both runtimes): the
+    protocol margins and the release against its policy, charged write-ahead to its ledger
+    (:class:`fl.site_core.SiteCore`; a refusal raises :class:`dp.policy.PolicyRefused`). A
+    malicious-mode roster is authenticated by enrolled keys, so its noise shares count."""
+    core.authenticated_roster = setup.security == "malicious"  # enrolled keys only
+    core.check_protocol(num_clients=setup.num_clients, threshold=setup.threshold,
+                        neighbors=setup.neighbors, security=setup.security)
+    core.admit(round_release(setup)(core.policy), secagg_threshold=setup.threshold,
+               label=label)
+
+
+def check_identity(setup: RoundSetup, client_id: int, signing_key: Any,
+                   trusted_keys: frozenset[bytes]) -> dict[str, Any]:
+    """A malicious-mode setup must give this site its own verify key and only enrolled
+    keys (:class:`SetupError` otherwise); the keyword arguments ``secagg.Client`` needs for
+    the round's security mode."""
+    if setup.security != "malicious":
+        return {}
+    if signing_key is None:
+        raise SetupError("a malicious-mode round needs this site's signing key")
+    if setup.verify_keys[client_id - 1] != signing_key.public:
+        raise SetupError("the setup gives this site a verify key that is not its own")
+    strangers = [i + 1 for i, key in enumerate(setup.verify_keys) if key not in trusted_keys]
+    if strangers:
+        raise SetupError(f"the setup names verify keys that are not enrolled (roster "
+                         f"positions {strangers[:10]}); refused")
+    return {"signing_key": signing_key, "verify_keys": setup.peer_keys()}
+
+
+# --- the server side: a round's setup -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DistributedDP:
+    """Client-level distributed DP: each node clips its update (reply minus the arrays
+    sent) to ``clip_norm`` and adds its share of integer noise. Give ``epsilon`` (with
+    ``delta``, the node ``sample_rate`` and the planned ``rounds``) to have the noise fit
+    the budget and the budget enforced, or a central ``noise_multiplier``."""
+
+    clip_norm: float
+    epsilon: float | None = None
+    delta: float = 1e-5
+    sample_rate: float = 1.0
+    rounds: int = 1
+    noise_multiplier: float | None = None
+    granularity_bits: int = 12
+
+
+def protocol_graph(n: int, *, neighbors: int | str | None, threshold: int | None,
+                   dropout_rate: float, corrupt_rate: float, security: str
+                   ) -> tuple[int | None, int | None]:
+    """The (k, t) a server asks of ``n`` sites: ``neighbors="auto"``: SecAgg+'s for the
+    rates (``secagg.secagg_plus_parameters``; k None: the complete graph when no sparse one
+    is safe); an int k with ``threshold``; None: the complete graph with ``threshold``
+    (None: the protocol's floor, which ``secagg.Config`` fills in)."""
+    if neighbors == "auto":
+        graph = secagg_plus_parameters(n, dropout_rate, corrupt_rate, security)
+        return graph.neighbors, graph.threshold
+    return (neighbors, threshold) if isinstance(neighbors, int) else (None, threshold)
+
+
+def fixed_setup(*, run_id: int, server_round: int, roster: Sequence[int],
+                arrays: tuple[ArraySpec, ...], metrics: tuple[str, ...], weight_key: str,
+                neighbors: int | str | None, threshold: int | None, dropout_rate: float,
+                corrupt_rate: float, security: str, bits: int, frac_bits: int,
+                verify_keys: Mapping[Any, bytes], members: Sequence[Any] | None = None
+                ) -> RoundSetup:
+    """A fixed-point round's setup with a fresh nonce and the graph of
+    :func:`protocol_graph`. Malicious mode: ``verify_keys`` maps each of ``members``
+    (default the roster) to its enrolled key; a member without one is a ``ValueError``."""
+    n = len(roster)
+    k, t = protocol_graph(n, neighbors=neighbors, threshold=threshold,
+                          dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
+                          security=security)
+    rates = {} if k is None else {"dropout_rate": dropout_rate, "corrupt_rate": corrupt_rate}
+    # Config fills in the protocol's threshold floor when t is None
+    probe = Config(num_clients=n, threshold=t, neighbors=k, security=security, **rates)
+    keys: tuple[bytes, ...] = ()
+    if security == "malicious":
+        who = list(roster if members is None else members)
+        unknown = [m for m in who if m not in verify_keys]
+        if unknown:
+            raise ValueError(f"no enrolled verify key for {unknown[:10]}")
+        keys = tuple(verify_keys[m] for m in who)
+    return RoundSetup(
+        run_id=run_id, server_round=server_round, nonce=os.urandom(32), roster=tuple(roster),
+        threshold=probe.threshold, neighbors=probe.neighbors, bits=bits, security=security,
+        arrays=arrays, metrics=metrics, weight_key=weight_key, encoding="fixed",
+        frac_bits=frac_bits, dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
+        verify_keys=keys)
+
+
+def round_plan(privacy: DistributedDP, setup: RoundSetup,
+               cache: dict[tuple[int, int, int], DistributedPlan]) -> DistributedPlan:
+    """The distributed-DP plan of ``setup``'s round (``fl.privacy.distributed_plan``: the
+    per-site noise so any ``threshold`` survivors carry the target), cached per (model
+    size, sites, threshold) in ``cache``."""
+    key = (setup.model_dim, setup.num_clients, setup.threshold)
+    if key not in cache:
+        cache[key] = distributed_plan(
+            model_dim=setup.model_dim, epsilon=privacy.epsilon, delta=privacy.delta,
+            sample_rate=privacy.sample_rate, rounds=privacy.rounds,
+            clip_norm=privacy.clip_norm, num_sites=setup.num_clients,
+            threshold=setup.threshold, max_units_per_site=1,
+            noise_multiplier=privacy.noise_multiplier,
+            granularity_bits=privacy.granularity_bits)
+    return cache[key]
+
+
+def with_distributed_dp(setup: RoundSetup, plan: DistributedPlan, domain: bytes
+                        ) -> RoundSetup:
+    """``setup`` switched to the distributed-DP encoding of ``plan`` (no metrics: they
+    would carry no noise); the rotation seed is drawn from the round's nonce."""
+    p = plan.params
+    rotation = int.from_bytes(hashlib.sha256(domain + setup.nonce).digest()[:8], "big") >> 1
+    dp = DpSpec(p.clip_norm, p.scale, p.bits, p.noise_stddev, rotation, p.mechanism,
+                p.beta, p.threshold)
+    return replace(setup, encoding="ddp", frac_bits=0, dp=dp, bits=p.bits, metrics=())
