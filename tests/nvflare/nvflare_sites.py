@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +24,8 @@ from fl.nvflare.server import SecureFedAvg
 from fl.round_setup import RoundSetup
 
 PLAN_ENV = "SECAGG_TEST_PLAN"
-"""A JSON file: {"record": dir, "drops": {site: {round: [stage label, "fail"|"stall"]}}}."""
+"""A JSON file: {"record": dir, "zero_round": round, "drops": {site: {round: [stage label,
+"fail" | "kill" | "stall", seconds]}}}."""
 
 STAGES = ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmasking")
 
@@ -53,6 +55,9 @@ class RecordingExecutor(SecAggExecutor):
             self._round, self._stage, self._security = setup.server_round, 0, setup.security
         drop = self._plan()["drops"].get(self.site, {}).get(str(self._round))
         if drop is not None and drop[0] == STAGES[self._stage]:
+            if drop[1] == "kill":  # the whole site dies mid-round: its client and job process
+                os.kill(os.getppid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
             if drop[1] == "stall":
                 time.sleep(float(drop[2]))
             else:
@@ -72,3 +77,13 @@ class ZeroNoiseFedAvg(SecureFedAvg):
         if setup is not None and setup.dp is not None and server_round == zero_round:
             return replace(setup, dp=replace(setup.dp, noise_stddev=0.0))
         return setup
+
+
+def inputs(record: Path, server_round: int, sites: list[str]) -> list[np.ndarray]:
+    """The secagg inputs ``sites`` recorded for ``server_round``."""
+    return [np.load(record / f"{s}-r{server_round}.npy") for s in sites]
+
+
+def plain_sum(vectors: list[np.ndarray], bits: int) -> list[int]:
+    """The modular sum, in Python integers (exact)."""
+    return [sum(int(v[i]) for v in vectors) % (1 << bits) for i in range(len(vectors[0]))]

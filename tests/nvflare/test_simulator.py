@@ -24,7 +24,13 @@ sys.path.insert(0, str(HERE))
 from nvflare.app_common.np.np_model_persistor import NPModelPersistor  # noqa: E402
 from nvflare.fuel.utils.constants import FrameworkType  # noqa: E402
 from nvflare.job_config.api import FedJob  # noqa: E402
-from nvflare_sites import PLAN_ENV, RecordingExecutor, ZeroNoiseFedAvg  # noqa: E402
+from nvflare_sites import (  # noqa: E402
+    PLAN_ENV,
+    RecordingExecutor,
+    ZeroNoiseFedAvg,
+    inputs,
+    plain_sum,
+)
 
 from dp.ledger import Ledger  # noqa: E402
 from dp.policy import SitePolicy  # noqa: E402
@@ -61,13 +67,6 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, server: Any, sites: dict[st
     return [json.loads(line) for line in Path(server.report_path).read_text().splitlines()]
 
 
-def _inputs(tmp: Path, server_round: int, sites: list[str]) -> list[np.ndarray]:
-    return [np.load(tmp / "record" / f"{s}-r{server_round}.npy") for s in sites]
-
-
-def _plain_sum(vectors: list[np.ndarray], bits: int) -> list[int]:
-    """The modular sum, in Python integers (exact)."""
-    return [sum(int(v[i]) for v in vectors) % (1 << bits) for i in range(len(vectors[0]))]
 
 
 def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
@@ -90,7 +89,7 @@ def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
         included = sorted(set(sites) - set(dropped) | ({"site-1"} if "site-1" in dropped
                                                        else set()))
         assert report["included"] == included  # site-1's masked input is in round 2's sum
-        assert report["total"] == _plain_sum(_inputs(tmp_path, report["server_round"],
+        assert report["total"] == plain_sum(inputs(tmp_path / "record", report["server_round"],
                                                      included), 64)
         assert set(report["seconds"]) == {"advertise_keys", "share_keys", "masked_input",
                                           "unmasking"}
@@ -102,7 +101,7 @@ def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
         assert ledger.releases == 0
     # the saved model is the decoded weighted average of the last round's plaintext inputs
     codec = FixedPointCodec(10, bits=64, frac_bits=24, max_summands=5)
-    plain = np.array(_plain_sum(_inputs(tmp_path, 2, reports[2]["included"]), 64),
+    plain = np.array(plain_sum(inputs(tmp_path / "record", 2, reports[2]["included"]), 64),
                      dtype=np.uint64)
     average, _ = decode_weighted(codec, plain)
     saved = next((tmp_path / "ws").rglob("server.npy"))
@@ -139,7 +138,7 @@ def test_malicious_distributed_dp_budget_and_a_zero_noise_round_refused(
     assert set(third["seconds"]) >= {"consistency_check", "unmasking"}
     for report in (first, third):
         assert report["encoding"] == "ddp" and report["security"] == "malicious"
-        assert report["total"] == _plain_sum(_inputs(tmp_path, report["server_round"],
+        assert report["total"] == plain_sum(inputs(tmp_path / "record", report["server_round"],
                                                      report["included"]), report["bits"])
     assert 0 < first["epsilon"] < third["epsilon"] <= dp["epsilon"]
     assert fourth["skipped"] is not None and "budget" in fourth["skipped"]
