@@ -228,8 +228,11 @@ class SecAggExecutor(Executor):
         if model.params_type == ParamsType.DIFF:
             arrays = sent + arrays
         weight = float((model.meta or {}).get(FLMetaKey.NUM_STEPS_CURRENT_ROUND, 1.0))
-        metrics = {name: float((model.metrics or {}).get(name, np.nan))
-                   for name in setup.metrics}
+        missing = [name for name in setup.metrics if name not in (model.metrics or {})]
+        if missing:
+            raise NVFlareSecAggError(f"the round averages the train metrics {missing}, which "
+                                     "the training script did not send (FLModel.metrics)")
+        metrics = {name: float(model.metrics[name]) for name in setup.metrics}
         return encode_reply(setup, arrays, metrics, weight,
                             sent if setup.encoding == "ddp" else None)
 
