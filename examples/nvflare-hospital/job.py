@@ -20,11 +20,10 @@ from nvflare.job_config.api import FedJob
 
 from fl.data import load_dataset
 
-# the two changed lines; they were
-#   from nvflare.job_config.script_runner import ScriptRunner
+# the changed import; it was
 #   from nvflare.app_common.workflows.fedavg import FedAvg
-from fl.nvflare.job import SecureScriptRunner
-from fl.nvflare.server import SecureFedAvg
+#   from nvflare.job_config.script_runner import ScriptRunner
+from fl.nvflare import SecureFedAvg, SecureScriptRunner
 
 HERE = Path(__file__).resolve().parent
 

@@ -9,13 +9,31 @@
   ``ClientAPIExecutor``) and puts the result through the site core (:mod:`fl.site_core`);
 * :func:`fl.nvflare.job.secure_fedavg_job`: the job (``FedJob``) that wires both.
 
-Nothing here imports torch; nvflare is imported only in this package.
+Nothing here imports torch or flwr; nvflare is imported only in this package.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-if importlib.util.find_spec("nvflare") is None:  # pragma: no cover - exercised on a core install
+try:  # a real NVFlare (not a namespace package of a folder named nvflare on sys.path)
+    _found = importlib.util.find_spec("nvflare.apis") is not None
+except ImportError:
+    _found = False
+if not _found:  # pragma: no cover - exercised on a core install
     raise ImportError("fl.nvflare needs NVIDIA FLARE: pip install 'secagg[nvflare]' "
                       "(nvflare==2.9.0, pinned in constraints.txt)")
+
+from fl.nvflare.client import SecAggExecutor, SiteConfig
+from fl.nvflare.common import NVFlareSecAggError
+from fl.nvflare.job import SecureScriptRunner
+from fl.nvflare.server import RoundReport, SecureFedAvg
+
+__all__ = [
+    "NVFlareSecAggError",
+    "RoundReport",
+    "SecAggExecutor",
+    "SecureFedAvg",
+    "SecureScriptRunner",
+    "SiteConfig",
+]
