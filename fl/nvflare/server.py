@@ -159,6 +159,7 @@ class SecureFedAvg(ModelController):
                        if self.privacy is not None and self.privacy.epsilon is not None
                        else None)
         self.reports: list[RoundReport] = []
+        self._last_setup: RoundSetup | None = None
         self._plans: dict[tuple[int, int, int], DistributedPlan] = {}
         self._lock = threading.Lock()
 
@@ -188,6 +189,7 @@ class SecureFedAvg(ModelController):
                 continue
             sent = ArrayLayout.of(params).flatten(params)
             setup = self._last_setup
+            assert setup is not None  # set by the round that produced the total
             aggregate, metrics, weight = decode_sum(setup, report.total,
                                                     len(report.included), sent)
             params = ArrayLayout.of(params).unflatten(aggregate)
