@@ -16,8 +16,8 @@ Every site hands secure aggregation one ``uint64`` vector mod ``2**bits``: its u
   protected by the same noise and the same epsilon as the update, at no extra privacy cost.
 
 The wire forms and their decode are written once, here, for every runtime: the site role
-and both coordinators (:mod:`fl.contribution`) and the Flower adapter
-(:mod:`fl.flower.encoding`) call :func:`encode_weighted` / :func:`decode_weighted` (weighted
+and both coordinators (:mod:`fl.contribution`) and the Flower and NVFlare runtimes
+(:mod:`fl.round_setup`) call :func:`encode_weighted` / :func:`decode_weighted` (weighted
 FedAvg) and :meth:`DistributedCodec.encode` / :func:`noisy_mean` (distributed DP).
 """
 

@@ -38,11 +38,9 @@ from fl.flower.encoding import (
     F64,
     U64,
     ReplyError,
-    dp_params,
     encode_reply,
     encoded_dim,
     flatten,
-    validate_fixed,
 )
 from fl.flower.guard import (
     ABORTED,
@@ -56,7 +54,8 @@ from fl.flower.guard import (
 )
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE, secagg_record
 from fl.flower.setup import RoundSetup, SetupError
-from fl.site.core import SecureSum, SiteCore, open_site_core, state_directory
+from fl.round_setup import admit_round, check_identity, round_release
+from fl.site.core import SiteCore, open_site_core, state_directory
 from secagg import Client, ProtocolAbort, SigningKey, Stage, encode
 from secagg.session import derive_session_id
 
@@ -170,13 +169,7 @@ class NodeOptions:
         if self.signing_key is None:
             raise SetupError("a malicious-mode round needs this node's signing key: "
                              "give NodeOptions(signing_key=..., trusted_keys=...)")
-        if setup.verify_keys[client_id - 1] != self.signing_key.public:
-            raise SetupError("the setup gives this node a verify key that is not its own")
-        strangers = [i + 1 for i, key in enumerate(setup.verify_keys)
-                     if key not in self.trusted_keys]
-        if strangers:
-            raise SetupError(f"the setup names verify keys that are not enrolled "
-                             f"(roster positions {strangers[:10]}); refused")
+        check_identity(setup, client_id, self.signing_key, self.trusted_keys)
 
     def identity(self, setup: RoundSetup) -> dict[str, Any]:
         """The keyword arguments secagg.Client needs for this round's security mode."""
@@ -258,7 +251,7 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
     except ReplyError as exc:
         raise SetupError(f"the train message's arrays do not match the round setup: "
                          f"{exc}") from None
-    release = round_release(setup)
+    round_release(setup)  # refuses a setup whose encoding cannot hold the round
     session = derive_session_id(config, tuple(range(1, setup.num_clients + 1)),
                                 setup.context())
     directory = options.directory(context)
@@ -269,12 +262,8 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
     context.state.config_records.pop(STATE, None)  # an unfinished earlier round is gone
     core = options.open_core(context)
     try:
-        core.authenticated_roster = setup.security == "malicious"  # enrolled keys only
-        core.check_protocol(num_clients=setup.num_clients, threshold=setup.threshold,
-                            neighbors=setup.neighbors, security=setup.security)
-        core.admit(release(core.policy), secagg_threshold=setup.threshold,
-                   label=f"flower run {setup.run_id} round {setup.server_round} "
-                         f"setup {setup.nonce[:8].hex()}")
+        admit_round(core, setup, f"flower run {setup.run_id} round {setup.server_round} "
+                                 f"setup {setup.nonce[:8].hex()}")
     finally:
         core.close()
     del msg.content.config_records[RECORD]  # the user's train sees its own message only
@@ -296,25 +285,6 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
     return _reply(msg, client.session_id, advertisement)
 
 
-def round_release(setup: RoundSetup) -> Callable[[SitePolicy], SecureSum]:
-    """What a round releases, as the site core charges it (given the node's policy): an
-    exact sum, or one distributed-DP sum of the node's clipped update. The node charges it
-    at sample rate 1: the server picks the roster, so the node cannot count on being
-    sampled. The update is clipped as a whole, which bounds every patient's and every
-    record's influence: the release is per the policy's unit (patient or record)."""
-    params = dp_params(setup) if setup.encoding == "ddp" else None
-    if params is None:
-        validate_fixed(setup)
-    # the node's whole update is one clipped row: one patient (or record) can move it
-    # anywhere in the clip ball, so it is charged at the replace-one sensitivity (twice the
-    # row's bound), not the add/remove one of the site role's one-row-per-patient sums
-    charged = None if params is None else params.replace_one()
-
-    def release(policy: SitePolicy) -> SecureSum:
-        unit = policy.unit if policy.unit in ("patient", "record") else "patient"
-        return SecureSum(params=charged, sample_rate=1.0, unit=unit)
-
-    return release
 
 
 def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:

@@ -25,11 +25,8 @@ survivors carry the target noise) and a round that would overshoot the budget is
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -40,9 +37,16 @@ from flwr.serverapp.strategy.result import Result
 from dp.budget import PrivacyBudget
 from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten
 from fl.flower.rounds import RoundDriver, RoundReport
-from fl.flower.setup import DpSpec, RoundSetup
-from fl.site.privacy import DistributedPlan, distributed_plan
-from secagg import Server, secagg_plus_parameters
+from fl.flower.setup import RoundSetup
+from fl.round_setup import (
+    DistributedDP,
+    fixed_setup,
+    protocol_graph,
+    round_plan,
+    with_distributed_dp,
+)
+from fl.site.privacy import DistributedPlan
+from secagg import Server
 
 log = logging.getLogger("fl.flower")
 
@@ -111,21 +115,6 @@ def _by_stage(dropped: Mapping[int, str]) -> str:
     return "; ".join(f"{stage}: {len(nodes)} (nodes {nodes[:5]}{'...' if len(nodes) > 5 else ''})"
                      for stage, nodes in stages.items())
 
-
-@dataclass(frozen=True)
-class DistributedDP:
-    """Client-level distributed DP: each node clips its update (reply minus the arrays
-    sent) to ``clip_norm`` and adds its share of integer noise. Give ``epsilon`` (with
-    ``delta``, the node ``sample_rate`` and the planned ``rounds``) to have the noise fit
-    the budget and the budget enforced, or a central ``noise_multiplier``."""
-
-    clip_norm: float
-    epsilon: float | None = None
-    delta: float = 1e-5
-    sample_rate: float = 1.0
-    rounds: int = 1
-    noise_multiplier: float | None = None
-    granularity_bits: int = 12
 
 
 class _SecureGrid(Grid):
@@ -299,7 +288,7 @@ class SecureAggregation(Strategy):
         aggregate, metrics, weight = decode_sum(setup, report.total, len(report.included),
                                                 sent)
         if self.budget is not None and setup.dp is not None:
-            self.budget.spend(self._plan(setup.model_dim, setup).event())
+            self.budget.spend(round_plan(self.privacy, setup, self._plans).event())
             report.epsilon = self.budget.spent[0]
         key = next(iter(first.array_records.keys()))
         weight_key = self._weight_key()
@@ -320,63 +309,25 @@ class SecureAggregation(Strategy):
         return self._round
 
     def _graph(self, n: int) -> tuple[int | None, int | None]:
-        if self.neighbors == "auto":
-            params = secagg_plus_parameters(n, self.dropout_rate, self.corrupt_rate,
-                                            self.security)
-            return params.neighbors, params.threshold
-        if isinstance(self.neighbors, int):
-            return self.neighbors, self.threshold
-        return None, self.threshold
+        return protocol_graph(n, neighbors=self.neighbors, threshold=self.threshold,
+                              dropout_rate=self.dropout_rate, corrupt_rate=self.corrupt_rate,
+                              security=self.security)
 
     def _setup(self, grid: Grid, roster: list[int], server_round: int,
                specs: tuple[Any, ...]) -> RoundSetup | None:
-        from secagg import Config
-
-        k, t = self._graph(len(roster))
-        # Config fills in the protocol's threshold floor when t is None
-        rates = ({} if k is None else
-                 {"dropout_rate": self.dropout_rate, "corrupt_rate": self.corrupt_rate})
-        probe = Config(num_clients=len(roster), threshold=t, neighbors=k,
-                       security=self.security, **rates)
-        nonce = os.urandom(32)
-        keys: tuple[bytes, ...] = ()
-        if self.security == "malicious":
-            unknown = [node for node in roster if node not in self.verify_keys]
-            if unknown:
-                raise ValueError(f"no enrolled verify key for nodes {unknown[:10]}")
-            keys = tuple(self.verify_keys[node] for node in roster)
-        setup = RoundSetup(
-            run_id=int(grid.run.run_id), server_round=server_round, nonce=nonce,
-            roster=tuple(roster), threshold=probe.threshold,
-            neighbors=probe.neighbors, bits=self.bits, security=self.security,
+        setup = fixed_setup(
+            run_id=int(grid.run.run_id), server_round=server_round, roster=roster,
             arrays=specs, metrics=self.metrics, weight_key=self._weight_key(),
-            encoding="fixed", frac_bits=self.frac_bits, dropout_rate=self.dropout_rate,
-            corrupt_rate=self.corrupt_rate, verify_keys=keys)
+            neighbors=self.neighbors, threshold=self.threshold,
+            dropout_rate=self.dropout_rate, corrupt_rate=self.corrupt_rate,
+            security=self.security, bits=self.bits, frac_bits=self.frac_bits,
+            verify_keys=self.verify_keys)
         if self.privacy is None:
             return setup
-        plan = self._plan(setup.model_dim, setup)
+        plan = round_plan(self.privacy, setup, self._plans)
         if self.budget is not None and not self.budget.can_run(plan.event()):
             log.warning("round %d is not run: it would exceed the privacy budget "
                         "(epsilon %.3g of %.3g spent)", server_round, self.budget.spent[0],
                         self.budget.epsilon)
             return None
-        p = plan.params
-        rotation = int.from_bytes(hashlib.sha256(b"flower-rotation|" + nonce).digest()[:8],
-                                  "big") >> 1
-        dp = DpSpec(p.clip_norm, p.scale, p.bits, p.noise_stddev, rotation, p.mechanism,
-                    p.beta, p.threshold)
-        return replace(setup, encoding="ddp", frac_bits=0, dp=dp, bits=p.bits, metrics=())
-
-    def _plan(self, model_dim: int, setup: RoundSetup) -> DistributedPlan:
-        privacy = self.privacy
-        assert privacy is not None
-        key = (model_dim, setup.num_clients, setup.threshold)
-        if key not in self._plans:
-            self._plans[key] = distributed_plan(
-                model_dim=model_dim, epsilon=privacy.epsilon, delta=privacy.delta,
-                sample_rate=privacy.sample_rate, rounds=privacy.rounds,
-                clip_norm=privacy.clip_norm, num_sites=setup.num_clients,
-                threshold=setup.threshold, max_units_per_site=1,
-                noise_multiplier=privacy.noise_multiplier,
-                granularity_bits=privacy.granularity_bits)
-        return self._plans[key]
+        return with_distributed_dp(setup, plan, b"flower-rotation|")

@@ -1,0 +1,270 @@
+"""Client side: the site's executor, around the user's own Client API training script.
+
+The user's script keeps its code (``flare.receive()`` ... ``flare.send()``); NVFlare's
+``ClientAPIExecutor`` runs it, registered as a component (default id ``secagg_trainer``),
+and :class:`SecAggExecutor` is the executor of the job's train task and of
+:data:`fl.nvflare.common.STAGE_TASK`. It is one runtime of the site core
+(:mod:`fl.site.core`: the same policy, ledger and checks as ``secagg train --role site`` and
+the Flower node). For a train task it:
+
+1. checks the round setup the server sent (:class:`fl.round_setup.RoundSetup`: its run id
+   is this job's, its roster names this site, the arrays sent have its layout) and, in
+   malicious mode, that it gives this site its own verify key and only enrolled keys;
+2. has the site core check the protocol margins and the release against the site's policy
+   and charge it, write-ahead, to the site's ledger (a refused round never trains);
+3. only then runs the user's training (the inner executor), encodes its result (weighted
+   FedAvg with the count, or the distributed-DP encoding with the site's noise share:
+   :func:`fl.round_setup.encode_reply`) and answers with its public key advertisement only.
+
+Every later stage goes to the same ``secagg.Client``, kept in this process's memory (the
+NVFlare client job process): no snapshot and no secret leaves it, and every reply carries
+only secagg wire bytes. A new round's setup erases an unfinished earlier round; a finished
+or aborted round is erased.
+
+**The site's own word.** A job's configuration comes from whoever submits the job, so the
+site's policy, ledger and identity are read from the site's folder, never from the job:
+``$SECAGG_NVFLARE_DIR/<site name>/`` (default ``$XDG_STATE_HOME/secagg/nvflare/<site
+name>/``): ``policy.json`` (a :class:`dp.policy.SitePolicy`; absent: ``SitePolicy()``,
+distributed DP only), ``ledger.json`` (the write-ahead ledger), and in malicious mode
+``signing-key`` (hex Ed25519 private key) and ``trusted-keys.json`` (the enrolled sites'
+verify keys, hex). Every refusal is logged at the site and answered with an error reply,
+which the server counts as this site dropping out at that stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from nvflare.apis.event_type import EventType
+from nvflare.apis.executor import Executor
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable, make_reply
+from nvflare.apis.signal import Signal
+from nvflare.app_common.abstract.fl_model import FLMetaKey, ParamsType
+from nvflare.app_common.app_constant import AppConstants
+from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+
+from dp.errors import PrivacyError
+from dp.policy import SitePolicy
+from fl.errors import FLError
+from fl.nvflare.common import (
+    PAYLOAD,
+    SESSION,
+    SETUP_HEADER,
+    STAGE_TASK,
+    NVFlareSecAggError,
+    run_id,
+    site_id,
+)
+from fl.round_setup import (
+    RoundSetup,
+    SetupError,
+    admit_round,
+    check_identity,
+    encode_reply,
+    encoded_dim,
+)
+from fl.site.core import open_site_core, state_directory
+from fl.vector import ArrayLayout, LayoutError
+from secagg import Client, ProtocolAbort, SecAggError, SigningKey, encode
+
+DIR_ENV = "SECAGG_NVFLARE_DIR"
+"""Environment variable: the folder of the sites' own configuration (module docstring)."""
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """One site's own configuration, read from its folder (module docstring)."""
+
+    folder: Path
+    policy: SitePolicy
+    signing_key: SigningKey | None
+    trusted_keys: frozenset[bytes]
+
+    @property
+    def ledger_path(self) -> str:
+        return str(self.folder / "ledger.json")
+
+    @classmethod
+    def for_site(cls, site: str) -> SiteConfig:
+        base = os.environ.get(DIR_ENV)
+        folder = (Path(base) if base else state_directory() / "nvflare") / site
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        policy_file = folder / "policy.json"
+        policy = SitePolicy.load(policy_file) if policy_file.exists() else SitePolicy()
+        key_file, trusted_file = folder / "signing-key", folder / "trusted-keys.json"
+        signing = None
+        if key_file.exists():
+            try:
+                signing = SigningKey.from_private_bytes(
+                    bytes.fromhex(key_file.read_text().strip()))
+            except ValueError as exc:
+                raise NVFlareSecAggError(f"{key_file}: not a hex Ed25519 private key "
+                                         f"({exc})") from None
+        trusted: frozenset[bytes] = frozenset()
+        if trusted_file.exists():
+            try:
+                trusted = frozenset(bytes.fromhex(k) for k in json.loads(
+                    trusted_file.read_text()))
+            except (ValueError, TypeError) as exc:
+                raise NVFlareSecAggError(f"{trusted_file}: expected a JSON list of hex "
+                                         f"verify keys ({exc})") from None
+        return cls(folder, policy, signing, trusted)
+
+
+class SecAggExecutor(Executor):
+    """The executor of a site in a securely aggregated NVFlare job (module docstring).
+
+    ``trainer_id``: the component id of the executor that runs the user's training
+    (NVFlare's ``ClientAPIExecutor``); ``train_task_name``: the job's train task."""
+
+    def __init__(self, trainer_id: str = "secagg_trainer",
+                 train_task_name: str = AppConstants.TASK_TRAIN) -> None:
+        super().__init__()
+        self.trainer_id = trainer_id
+        self.train_task_name = train_task_name
+        self.trainer: Executor | None = None
+        self.site = ""
+        self.config: SiteConfig | None = None
+        self.rounds: dict[bytes, Client] = {}
+
+    # --- NVFlare hooks --------------------------------------------------------------------
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == EventType.START_RUN:
+            trainer = fl_ctx.get_engine().get_component(self.trainer_id)
+            if not isinstance(trainer, Executor):
+                self.system_panic(f"SecAggExecutor: no training executor with component id "
+                                  f"{self.trainer_id!r} (add ClientAPIExecutor under that "
+                                  "id: fl.nvflare.job.secure_fedavg_job)", fl_ctx)
+                return
+            self.trainer = trainer
+            self.site = fl_ctx.get_identity_name()
+            try:
+                self.config = SiteConfig.for_site(self.site)
+            except (FLError, PrivacyError) as exc:
+                self.system_panic(f"site {self.site}: {exc}", fl_ctx)
+        elif event_type == EventType.END_RUN:
+            self.rounds.clear()
+
+    def requires_materialized_task_result(self, task_name: str) -> bool:
+        """NVFlare asks: this executor consumes the trainer's result itself (it never
+        leaves the site), so an external-process trainer must hand it over in full."""
+        return task_name == self.train_task_name
+
+    def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext,
+                abort_signal: Signal) -> Shareable:
+        try:
+            if task_name == STAGE_TASK:
+                return self._continue(shareable)
+            if task_name == self.train_task_name:
+                return self._start(task_name, shareable, fl_ctx, abort_signal)
+            raise NVFlareSecAggError(f"task {task_name!r} is not part of a secure round; "
+                                     "this executor answers only the train task and "
+                                     f"{STAGE_TASK!r}")
+        except (FLError, PrivacyError, SecAggError, ValueError) as exc:
+            self.log_error(fl_ctx, f"site {self.site} refuses {task_name}: "
+                                   f"{type(exc).__name__}: {exc}")
+            return make_reply(ReturnCode.EXECUTION_EXCEPTION)
+
+    # --- a round ----------------------------------------------------------------------------
+
+    def on_input(self, setup: RoundSetup, vector: np.ndarray) -> None:
+        """Called with the site's secagg input once it is encoded (nothing by default)."""
+
+    def _start(self, task_name: str, shareable: Shareable, fl_ctx: FLContext,
+               abort_signal: Signal) -> Shareable:
+        if self.trainer is None or self.config is None:
+            raise NVFlareSecAggError("the executor was not started (START_RUN)")
+        raw = shareable.get_header(SETUP_HEADER)
+        if raw is None:
+            raise NVFlareSecAggError("the train task carries no secure-aggregation setup: this "
+                                     "site sends its update only into a secure sum (run the "
+                                     "job with fl.nvflare.server.SecureFedAvg)")
+        self.rounds.clear()  # an unfinished earlier round is gone
+        setup = RoundSetup.from_bytes(raw)
+        if setup.run_id != run_id(str(fl_ctx.get_job_id())):
+            raise SetupError("the setup names another NVFlare job")
+        client_id = setup.client_id(site_id(self.site))
+        identity = self._identity(setup, client_id)
+        config = setup.config(encoded_dim(setup))
+        layout = ArrayLayout(setup.arrays)
+        try:
+            sent = layout.flatten(FLModelUtils.from_shareable(shareable).params or {})
+        except LayoutError as exc:
+            raise SetupError(f"the task's arrays do not match the round setup: {exc}") from None
+        core = open_site_core(policy=self.config.policy, ledger_path=self.config.ledger_path,
+                              log=lambda text: self.log_info(fl_ctx, text))
+        try:
+            admit_round(core, setup, f"nvflare job {fl_ctx.get_job_id()} round "
+                                     f"{setup.server_round} setup {setup.nonce[:8].hex()}")
+        finally:
+            core.close()
+        result = self.trainer.execute(task_name, shareable, fl_ctx, abort_signal)
+        if result.get_return_code(ReturnCode.OK) != ReturnCode.OK:
+            return result  # the training failed: the site drops out of the round
+        vector = self._encode(setup, layout, sent, result)
+        client = Client(config, client_id, vector, roster=range(1, setup.num_clients + 1),
+                        context=setup.context(), nonce=setup.nonce, **identity)
+        advertisement = encode(client.advertise())
+        self.rounds[client.session_id] = client
+        self.on_input(setup, vector)
+        return _reply(client.session_id, advertisement)
+
+    def _encode(self, setup: RoundSetup, layout: ArrayLayout, sent: np.ndarray,
+                result: Shareable) -> np.ndarray:
+        model = FLModelUtils.from_shareable(result)
+        try:
+            arrays = layout.flatten({k: np.asarray(v) for k, v in (model.params or {}).items()})
+        except LayoutError as exc:
+            raise NVFlareSecAggError(f"the training script sent arrays that do not match the "
+                                     f"model it received: {exc}") from None
+        if model.params_type == ParamsType.DIFF:
+            arrays = sent + arrays
+        weight = float((model.meta or {}).get(FLMetaKey.NUM_STEPS_CURRENT_ROUND, 1.0))
+        missing = [name for name in setup.metrics if name not in (model.metrics or {})]
+        if missing:
+            raise NVFlareSecAggError(f"the round averages the train metrics {missing}, which "
+                                     "the training script did not send (FLModel.metrics)")
+        metrics = {name: float(model.metrics[name]) for name in setup.metrics}
+        return encode_reply(setup, arrays, metrics, weight,
+                            sent if setup.encoding == "ddp" else None)
+
+    def _identity(self, setup: RoundSetup, client_id: int) -> dict[str, Any]:
+        assert self.config is not None
+        if setup.security == "malicious" and self.config.signing_key is None:
+            raise SetupError(f"a malicious-mode round needs this site's signing key "
+                             f"({self.config.folder / 'signing-key'})")
+        return check_identity(setup, client_id, self.config.signing_key,
+                              self.config.trusted_keys)
+
+    def _continue(self, shareable: Shareable) -> Shareable:
+        session, payload = shareable.get(SESSION), shareable.get(PAYLOAD)
+        client = self.rounds.get(session) if isinstance(session, bytes) else None
+        if client is None:
+            raise NVFlareSecAggError("no secure-aggregation round of that session is in "
+                                     "progress on this site (never joined, or ended)")
+        if not isinstance(payload, bytes):
+            raise NVFlareSecAggError("the stage task carries no secure-aggregation payload")
+        try:
+            out = encode(client.handle(payload))
+        except ProtocolAbort:
+            self.rounds.pop(session, None)  # the round's secrets are erased
+            raise
+        if client.done:
+            self.rounds.pop(session, None)
+        return _reply(session, out)
+
+
+def _reply(session: bytes, payload: bytes) -> Shareable:
+    reply = Shareable()
+    reply[SESSION] = session
+    reply[PAYLOAD] = payload
+    reply.set_return_code(ReturnCode.OK)
+    return reply

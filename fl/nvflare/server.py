@@ -1,0 +1,344 @@
+"""Server side: :class:`SecureFedAvg`, a ``ModelController`` workflow (NVFlare 2.9's API for
+new algorithm code) whose rounds are securely aggregated.
+
+Each round: the sampled sites get the job's train task with the global model and the round
+setup (:class:`fl.round_setup.RoundSetup`, in the task header ``secagg_setup``); each site's
+:class:`fl.nvflare.client.SecAggExecutor` trains with the user's script and answers with its
+key advertisement. Every later protocol stage is one :data:`fl.nvflare.common.STAGE_TASK`
+per site carrying the ``secagg.Server``'s message for it, with the stage's deadline from
+:func:`transport.deadlines.round_timeouts` (the train stage waits ``train_timeout``). A site
+whose task fails, times out or is rejected is dropped at that stage, exactly as the
+protocol allows; the round completes while the protocol can, and is skipped (the model
+kept) when it cannot. The decoded aggregate is FedAvg's: the weighted average of the
+arrays with the securely summed ``NUM_STEPS_CURRENT_ROUND`` (distributed DP: the noisy mean
+update over the noisy site count, added to the model sent).
+
+:attr:`SecureFedAvg.reports` holds one :class:`fl.flower.rounds.RoundReport`-like
+:class:`RoundReport` per round (included and dropped sites with the stage, seconds per
+stage, bytes per site); each is logged and, with ``report_path``, appended to that file as
+one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from nvflare.apis.controller_spec import ClientTask, Task, TaskCompletionStatus
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable
+from nvflare.app_common.abstract.fl_model import FLMetaKey, FLModel, ParamsType
+from nvflare.app_common.app_constant import AppConstants
+from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+from nvflare.app_common.workflows.model_controller import ModelController
+
+from dp.budget import PrivacyBudget
+from fl.nvflare.common import PAYLOAD, SESSION, SETUP_HEADER, STAGE_TASK, run_id, site_id
+from fl.round_setup import (
+    DistributedDP,
+    RoundSetup,
+    decode_sum,
+    encoded_dim,
+    fixed_setup,
+    round_plan,
+    with_distributed_dp,
+)
+from fl.site.privacy import DistributedPlan
+from fl.vector import ArrayLayout
+from secagg import (
+    ProtocolAbort,
+    ProtocolError,
+    Server,
+    Stage,
+    encode,
+)
+from transport.deadlines import round_timeouts
+
+
+@dataclass
+class RoundReport:
+    """What one secure round did, by NVFlare site name: ``included`` (in the sum),
+    ``dropped`` (site -> the stage it dropped in), ``seconds`` per stage, ``bytes_up`` /
+    ``bytes_down`` (secagg payload bytes each site sent / was sent; the train task's model
+    is not counted), ``total`` (the modular sum, None if the round aborted), ``epsilon``
+    (the budget spent after the round, distributed DP with a budget), ``skipped`` (why a
+    round was not run), and the round's protocol: ``security``, ``encoding`` (``fixed`` or
+    ``ddp``), ``bits``, ``threshold``, ``neighbors`` (None: the complete graph)."""
+
+    server_round: int
+    sites: tuple[str, ...]
+    included: tuple[str, ...] = ()
+    dropped: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes_up: dict[str, int] = field(default_factory=dict)
+    bytes_down: dict[str, int] = field(default_factory=dict)
+    total: np.ndarray | None = None
+    aborted: str | None = None
+    epsilon: float | None = None
+    skipped: str | None = None
+    security: str = ""
+    encoding: str = ""
+    bits: int = 0
+    threshold: int = 0
+    neighbors: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "total"}
+        out["total"] = None if self.total is None else [int(x) for x in self.total]
+        return out
+
+
+class SecureFedAvg(ModelController):
+    """FedAvg whose every round is one secure sum (module docstring).
+
+    ``num_rounds``, ``min_clients`` (sites sampled per round, all when 0); protocol:
+    ``neighbors`` (``"auto"``: SecAgg+'s (k, t) for ``dropout_rate``/``corrupt_rate``,
+    None: SecAgg on the complete graph), ``threshold``, ``security`` (``"semi-honest"`` or
+    ``"malicious"``, which needs ``verify_keys``: site name -> hex Ed25519 verify key),
+    ``bits``/``frac_bits`` (fixed point); ``metrics``: train metrics averaged securely;
+    ``stage_timeout`` (seconds per stage for the network, plus the modelled work),
+    ``train_timeout`` (the train stage). ``dp``: client-level distributed DP, a dict of
+    :class:`fl.round_setup.DistributedDP`'s fields (``clip_norm``, ``epsilon``, ``delta``,
+    ``sample_rate``, ``rounds``, ``noise_multiplier``, ``granularity_bits``); with an
+    ``epsilon`` a round that would overshoot the budget is not run. ``report_path``: a
+    JSON-lines file of the round reports. ``task_request_interval``: seconds a site with no
+    task waits before it asks again (:meth:`add_to_fed_job` sets it for the server)."""
+
+    def __init__(self, *, num_rounds: int = 1, min_clients: int = 0,
+                 neighbors: int | str | None = "auto", threshold: int | None = None,
+                 dropout_rate: float = 0.1, corrupt_rate: float = 0.1,
+                 security: str = "semi-honest", bits: int = 64, frac_bits: int = 24,
+                 metrics: list[str] | None = None, dp: dict[str, Any] | None = None,
+                 stage_timeout: float = 60.0, train_timeout: float = 3600.0,
+                 verify_keys: dict[str, str] | None = None, report_path: str = "",
+                 task_request_interval: float = 0.1,
+                 persistor_id: str = AppConstants.DEFAULT_PERSISTOR_ID) -> None:
+        super().__init__(persistor_id=persistor_id, ignore_result_error=True,
+                         task_check_period=0.05)
+        if security not in ("semi-honest", "malicious"):
+            raise ValueError(f"security={security!r}: use 'semi-honest' or 'malicious'")
+        if security == "malicious" and not verify_keys:
+            raise ValueError("security='malicious' needs verify_keys: site name -> the site's "
+                             "enrolled Ed25519 verify key (hex)")
+        if dp is not None and metrics:
+            raise ValueError("metrics cannot be averaged under distributed DP (they would "
+                             "carry no noise); pass metrics=None")
+        try:
+            self.privacy = DistributedDP(**dp) if dp is not None else None
+        except TypeError as exc:
+            raise ValueError(f"dp takes the fields of fl.round_setup.DistributedDP: {exc}"
+                             ) from None
+        if self.privacy is not None and self.privacy.epsilon is None \
+                and self.privacy.noise_multiplier is None:
+            raise ValueError("dp needs an epsilon (a budget) or a noise_multiplier")
+        if not stage_timeout > 0 or not train_timeout > 0:
+            raise ValueError("stage_timeout and train_timeout are seconds (> 0)")
+        self.num_rounds = num_rounds
+        self.min_clients = min_clients
+        self.neighbors = neighbors
+        self.threshold = threshold
+        self.dropout_rate = dropout_rate
+        self.corrupt_rate = corrupt_rate
+        self.security = security
+        self.bits = bits
+        self.frac_bits = frac_bits
+        self.metrics = list(metrics or [])
+        self.dp = dict(dp) if dp is not None else None
+        self.stage_timeout = stage_timeout
+        self.train_timeout = train_timeout
+        self.verify_keys = dict(verify_keys or {})
+        self.report_path = report_path
+        self.task_request_interval = task_request_interval
+        self.budget = (PrivacyBudget(self.privacy.epsilon, self.privacy.delta)
+                       if self.privacy is not None and self.privacy.epsilon is not None
+                       else None)
+        self.reports: list[RoundReport] = []
+        self._last_setup: RoundSetup | None = None
+        self._plans: dict[tuple[int, int, int], DistributedPlan] = {}
+        self._lock = threading.Lock()
+
+    def add_to_fed_job(self, job: Any, ctx: Any, **kwargs: Any) -> Any:
+        """Added as the job's workflow, with the server's ``task_request_interval`` (how
+        long a site that found no task waits before asking again; NVFlare's default is 2 s)
+        set to this workflow's: a secure round is 4-5 exchanges, each started right after
+        the sites answered the previous one."""
+        result = super().add_to_fed_job(job, ctx, **kwargs)
+        job.add_params({"server": {"task_request_interval": self.task_request_interval}}, ctx)
+        return result
+
+    # --- the workflow ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        model = self.load_model()
+        if model is None:
+            return
+        params = {k: np.asarray(v) for k, v in (model.params or {}).items()}
+        for r in range(self.num_rounds):
+            if self.abort_signal.triggered:
+                return
+            sites = sorted(self.sample_clients(self.min_clients or None))
+            report = self.secure_round(r, params, sites)
+            self._publish(report)
+            if report.total is None:
+                continue
+            sent = ArrayLayout.of(params).flatten(params)
+            setup = self._last_setup
+            assert setup is not None  # set by the round that produced the total
+            aggregate, metrics, weight = decode_sum(setup, report.total,
+                                                    len(report.included), sent)
+            params = ArrayLayout.of(params).unflatten(aggregate)
+            out = FLModel(params_type=ParamsType.FULL, params=params, metrics=metrics,
+                          current_round=r, total_rounds=self.num_rounds,
+                          meta={FLMetaKey.NUM_STEPS_CURRENT_ROUND: weight})
+            self.save_model(out)
+
+    def secure_round(self, server_round: int, params: dict[str, np.ndarray],
+                     sites: list[str]) -> RoundReport:
+        """One secure round over ``sites`` from the global ``params``; the report."""
+        report = RoundReport(server_round, tuple(sites))
+        if len(sites) < 2:
+            report.skipped = f"{len(sites)} site(s); secure aggregation needs at least 2"
+            return report
+        try:
+            setup = self._setup(sites, server_round, ArrayLayout.of(params).specs)
+        except ValueError as exc:
+            report.skipped = str(exc)
+            return report
+        if setup is None:
+            report.skipped = (f"the round would exceed the privacy budget (epsilon "
+                              f"{self.budget.spent[0]:.3g} of {self.budget.epsilon:.3g} spent)"
+                              if self.budget else "no setup")
+            return report
+        self._last_setup = setup
+        report.security, report.encoding, report.bits = setup.security, setup.encoding, setup.bits
+        report.threshold, report.neighbors = setup.threshold, setup.neighbors
+        names = {site_id(s): s for s in sites}
+        server = Server(setup.config(encoded_dim(setup)), roster=range(1, setup.num_clients + 1),
+                        context=setup.context(), nonce=setup.nonce,
+                        verify_keys=setup.peer_keys() if setup.verify_keys else None)
+        deadlines = round_timeouts(self.stage_timeout, clients=setup.num_clients,
+                                   dim=encoded_dim(setup), neighbors=setup.neighbors,
+                                   malicious=setup.security == "malicious")
+        model = FLModel(params_type=ParamsType.FULL, params=params, current_round=server_round,
+                        total_rounds=self.num_rounds)
+        train = FLModelUtils.to_shareable(model)
+        train.set_header(SETUP_HEADER, setup.to_bytes())
+        train.set_header(AppConstants.CURRENT_ROUND, server_round)
+        train.set_header(AppConstants.NUM_ROUNDS, self.num_rounds)
+        for s in sites:
+            report.bytes_down[s] = len(setup.to_bytes())
+
+        def site_of(cid: int) -> str:
+            return names[setup.node_of(cid)]
+
+        try:
+            self._exchange(server, setup, report, Stage.ADVERTISE_KEYS,
+                           {s: train for s in sites}, self.train_timeout, self.train_task_name)
+            while True:
+                to_send = server.advance()
+                if server.finished:
+                    break
+                stage = server.stage
+                out: dict[str, Shareable] = {}
+                for cid, message in sorted(to_send.items()):
+                    payload = encode(message)
+                    task = Shareable()
+                    task[SESSION] = server.session_id
+                    task[PAYLOAD] = payload
+                    out[site_of(cid)] = task
+                    report.bytes_down[site_of(cid)] = (report.bytes_down.get(site_of(cid), 0)
+                                                       + len(payload))
+                deadline = deadlines.per_stage.get(stage.label, deadlines.stage)
+                self._exchange(server, setup, report, stage, out, deadline, STAGE_TASK)
+        except ProtocolAbort as exc:
+            report.aborted = str(exc)
+        report.dropped = {site_of(cid): st.label for cid, st in server.dropped.items()}
+        result = server.result
+        if result is not None and report.aborted is None:
+            report.total = result.total
+            report.included = tuple(sorted(site_of(c) for c in result.included))
+            if self.budget is not None and setup.dp is not None:
+                self.budget.spend(round_plan(self.privacy, setup, self._plans).event())
+                report.epsilon = self.budget.spent[0]
+        return report
+
+    train_task_name = AppConstants.TASK_TRAIN
+
+    def _exchange(self, server: Server, setup: RoundSetup, report: RoundReport, stage: Stage,
+                  out: dict[str, Shareable], timeout: float, task_name: str) -> None:
+        """Send each site its task of ``stage`` and wait until every one is answered or the
+        deadline passed; each answer goes to the secagg server as it arrives."""
+        started = time.perf_counter()
+
+        def received(client_task: ClientTask, fl_ctx: FLContext) -> None:
+            name = client_task.client.name
+            result = client_task.result
+            client_task.result = None
+            if result is None or result.get_return_code(ReturnCode.OK) != ReturnCode.OK:
+                self.info(f"site {name} dropped in {stage.label}: "
+                          f"{None if result is None else result.get_return_code()}")
+                return
+            payload = result.get(PAYLOAD)
+            if not isinstance(payload, bytes):
+                self.info(f"site {name}'s {stage.label} answer carries no payload")
+                return
+            with self._lock:
+                report.bytes_up[name] = report.bytes_up.get(name, 0) + len(payload)
+                try:
+                    server.receive(setup.client_id(site_id(name)), payload)
+                except (ValueError, ProtocolError) as exc:
+                    self.info(f"site {name}'s {stage.label} answer rejected: {exc}")
+
+        tasks = []
+        for name, data in out.items():
+            task = Task(name=task_name, data=data, timeout=max(1, math.ceil(timeout)),
+                        result_received_cb=received)
+            self.broadcast(task=task, fl_ctx=self.fl_ctx, targets=[name], min_responses=1)
+            tasks.append(task)
+        while any(t.completion_status is None for t in tasks):
+            if self.abort_signal is not None and self.abort_signal.triggered:
+                for t in tasks:
+                    self.cancel_task(t, TaskCompletionStatus.ABORTED, self.fl_ctx)
+                raise ProtocolAbort("the job was aborted")
+            time.sleep(0.02)
+        report.seconds[stage.label] = round(time.perf_counter() - started, 4)
+
+    def _publish(self, report: RoundReport) -> None:
+        self.reports.append(report)
+        if report.skipped:
+            self.warning(f"secure round {report.server_round} not run: {report.skipped}")
+        elif report.aborted:
+            self.warning(f"secure round {report.server_round} aborted: {report.aborted}; "
+                         f"dropped {report.dropped}")
+        else:
+            self.info(f"secure round {report.server_round}: in the sum {list(report.included)}, "
+                      f"dropped {report.dropped}, seconds {report.seconds}, bytes up "
+                      f"{report.bytes_up}")
+        if self.report_path:
+            with open(self.report_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(report.to_json()) + "\n")
+
+    # --- the round's parameters ----------------------------------------------------------------
+
+    def _setup(self, sites: list[str], server_round: int, specs: tuple[Any, ...]
+               ) -> RoundSetup | None:
+        setup = fixed_setup(
+            run_id=run_id(str(self.fl_ctx.get_job_id())), server_round=server_round,
+            roster=[site_id(s) for s in sites], members=sites, arrays=specs,
+            metrics=tuple(self.metrics), weight_key=FLMetaKey.NUM_STEPS_CURRENT_ROUND,
+            neighbors=self.neighbors, threshold=self.threshold,
+            dropout_rate=self.dropout_rate, corrupt_rate=self.corrupt_rate,
+            security=self.security, bits=self.bits, frac_bits=self.frac_bits,
+            verify_keys={name: bytes.fromhex(key) for name, key in self.verify_keys.items()})
+        if self.privacy is None:
+            return setup
+        plan = round_plan(self.privacy, setup, self._plans)
+        if self.budget is not None and not self.budget.can_run(plan.event()):
+            return None
+        return with_distributed_dp(setup, plan, b"nvflare-rotation|")

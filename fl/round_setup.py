@@ -1,0 +1,520 @@
+"""What the server asks of a site for one securely aggregated round, and its checks: the
+round setup that every runtime without the ``secagg train`` roles sends with its train
+message (the Flower adapter, :mod:`fl.flower`; the NVFlare runtime, :mod:`fl.nvflare`), and
+the encoding of a site's trained arrays to and from its secagg vector that both sides of those
+runtimes share.
+
+The server side (:mod:`fl.flower.server`, :mod:`fl.nvflare.server`) sends one
+:class:`RoundSetup` with the train message of a round; every site of the round receives the
+same bytes. The setup is public:
+the roster of node ids (a Flower node id, or the id :mod:`fl.nvflare` derives from a site
+name; a node's secagg client id is its position plus one), the
+protocol parameters, the layout of the reply's arrays, the metrics that are averaged
+securely, the weight key and the encoding (fixed point, or the distributed-DP integer
+encoding of :mod:`dp.encoding`). Its canonical bytes are the round's ``context``, so the
+session id every party derives (docs/architecture.md section 9) binds all of it, the run id,
+the server round and a fresh server nonce: a node that was told something else cannot
+complete the round with the others.
+
+:meth:`RoundSetup.from_bytes` validates every field and raises :class:`SetupError` (a
+``ValueError`` that says what is wrong) on anything malformed; nothing is half-built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from dp.encoding import EncodingParams
+from dp.policy import SitePolicy
+from fl.codec import (
+    DistributedCodec,
+    FixedPointCodec,
+    decode_weighted,
+    encode_weighted,
+    noisy_mean,
+)
+from fl.errors import FLError
+from fl.site.core import SecureSum, SiteCore
+from fl.site.privacy import DistributedPlan, distributed_plan
+from fl.vector import ArraySpec
+from secagg import Config, secagg_plus_parameters
+from transport import fields
+
+F64 = npt.NDArray[np.float64]
+U64 = npt.NDArray[np.uint64]
+
+VERSION = 1
+ENCODINGS = ("fixed", "ddp")
+SECURITY = ("semi-honest", "malicious")
+MECHANISMS = ("dgauss", "skellam")
+MAX_ROSTER = 1 << 16
+MAX_ARRAYS = 1 << 12
+MAX_DIM = 1 << 28
+MAX_SETUP_BYTES = 1 << 22
+DTYPES = ("float16", "float32", "float64")
+
+
+class SetupError(FLError, ValueError):
+    """A round setup is malformed or unsafe; the node refuses the round."""
+
+
+@dataclass(frozen=True)
+class DpSpec:
+    """The public parameters of :class:`dp.encoding.EncodingParams` for one round (the
+    model dimension plus one count column is implied by the array layout)."""
+
+    clip_norm: float
+    scale: float
+    bits: int
+    noise_stddev: float
+    rotation_seed: int
+    mechanism: str
+    beta: float
+    threshold: int
+
+
+@dataclass(frozen=True)
+class RoundSetup:
+    run_id: int
+    server_round: int
+    nonce: bytes
+    roster: tuple[int, ...]
+    threshold: int
+    neighbors: int | None
+    bits: int
+    security: str
+    arrays: tuple[ArraySpec, ...]
+    metrics: tuple[str, ...]
+    weight_key: str
+    encoding: str
+    frac_bits: int = 0
+    dp: DpSpec | None = None
+    dropout_rate: float = 0.0
+    corrupt_rate: float = 0.0
+    verify_keys: tuple[bytes, ...] = ()
+
+    # --- derived ----------------------------------------------------------------------------
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.roster)
+
+    @property
+    def model_dim(self) -> int:
+        return sum(spec.size for spec in self.arrays)
+
+    def client_id(self, node_id: int) -> int:
+        """The secagg client id of a Flower node (its position in the roster, plus one)."""
+        try:
+            return self.roster.index(node_id) + 1
+        except ValueError:
+            raise SetupError(f"node {node_id} is not in this round's roster") from None
+
+    def node_of(self, client_id: int) -> int:
+        return self.roster[client_id - 1]
+
+    def config(self, dim: int) -> Config:
+        """The secagg configuration (``dim`` is the encoded length, see fl.flower.encoding)."""
+        # a sparse graph is checked against the rates it was derived for (Bell et al.)
+        rates: dict[str, Any] = ({} if self.neighbors is None else
+                                 {"dropout_rate": self.dropout_rate,
+                                  "corrupt_rate": self.corrupt_rate})
+        try:
+            return Config(num_clients=self.num_clients, threshold=self.threshold, dim=dim,
+                          bits=self.bits, neighbors=self.neighbors, security=self.security,
+                          **rates)
+        except ValueError as exc:
+            raise SetupError(f"unsafe or invalid protocol parameters: {exc}") from None
+
+    def peer_keys(self) -> dict[int, bytes]:
+        """Client id -> Ed25519 verification key (malicious mode; empty otherwise)."""
+        return {i + 1: key for i, key in enumerate(self.verify_keys)}
+
+    def context(self) -> bytes:
+        """The bytes every party hands secagg as ``context`` (the whole setup)."""
+        return self.to_bytes()
+
+    # --- wire -------------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        body: dict[str, Any] = {
+            "v": VERSION, "run": self.run_id, "round": self.server_round, "nonce": self.nonce,
+            "roster": list(self.roster), "t": self.threshold, "k": self.neighbors or 0,
+            "bits": self.bits, "security": self.security,
+            "arrays": [[s.name, list(s.shape), s.dtype] for s in self.arrays],
+            "metrics": list(self.metrics), "weight": self.weight_key,
+            "encoding": self.encoding, "frac_bits": self.frac_bits,
+            "dp": None if self.dp is None else [
+                self.dp.clip_norm, self.dp.scale, self.dp.bits, self.dp.noise_stddev,
+                self.dp.rotation_seed, self.dp.mechanism, self.dp.beta, self.dp.threshold],
+            "rates": [self.dropout_rate, self.corrupt_rate],
+            "vk": list(self.verify_keys),
+        }
+        return fields.pack_map(body)
+
+    @classmethod
+    def from_bytes(cls, raw: object) -> RoundSetup:
+        if not isinstance(raw, bytes):
+            raise SetupError(f"the round setup must be bytes, got {type(raw).__name__}")
+        if len(raw) > MAX_SETUP_BYTES:
+            raise SetupError(f"the round setup has {len(raw)} bytes; at most "
+                             f"{MAX_SETUP_BYTES} are accepted")
+        body = fields.unpack_map(raw, MAX_SETUP_BYTES, error=SetupError,
+                                 max_array_len=MAX_ROSTER, max_str_len=1 << 12,
+                                 what="the round setup")
+        setup = cls._parse(body)
+        if setup.to_bytes() != raw:
+            raise SetupError("the round setup is not in canonical form")
+        return setup
+
+    @classmethod
+    def _parse(cls, body: dict[str, Any]) -> RoundSetup:
+        if body.get("v") != VERSION:
+            raise SetupError(f"round setup version {body.get('v')!r}; this node speaks "
+                             f"version {VERSION}: upgrade secagg on the older side")
+        roster = _int_list(body, "roster", 1 << 64, MAX_ROSTER)
+        if len(roster) < 2 or len(set(roster)) != len(roster):
+            raise SetupError("the roster needs at least two distinct node ids")
+        nonce = body.get("nonce")
+        if not isinstance(nonce, bytes) or len(nonce) != 32:
+            raise SetupError("the nonce must be 32 bytes")
+        arrays = body.get("arrays")
+        if not isinstance(arrays, list) or not 1 <= len(arrays) <= MAX_ARRAYS:
+            raise SetupError(f"the array layout needs 1..{MAX_ARRAYS} entries")
+        specs = tuple(_array_spec(item) for item in arrays)
+        if len({s.name for s in specs}) != len(specs):
+            raise SetupError("the array layout repeats a name")
+        if sum(s.size for s in specs) > MAX_DIM:
+            raise SetupError(f"the arrays hold more than {MAX_DIM} values")
+        metrics = body.get("metrics")
+        if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics) \
+                or len(set(metrics)) != len(metrics) or len(metrics) > 256:
+            raise SetupError("metrics must be a list of at most 256 distinct names")
+        weight = _str(body, "weight")
+        if weight in metrics:
+            raise SetupError("the weight key cannot also be an averaged metric")
+        encoding = _str(body, "encoding")
+        if encoding not in ENCODINGS:
+            raise SetupError(f"encoding {encoding!r}: use one of {ENCODINGS}")
+        security = _str(body, "security")
+        if security not in SECURITY:
+            raise SetupError(f"security {security!r}: use one of {SECURITY}")
+        keys = body.get("vk")
+        if not isinstance(keys, list) or not all(isinstance(k, bytes) and len(k) == 32
+                                                 for k in keys):
+            raise SetupError("verify keys must be a list of 32-byte Ed25519 public keys")
+        if security == "malicious" and (len(keys) != len(roster)
+                                        or len(set(keys)) != len(keys)):
+            raise SetupError("a malicious-mode setup needs one distinct verify key per node")
+        if security == "semi-honest" and keys:
+            raise SetupError("a semi-honest setup carries no verify keys")
+        k = _int(body, "k", 0, MAX_ROSTER)
+        frac_bits = _int(body, "frac_bits", 0, 62)
+        dp = _dp_spec(body.get("dp")) if encoding == "ddp" else None
+        if encoding == "ddp" and metrics:
+            raise SetupError("metrics cannot be averaged under distributed DP (they carry "
+                             "no noise); send none")
+        if encoding == "fixed" and body.get("dp") is not None:
+            raise SetupError("a fixed-point round carries no DP parameters")
+        if dp is not None and dp.bits != _int(body, "bits", 8, 64):
+            raise SetupError("the DP encoding's modulus (dp bits) must be the secure sum's "
+                             "(bits): a sum over a wider modulus than the encoding's does not "
+                             "wrap as the noise calibration assumes")
+        rates = body.get("rates")
+        if not isinstance(rates, list) or len(rates) != 2:
+            raise SetupError("the setup needs [dropout_rate, corrupt_rate]")
+        named = {"dropout_rate": rates[0], "corrupt_rate": rates[1]}
+        dropout_rate = _float(named, "dropout_rate", 0.0, 0.999)
+        corrupt_rate = _float(named, "corrupt_rate", 0.0, 0.999)
+        return cls(run_id=_int(body, "run", 0, (1 << 64) - 1),
+                   server_round=_int(body, "round", 0, (1 << 63) - 1), nonce=nonce,
+                   roster=tuple(roster), threshold=_int(body, "t", 1, MAX_ROSTER),
+                   neighbors=k or None, bits=_int(body, "bits", 8, 64), security=security,
+                   arrays=specs, metrics=tuple(metrics), weight_key=weight,
+                   encoding=encoding, frac_bits=frac_bits, dp=dp,
+                   dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
+                   verify_keys=tuple(keys))
+
+
+_int = partial(fields.integer, error=SetupError, what="setup field")
+_float = partial(fields.number, error=SetupError, what="setup field")
+
+
+def _str(body: dict[str, Any], key: str) -> str:
+    value = fields.text(body, key, limit=256, error=SetupError, what="setup field")
+    if not value:
+        raise SetupError(f"setup field {key!r} must be a non-empty string")
+    return value
+
+
+def _int_list(body: dict[str, Any], key: str, high: int, limit: int) -> list[int]:
+    value = body.get(key)
+    if not isinstance(value, list) or len(value) > limit or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < high for v in value):
+        raise SetupError(f"setup field {key!r} must be a list of at most {limit} "
+                         "non-negative integers")
+    return value
+
+
+def _array_spec(item: object) -> ArraySpec:
+    if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+            and isinstance(item[1], list) and isinstance(item[2], str)):
+        raise SetupError("each array entry must be [name, shape, dtype]")
+    name, shape, dtype = item
+    if not 0 < len(name) <= 256 or len(shape) > 32 or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_DIM
+            for s in shape):
+        raise SetupError(f"array {name!r}: a name and a shape of at most 32 sizes")
+    if dtype not in DTYPES:
+        raise SetupError(f"array {name!r} has dtype {dtype!r}; only {DTYPES} are averaged")
+    return ArraySpec(name, tuple(shape), dtype)
+
+
+def _dp_spec(item: object) -> DpSpec:
+    if not isinstance(item, list) or len(item) != 8:
+        raise SetupError("a distributed-DP round needs its 8 encoding parameters")
+    dp = dict(zip(("clip_norm", "scale", "bits", "noise_stddev", "rotation_seed",
+                   "mechanism", "beta", "threshold"), item, strict=True))
+    return DpSpec(_float(dp, "clip_norm", 0.0, low_open=True),
+                  _float(dp, "scale", 0.0, low_open=True), _int(dp, "bits", 8, 64),
+                  _float(dp, "noise_stddev", 0.0), _int(dp, "rotation_seed", 0, (1 << 63) - 1),
+                  fields.text(dp, "mechanism", MECHANISMS, error=SetupError,
+                              what="DP parameter"),
+                  _float(dp, "beta", 0.0, 0.999999), _int(dp, "threshold", 1, MAX_ROSTER))
+
+
+# --- a site's arrays <-> its secagg vector (both sides call these) -----------------------
+
+class ReplyError(FLError, ValueError):
+    """The user's train reply does not match the round's layout; the message says how."""
+
+
+
+
+
+
+
+
+def _fixed(setup: RoundSetup) -> FixedPointCodec:
+    dim = setup.model_dim + len(setup.metrics) + 1
+    try:
+        return FixedPointCodec(dim, bits=setup.bits, frac_bits=setup.frac_bits,
+                               max_summands=setup.num_clients)
+    except ValueError as exc:
+        raise SetupError(f"fixed-point parameters: {exc}") from None
+
+
+def validate_fixed(setup: RoundSetup) -> None:
+    """Refuse (:class:`SetupError`) fixed-point parameters that cannot hold the round."""
+    _fixed(setup)
+
+
+def dp_params(setup: RoundSetup) -> EncodingParams:
+    spec = setup.dp
+    if spec is None:
+        raise SetupError("a distributed-DP round carries no DP parameters")
+    try:
+        return EncodingParams(dim=setup.model_dim + 1, clip_norm=spec.clip_norm,
+                              scale=spec.scale, bits=spec.bits, noise_stddev=spec.noise_stddev,
+                              rotation_seed=spec.rotation_seed,
+                              mechanism=spec.mechanism,  # type: ignore[arg-type]
+                              beta=spec.beta, threshold=spec.threshold)
+    except ValueError as exc:
+        raise SetupError(f"distributed-DP parameters: {exc}") from None
+
+
+def encoded_dim(setup: RoundSetup) -> int:
+    """The length of the secagg vector of this round."""
+    if setup.encoding == "ddp":
+        return dp_params(setup).encoded_dim
+    return setup.model_dim + len(setup.metrics) + 1
+
+
+def encode_reply(setup: RoundSetup, arrays: F64, metrics: dict[str, float], weight: float,
+                 sent: F64 | None) -> U64:
+    """A node's secagg input. ``sent`` is the flattened arrays the server sent (ddp only)."""
+    if setup.encoding == "ddp":
+        if sent is None or sent.shape != arrays.shape:
+            raise ReplyError("a distributed-DP round needs the arrays the server sent, in "
+                             "the reply's layout")
+        codec = DistributedCodec(dp_params(setup))
+        return codec.encode((arrays - sent)[None, :], noise=True)
+    if not (np.isfinite(weight) and weight > 0):
+        raise ReplyError(f"the weight {setup.weight_key!r} must be a positive number, got "
+                         f"{weight!r}")
+    values = [metrics[name] for name in setup.metrics]
+    try:
+        return encode_weighted(_fixed(setup), np.concatenate(
+            [arrays, np.asarray(values, dtype=np.float64)]), weight)
+    except ValueError as exc:
+        raise ReplyError(str(exc)) from None
+
+
+def decode_sum(setup: RoundSetup, total: U64, included: int, sent: F64
+               ) -> tuple[F64, dict[str, float], float]:
+    """The aggregate arrays (flat), averaged metrics and the summed weight of a round.
+
+    ``fixed``: the weighted averages and ``sum w``. ``ddp``: ``sent`` plus the noisy sum
+    of clipped updates over the noisy node count (floored at one), and that count."""
+    if setup.encoding == "ddp":
+        mean, count = noisy_mean(DistributedCodec(dp_params(setup)), total, included)
+        return sent + mean, {}, max(count, 1.0)
+    try:
+        averages, weight = decode_weighted(_fixed(setup), total)
+    except ValueError as exc:
+        raise ReplyError(str(exc)) from None
+    d = setup.model_dim
+    metrics = {name: float(averages[d + i]) for i, name in enumerate(setup.metrics)}
+    return averages[:d], metrics, weight
+
+
+def round_release(setup: RoundSetup) -> Callable[[SitePolicy], SecureSum]:
+    """What a round releases, as the site core charges it (given the node's policy): an
+    exact sum, or one distributed-DP sum of the node's clipped update. The node charges it
+    at sample rate 1: the server picks the roster, so the node cannot count on being
+    sampled (the NVFlare site likewise, :mod:`fl.nvflare.client`). The update is clipped as
+    a whole, which bounds every patient's and every record's influence by the replace-one
+    sensitivity (twice the clip): the release is per the policy's unit (patient or record),
+    charged at that sensitivity."""
+    params = dp_params(setup) if setup.encoding == "ddp" else None
+    if params is None:
+        validate_fixed(setup)
+    # the node's whole update is one clipped row: one patient (or record) can move it
+    # anywhere in the clip ball, so it is charged at the replace-one sensitivity (twice the
+    # row's bound), not the add/remove one of the site role's one-row-per-patient sums
+    charged = None if params is None else params.replace_one()
+
+    def release(policy: SitePolicy) -> SecureSum:
+        unit = policy.unit if policy.unit in ("patient", "record") else "patient"
+        return SecureSum(params=charged, sample_rate=1.0, unit=unit)
+
+    return release
+
+
+def admit_round(core: SiteCore, setup: RoundSetup, label: str) -> None:
+    """A site's checks of a round setup before its data is touched (both runtimes): the
+    protocol margins and the release against its policy, charged write-ahead to its ledger
+    (:class:`fl.site.core.SiteCore`; a refusal raises :class:`dp.policy.PolicyRefused`). A
+    malicious-mode roster is authenticated by enrolled keys, so its noise shares count."""
+    core.authenticated_roster = setup.security == "malicious"  # enrolled keys only
+    core.check_protocol(num_clients=setup.num_clients, threshold=setup.threshold,
+                        neighbors=setup.neighbors, security=setup.security)
+    core.admit(round_release(setup)(core.policy), secagg_threshold=setup.threshold,
+               label=label)
+
+
+def check_identity(setup: RoundSetup, client_id: int, signing_key: Any,
+                   trusted_keys: frozenset[bytes]) -> dict[str, Any]:
+    """A malicious-mode setup must give this site its own verify key and only enrolled
+    keys (:class:`SetupError` otherwise); the keyword arguments ``secagg.Client`` needs for
+    the round's security mode."""
+    if setup.security != "malicious":
+        return {}
+    if signing_key is None:
+        raise SetupError("a malicious-mode round needs this site's signing key")
+    if setup.verify_keys[client_id - 1] != signing_key.public:
+        raise SetupError("the setup gives this site a verify key that is not its own")
+    strangers = [i + 1 for i, key in enumerate(setup.verify_keys) if key not in trusted_keys]
+    if strangers:
+        raise SetupError(f"the setup names verify keys that are not enrolled (roster "
+                         f"positions {strangers[:10]}); refused")
+    return {"signing_key": signing_key, "verify_keys": setup.peer_keys()}
+
+
+# --- the server side: a round's setup -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DistributedDP:
+    """Client-level distributed DP: each node clips its update (reply minus the arrays
+    sent) to ``clip_norm`` and adds its share of integer noise. Give ``epsilon`` (with
+    ``delta``, the node ``sample_rate`` and the planned ``rounds``) to have the noise fit
+    the budget and the budget enforced, or a central ``noise_multiplier``."""
+
+    clip_norm: float
+    epsilon: float | None = None
+    delta: float = 1e-5
+    sample_rate: float = 1.0
+    rounds: int = 1
+    noise_multiplier: float | None = None
+    granularity_bits: int = 12
+
+
+def protocol_graph(n: int, *, neighbors: int | str | None, threshold: int | None,
+                   dropout_rate: float, corrupt_rate: float, security: str
+                   ) -> tuple[int | None, int | None]:
+    """The (k, t) a server asks of ``n`` sites: ``neighbors="auto"``: SecAgg+'s for the
+    rates (``secagg.secagg_plus_parameters``; k None: the complete graph when no sparse one
+    is safe); an int k with ``threshold``; None: the complete graph with ``threshold``
+    (None: the protocol's floor, which ``secagg.Config`` fills in)."""
+    if neighbors == "auto":
+        graph = secagg_plus_parameters(n, dropout_rate, corrupt_rate, security)
+        return graph.neighbors, graph.threshold
+    return (neighbors, threshold) if isinstance(neighbors, int) else (None, threshold)
+
+
+def fixed_setup(*, run_id: int, server_round: int, roster: Sequence[int],
+                arrays: tuple[ArraySpec, ...], metrics: tuple[str, ...], weight_key: str,
+                neighbors: int | str | None, threshold: int | None, dropout_rate: float,
+                corrupt_rate: float, security: str, bits: int, frac_bits: int,
+                verify_keys: Mapping[Any, bytes], members: Sequence[Any] | None = None
+                ) -> RoundSetup:
+    """A fixed-point round's setup with a fresh nonce and the graph of
+    :func:`protocol_graph`. Malicious mode: ``verify_keys`` maps each of ``members``
+    (default the roster) to its enrolled key; a member without one is a ``ValueError``."""
+    n = len(roster)
+    k, t = protocol_graph(n, neighbors=neighbors, threshold=threshold,
+                          dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
+                          security=security)
+    rates = {} if k is None else {"dropout_rate": dropout_rate, "corrupt_rate": corrupt_rate}
+    # Config fills in the protocol's threshold floor when t is None
+    probe = Config(num_clients=n, threshold=t, neighbors=k, security=security, **rates)
+    keys: tuple[bytes, ...] = ()
+    if security == "malicious":
+        who = list(roster if members is None else members)
+        unknown = [m for m in who if m not in verify_keys]
+        if unknown:
+            raise ValueError(f"no enrolled verify key for {unknown[:10]}")
+        keys = tuple(verify_keys[m] for m in who)
+    return RoundSetup(
+        run_id=run_id, server_round=server_round, nonce=os.urandom(32), roster=tuple(roster),
+        threshold=probe.threshold, neighbors=probe.neighbors, bits=bits, security=security,
+        arrays=arrays, metrics=metrics, weight_key=weight_key, encoding="fixed",
+        frac_bits=frac_bits, dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
+        verify_keys=keys)
+
+
+def round_plan(privacy: DistributedDP, setup: RoundSetup,
+               cache: dict[tuple[int, int, int], DistributedPlan]) -> DistributedPlan:
+    """The distributed-DP plan of ``setup``'s round (``fl.site.privacy.distributed_plan``: the
+    per-site noise so any ``threshold`` survivors carry the target), cached per (model
+    size, sites, threshold) in ``cache``."""
+    key = (setup.model_dim, setup.num_clients, setup.threshold)
+    if key not in cache:
+        cache[key] = distributed_plan(
+            model_dim=setup.model_dim, epsilon=privacy.epsilon, delta=privacy.delta,
+            sample_rate=privacy.sample_rate, rounds=privacy.rounds,
+            clip_norm=privacy.clip_norm, num_sites=setup.num_clients,
+            threshold=setup.threshold, max_units_per_site=1,
+            noise_multiplier=privacy.noise_multiplier,
+            granularity_bits=privacy.granularity_bits)
+    return cache[key]
+
+
+def with_distributed_dp(setup: RoundSetup, plan: DistributedPlan, domain: bytes
+                        ) -> RoundSetup:
+    """``setup`` switched to the distributed-DP encoding of ``plan`` (no metrics: they
+    would carry no noise); the rotation seed is drawn from the round's nonce."""
+    p = plan.params
+    rotation = int.from_bytes(hashlib.sha256(domain + setup.nonce).digest()[:8], "big") >> 1
+    dp = DpSpec(p.clip_norm, p.scale, p.bits, p.noise_stddev, rotation, p.mechanism,
+                p.beta, p.threshold)
+    return replace(setup, encoding="ddp", frac_bits=0, dp=dp, bits=p.bits, metrics=())

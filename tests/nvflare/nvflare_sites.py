@@ -1,0 +1,89 @@
+"""The tests' site executor and a dishonest server.
+
+The site executor: :class:`fl.nvflare.client.SecAggExecutor` that records each
+round's plaintext secagg input (so a test can check the aggregate against the plaintext
+sum) and fails or stalls at the stages a plan names (drops at chosen stages)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.shareable import make_reply
+
+from fl.nvflare.client import SecAggExecutor
+from fl.nvflare.common import SETUP_HEADER, STAGE_TASK
+from fl.nvflare.server import SecureFedAvg
+from fl.round_setup import RoundSetup
+
+PLAN_ENV = "SECAGG_TEST_PLAN"
+"""A JSON file: {"record": dir, "zero_round": round, "drops": {site: {round: [stage label,
+"fail" | "kill" | "stall", seconds]}}}."""
+
+STAGES = ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmasking")
+
+
+class RecordingExecutor(SecAggExecutor):
+    def __init__(self, trainer_id: str = "secagg_trainer", train_task_name: str = "train"
+                 ) -> None:
+        super().__init__(trainer_id=trainer_id, train_task_name=train_task_name)
+        self._round = -1
+        self._stage = 0
+        self._security = "semi-honest"
+
+    def _plan(self) -> dict[str, Any]:
+        return json.loads(Path(os.environ[PLAN_ENV]).read_text())
+
+    def on_input(self, setup: RoundSetup, vector: np.ndarray) -> None:
+        record = Path(self._plan()["record"])
+        np.save(record / f"{self.site}-r{setup.server_round}.npy", vector)
+
+    def execute(self, task_name: str, shareable: Any, fl_ctx: Any, abort_signal: Any) -> Any:
+        if task_name == STAGE_TASK:
+            self._stage += 1
+            if self._security != "malicious" and self._stage == 3:
+                self._stage = 4  # no consistency check in semi-honest mode
+        else:
+            setup = RoundSetup.from_bytes(shareable.get_header(SETUP_HEADER))
+            self._round, self._stage, self._security = setup.server_round, 0, setup.security
+        drop = self._plan()["drops"].get(self.site, {}).get(str(self._round))
+        if drop is not None and drop[0] == STAGES[self._stage]:
+            if drop[1] == "kill":  # the whole site dies mid-round: its client and job process
+                os.kill(os.getppid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if drop[1] == "stall":
+                time.sleep(float(drop[2]))
+            else:
+                return make_reply(ReturnCode.EXECUTION_EXCEPTION)  # the task failed
+        return super().execute(task_name, shareable, fl_ctx, abort_signal)
+
+
+class ZeroNoiseFedAvg(SecureFedAvg):
+    """A server that announces distributed DP but sets every site's noise to 0 in the
+    plan's ``zero_round`` (the attack the site policy's noise floor refuses). (NVFlare
+    rebuilds a workflow from its ``__init__`` arguments, so the round comes from the plan.)"""
+
+    def _setup(self, sites: list[str], server_round: int, specs: tuple[Any, ...]
+               ) -> RoundSetup | None:
+        setup = super()._setup(sites, server_round, specs)
+        zero_round = json.loads(Path(os.environ[PLAN_ENV]).read_text()).get("zero_round")
+        if setup is not None and setup.dp is not None and server_round == zero_round:
+            return replace(setup, dp=replace(setup.dp, noise_stddev=0.0))
+        return setup
+
+
+def inputs(record: Path, server_round: int, sites: list[str]) -> list[np.ndarray]:
+    """The secagg inputs ``sites`` recorded for ``server_round``."""
+    return [np.load(record / f"{s}-r{server_round}.npy") for s in sites]
+
+
+def plain_sum(vectors: list[np.ndarray], bits: int) -> list[int]:
+    """The modular sum, in Python integers (exact)."""
+    return [sum(int(v[i]) for v in vectors) % (1 << bits) for i in range(len(vectors[0]))]

@@ -1,0 +1,147 @@
+"""NVFlare's simulator runs securely aggregated jobs (fl.nvflare): several sites, a few
+rounds, sites dropped at chosen stages (failing or stalling past the stage deadline), a
+site whose policy refuses the job, and a dishonest zero-noise round. Every round's secure
+sum is checked exactly against the plaintext sum of the inputs the included sites recorded,
+and the saved model against its decode."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nvflare.apis")  # not the namespace of tests/nvflare/ itself
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from nvflare.app_common.np.np_model_persistor import NPModelPersistor  # noqa: E402
+from nvflare.fuel.utils.constants import FrameworkType  # noqa: E402
+from nvflare.job_config.api import FedJob  # noqa: E402
+from nvflare_sites import (  # noqa: E402
+    PLAN_ENV,
+    RecordingExecutor,
+    ZeroNoiseFedAvg,
+    inputs,
+    plain_sum,
+)
+
+from dp.ledger import Ledger  # noqa: E402
+from dp.policy import SitePolicy  # noqa: E402
+from fl.codec import FixedPointCodec, decode_weighted  # noqa: E402
+from fl.nvflare.client import DIR_ENV  # noqa: E402
+from fl.nvflare.job import SecureScriptRunner  # noqa: E402
+from fl.nvflare.server import SecureFedAvg  # noqa: E402
+from secagg import SigningKey  # noqa: E402
+
+
+def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, server: Any, sites: dict[str, dict],
+         drops: dict[str, dict[str, list[Any]]], zero_round: int = -1
+         ) -> list[dict[str, Any]]:
+    """Run a job of ``server`` on the simulator; ``sites``: site name -> its policy JSON;
+    returns the round reports."""
+    record = tmp / "record"
+    record.mkdir()
+    (tmp / "plan.json").write_text(json.dumps({"record": str(record), "drops": drops,
+                                                   "zero_round": zero_round}))
+    monkeypatch.setenv(PLAN_ENV, str(tmp / "plan.json"))
+    monkeypatch.setenv(DIR_ENV, str(tmp / "sites"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    for name, policy in sites.items():
+        (tmp / "sites" / name).mkdir(parents=True, exist_ok=True)
+        (tmp / "sites" / name / "policy.json").write_text(json.dumps(policy))
+    job = FedJob(name="secure", min_clients=len(sites))
+    job.to_server(server)
+    job.to_server(NPModelPersistor(), id="persistor")
+    job.to_clients(SecureScriptRunner(str(HERE / "train_script.py"),
+                                      framework=FrameworkType.NUMPY,
+                                      executor=RecordingExecutor()))
+    job.simulator_run(str(tmp / "ws"), clients=sorted(sites), threads=len(sites))
+    return [json.loads(line) for line in Path(server.report_path).read_text().splitlines()]
+
+
+
+
+def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    exact = {"modes": ["none", "distributed"]}
+    sites = {f"site-{i}": exact for i in range(1, 5)} | {"site-5": {}}  # site-5: DP only
+    server = SecureFedAvg(num_rounds=3, neighbors=None, stage_timeout=1.0,
+                          train_timeout=60, report_path=str(tmp_path / "reports.jsonl"))
+    reports = _run(tmp_path, monkeypatch, server, sites, {
+        "site-2": {"0": ["advertise_keys", "fail"]},  # its training fails
+        "site-3": {"1": ["masked_input", "fail"]},  # after sharing its keys: mask recovered
+        "site-1": {"2": ["unmasking", "stall", 4]},  # silent past the deadline
+    })
+    assert [r["server_round"] for r in reports] == [0, 1, 2]
+    expected_drops = [{"site-2": "advertise_keys", "site-5": "advertise_keys"},
+                      {"site-3": "masked_input", "site-5": "advertise_keys"},
+                      {"site-1": "unmasking", "site-5": "advertise_keys"}]
+    for report, dropped in zip(reports, expected_drops, strict=True):
+        assert report["dropped"] == dropped and report["aborted"] is None
+        included = sorted(set(sites) - set(dropped) | ({"site-1"} if "site-1" in dropped
+                                                       else set()))
+        assert report["included"] == included  # site-1's masked input is in round 2's sum
+        assert report["total"] == plain_sum(inputs(tmp_path / "record", report["server_round"],
+                                                     included), 64)
+        assert set(report["seconds"]) == {"advertise_keys", "share_keys", "masked_input",
+                                          "unmasking"}
+        assert all(report["bytes_up"][s] > 0 for s in included)
+    assert reports[2]["seconds"]["unmasking"] >= 1.0  # waited out site-1's deadline
+    # no input of the refusing site was ever computed, and its ledger has no charge
+    assert not list((tmp_path / "record").glob("site-5-*"))
+    with Ledger.open(tmp_path / "sites" / "site-5" / "ledger.json", SitePolicy()) as ledger:
+        assert ledger.releases == 0
+    # the saved model is the decoded weighted average of the last round's plaintext inputs
+    codec = FixedPointCodec(10, bits=64, frac_bits=24, max_summands=5)
+    plain = np.array(plain_sum(inputs(tmp_path / "record", 2, reports[2]["included"]), 64),
+                     dtype=np.uint64)
+    average, _ = decode_weighted(codec, plain)
+    saved = next((tmp_path / "ws").rglob("server.npy"))
+    np.testing.assert_array_equal(np.load(saved).ravel(), average[:9].astype(np.float32))
+
+
+def test_malicious_distributed_dp_budget_and_a_zero_noise_round_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    names = [f"site-{i}" for i in range(1, 5)]
+    keys = {name: SigningKey.generate() for name in names}
+    trusted = [k.public.hex() for k in keys.values()]
+    for name, key in keys.items():
+        folder = tmp_path / "sites" / name
+        folder.mkdir(parents=True)
+        (folder / "signing-key").write_text(key.private_bytes().hex())
+        (folder / "trusted-keys.json").write_text(json.dumps(trusted))
+    dp = {"clip_norm": 1.0, "epsilon": 8.0, "delta": 1e-5, "rounds": 2}
+    server = ZeroNoiseFedAvg(num_rounds=4, neighbors=None, security="malicious",
+                             verify_keys={n: k.public.hex() for n, k in keys.items()}, dp=dp,
+                             stage_timeout=1.0, train_timeout=60,
+                             report_path=str(tmp_path / "reports.jsonl"))
+    reports = _run(tmp_path, monkeypatch, server, {n: {} for n in names},
+                   {"site-2": {"2": ["consistency_check", "fail"]}}, zero_round=1)
+    first, zero, third, fourth = reports
+    # round 1: every site's policy refuses the zero-noise release before training
+    assert zero["aborted"] is not None and zero["total"] is None
+    assert zero["dropped"] == {n: "advertise_keys" for n in names}
+    assert not list((tmp_path / "record").glob("*-r1.npy"))
+    # rounds 0 and 2 run (site-2 drops in round 2's consistency check); round 3 would
+    # overshoot the budget and is not run
+    assert first["included"] == names and first["dropped"] == {}
+    assert third["dropped"] == {"site-2": "consistency_check"}
+    assert third["included"] == names  # its masked input arrived before it dropped
+    assert set(third["seconds"]) >= {"consistency_check", "unmasking"}
+    for report in (first, third):
+        assert report["encoding"] == "ddp" and report["security"] == "malicious"
+        assert report["total"] == plain_sum(inputs(tmp_path / "record", report["server_round"],
+                                                     report["included"]), report["bits"])
+    assert 0 < first["epsilon"] < third["epsilon"] <= dp["epsilon"]
+    assert fourth["skipped"] is not None and "budget" in fourth["skipped"]
+    for name in names:  # each site charged rounds 0 and 2, never the refused round
+        with Ledger.open(tmp_path / "sites" / name / "ledger.json", SitePolicy()) as ledger:
+            assert ledger.releases == 2
