@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from dp.accounting import ORDERS, ddg_tau
+from dp.accounting import ORDERS, ddg_tau, integer_rdp, rdp_to_epsilon
 from dp.budget import Event, GaussianRound, RdpRound
 from dp.errors import MissingExtra, PrivacyConfigError
 
@@ -108,7 +108,12 @@ def to_dp_event(data: dict[str, Any]) -> Any:
 
 def recompute_epsilon(data: dict[str, Any], delta: float, accountant: str = "rdp") -> float:
     """Epsilon of the DpEvent ``data`` by dp-accounting's own accountant (``rdp`` or
-    ``pld``), independently of this package's accounting."""
+    ``pld``), independently of this package's accounting; ``"zhu-wang"``: from the event
+    description alone, for what dp-accounting cannot compose (a Poisson-subsampled zCDP
+    round): each zCDP release's RDP curve ``xi + rho * a``, Gaussians' ``a / (2 z^2)``,
+    subsampled with Zhu & Wang's bound at integer orders, composed and converted."""
+    if accountant == "zhu-wang":
+        return rdp_to_epsilon(_event_rdp(data), delta)
     import dp_accounting
 
     event = to_dp_event(data)
@@ -117,7 +122,8 @@ def recompute_epsilon(data: dict[str, Any], delta: float, accountant: str = "rdp
     elif accountant == "pld":
         acc = dp_accounting.pld.PLDAccountant()
     else:
-        raise PrivacyConfigError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
+        raise PrivacyConfigError(f"accountant must be 'rdp', 'pld' or 'zhu-wang', got "
+                                 f"{accountant!r}")
     if not acc.supports(event):
         raise PrivacyConfigError(
             f"dp-accounting's {accountant} accountant cannot compose this run: "
@@ -140,7 +146,40 @@ def _unsupported(acc: Any, event: Any, accountant: str) -> str:
     if name == "PoissonSampledDpEvent" and inner != "GaussianDpEvent":
         q = getattr(event, "sampling_probability", None)
         return (f"a PoissonSampledDpEvent of a {inner} (sampling probability {q}): "
-                f"dp-accounting's {accountant} accountant subsamples only Gaussians; a "
-                "subsampled distributed round is bounded by dp.accounting (Zhu & Wang), "
-                "an adaptive-clipping step by 'rdp'")
+                f"dp-accounting's {accountant} accountant subsamples only Gaussians; "
+                "recompute a subsampled distributed round with accountant='zhu-wang' (from "
+                "the event description), an adaptive-clipping step with 'rdp'")
     return f"a {name}"
+
+
+def _event_rdp(data: dict[str, Any]) -> Any:
+    """RDP at :data:`ORDERS` of the event ``data`` describes (see :func:`recompute_epsilon`,
+    ``"zhu-wang"``); a kind it has no curve for raises :class:`PrivacyConfigError`."""
+    import numpy as np
+
+    name = data.get("class_name")
+    if name == "ComposedDpEvent":
+        return sum((_event_rdp(e) for e in data["events"]),
+                   np.zeros(len(ORDERS), dtype=np.float64))
+    if name == "SelfComposedDpEvent":
+        return int(data["count"]) * _event_rdp(data["event"])
+    if name == "PoissonSampledDpEvent":
+        curve = _rdp_curve(data["event"])
+        return integer_rdp(curve, float(data["sampling_probability"]), 1)
+    curve = _rdp_curve(data)
+    return np.asarray([curve(max(2, math.ceil(a))) for a in ORDERS], dtype=np.float64)
+
+
+def _rdp_curve(data: dict[str, Any]) -> Any:
+    """``order -> RDP`` of an unsubsampled release (zCDP, Gaussian, or their composition)."""
+    name = data.get("class_name")
+    if name == "ZCDpEvent":
+        rho, xi = float(data["rho"]), float(data["xi"])
+        return lambda a: xi + rho * a
+    if name == "GaussianDpEvent":
+        z = float(data["noise_multiplier"])
+        return lambda a: a / (2 * z * z)
+    if name == "ComposedDpEvent":
+        parts = [_rdp_curve(e) for e in data["events"]]
+        return lambda a: sum(p(a) for p in parts)
+    raise PrivacyConfigError(f"no RDP curve for a {name} inside a subsampled event")

@@ -134,5 +134,30 @@ def test_an_unrecomputable_run_names_the_event_dp_accounting_lacks() -> None:
         recompute_epsilon(run, 1e-5, "pld")
     sampled = run_json([GaussianRound(1.2, 0.05, 30), distributed_event(params, 0.1)])
     with pytest.raises(PrivacyConfigError, match=r"PoissonSampledDpEvent of a ZCDpEvent "
-                                                 r"\(sampling probability 0\.1\)"):
+                                                 r"\(sampling probability 0\.1\).*zhu-wang"):
         recompute_epsilon(sampled, 1e-5, "rdp")
+    assert recompute_epsilon(sampled, 1e-5, "zhu-wang") > 0
+
+
+@pytest.mark.parametrize("q", [0.01, 0.1, 0.5])
+def test_zhu_wang_recompute_is_never_below_dp_accountings_exact_gaussian(q: float) -> None:
+    """The 'zhu-wang' recomputation (the event description's RDP curves, subsampled with Zhu
+    & Wang's general bound) checked where dp-accounting is exact: a Poisson-subsampled
+    Gaussian. The general bound may only be looser, and not by much."""
+    run = run_json([GaussianRound(1.1, q, 200)])
+    exact = recompute_epsilon(run, 1e-5, "rdp")
+    general = recompute_epsilon(run, 1e-5, "zhu-wang")
+    assert exact * (1 - 1e-9) <= general <= exact * 1.25
+
+
+@pytest.mark.parametrize("q", [0.05, 0.3])
+def test_a_subsampled_distributed_round_is_recomputed_from_its_event(q: float) -> None:
+    """What dp-accounting cannot compose (a Poisson-subsampled zCDP round) is recomputed
+    from the exported event alone, and is never below what the run reported."""
+    params = EncodingParams(dim=30, clip_norm=1.0, scale=4096.0, bits=40,
+                            noise_stddev=2.0 / math.sqrt(4), rotation_seed=0, threshold=4)
+    event = distributed_event(params, q, steps=25)
+    reported = PrivacyBudget(1e9, 1e-5).epsilon_after(event)
+    recomputed = recompute_epsilon(run_json([event]), 1e-5, "zhu-wang")
+    assert recomputed >= reported * (1 - 1e-9)
+    assert recomputed <= reported * 1.01
