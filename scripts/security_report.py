@@ -205,8 +205,6 @@ Does not hold (shown by strict-xfail tests, so a change in behaviour turns the s
   server unencrypted); in semi-honest mode an active broker can also alter masked inputs
   undetected.
 * **Context grinding** by whoever picks the context (SecAgg+ graph).
-* **A replayed advertisement** that reaches the server before the client's own excludes
-  that client from the round (denial of service; nothing else of the old round verifies).
 * **SecAgg+ outside its assumptions** (parameters not derived for the actual rates, or
   dropouts and corruptions that depend on the graph): honest survivors held together only
   by corrupt ones can be split without any client seeing it.
@@ -268,9 +266,9 @@ documented non-guarantees are strict xfails in section 4.
     signature used to verify in a new round (wrong sum, blame of an honest client);
     now every transcript binds the round's fresh keys
     (`test_protocol_replay.py::test_replay_*` pass). The advertisement is fresh through the
-    server's round nonce, which the package's drivers relay; a host that drives the state
-    machines without one lets a replayed advertisement exclude the real client (strict
-    xfail, 9.2).
+    server's round nonce, which every `Server` draws and a malicious-mode client must have
+    bound before it advertises (a host can no longer forget it; the strict xfail passes as
+    `test_replay_advertise_keys_is_rejected_and_the_real_client_takes_part`).
 17. *Rollback of a restored client* (lead's review) - **guarded.** A host restoring an
     older snapshot lost the one-share-per-peer record; `Client.restore(min_stage=)` refuses
     it (`test_rollback_to_an_earlier_snapshot_is_refused_with_the_hosts_stage_record`);

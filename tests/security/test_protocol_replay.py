@@ -164,6 +164,13 @@ def test_replay_advertise_keys_is_rejected_and_the_real_client_takes_part() -> N
     assert result.total.tolist() == new.expected()
 
 
+@threat(attack="A host that forgets the round nonce",
+        adversary="network attacker",
+        controls="replays recorded advertisements into rounds whose host drives the state "
+                 "machines without relaying Server.nonce",
+        protocol="Server draws its nonce itself; a malicious-mode Client refuses to "
+                 "advertise before it is bound, so the forgetful host gets an error instead of "
+                 "a round a recording verifies in", mode="malicious")
 def test_a_host_that_forgets_the_nonce_gets_an_error_not_a_replayable_round() -> None:
     """The fresh-round binding is not the host's duty: the server's nonce exists whether or
     not the host passes one, and a malicious-mode client that was not given it refuses to
