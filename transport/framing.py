@@ -100,6 +100,22 @@ class Reassembled:
     payload: bytes
 
 
+def round_reassembler(max_message_bytes: int, senders: int, max_payload: int,
+                      control_bytes: int = 0) -> Reassembler:
+    """The reassembly a round's server needs: every sender can have one whole message of up
+    to ``max_message_bytes`` (plus, ``control_bytes``, one notice) in flight, charged to its
+    own quota, and the pool is the sum of the quotas, so no sender, honest or not, can evict
+    another's honest message (``tests/security/test_transport_reassembly.py``). A sender's
+    second partial message of the same size is its own to lose."""
+    step = max(1, max_payload - HEADER_BYTES)
+    one = max_message_bytes + PARTIAL_OVERHEAD + CHUNK_OVERHEAD * (
+        max_message_bytes // step + 1)
+    quota = one + (control_bytes + PARTIAL_OVERHEAD + CHUNK_OVERHEAD * (
+        control_bytes // step + 1) if control_bytes else 0)
+    return Reassembler(max_message_bytes, max_partial=2, max_sender_bytes=quota,
+                       max_buffered_bytes=max(1, senders) * quota)
+
+
 class Reassembler:
     """Collects frames per sender and returns each message when it is complete.
 

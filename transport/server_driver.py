@@ -29,7 +29,7 @@ from .errors import TransportError
 from .framing import (
     DEFAULT_MAX_PAYLOAD,
     FrameError,
-    Reassembler,
+    round_reassembler,
 )
 from .link import Delivery, Link, LinkLost, Reconnected
 from .tasks import stop_task
@@ -66,7 +66,8 @@ class ServerDriver:
         self.invalid_payloads = 0
         self.rejected = 0
         self.resends = 0
-        self._reassembler = Reassembler(server.max_message_bytes() + 4096)
+        self._reassembler = round_reassembler(server.max_message_bytes() + 4096,
+                                              len(server.roster), max_payload)
         self._outbox: dict[int, tuple[Stage, bytes]] = {}
         self._answered: dict[int, bytes] = {}  # client -> digest its outbox message answers
         self._accepted: dict[int, bytes] = {}  # this stage: client -> digest accepted

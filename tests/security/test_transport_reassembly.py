@@ -9,6 +9,7 @@ masked input, through a real round on the embedded broker where the attack needs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import secrets
 import struct
@@ -22,7 +23,14 @@ from secagg import Config, Stage
 from tests.transport.mqtt_raw import RawClient, publish_packet
 from transport.broker import EmbeddedBroker
 from transport.drivers import StageProgress, Timeouts
-from transport.framing import CHUNK_OVERHEAD, HEADER_BYTES, FrameError, Reassembler, frame
+from transport.framing import (
+    CHUNK_OVERHEAD,
+    HEADER_BYTES,
+    FrameError,
+    Reassembler,
+    frame,
+    round_reassembler,
+)
 from transport.mqtt import BrokerSettings, MqttNetwork
 from transport.rounds import run_round
 from transport.topics import SERVER_USER, Topics, acl_table, site_name
@@ -160,3 +168,48 @@ def test_chunking_that_is_not_full_size_is_refused(frames: list[bytes]) -> None:
         for data in frames:
             reassembler.feed("s", data, 0.0)
     assert reassembler.buffered_bytes == 0
+
+
+def _interleaved(reassembler: Reassembler, messages: dict[str, bytes], payload: int
+                 ) -> dict[str, bytes]:
+    """Feed every sender's chunks round-robin (all of them in flight at once)."""
+    frames = {who: frame(data, max_payload=payload) for who, data in messages.items()}
+    done: dict[str, bytes] = {}
+    for i in range(max(len(f) for f in frames.values())):
+        for who, chunks in frames.items():
+            if i < len(chunks):
+                try:
+                    got = reassembler.feed(who, chunks[i], 0.0, quota=who)
+                except FrameError:
+                    continue
+                if got is not None:
+                    done[who] = got.payload
+    return done
+
+
+@threat(attack="Concurrent large updates evict each other",
+        adversary="malicious client",
+        controls="every site streams a whole-size masked input at once, chunk by chunk; "
+                 "one site also opens a second, never-finished set of the same size",
+        protocol="the round's reassembly gives each site a quota of one whole message and "
+                 "a pool that is the sum of the quotas (transport.framing.round_reassembler):"
+                 " a site can only lose its own partial sets")
+def test_a_round_reassembles_every_sites_whole_update_at_once() -> None:
+    """At 400 MB per update five sites needed 2 GB of a 512 MiB shared pool and the round
+    died ('reassembly buffers are full'); here the same ratio at a small size."""
+    size, payload, n = 200_000, HEADER_BYTES + 4096, 5
+    messages = {f"site-{i}": secrets.token_bytes(size) for i in range(n)}
+    shared = Reassembler(size + 4096, max_buffered_bytes=int(2.5 * size))  # the old pool
+    assert len(_interleaved(shared, messages, payload)) < n
+    fresh = round_reassembler(size + 4096, n, payload)
+    assert _interleaved(fresh, messages, payload) == messages
+    # a site that also opens a second set of the same size loses only its own
+    attacker = round_reassembler(size + 4096, n, payload)
+    junk = frame(secrets.token_bytes(size), max_payload=payload)
+    for chunk in junk[: len(junk) // 2]:
+        with contextlib.suppress(FrameError):
+            attacker.feed("site-0", chunk, 0.0, quota="site-0")
+    got = _interleaved(attacker, messages, payload)
+    assert {k: v for k, v in got.items() if k != "site-0"} == {
+        k: v for k, v in messages.items() if k != "site-0"}
+
