@@ -91,3 +91,42 @@ def test_a_site_answers_only_secure_rounds_and_never_trains_for_a_refused_one(
     assert executor.config is not None
     with Ledger.open(tmp_path / "site-1" / "ledger.json", executor.config.policy) as ledger:
         assert ledger.releases == 1  # the refused tasks charged nothing
+
+
+def test_the_nvflare_site_holds_the_same_dp_rules_as_the_flower_node(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The site core's rules that the red team found missing in the Flower node hold here
+    too (one round setup path, fl/round_setup.py): a DP modulus other than the secure sum's
+    is refused before training, and a DP round is charged at the replace-one sensitivity of
+    the site's one clipped update (its own noise share: the roster is the server's word)."""
+    from dataclasses import replace
+
+    from dp.distributed import effective_noise_multiplier
+    from fl.round_setup import DpSpec, RoundSetup, dp_params
+
+    executor, trainer = _site(tmp_path, monkeypatch)
+    (tmp_path / "site-1" / "policy.json").write_text(json.dumps({"modes": ["distributed"]}))
+    executor.config = SiteConfig.for_site("site-1")
+    ctx = _context("job-a")
+
+    def dp_task(bits: int, dp_bits: int) -> tuple[Shareable, RoundSetup]:
+        task = _train_task("job-a")
+        fixed = RoundSetup.from_bytes(task.get_header(SETUP_HEADER))
+        setup = replace(fixed, encoding="ddp", frac_bits=0, metrics=(), bits=bits,
+                        dp=DpSpec(1.0, 100.0, dp_bits, 0.5, 3, "dgauss", 0.5, fixed.threshold))
+        task.set_header(SETUP_HEADER, setup.to_bytes())
+        return task, setup
+
+    mismatched, _ = dp_task(64, 40)
+    assert executor.execute("train", mismatched, ctx, Signal()).get_return_code() == (
+        ReturnCode.EXECUTION_EXCEPTION)
+    assert trainer.calls == 0
+    task, setup = dp_task(40, 40)
+    assert executor.execute("train", task, ctx, Signal()).get_return_code() == ReturnCode.OK
+    with Ledger.open(tmp_path / "site-1" / "ledger.json", executor.config.policy) as ledger:
+        (charge,) = ledger.charges
+    own = replace(dp_params(setup), threshold=1)
+    assert charge.noise_multiplier == pytest.approx(
+        effective_noise_multiplier(own.replace_one()))
+    assert charge.noise_multiplier == pytest.approx(effective_noise_multiplier(own) / 2,
+                                                    rel=0.05)
