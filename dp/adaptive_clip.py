@@ -77,8 +77,10 @@ class QuantileClipper:
         noise = int(discrete_gaussian(self.per_site_variance, 1, source or SystemRandom())[0])
         return np.array([(count + noise) % (1 << self.bits)], dtype=np.uint64)
 
-    def update(self, modular_sum: U64, num_included: int) -> float:
-        """Apply the geometric update from the securely summed noisy count; returns new C."""
+    def update(self, modular_sum: U64, num_included: int, units: float | None = None) -> float:
+        """Apply the geometric update from the securely summed noisy count; returns new C.
+        ``units``: the round's number of counted units if a release of the same run gives
+        it (a noised count: post-processing), else :attr:`expected_units`."""
         if num_included < self.threshold:
             raise TooFewSurvivors(
                 f"count summed over {num_included} sites < threshold {self.threshold}; skip "
@@ -87,7 +89,7 @@ class QuantileClipper:
         v = int(np.asarray(modular_sum, dtype=np.uint64)[0])
         if v >= 1 << (self.bits - 1):
             v -= 1 << self.bits
-        fraction = v / 2 / self.expected_units + 0.5
+        fraction = v / 2 / max(units or self.expected_units, 1.0) + 0.5
         self.clip_norm *= math.exp(-self.learning_rate * (fraction - self.target_quantile))
         return self.clip_norm
 

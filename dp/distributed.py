@@ -164,17 +164,20 @@ def effective_noise_multiplier(params: EncodingParams) -> float:
 
 def noise_for_budget(
     template: EncodingParams, epsilon: float, delta: float, sample_rate: float, rounds: int,
-    prior_rdp: F64 | None = None,
+    prior_rdp: F64 | None = None, clipper: QuantileClipper | None = None,
 ) -> EncodingParams:
     """``template`` with the smallest per-site ``noise_stddev`` whose ``rounds`` rounds fit in
     ``epsilon`` under the distributed accounting (bisection to 0.5 %), together with
-    ``prior_rdp`` (releases already made, RDP at :data:`dp.accounting.ORDERS`) if given."""
+    ``prior_rdp`` (releases already made, RDP at :data:`dp.accounting.ORDERS`) if given;
+    with ``clipper`` every round also releases its adaptive-clipping count, accounted
+    jointly (:func:`round_rdp`)."""
     from dataclasses import replace
 
     prior = 0.0 if prior_rdp is None else np.asarray(prior_rdp, dtype=np.float64)
 
     def eps(sd: float) -> float:
-        rdp = round_rdp(replace(template, noise_stddev=sd), sample_rate, rounds)
+        rdp = round_rdp(replace(template, noise_stddev=sd), sample_rate, rounds,
+                        clipper=clipper)
         return rdp_to_epsilon(prior + rdp, delta)
 
     hi = template.clip_norm

@@ -105,14 +105,22 @@ class Proposal:
 
     @classmethod
     def distributed(cls, params: Any, *, sample_rate: float, secagg_threshold: int,
-                    label: str = "", kind: str = "train", unit: str = "patient") -> Proposal:
+                    label: str = "", kind: str = "train", unit: str = "patient",
+                    count_stddev: float | None = None) -> Proposal:
         """Distributed mode: one noisy secure sum of ``params`` (:class:`EncodingParams`);
-        ``kind="scaler"``: the noised feature statistics (fl/site/private_scaler.py)."""
+        ``kind="scaler"``: the noised feature statistics (fl/site/private_scaler.py);
+        ``count_stddev``: the round also releases the adaptive-clipping count in the same
+        sum (charged jointly with the update, :func:`dp.distributed.round_rdp`)."""
+        from dp.adaptive_clip import QuantileClipper
         from dp.audit import distributed_event
         from dp.distributed import effective_noise_multiplier
 
         z = effective_noise_multiplier(params) if params.noise_stddev > 0 else 0.0
-        event = distributed_event(params, sample_rate) if 0 < sample_rate <= 1 else None
+        clipper = None if count_stddev is None else QuantileClipper(
+            clip_norm=params.clip_norm, count_stddev=count_stddev,
+            threshold=params.threshold, bits=params.bits)
+        event = (distributed_event(params, sample_rate, clipper=clipper)
+                 if 0 < sample_rate <= 1 else None)
         return cls(kind, "distributed", params.mechanism, z, sample_rate, 1,
                    params.clip_norm, params.threshold, secagg_threshold, event, label, unit)
 

@@ -97,41 +97,56 @@ class FixedPointCodec:
 class DistributedCodec:
     """Patient rows with a count column, through the distributed-DP integer encoder.
 
-    ``params.dim`` is the model dimension plus one (the count column).
+    ``params.dim`` is the model dimension plus one (the count column). ``max_weight``
+    (heterogeneity-aware site weights, :mod:`dp.site_weights`): ``params.clip_norm`` is
+    ``max_weight`` times the rows' clip ``C``, so the noise is calibrated to the largest
+    weighted row; a site with weight ``w <= max_weight`` sends ``w [g_p, gamma]`` and the
+    decoded count is ``sum w_k n_k`` (the weighted mean's denominator).
     """
 
     def __init__(self, params: EncodingParams, count_weight: float | None = None,
-                 source: RandomSource | None = None) -> None:
-        gamma = params.clip_norm / 2 if count_weight is None else count_weight
-        if not 0 < gamma < params.clip_norm:
-            raise ValueError(f"count_weight must be in (0, clip_norm={params.clip_norm})")
+                 source: RandomSource | None = None, max_weight: float = 1.0) -> None:
+        if not (max_weight > 0 and math.isfinite(max_weight)):
+            raise ValueError(f"max_weight must be a positive number, got {max_weight}")
+        clip = params.clip_norm / max_weight
+        gamma = clip / 2 if count_weight is None else count_weight
+        if not 0 < gamma < clip:
+            raise ValueError(f"count_weight must be in (0, clip_norm={clip})")
         self.params = params
+        self.max_weight = max_weight
+        self.clip_norm = clip
         self.gamma = gamma
         # Leave a hair of room so float error in the row norm never triggers the encoder's
         # own clip, which would shrink the count coordinate.
-        self.update_clip = math.sqrt(params.clip_norm**2 - gamma**2) * (1 - 1e-9)
+        self.update_clip = math.sqrt(clip**2 - gamma**2) * (1 - 1e-9)
         self.encoder = IntegerEncoder(params, source)
 
     @property
     def encoded_dim(self) -> int:
         return self.params.encoded_dim
 
-    def rows(self, unit_updates: F64) -> F64:
-        """``[g_p clipped, gamma]`` per unit; every row has L2 norm at most ``clip_norm``."""
+    def rows(self, unit_updates: F64, weight: float = 1.0) -> F64:
+        """``weight * [g_p clipped, gamma]`` per unit; every row has L2 norm at most
+        ``weight * C <= params.clip_norm``. A weight above ``max_weight`` is refused."""
+        if not 0 < weight <= self.max_weight:
+            raise EncodingOverflow(f"the site weight {weight!r} is outside (0, max_weight="
+                                   f"{self.max_weight:g}]: the noise is calibrated to "
+                                   "max_weight times the clip; refused")
         g = np.asarray(unit_updates, dtype=np.float64).reshape(-1, self.params.dim - 1)
         norms = np.linalg.norm(g, axis=1, keepdims=True)
         g = g * np.minimum(1.0, self.update_clip / np.maximum(norms, 1e-300))
-        return np.hstack([g, np.full((len(g), 1), self.gamma)])
+        return weight * np.hstack([g, np.full((len(g), 1), self.gamma)])
 
-    def encode(self, unit_updates: F64, *, noise: bool = True) -> U64:
+    def encode(self, unit_updates: F64, *, noise: bool = True, weight: float = 1.0) -> U64:
         """A site's input: the sum of its units' rows plus its noise share, mod 2**bits."""
-        rows = self.rows(unit_updates)
+        rows = self.rows(unit_updates, weight)
         if len(rows) == 0:  # nobody sampled: the site still sends its noise share
             return self.encoder.wrap(self.encoder.noise(noise))
         return self.encoder.encode_units(rows, noise=noise)
 
     def decode(self, total: U64, num_included: int) -> tuple[F64, float]:
-        """The noisy sum of the unit updates and the noisy number of units."""
+        """The noisy (weighted) sum of the unit updates and the noisy (weighted) number of
+        units."""
         s = self.encoder.decode(total, num_included)
         return s[:-1], float(s[-1] / self.gamma)
 

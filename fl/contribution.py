@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from dp.adaptive_clip import QuantileClipper
 from dp.encoding import EncodingParams
 from fl.codec import (
     DistributedCodec,
@@ -118,13 +119,53 @@ class RoundTask:
     """``unit="patient-idp"``: the run's planned DP-SGD steps (rounds x steps), which each
     site plans its own rate groups for (fl/site/idp.py); the site's ledger enforces the targets
     whatever this says."""
+    max_weight: float | None = None
+    weights: tuple[tuple[int, float], ...] | None = None
+    """Distributed DP with heterogeneity-aware site weights (:mod:`dp.site_weights`): each
+    site's weight, computed from the DP releases only, at most ``max_weight``; the encoding's
+    clip is ``max_weight`` times the rows' clip (:class:`fl.codec.DistributedCodec`)."""
 
     @property
     def bits(self) -> int:
         return self.params.bits if self.params is not None else 64
 
+    @property
+    def clip_count(self) -> bool:
+        """Distributed DP with adaptive clipping: the clip count travels in the same sum,
+        one coordinate after the update's encoding."""
+        return self.params is not None and self.count_stddev is not None
+
     def encoded_dim(self, model_dim: int) -> int:
-        return self.params.encoded_dim if self.params is not None else model_dim + 1
+        if self.params is None:
+            return model_dim + 1
+        return self.params.encoded_dim + int(self.clip_count)
+
+    def codec(self) -> DistributedCodec:
+        """A distributed round's codec (the encoding and the site weights' bound)."""
+        assert self.params is not None
+        return DistributedCodec(self.params, max_weight=self.max_weight or 1.0)
+
+    def clipper(self) -> QuantileClipper:
+        """A distributed round's adaptive-clipping count, on the codec's update clip."""
+        assert self.params is not None and self.count_stddev is not None
+        return QuantileClipper(clip_norm=self.codec().update_clip,
+                               target_quantile=self.target_quantile or 0.5,
+                               count_stddev=self.count_stddev,
+                               threshold=self.params.threshold, bits=self.params.bits)
+
+    def weight_of(self, site_id: int) -> float:
+        """This site's weight (1 without site weights); a site the task does not weigh,
+        or a weight above ``max_weight``, is refused."""
+        if self.weights is None:
+            return 1.0
+        weight = dict(self.weights).get(site_id)
+        if weight is None:
+            raise TaskError(f"the round's site weights name no weight for site {site_id}")
+        if not 0 < weight <= (self.max_weight or 1.0):
+            raise TaskError(f"the round gives site {site_id} weight {weight:g}, above the "
+                            f"max_weight {self.max_weight or 1.0:g} its noise is calibrated "
+                            "to: refused")
+        return weight
 
     def to_wire(self) -> dict[str, Any]:
         body = {k: v for k, v in asdict(self).items() if v is not None}
@@ -143,6 +184,7 @@ class RoundTask:
         if mode == "distributed":
             params = encoding_params(body.get("params"), model_dim + 1)
             max_units = _int(body, "max_units", 1, 1 << 40)
+        weighting = _weights(body) if mode == "distributed" else {}
         if _int(body, "bits", 8, 64) != (64 if params is None else params.bits):
             raise TaskError("task field 'bits' differs from the encoding's modulus")
         unit = _str(body, "unit", UNITS)
@@ -167,12 +209,15 @@ class RoundTask:
             strategy=_str(body, "strategy", STRATEGIES) if "strategy" in body else "fedavg",
             local_steps=(_int(body, "local_steps", 1, 1 << 24)
                          if body.get("local_steps") is not None else None),
-            **_adaptive(body))
+            **_adaptive(body), **weighting)
 
 
 def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: int, *,
-               max_units: int | None = None) -> RoundTask:
-    """Round ``round_number``'s task under ``plan`` (the coordinator's side, both modes)."""
+               max_units: int | None = None, clip_norm: float | None = None,
+               weights: Mapping[int, float] | None = None) -> RoundTask:
+    """Round ``round_number``'s task under ``plan`` (the coordinator's side, both modes);
+    distributed DP: ``clip_norm`` the adaptive clip's current value, ``weights`` the site
+    weights from the DP releases (:mod:`dp.site_weights`)."""
     s = settings
     task = RoundTask(mode=plan.mode, round=round_number, cohort=cohort, seed=s.seed,
                      unit=s.unit, lr=s.lr, local_epochs=s.local_epochs,
@@ -186,8 +231,12 @@ def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: i
                         count_stddev=plan.count_stddev,
                         plan_steps=s.rounds * plan.steps if s.unit == "patient-idp" else None)
     if isinstance(plan, DistributedPlan):
-        return replace(task, params=plan.codec(s.seed, round_number).params,
-                        sample_rate=plan.sample_rate, max_units=max_units)
+        return replace(task, params=plan.codec(s.seed, round_number, clip_norm).params,
+                       sample_rate=plan.sample_rate, max_units=max_units,
+                       clip_norm=clip_norm or plan.clip_norm,
+                       target_quantile=plan.target_quantile, count_stddev=plan.count_stddev,
+                       max_weight=None if weights is None else plan.max_weight,
+                       weights=None if weights is None else tuple(sorted(weights.items())))
     return task
 
 
@@ -213,12 +262,17 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
     layout = ParameterLayout.of(model)
     if task.mode == "distributed":
         assert task.params is not None
+        weight = task.weight_of(site_id)  # refused before the data is touched
         rows = trainer.unit_gradients(model, sample_rate=task.sample_rate, unit=task.unit)
         if task.max_units is not None and len(rows) > task.max_units:
             # the count is the site's own: it is not said to the coordinator
             raise TaskError(f"the round's sample exceeds the federation's bound of "
                             f"{task.max_units} units (--max-units): the sum could wrap")
-        return Contribution(DistributedCodec(task.params).encode(rows), len(rows))
+        vector = task.codec().encode(rows, weight=weight)
+        if task.clip_count:  # [||g_p|| <= C] per unit, with its noise share, in the same sum
+            norms = np.linalg.norm(rows, axis=1) if len(rows) else np.zeros(0)
+            vector = np.concatenate([vector, task.clipper().site_share(norms)])
+        return Contribution(vector, len(rows))
     if task.mode == "site":
         delta = trainer.site_dp_update(
             model, layout, noise_multiplier=task.noise_multiplier, clip_norm=task.clip_norm,
@@ -254,10 +308,11 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
 def decoder(task: RoundTask, model_dim: int) -> Decoder:
     """``(sum, number of included sites) -> (averaged update, count)`` for ``task``."""
     if task.params is not None:
-        codec = DistributedCodec(task.params)
+        codec = task.codec()
 
         def decode_distributed(total: U64, included: int) -> tuple[F64, float]:
-            mean_gradient, count = noisy_mean(codec, total, included)
+            update = np.asarray(total)[:codec.encoded_dim]  # the clip count follows it
+            mean_gradient, count = noisy_mean(codec, update, included)
             return -mean_gradient, count
 
         return decode_distributed
@@ -305,6 +360,34 @@ def encoding_params(raw: Any, dim: int) -> EncodingParams:
             threshold=_int(raw, "threshold", 1, 1 << 16))
     except ValueError as exc:
         raise TaskError(f"invalid distributed-DP parameters: {exc}") from None
+
+
+def adapt_clip(clipper: QuantileClipper, total: U64, included: int, units: float) -> float:
+    """Adaptive clipping's step from a distributed round's sum: the noised count is its last
+    coordinate (:meth:`RoundTask.encoded_dim`), ``units`` the round's noised unit count
+    (post-processing of releases). Returns the next clip."""
+    return clipper.update(np.asarray(total, dtype=np.uint64)[-1:], included, units=units)
+
+
+def _weights(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Site weights: ``max_weight`` and ``[[site, weight], ...]``, both or neither; every
+    weight in (0, max_weight]."""
+    if body.get("weights") is None and body.get("max_weight") is None:
+        return {}
+    top = _float(body, "max_weight", 0, 1e6, low_open=True)
+    raw = body.get("weights")
+    if not isinstance(raw, (list, tuple)) or not 1 <= len(raw) <= 1 << 16:
+        raise TaskError("task field 'weights' must be a list of [site, weight] pairs")
+    pairs = []
+    for item in raw:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            raise TaskError("task field 'weights' must be a list of [site, weight] pairs")
+        named = {"site": item[0], "weight": item[1]}
+        weight = _float(named, "weight", 0, top, low_open=True)
+        pairs.append((_int(named, "site", 1, 1 << 16), weight))
+    if len({site for site, _ in pairs}) != len(pairs):
+        raise TaskError("task field 'weights' names a site twice")
+    return {"max_weight": top, "weights": tuple(sorted(pairs))}
 
 
 def _adaptive(body: Mapping[str, Any]) -> dict[str, float]:

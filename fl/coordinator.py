@@ -32,7 +32,14 @@ import torch
 from dp.budget import PrivacyBudget
 from fl import checkpoint as ckpt
 from fl.aggregation import AggregateOutcome, Aggregator
-from fl.contribution import Decoder, RoundTask, decoder, round_task, site_input
+from fl.contribution import (
+    Decoder,
+    RoundTask,
+    adapt_clip,
+    decoder,
+    round_task,
+    site_input,
+)
 from fl.progress import Progress
 from fl.settings import TrainSettings
 from fl.site.privacy import (
@@ -157,6 +164,15 @@ class Coordinator:
         self.stopped: str | None = None
         self.charged: int | None = None
         """The round whose cost is written ahead and that has not completed yet."""
+        self.clipper = plan.clipper() if isinstance(plan, DistributedPlan) else None
+        """Distributed DP with ``--adaptive-clip``: the clip's state, moved by each round's
+        noised count only (:func:`fl.contribution.adapt_clip`)."""
+        self.weights: dict[int, float] | None = None
+        self.weight_units: float | None = None
+        """``--site-weights``: each site's weight and the noised patient count, both from
+        the DP releases (:func:`fl.site.weights.release_and_weigh`)."""
+        self.releases: list[dict[str, Any]] = []
+        """Audit records of releases made before the rounds (the site weights')."""
         self.budget: PrivacyBudget | None = None
         if plan.mode != "none":  # always accounted; capped only by --epsilon
             self.budget = make_budget(settings.epsilon, settings.delta,
@@ -253,6 +269,12 @@ class Coordinator:
             self.on_capture(RoundCapture(r, config, inputs, outcome.total, outcome.included,
                                          done.counts))
         update, count = done.decode(outcome.total, len(outcome.included))
+        clip = None
+        if self.clipper is not None:  # the server's only input: the round's noised sums
+            clip = self.clipper.clip_norm
+            units = (count if self.weight_units is None
+                     else self.weight_units * self.plan.sample_rate)
+            adapt_clip(self.clipper, outcome.total, len(outcome.included), units)
         vector = self.strategy.step(self.layout.to_vector(self.model), update)
         self.layout.load(self.model, vector)
         for cid in outcome.included:  # SCAFFOLD: only an included site's c_k moved c
@@ -266,7 +288,7 @@ class Coordinator:
                "included": sorted(outcome.included),
                "dropped": {str(c): st for c, st in sorted(outcome.dropped.items())},
                "attempts": done.attempts, "aggregate_correct": correct,
-               "count": count, "seconds": time.perf_counter() - started,
+               "count": count, "clip_norm": clip, "seconds": time.perf_counter() - started,
                "bytes_per_site": (int(np.median(list(outcome.bytes_sent.values())))
                                   if outcome.bytes_sent else 0),
                "release": release_record(self.plan, r, sorted(outcome.included), event,
@@ -316,7 +338,13 @@ class Coordinator:
 
     def task(self, r: int, cohort: list[int]) -> RoundTask:
         """What round ``r`` asks of each cohort site (:mod:`fl.contribution`)."""
-        return round_task(self.settings, self.plan, r, len(cohort))
+        return round_task(self.settings, self.plan, r, len(cohort), **self.task_options())
+
+    def task_options(self) -> dict[str, Any]:
+        """The round task's state-dependent options: the adaptive clip's current value and
+        the site weights (distributed DP)."""
+        return {"clip_norm": None if self.clipper is None else self.clipper.clip_norm,
+                "weights": self.weights}
 
     def _inputs(self, r: int, cohort: list[int]) -> tuple[dict[int, U64], Decoder,
                                                           dict[int, int]]:

@@ -30,6 +30,7 @@ from fl.models import make_model
 from fl.settings import TrainSettings
 from fl.site import idp as fl_idp
 from fl.site import private_scaler
+from fl.site import weights as site_weights
 from fl.site.privacy import (
     DEFAULT_MAX_UNITS,
     NoPrivacy,
@@ -159,7 +160,11 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
                                 rounds=settings.rounds, clip_norm=settings.clip_norm,
                                 num_sites=settings.cohort_size, threshold=threshold,
                                 max_units_per_site=units,
-                                noise_multiplier=settings.noise_multiplier, prior=prior)
+                                noise_multiplier=settings.noise_multiplier, prior=prior,
+                                target_quantile=settings.adaptive_clip,
+                                count_stddev=settings.clip_count_stddev,
+                                max_weight=(1.0 if settings.site_weights is None
+                                            else settings.max_site_weight))
     return NoPrivacy()
 
 
@@ -183,18 +188,31 @@ def plan_warnings(settings: TrainSettings, split: Split) -> list[str]:
     return [warning] if warning else []
 
 
+def prior_releases(noised: private_scaler.ScalerPlan | None,
+                   weighing: Any) -> tuple[Any, ...]:
+    """The events of the releases before the rounds, in the order they are made: the noised
+    feature statistics, then the site weights' histograms (:mod:`fl.site.weights`)."""
+    return tuple(p.event() for p in (noised, weighing) if p is not None)
+
+
 def privacy_plan(settings: TrainSettings) -> dict[str, Any]:
     """The run's privacy plan without training (``secagg train --plan``): mode, mechanism,
     noise, thresholds, the rounds the budget affords and epsilon after each round."""
     split = load_split(settings)
     noised = private_scaler.scaler_plan(settings, split.train)
+    weighing = site_weights.release_plan(settings)
+    prior = prior_releases(noised, weighing)
     dim, threshold, plan = federation_plan(
-        settings, split.train.num_features, split.train.num_classes,
-        prior=() if noised is None else (noised.event(),))
+        settings, split.train.num_features, split.train.num_classes, prior=prior)
     out = schedule(plan, rounds=settings.rounds, epsilon=settings.epsilon,
                    delta=settings.delta, accountant=settings.release_accountant,
-                   threshold=threshold,
-                   prior=() if noised is None else (noised.event(),))
+                   threshold=threshold, prior=prior)
+    if weighing is not None:
+        out["site_weights"] = (f"each site's noised histogram of observed-time intervals "
+                               f"(discrete Gaussian stddev {weighing.noise_stddev:.4g}, "
+                               f"epsilon {weighing.epsilon_target:g} of the budget); weights "
+                               f"exp(-{settings.site_weights:g} W1) in "
+                               f"[{settings.min_site_weight:g}, {settings.max_site_weight:g}]")
     out.update(description=plan.describe(), model_parameters=dim, sites=settings.sites,
                cohort=settings.cohort_size, warnings=plan_warnings(settings, split),
                feature_scaling=("public (--scaler)" if settings.scaler_file else
@@ -273,7 +291,7 @@ def report(settings: TrainSettings, plan: Plan, threshold: int, dim: int,
                            "privacy": plan.describe()},
             "settings": {k: v for k, v in vars(settings).items()},
             "privacy": plan.describe(), "threshold": threshold, "model_parameters": dim,
-            "releases": private_scaler.releases(coordinator.scaler)
+            "releases": private_scaler.releases(coordinator.scaler) + coordinator.releases
             + [row["release"] for row in coordinator.history if "release" in row],
             "dp_events": run_json([event_from_json(e) for e in coordinator.events]),
             "rounds": coordinator.history, "stopped": coordinator.stopped,
@@ -315,9 +333,10 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
         sites = {cid: site_class(cid, s.table, scaler) for cid, s in raw_sites.items()}
         model = make_model(settings.model, split.train.num_features, split.train.num_classes,
                            settings.seed)
+        weighing = site_weights.release_plan(settings)
         dim, threshold, plan = federation_plan(
             settings, split.train.num_features, split.train.num_classes,
-            prior=() if noised is None else (noised.event(),))
+            prior=prior_releases(noised, weighing))
         for warning in plan_warnings(settings, split):
             say(f"warning: {warning}")
         say(f"{settings.sites} sites ({', '.join(str(len(s.table)) for s in sites.values())} "
@@ -346,6 +365,11 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
             say(f"resumed from {settings.checkpoint} after round {saved.round}")
         if released is not None:  # the feature statistics' release is on the budget
             released.attach(coordinator)
+        if weighing is not None:  # charged, then released, then the weights computed
+            weights = site_weights.release_and_weigh(coordinator, weighing, settings)
+            say("site weights from the DP releases: "
+                + ", ".join(f"{k} {w:.3f}" for k, w in sorted(weights.weights.items()))
+                + f"; epsilon {coordinator.budget.spent[0]:.4g} after them")
         coordinator.run()
     if coordinator.stopped is None and coordinator.round >= settings.rounds:
         say(f"done: {coordinator.round} rounds")

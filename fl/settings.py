@@ -77,6 +77,15 @@ class TrainSettings:
     server_beta2: float = 0.999
     server_tau: float = 1e-8
     """The server optimizers' momentum, second-moment decay and adaptivity (fedadam etc.)."""
+    site_weights: float | None = None
+    """``--site-weights LAMBDA`` (distributed DP on a survival dataset): DP-FedAvg+'s
+    heterogeneity-aware site weights ``exp(-lambda W1)``, computed from DP releases only
+    (:mod:`dp.site_weights`, :mod:`fl.site.weights`)."""
+    min_site_weight: float = 0.5
+    max_site_weight: float = 1.0
+    """The site weights' clip ``[w_min, w_max]``; the noise is calibrated to ``w_max`` x clip."""
+    weights_epsilon: float | None = None
+    """The weights' release's share of ``--epsilon`` (default 25 %)."""
     security: str = "semi-honest"
     """secagg's mode for the rounds: ``malicious`` when the coordinator has the sites'
     public keys (``--peer-keys``, fl/site/identity.py); it sets the threshold
@@ -111,8 +120,29 @@ class TrainSettings:
                             "distributed rounds are accounted with rdp")
         if self.adaptive_clip is not None and not 0 < self.adaptive_clip < 1:
             problems.append(f"--adaptive-clip {self.adaptive_clip}: a quantile in (0, 1)")
-        if self.adaptive_clip is not None and self.dp == "distributed":
-            problems.append("--adaptive-clip is available with --dp site")
+        if self.dp == "distributed" and self.checkpoint is not None and (
+                self.adaptive_clip is not None or self.site_weights is not None):
+            problems.append("--adaptive-clip/--site-weights with --dp distributed keep state "
+                            "(the clip, the weights' release) that checkpoints do not hold "
+                            "yet: run without --checkpoint")
+        if self.site_weights is not None:
+            if not (self.site_weights >= 0 and math.isfinite(self.site_weights)):
+                problems.append(f"--site-weights {self.site_weights}: lambda >= 0")
+            if self.dp != "distributed" or self.model != "discrete-time" or (
+                    self.dataset not in SURVIVAL_DATASETS) or self.unit != "patient":
+                problems.append("--site-weights goes with --dp distributed, --unit patient and "
+                                "--model discrete-time on a survival dataset (the released "
+                                "scalar is a patient's observed-time interval on the model's "
+                                "public grid)")
+            if not (0 < self.min_site_weight <= self.max_site_weight
+                    and math.isfinite(self.max_site_weight)):
+                problems.append(f"--min-site-weight {self.min_site_weight} / "
+                                f"--max-site-weight {self.max_site_weight}: need 0 < min <= max")
+        if self.weights_epsilon is not None and (
+                self.site_weights is None or not self.weights_epsilon > 0
+                or (self.epsilon is not None and not self.weights_epsilon < self.epsilon)):
+            problems.append(f"--weights-epsilon {self.weights_epsilon}: a positive share of "
+                            "--epsilon, below it, with --site-weights")
         if self.clip_count_stddev is not None and not self.clip_count_stddev > 0:
             problems.append(f"--clip-count-stddev {self.clip_count_stddev}: need > 0")
         if self.max_units is not None and self.max_units < 1:

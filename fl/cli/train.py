@@ -187,8 +187,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "distribution of each rate group: tighter for patients with many "
                         "records, slower to plan; --role all only: a site's ledger composes RDP)")
     c.add_argument("--adaptive-clip", type=float, metavar="QUANTILE",
-                   help="--dp site: private adaptive clipping (Andrew et al. 2021) toward "
-                        "this quantile of patient gradient norms, accounted jointly")
+                   help="--dp site or distributed: private adaptive clipping (Andrew et al. "
+                        "2021) toward this quantile of patient gradient norms, its noised "
+                        "count accounted jointly (distributed: in the same secure sum)")
+    c.add_argument("--site-weights", type=float, metavar="LAMBDA",
+                   help="--dp distributed, --model discrete-time: DP-FedAvg+'s site weights "
+                        "exp(-LAMBDA W1) from each site's noised histogram of observed times "
+                        "(charged to --epsilon), each site scaling its update before masking")
+    c.add_argument("--min-site-weight", type=float, default=d.min_site_weight,
+                   help=f"--site-weights: lower clip of a weight (default {d.min_site_weight})")
+    c.add_argument("--max-site-weight", type=float, default=d.max_site_weight,
+                   help=f"--site-weights: upper clip; the noise is calibrated to it times the "
+                        f"clip (default {d.max_site_weight})")
+    c.add_argument("--weights-epsilon", type=float, metavar="EPS",
+                   help="--site-weights: the histograms' share of --epsilon (default 25 %%)")
     c.add_argument("--clip-count-stddev", type=float, metavar="S",
                    help="--adaptive-clip: noise stddev of the clip count (default 10 x "
                         "the noise multiplier)")
@@ -306,7 +318,9 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         cohort=args.cohort,
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
         max_units=args.max_units, adaptive_clip=args.adaptive_clip, scaler_file=args.scaler,
-        clip_count_stddev=args.clip_count_stddev,
+        clip_count_stddev=args.clip_count_stddev, site_weights=args.site_weights,
+        min_site_weight=args.min_site_weight, max_site_weight=args.max_site_weight,
+        weights_epsilon=args.weights_epsilon,
         budget_column=args.budget_column if args.role != "site" else None,
         max_records_per_patient=(args.max_records_per_patient if args.role != "site"
                                  else None),

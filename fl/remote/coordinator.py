@@ -124,7 +124,7 @@ class RemoteCoordinator(Coordinator):
     def wire_task(self, r: int, cohort: list[int]) -> tuple[RoundTask, dict[str, Any]]:
         """Round ``r``'s task and the blob's task map (with the federation's schema)."""
         task = round_task(self.settings, self.plan, r, len(cohort),
-                          max_units=self.options.max_units)
+                          max_units=self.options.max_units, **self.task_options())
         return task, {"features": list(self.schema.features),
                       "labels": list(self.schema.labels), "model": self.settings.model,
                       **task.to_wire()}

@@ -22,6 +22,7 @@ check added here holds in every runtime. Nothing here imports torch or a runtime
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,7 +78,8 @@ def site_proposal(task: Any, *, secagg_threshold: int, label: str = "",
     if task.mode == "distributed":  # a round, or the noised feature statistics (kind scaler)
         return Proposal.distributed(task.params, sample_rate=task.sample_rate,
                                     secagg_threshold=secagg_threshold, label=label,
-                                    kind=getattr(task, "kind", "train"), unit=unit)
+                                    kind=getattr(task, "kind", "train"), unit=unit,
+                                    count_stddev=getattr(task, "count_stddev", None))
     return Proposal.exact(getattr(task, "kind", "train"), secagg_threshold=secagg_threshold,
                           label=label)
 
@@ -91,10 +93,13 @@ def lone_share(task: Any, proposal: Proposal) -> Proposal:
     """
     if task is None or task.mode != "distributed":
         return proposal
+    count = getattr(task, "count_stddev", None)  # this site's own share of the count's
     alone = Proposal.distributed(replace(task.params, threshold=1),
                                  sample_rate=task.sample_rate,
                                  secagg_threshold=proposal.secagg_threshold,
-                                 label=proposal.label)
+                                 label=proposal.label,
+                                 count_stddev=None if count is None else
+                                 count / math.sqrt(task.params.threshold))
     return replace(proposal, noise_multiplier=alone.noise_multiplier, event=alone.event)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dp.adaptive_clip import QuantileClipper
 from dp.audit import distributed_event
 from dp.budget import GaussianRound, PrivacyBudget, RdpRound, event_from_json
 from dp.budget import event_to_json as event_to_json  # re-exported for checkpoints
@@ -72,26 +73,70 @@ class SiteDpPlan:
 
 @dataclass(frozen=True)
 class DistributedPlan:
+    """One noisy secure sum per round. ``params.clip_norm`` is the encoding's clip: the
+    rows' clip :attr:`clip_norm` times ``max_weight`` (heterogeneity-aware site weights,
+    :mod:`dp.site_weights`; 1 without them), so the noise is that of the largest weighted
+    row. With ``target_quantile`` every round also releases the private adaptive-clipping
+    count (:class:`dp.adaptive_clip.QuantileClipper`, noise ``count_stddev``) in the same
+    secure sum, accounted jointly with the update (:func:`dp.distributed.round_rdp`)."""
+
     params: EncodingParams
     sample_rate: float
     mode: str = "distributed"
+    target_quantile: float | None = None
+    count_stddev: float | None = None
+    max_weight: float = 1.0
+
+    @property
+    def clip_norm(self) -> float:
+        """The rows' clip before weighting (the initial one, under adaptive clipping)."""
+        return self.params.clip_norm / self.max_weight
+
+    def clipper(self, clip_norm: float | None = None) -> QuantileClipper | None:
+        """The adaptive clip's state at ``clip_norm`` (default the plan's), or None."""
+        if self.target_quantile is None or self.count_stddev is None:
+            return None
+        return QuantileClipper(clip_norm=clip_norm or self.clip_norm,
+                               target_quantile=self.target_quantile,
+                               count_stddev=self.count_stddev,
+                               threshold=self.params.threshold, bits=self.params.bits)
 
     def event(self) -> Event:
-        return distributed_event(self.params, self.sample_rate)
+        return distributed_event(self.params, self.sample_rate, clipper=self.clipper())
 
-    def codec(self, seed: int, round_number: int) -> DistributedCodec:
+    def at_clip(self, clip_norm: float) -> EncodingParams:
+        """The encoding for rows clipped to ``clip_norm``: clip, scale and noise move
+        together, so the integer-domain sensitivity, noise and modulus (hence the round's
+        privacy cost) are the planned ones whatever the adaptive clip becomes."""
+        ratio = clip_norm / self.clip_norm
+        p = self.params
+        return replace(p, clip_norm=p.clip_norm * ratio, scale=p.scale / ratio,
+                       noise_stddev=p.noise_stddev * ratio)
+
+    def codec(self, seed: int, round_number: int, clip_norm: float | None = None
+              ) -> DistributedCodec:
         """The round's codec; a fresh public rotation per round (KLS 2021, Algorithm 1)."""
         digest = hashlib.sha256(f"fl-rotation|{seed}|{round_number}".encode()).digest()
         rotation = int.from_bytes(digest[:8], "big") >> 1
-        return DistributedCodec(replace(self.params, rotation_seed=rotation))
+        params = self.params if clip_norm is None else self.at_clip(clip_norm)
+        return DistributedCodec(replace(params, rotation_seed=rotation),
+                                max_weight=self.max_weight)
 
     def describe(self) -> str:
         p = self.params
         z = math.sqrt(p.threshold) * p.noise_stddev / p.clip_norm
+        extra = ""
+        if self.max_weight != 1.0:
+            extra += (f", site weights up to {self.max_weight:g} (noise calibrated to "
+                      f"{self.max_weight:g} x clip)")
+        if self.target_quantile is not None:
+            extra += (f", adaptive clipping to the {self.target_quantile:g} quantile (count "
+                      f"noise {self.count_stddev:.4g}, accounted jointly)")
         return (f"distributed discrete Gaussian (secure sum): central noise multiplier {z:.3f} "
                 f"(per-site "
                 f"stddev {p.noise_stddev:.4g}, any {p.threshold} sites carry it), clip "
-                f"{p.clip_norm}, patient sample rate {self.sample_rate}, {p.bits} bits")
+                f"{self.clip_norm:g}, patient sample rate {self.sample_rate}, {p.bits} bits"
+                + extra)
 
 
 Plan = NoPrivacy | SiteDpPlan | DistributedPlan
@@ -132,28 +177,49 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
                      sample_rate: float, rounds: int, clip_norm: float, num_sites: int,
                      threshold: int, max_units_per_site: int,
                      noise_multiplier: float | None, granularity_bits: int = 12,
-                     prior: Sequence[Event] = ()) -> DistributedPlan:
+                     prior: Sequence[Event] = (), target_quantile: float | None = None,
+                     count_stddev: float | None = None, max_weight: float = 1.0
+                     ) -> DistributedPlan:
     """Per-site noise for ``rounds`` rounds within epsilon, and the bits the sum needs.
 
-    ``scale`` puts the clip norm at ``2**granularity_bits`` integer units, fine enough that
-    rounding adds little to the sensitivity; ``choose_bits`` then bounds the sum of the
+    ``scale`` puts the encoding's clip at ``2**granularity_bits`` integer units, fine enough
+    that rounding adds little to the sensitivity; ``choose_bits`` then bounds the sum of the
     largest possible site contributions (every patient sampled) so it never wraps.
+    ``max_weight``: the encoding's clip is ``max_weight * clip_norm`` (site weights).
+    ``target_quantile``: private adaptive clipping; the rounds' noise is calibrated with its
+    count accounted jointly. ``count_stddev`` defaults to 10 times the central noise
+    multiplier the rounds would need without the count (the count then costs about 1/400 of
+    a round, as in site mode).
     """
-    scale = 2.0**granularity_bits / clip_norm
-    template = EncodingParams(dim=model_dim + 1, clip_norm=clip_norm, scale=scale, bits=64,
-                              noise_stddev=0.0, rotation_seed=0, threshold=threshold)
+    encoding_clip = max_weight * clip_norm
+    scale = 2.0**granularity_bits / encoding_clip
+    template = EncodingParams(dim=model_dim + 1, clip_norm=encoding_clip, scale=scale,
+                              bits=64, noise_stddev=0.0, rotation_seed=0, threshold=threshold)
     if noise_multiplier is None:
         if epsilon is None:
             raise ValueError("distributed DP needs --epsilon (or --noise-multiplier)")
         params = noise_for_budget(template, epsilon, delta, sample_rate, rounds,
                                   _prior_rdp(prior))
     else:
-        per_site = calibrate(noise_multiplier, clip_norm, num_sites, threshold).per_site_stddev
+        per_site = calibrate(noise_multiplier, encoding_clip, num_sites,
+                             threshold).per_site_stddev
         params = replace(template, noise_stddev=per_site)
-    bits = choose_bits(dim=model_dim + 1, clip_norm=clip_norm, scale=scale,
+    if target_quantile is not None:
+        from dp.distributed import effective_noise_multiplier
+
+        if count_stddev is None:
+            count_stddev = 10.0 * effective_noise_multiplier(params)
+        if noise_multiplier is None:  # the rounds and their counts fit epsilon together
+            clipper = QuantileClipper(clip_norm=clip_norm, target_quantile=target_quantile,
+                                      count_stddev=count_stddev, threshold=threshold)
+            params = noise_for_budget(template, epsilon or 0.0, delta, sample_rate, rounds,
+                                      _prior_rdp(prior), clipper=clipper)
+    bits = choose_bits(dim=model_dim + 1, clip_norm=encoding_clip, scale=scale,
                        noise_stddev=params.noise_stddev, num_sites=num_sites,
                        units_per_site=max(1, max_units_per_site)).bits
-    return DistributedPlan(replace(params, bits=max(bits, 8)), sample_rate)
+    return DistributedPlan(replace(params, bits=max(bits, 8)), sample_rate,
+                           target_quantile=target_quantile, count_stddev=count_stddev,
+                           max_weight=max_weight)
 
 
 def _prior_rdp(prior: Sequence[Event]) -> Any:
@@ -212,8 +278,10 @@ def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
         p = plan.params
         out.update(noise_multiplier=effective_noise_multiplier(p),
                    per_site_noise_stddev=p.noise_stddev, calibration_threshold=p.threshold,
-                   sample_rate=plan.sample_rate, steps_per_round=1, clip_norm=p.clip_norm,
-                   bits=p.bits, scale=p.scale, noise_added_by="each site, a share")
+                   sample_rate=plan.sample_rate, steps_per_round=1, clip_norm=plan.clip_norm,
+                   bits=p.bits, scale=p.scale, noise_added_by="each site, a share",
+                   max_site_weight=plan.max_weight, adaptive_clip=plan.target_quantile,
+                   count_stddev=plan.count_stddev)
     if event is None:
         out.update(rounds_run=rounds, rounds_affordable=None, epsilon_after=[None] * rounds,
                    epsilon_final=None)
@@ -279,7 +347,8 @@ def release_record(plan: Plan, round_number: int, included: list[int], event: Ev
     elif isinstance(plan, DistributedPlan):
         record.update(per_site_noise_stddev=plan.params.noise_stddev,
                       calibration_threshold=plan.params.threshold,
-                      sample_rate=plan.sample_rate)
+                      sample_rate=plan.sample_rate, count_stddev=plan.count_stddev,
+                      max_site_weight=plan.max_weight)
     if event is not None and epsilon_after is not None:
         record.update(epsilon_charged=epsilon_after - (epsilon_before or 0.0),
                       epsilon_after=epsilon_after, dp_event=event_json(event))

@@ -75,8 +75,9 @@ def test_epsilon_is_always_known_and_contradictions_are_refused(
     assert "without --dp" in capsys.readouterr().err
     with pytest.raises(ValueError, match="exact feature sums"):
         TrainSettings(dp="site", epsilon=3.0, scaling="secure")
-    with pytest.raises(ValueError, match="adaptive-clip is available with --dp site"):
-        TrainSettings(dp="distributed", epsilon=3.0, adaptive_clip=0.5)
+    TrainSettings(dp="distributed", epsilon=3.0, adaptive_clip=0.5)  # accounted jointly
+    with pytest.raises(ValueError, match="checkpoints do not hold"):
+        TrainSettings(dp="distributed", epsilon=3.0, adaptive_clip=0.5, checkpoint="ck")
     assert main(["train", "--sites", "3", "--rounds", "1", "--dp", "site", "--epsilon", "3",
                  "--min-threshold", "1"]) == 2  # a site's policy is not the coordinator's
     assert "coordinator cannot set it" in capsys.readouterr().err
