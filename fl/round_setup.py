@@ -446,6 +446,16 @@ class DistributedDP:
     rounds: int = 1
     noise_multiplier: float | None = None
     granularity_bits: int = 12
+    adaptive_clip: float | None = None
+    site_weights: float | None = None
+    """DP-FedAvg+'s private adaptive clip and site weights: not carried by this round setup
+    yet (``secagg train`` runs them); asking for them is refused, never ignored."""
+
+    def __post_init__(self) -> None:
+        if self.adaptive_clip is not None or self.site_weights is not None:
+            raise SetupError("adaptive_clip/site_weights: the Flower and NVFlare round setup "
+                             "does not carry DP-FedAvg+'s clip count or site weights yet; run "
+                             "them with secagg train --dp distributed")
 
 
 def protocol_graph(n: int, *, neighbors: int | str | None, threshold: int | None,

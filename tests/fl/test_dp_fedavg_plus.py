@@ -231,3 +231,12 @@ def test_training_stops_before_a_round_that_would_exceed_the_budget() -> None:
     with pytest.raises(BudgetExceeded):
         release_and_weigh(spent, release_for_budget(1.0, 1e-5, 11), settings)
     assert spent.releases == [] and spent.events == []
+
+
+def test_flower_and_nvflare_refuse_what_their_round_setup_cannot_carry() -> None:
+    from fl.round_setup import DistributedDP, SetupError
+
+    for option in ({"adaptive_clip": 0.75}, {"site_weights": 1.0}):
+        with pytest.raises(SetupError, match="does not carry"):
+            DistributedDP(clip_norm=1.0, epsilon=4.0, **option)
+
