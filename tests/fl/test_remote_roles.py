@@ -130,3 +130,47 @@ def test_one_connection_routes_each_round_apart_from_the_federation() -> None:
     assert sorted(to_federation) == ["secagg/fed/server/hello/site-1",
                                      "secagg/r-old/server/advertise_keys/site-1"]
     assert quiet
+
+
+def test_remote_roles_run_private_adaptive_clipping_in_distributed_mode(
+        tmp_path: Any) -> None:
+    """``--dp distributed --adaptive-clip`` across the roles: the clip count travels in the
+    round's secure sum from the site processes, the coordinator moves the clip from it, and
+    each site's core charges the count jointly with the update (its ledger's epsilon is the
+    joint event's)."""
+    from dp.accounting import rdp_to_epsilon
+    from dp.policy import SitePolicy
+    from fl.contribution import round_task
+    from fl.federation import federation_plan, load_split
+    from fl.site.core import lone_share, open_site_core, site_proposal
+
+    settings = TrainSettings(sites=3, rounds=2, dataset="ehr", ehr_patients=90, seed=1,
+                             dp="distributed", epsilon=30.0, adaptive_clip=0.5,
+                             clip_count_stddev=4.0, sample_rate=0.5, max_units=1000)
+    network = CountingNetwork()
+    logs: list[str] = []
+    policy = SitePolicy(modes=("distributed",), epsilon=100.0)
+    guards = {cid: open_site_core(policy=policy, ledger_path=str(tmp_path / f"{cid}.json"))
+              for cid in IDS}
+    options = {cid: SiteOptions(federation="fed", idle_timeout=30, guard=guards[cid])
+               for cid in IDS}
+    report, codes = asyncio.run(_federation(settings, network, options, logs))
+    text = "\n".join(logs)
+    assert codes == [0, 0, 0], text
+    rows = report["rounds"]
+    assert [row["included"] for row in rows] == [[1, 2, 3]] * 2
+    assert rows[0]["clip_norm"] == 1.0 and rows[1]["clip_norm"] != 1.0
+    split = load_split(settings)
+    _, threshold, plan = federation_plan(settings, split.train.num_features,
+                                         split.train.num_classes)
+    task = round_task(settings, plan, 1, 3, max_units=1000)
+    assert task.clip_count
+    proposal = lone_share(task, site_proposal(task, secagg_threshold=threshold))
+    assert proposal.event is not None
+    one_round = rdp_to_epsilon(proposal.event.rdp() * 2, settings.delta)
+    for guard in guards.values():
+        charges = list(guard.ledger.active())
+        assert len(charges) == 2 and all(
+            c.event is not None and c.event["spec"]["count_sigma"] > 0 for c in charges)
+        assert charges[-1].epsilon_after == pytest.approx(one_round, rel=1e-3)
+        guard.close()
