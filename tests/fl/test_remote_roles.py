@@ -174,3 +174,25 @@ def test_remote_roles_run_private_adaptive_clipping_in_distributed_mode(
             c.event is not None and c.event["spec"]["count_sigma"] > 0 for c in charges)
         assert charges[-1].epsilon_after == pytest.approx(one_round, rel=1e-3)
         guard.close()
+
+
+@pytest.mark.parametrize("strategy", ["fedadam", "fedadagrad"])
+def test_server_optimizers_across_the_roles_equal_the_in_process_run(strategy: str) -> None:
+    """A server optimizer (Reddi et al. 2021) run by the coordinator role over site
+    processes' secure sums gives the same model, bit for bit, as the simulated federation
+    with the same seed (the strategy is applied to the released sum only)."""
+    import numpy as np
+
+    from fl.federation import train
+
+    settings = TrainSettings(sites=3, rounds=2, dataset="breast-cancer", seed=0,
+                             strategy=strategy, server_lr=0.1, lr=0.05, local_steps=5)
+    logs: list[str] = []
+    options = {cid: SiteOptions(federation="fed", idle_timeout=30, insecure_verify=True)
+               for cid in IDS}
+    report, codes = asyncio.run(_federation(settings, CountingNetwork(), options, logs))
+    assert codes == [0, 0, 0], "\n".join(logs)
+    local = train(settings)
+    np.testing.assert_array_equal(np.asarray(report["model"]), np.asarray(local["model"]))
+    assert [r["accuracy"] for r in report["rounds"]] == [r["accuracy"] for r in
+                                                         local["rounds"]]
