@@ -384,9 +384,14 @@ def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
         print(f"  {plan['rounds_run']} of {plan['rounds_requested']} rounds run"
               + (f" (budget epsilon {budget:g} affords "
                  f"{plan['rounds_affordable'] or 'more than 100000'})" if budget else ""))
+        if plan.get("site_weights"):
+            print(f"  site weights: {plan['site_weights']}")
         if plan.get("epsilon_before_rounds"):
+            before = [what for what, on in (
+                ("the noised feature statistics", plan["feature_scaling"].startswith("noised")),
+                ("the site weights' histograms", bool(plan.get("site_weights")))) if on]
             print(f"  before round    1: epsilon {plan['epsilon_before_rounds']:.4f} "
-                  "(the noised feature statistics)")
+                  f"({' and '.join(before)})")
         for r, e in enumerate(eps, 1):
             if r <= 3 or r > len(eps) - 3 or r % max(1, len(eps) // 10) == 0:
                 print(f"  after round {r:4d}: epsilon {e:.4f}")

@@ -185,7 +185,7 @@ def test_the_server_moves_the_clip_from_the_noised_count_only() -> None:
 
 
 def test_private_weights_end_to_end_from_the_releases_and_within_the_budget(
-        tmp_path: Path) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``secagg train --site-weights``: the weights the rounds used are those computed from
     the audit record's releases alone; the composed epsilon (weights' release + rounds with
     their clip counts) is dp-accounting's for the same events and never above the budget."""
@@ -193,12 +193,17 @@ def test_private_weights_end_to_end_from_the_releases_and_within_the_budget(
     from dp.audit import recompute_epsilon
 
     out = tmp_path / "r.json"
-    assert main(["train", "--dataset", "tcga-brca", "--model", "discrete-time", "--dp",
-                 "distributed", "--epsilon", "4", "--delta", "1e-5", "--rounds", "3",
-                 "--sample-rate", "1", "--adaptive-clip", "0.75", "--site-weights", "1",
-                 "--strategy", "fedavg", "--server-lr", "2", "--broker", "memory",
-                 "--report", str(out)]) == 0
+    args = ["train", "--dataset", "tcga-brca", "--model", "discrete-time", "--dp",
+            "distributed", "--epsilon", "4", "--delta", "1e-5", "--rounds", "3",
+            "--sample-rate", "1", "--adaptive-clip", "0.75", "--site-weights", "1",
+            "--strategy", "fedavg", "--server-lr", "2", "--broker", "memory"]
+    assert main([*args, "--plan", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert main([*args, "--report", str(out)]) == 0
     report = json.loads(out.read_text())
+    # the plan is what runs: the weights' release first, then the rounds
+    assert [r["epsilon"] for r in report["rounds"]] == pytest.approx(plan["epsilon_after"])
+    assert plan["site_weights"] and plan["epsilon_before_rounds"] == pytest.approx(1.0, 1e-2)
     (weighing,) = [r for r in report["releases"] if "weights" in r]
     releases = {int(k): np.asarray(v) for k, v in weighing["releases"].items()}
     assert site_weights(releases, CENTRES, strength=1.0, min_weight=0.5, max_weight=1.0) == {
