@@ -180,3 +180,20 @@ def test_the_dp_modes_use_the_sites_own_loss_and_optimizer() -> None:
         bare.contribute(RoundTask(mode="site", round=1, cohort=3, seed=0,
                                   noise_multiplier=1.0, clip_norm=1.0, sample_rate=0.5,
                                   steps=1, lr=0.5))
+
+
+def test_the_python_api_runs_private_adaptive_clipping_in_distributed_mode() -> None:
+    """``train_federated(..., dp="distributed", adaptive_clip=Q)``: the clip moves round to
+    round from the noised count, and the epsilon charged per round includes the count."""
+    torch.manual_seed(0)
+    sites = [_site(seed) for seed in (1, 2, 3)]
+    common = {"rounds": 3, "dp": "distributed", "noise_multiplier": 2.0, "delta": 1e-5,
+              "sample_rate": 0.5, "lr": 1.0, "clip_norm": 0.5, "max_units": 200,
+              "broker": "memory"}
+    adaptive = train_federated(TwoBranchNet(), sites, adaptive_clip=0.5,
+                               clip_count_stddev=3.0, **common).report["rounds"]
+    fixed = train_federated(TwoBranchNet(), sites, **common).report["rounds"]
+    clips = [r["clip_norm"] for r in adaptive]
+    assert clips[0] == 0.5 and len(set(clips)) == 3
+    assert all(r["clip_norm"] is None for r in fixed)
+    assert adaptive[-1]["epsilon"] > fixed[-1]["epsilon"]
