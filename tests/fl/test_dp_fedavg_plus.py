@@ -156,6 +156,19 @@ def test_adaptive_clip_in_distributed_mode_is_accounted_as_dp_accounting_compute
                                rounds=rounds, clip_norm=1.0, num_sites=6, threshold=4,
                                max_units_per_site=1000, noise_multiplier=None)
     assert plan.params.noise_stddev > without.params.noise_stddev  # the count is paid for
+    from dp.distributed import effective_noise_multiplier
+
+    default = distributed_plan(model_dim=DIM, epsilon=3.0, delta=delta, sample_rate=1.0,
+                               rounds=rounds, clip_norm=1.0, num_sites=6, threshold=4,
+                               max_units_per_site=1000, noise_multiplier=None,
+                               target_quantile=0.75)
+    assert default.count_stddev == pytest.approx(
+        10 * effective_noise_multiplier(without.params))
+    # when the clip moves, scale and noise move with it: every round costs the planned event
+    for clip in (0.3, 2.7):
+        moved = replace(plan, params=plan.at_clip(clip))
+        assert moved.clip_norm == pytest.approx(clip)
+        np.testing.assert_allclose(moved.event().rdp(), plan.event().rdp(), rtol=1e-9)
 
 
 def test_the_server_moves_the_clip_from_the_noised_count_only() -> None:
