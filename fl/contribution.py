@@ -136,8 +136,8 @@ class RoundTask:
         return self.params is not None and self.count_stddev is not None
 
     def encoded_dim(self, model_dim: int) -> int:
-        if self.params is None:
-            return model_dim + 1
+        if self.params is None:  # SCAFFOLD: [delta_y, delta_c, n] (site_input)
+            return (2 if self.strategy == "scaffold" else 1) * model_dim + 1
         return self.params.encoded_dim + int(self.clip_count)
 
     def codec(self) -> DistributedCodec:
@@ -284,7 +284,8 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
     elif task.strategy == "scaffold":
         if control is None or not hasattr(trainer, "scaffold_update"):  # a remote site
             raise TaskError("a SCAFFOLD round needs the server's control variate and a site "
-                            "that keeps its own (fl.site.Site, simulated federations)")
+                            "that keeps its own (fl.site.Site: the simulated sites and the "
+                            "site role)")
         own = getattr(trainer, "control", None)
         own = np.zeros(layout.size) if own is None else own
         delta, new_control = trainer.scaffold_update(

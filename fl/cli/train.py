@@ -281,9 +281,6 @@ def preset_options(args: argparse.Namespace) -> dict[str, Any]:
         args.sites = str(preset["sites"])
     if preset and args.rounds is None:
         args.rounds = preset["rounds"]
-    if args.strategy == "scaffold" and args.role != "all":
-        raise ValueError("--strategy scaffold runs with --role all for now (the server's "
-                         "control variate is not sent to site processes)")
     return out
 
 

@@ -1,7 +1,8 @@
 """The round's blob: what one round is about, broadcast once to every site.
 
 It holds the task (the public :class:`fl.contribution.RoundTask` plus the federation's
-schema and model kind), the global model and the federation's feature scaler. Its SHA-256
+schema and model kind), the global model, the federation's feature scaler and, under
+SCAFFOLD, the server's control variate. Its SHA-256
 is what the round announces and what the secure-aggregation context binds
 (:func:`fl.remote.messages.round_context`).
 """
@@ -29,12 +30,16 @@ class Blob:
     task: Mapping[str, Any]
     model: F64 | None = None
     scaler: tuple[F64, F64] | None = field(default=None)
+    control: F64 | None = None
+    """``--strategy scaffold``: the server's control variate ``c`` (one per parameter)."""
 
     def encode(self) -> bytes:
         model = None if self.model is None else _raw(self.model)
         scaler = None if self.scaler is None else [_raw(a) for a in self.scaler]
-        return pack("blob", {"kind": self.kind, "task": dict(self.task), "model": model,
-                             "scaler": scaler})
+        body = {"kind": self.kind, "task": dict(self.task), "model": model, "scaler": scaler}
+        if self.control is not None:
+            body["control"] = _raw(self.control)
+        return pack("blob", body)
 
     @classmethod
     def decode(cls, data: bytes) -> Blob:
@@ -59,7 +64,11 @@ class Blob:
             scaler = (mean, std)
         if kind == "train" and model is None:
             raise WireError("a training blob without a model")
-        return cls(kind, task, model, scaler)
+        control = None
+        if body.get("control") is not None:
+            control = _floats(body["control"], "control",
+                              None if model is None else model.size)
+        return cls(kind, task, model, scaler, control)
 
 
 def _raw(values: F64) -> bytes:

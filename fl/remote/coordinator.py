@@ -132,7 +132,7 @@ class RemoteCoordinator(Coordinator):
     def _aggregate(self, r: int, cohort: list[int]) -> Aggregated:
         task, body = self.wire_task(r, cohort)
         blob = Blob("train", body, self.layout.to_vector(self.model),
-                    self.scaler_arrays).encode()
+                    self.scaler_arrays, self.strategy.control).encode()
         future = asyncio.run_coroutine_threadsafe(remote_aggregate(
             self.channel, self.options, kind="train", round_number=r, blob=blob,
             cohort=cohort, threshold=self.threshold, dim=task.encoded_dim(self.layout.size),

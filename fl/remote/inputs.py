@@ -62,6 +62,11 @@ class SiteData:
         self._columns = (patient_column or "", label_column or "")
         self._budget_column = budget_column
         self._tables: dict[tuple[str, ...], Table] = {}
+        self.control: Any = None
+        """``--strategy scaffold``: this site's control variate ``c_k`` (None: zeros), and
+        the one its last input proposed, adopted when that round completes
+        (:meth:`commit_control`)."""
+        self.proposed_control: Any = None
         self.idp: Any = None
         """``--unit patient-idp``: this site's rate groups (:class:`fl.site.idp.SitePatients`)."""
         if csv is not None:
@@ -80,6 +85,13 @@ class SiteData:
             if outside or len(set(self.pinned)) != len(self.pinned) or len(self.pinned) < 2:
                 raise DataError(f"--labels must list at least two distinct labels, every "
                                 f"label of this site's table among them (missing: {outside})")
+
+    def commit_control(self) -> None:
+        """The round this site's last input went into completed with it: adopt the control
+        variate that input proposed (SCAFFOLD; as the simulated coordinator does for an
+        included site)."""
+        if self.proposed_control is not None:
+            self.control, self.proposed_control = self.proposed_control, None
 
     def fingerprint(self) -> str:
         """SHA-256 of this site's data (the CSV's bytes, or the shard's records and patient
@@ -218,10 +230,15 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
     table = _table(data, task, cid)
     site = Site(cid, table, scaler)
     site.idp = idp
+    site.control = data.control
+    if round_task.strategy == "scaffold" and blob.control is None:
+        raise WireError("a SCAFFOLD round needs the server's control variate in its blob")
     try:
-        return contribution(site, model, round_task, cid).vector
+        given = contribution(site, model, round_task, cid, control=blob.control)
     except TaskError as exc:
         raise WireError(str(exc)) from None
+    data.proposed_control = given.control
+    return given.vector
 
 
 def _table(data: SiteData, task: Mapping[str, Any], site_id: int) -> Table:

@@ -384,6 +384,8 @@ class SiteProcess:
                                "site's masked input existed")
         if outcome.status == "done":
             self.rounds += 1
+            if ann.kind == "train":
+                self.data.commit_control()
         self.log(f"{label}: {outcome.status}"
                  + (f" ({outcome.reason})" if outcome.reason else "")
                  + f"; trained in {trained:.2f} s, sent "

@@ -176,16 +176,18 @@ def test_remote_roles_run_private_adaptive_clipping_in_distributed_mode(
         guard.close()
 
 
-@pytest.mark.parametrize("strategy", ["fedadam", "fedadagrad"])
+@pytest.mark.parametrize("strategy", ["fedadam", "fedadagrad", "scaffold"])
 def test_server_optimizers_across_the_roles_equal_the_in_process_run(strategy: str) -> None:
-    """A server optimizer (Reddi et al. 2021) run by the coordinator role over site
-    processes' secure sums gives the same model, bit for bit, as the simulated federation
-    with the same seed (the strategy is applied to the released sum only)."""
+    """A server optimizer (Reddi et al. 2021) run by the coordinator role over the site
+    roles' secure sums gives the same model, bit for bit, as the simulated federation with
+    the same seed (the strategy is applied to the released sum only); so does SCAFFOLD,
+    whose server control variate travels in the round's blob and whose site control
+    variates live in the site roles, adopted when a round completes with them."""
     import numpy as np
 
     from fl.federation import train
 
-    settings = TrainSettings(sites=3, rounds=2, dataset="breast-cancer", seed=0,
+    settings = TrainSettings(sites=3, rounds=3, dataset="breast-cancer", seed=0,
                              strategy=strategy, server_lr=0.1, lr=0.05, local_steps=5)
     logs: list[str] = []
     options = {cid: SiteOptions(federation="fed", idle_timeout=30, insecure_verify=True)
