@@ -274,9 +274,9 @@ def preset_options(args: argparse.Namespace) -> dict[str, Any]:
     preset = dataset_defaults(args.dataset if args.csv is None else "", args.strategy)
     out = {name: getattr(args, name) if getattr(args, name) is not None
            else preset.get(name, getattr(d, name)) for name in PRESET_OPTIONS}
-    if preset and args.role != "all":
-        raise ValueError(f"--dataset {args.dataset} runs with --role all for now (its "
-                         "survival sites are simulated in this process)")
+    if args.site_weights is not None and args.role != "all":
+        raise ValueError("--site-weights runs with --role all for now (the sites' histogram "
+                         "releases have no wire message between the roles yet)")
     if preset and args.sites is None:
         args.sites = str(preset["sites"])
     if preset and args.rounds is None:

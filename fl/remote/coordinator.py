@@ -31,6 +31,7 @@ from fl.federation import (
     make_plan,
     public_scaler,
     report,
+    survival_evaluator,
     tensors,
     uses_scaler,
 )
@@ -108,11 +109,11 @@ class RemoteCoordinator(Coordinator):
                  test: tuple[torch.Tensor, torch.Tensor] | None, plan: Plan, *,
                  channel: CoordinatorChannel, loop: asyncio.AbstractEventLoop,
                  options: RemoteOptions, schema: Schema, scaler: Scaler | None,
-                 log: Log) -> None:
+                 log: Log, evaluator: Any = None) -> None:
         scaler_json = (None if scaler is None else
                        {"mean": scaler.mean.tolist(), "std": scaler.std.tolist()})
         super().__init__(settings, model, {}, test, plan, _NoAggregator(),
-                         scaler=scaler_json, log=log)
+                         scaler=scaler_json, log=log, evaluator=evaluator)
         self.site_ids = list(options.site_ids)
         self.channel = channel
         self.loop = loop
@@ -245,6 +246,7 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
     ids = tuple(sorted(options.site_ids))
     known: Schema | None = None
     test_table: Table | None = None
+    evaluator = None
     needs_scaler = settings.scaling == "secure"
     max_units = options.max_units
     if settings.csv is None:
@@ -253,6 +255,9 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
         known = dataset_schema(split.train.num_features, split.train.num_classes)
         test_table = split.test
         needs_scaler = uses_scaler(settings, split.train)
+        if settings.survival:  # the pooled test set's C-index, as --role all reports it
+            evaluator = survival_evaluator(split.site_tests,
+                                           settings.model == "discrete-time")
     elif settings.scaling == "auto":
         # A user's table is not on a public scale; in the DP modes an exact sum is never
         # released (docs/privacy.md section 1).
@@ -314,7 +319,7 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
         coordinator = RemoteCoordinator(
             settings, model, None if test_table is None else tensors(test_table, scaler), plan,
             channel=channel, loop=asyncio.get_running_loop(), options=options, schema=schema,
-            scaler=scaler, log=say)
+            scaler=scaler, log=say, evaluator=evaluator)
         if idp:  # each site's ledger charges and caps its own rate groups (fl/site/idp.py)
             coordinator.budget = None
         if released is not None:

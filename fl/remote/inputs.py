@@ -228,7 +228,12 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
                             "for the proposed rate, steps and clip") from None
     _admit(guard, round_task, announce, f"round {announce.round}", idp)
     table = _table(data, task, cid)
-    site = Site(cid, table, scaler)
+    if task.get("model") == "cox":  # the Cox partial likelihood (fl/survival.py)
+        from fl.survival import CoxSite
+
+        site: Site = CoxSite(cid, table, scaler)
+    else:
+        site = Site(cid, table, scaler)
     site.idp = idp
     site.control = data.control
     if round_task.strategy == "scaffold" and blob.control is None:

@@ -258,3 +258,12 @@ def test_flower_and_nvflare_refuse_what_their_round_setup_cannot_carry() -> None
         with pytest.raises(SetupError, match="does not carry"):
             DistributedDP(clip_norm=1.0, epsilon=4.0, **option)
 
+
+def test_site_weights_are_refused_across_the_roles(capsys: pytest.CaptureFixture[str]
+                                                   ) -> None:
+    assert main(["train", "--dataset", "tcga-brca", "--model", "discrete-time", "--dp",
+                 "distributed", "--epsilon", "4", "--site-weights", "1", "--role",
+                 "coordinator", "--sites", "1,2,3,4,5,6", "--broker", "mqtt://127.0.0.1:1"]
+                ) == 2
+    assert "--site-weights runs with --role all" in capsys.readouterr().err
+

@@ -32,11 +32,11 @@ SITES = (1, 2, 3)
 
 
 @contextmanager
-def federation_broker() -> Iterator[dict[str, str]]:
+def federation_broker(sites: tuple[int, ...] = SITES) -> Iterator[dict[str, str]]:
     """The embedded broker in its own process; yields username -> broker URL."""
     users = {SERVER_USER: secrets.token_urlsafe(12)}
-    users.update({site_name(c): secrets.token_urlsafe(12) for c in SITES})
-    with broker_for("embedded", users, acl_table(list(SITES))) as settings:
+    users.update({site_name(c): secrets.token_urlsafe(12) for c in sites})
+    with broker_for("embedded", users, acl_table(list(sites))) as settings:
         yield {user: f"mqtt://{user}:{password}@127.0.0.1:{settings.port}"
                for user, password in users.items()}
 
@@ -173,3 +173,35 @@ def test_training_completes_when_a_site_is_killed(tmp_path: Path) -> None:
         assert row["accuracy"] > 0.85
         assert row["aggregate_correct"] is True
     assert "site 3 went offline" in coordinator.log
+
+
+def test_tcga_brca_scaffold_across_processes_equals_the_in_process_run(tmp_path: Path
+                                                                         ) -> None:
+    """``secagg train --dataset tcga-brca --strategy scaffold`` with ``--role coordinator``
+    and six ``--role site`` processes (one per natural center) over the embedded broker:
+    the model and the pooled-test C-index of ``--role all`` with the same seed."""
+    from fl.federation import train
+    from fl.settings import tcga_brca_settings
+
+    ids = (1, 2, 3, 4, 5, 6)
+    common = ["--dataset", "tcga-brca", "--strategy", "scaffold", "--seed", "1",
+              "--local-steps", "10", "--stage-timeout", "15", "--federation", "tcga"]
+    report_path = tmp_path / "report.json"
+    with federation_broker(ids) as urls:
+        coordinator = Party(["--role", "coordinator", "--sites", "1,2,3,4,5,6", "--rounds",
+                             "2", "--dp", "none", "--broker", urls[SERVER_USER], "--report",
+                             str(report_path), "--join-timeout", "90", "--ready-timeout",
+                             READY_TIMEOUT, "--insecure-verify", *common])
+        sites = {cid: Party(["--role", "site", "--site-id", str(cid), "--sites", "6",
+                             "--broker", urls[site_name(cid)], "--idle-timeout", "90",
+                             "--dp", "none", "--insecure-verify", *common]) for cid in ids}
+        finish(coordinator, sites, timeout=170)
+    report = json.loads(report_path.read_text())
+    local = train(tcga_brca_settings("scaffold", seed=1, rounds=2, local_steps=10))
+    for key in ("c_index", "loss"):  # the written report keeps no model vector
+        assert [r[key] for r in report["rounds"]] == pytest.approx(
+            [r[key] for r in local["rounds"]], abs=1e-12)
+    assert report["rounds"][-1]["c_index_by_site"] == pytest.approx(
+        local["rounds"][-1]["c_index_by_site"], abs=1e-12)
+    assert all(r["aggregate_correct"] for r in report["rounds"])
+

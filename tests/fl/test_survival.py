@@ -155,10 +155,8 @@ def test_train_tcga_brca_refuses_what_it_cannot_do(capsys: pytest.CaptureFixture
     assert main(["train", "--dataset", "tcga-brca", "--strategy", "fedprox",
                  "--fedprox-mu", "0"]) == 2
     assert "--fedprox-mu > 0" in capsys.readouterr().err
-    assert main(["train", "--dataset", "tcga-brca", "--role", "coordinator",
-                 "--broker", "mqtt://127.0.0.1:1"]) == 2
-    assert "--role all" in capsys.readouterr().err
-    # SCAFFOLD runs across the roles now (tests/fl/test_remote_roles.py)
+    # tcga-brca and SCAFFOLD run across the roles now (tests/fl/test_remote_roles.py,
+    # tests/fl/test_multiprocess_training.py)
 
 
 def test_default_fedadam_matches_flambys_best_strategy(capsys: pytest.CaptureFixture[str]
