@@ -39,16 +39,16 @@ class CountingNetwork(MemoryNetwork):
             yield link
 
 
-async def _federation(settings: TrainSettings, network: CountingNetwork,
-                      site_options: dict[int, SiteOptions], logs: list[str]
-                      ) -> tuple[dict[str, Any], list[int]]:
-    sites = [SiteProcess(demo_site_data(settings, cid, IDS), network, site_options[cid],
+async def _federation(settings: TrainSettings, network: MemoryNetwork,
+                      site_options: dict[int, SiteOptions], logs: list[str],
+                      ids: tuple[int, ...] = IDS) -> tuple[dict[str, Any], list[int]]:
+    sites = [SiteProcess(demo_site_data(settings, cid, ids), network, site_options[cid],
                          lambda text, cid=cid: logs.append(f"[site {cid}] {text}"))
-             for cid in IDS]
+             for cid in ids]
     tasks = [asyncio.create_task(site.run()) for site in sites]
     # Sites train before they say Ready: a first in-process round took 4.1 s at load
     # average 7; the deadlines are ceilings only.
-    options = RemoteOptions(site_ids=IDS, federation="fed", join_timeout=20,
+    options = RemoteOptions(site_ids=ids, federation="fed", join_timeout=20,
                             ready_timeout=60, stage_timeout=10, insecure_verify=True)
     report = await train_coordinator_async(settings, options, network,
                                            lambda text: logs.append(f"[coordinator] {text}"))
@@ -212,23 +212,11 @@ def test_tcga_brca_across_the_roles_equals_the_in_process_run(strategy: str) -> 
 
     settings = tcga_brca_settings(strategy, seed=1, rounds=2, local_steps=10)
     ids = (1, 2, 3, 4, 5, 6)
-    network = MemoryNetwork(acl=acl_table(list(ids)))
     logs: list[str] = []
-
-    async def federation() -> tuple[dict[str, Any], list[int]]:
-        sites = [SiteProcess(demo_site_data(settings, cid, ids), network,
-                             SiteOptions(federation="fed", idle_timeout=30,
-                                         insecure_verify=True),
-                             lambda text, cid=cid: logs.append(f"[site {cid}] {text}"))
-                 for cid in ids]
-        tasks = [asyncio.create_task(site.run()) for site in sites]
-        options = RemoteOptions(site_ids=ids, federation="fed", join_timeout=20,
-                                ready_timeout=60, stage_timeout=10, insecure_verify=True)
-        report = await train_coordinator_async(settings, options, network,
-                                               lambda text: logs.append(f"[coord] {text}"))
-        return report, await asyncio.wait_for(asyncio.gather(*tasks), 30)
-
-    report, codes = asyncio.run(federation())
+    options = {cid: SiteOptions(federation="fed", idle_timeout=30, insecure_verify=True)
+               for cid in ids}
+    report, codes = asyncio.run(_federation(
+        settings, MemoryNetwork(acl=acl_table(list(ids))), options, logs, ids))
     assert codes == [0] * 6, "\n".join(logs)
     local = train(settings)
     np.testing.assert_allclose(np.asarray(report["model"]), np.asarray(local["model"]),
