@@ -16,12 +16,15 @@ The server fixes the chunk length per round (``SecureAggregation(chunk_bytes=...
 sends it, in elements, with the message that asks for the masked input (:data:`CHUNK`), so
 a node's reply has exactly one layout: entry ``str(offset)`` holds elements
 ``[offset, offset + chunk)`` (the last one shorter), offsets ``0, chunk, 2 chunk, ...``
-below ``d``. :func:`assemble` accepts nothing else: a missing, extra, duplicate (a second
-spelling of an offset) or misplaced entry, a wrong dtype or length, or more entries than
-the round's ``d`` makes is a :class:`ChunkError` that names what to change, raised before
-any of that node's data is used; the round goes on without that node (a dropout at
-``masked_input``), and every other node's reply is checked on its own (nothing is shared
-between nodes but the round's running sum).
+below ``d``. :func:`assemble` accepts nothing else: more entries than the round's ``d``
+makes (refused before any is parsed), a missing or misplaced entry, a key that is not the
+decimal offset (``"07"``: a second spelling of an offset; Flower's serde already keeps one
+entry per key, so a key listed twice on the wire arrives once), a wrong dtype or length, an
+entry whose bytes outgrow its shape (refused before parsing), or a malformed envelope is a
+:class:`ChunkError` that names what is wrong, raised before any of that node's data is
+used; the round goes on without that node (a dropout at ``masked_input``), and every
+other node's reply is checked on its own: nothing is shared between nodes but the round's
+running sum, so one node's chunks cannot evict or starve another's.
 """
 
 from __future__ import annotations

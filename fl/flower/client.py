@@ -251,10 +251,13 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
     options.check_identity(setup, client_id)
     config = setup.config(encoded_dim(setup))
     try:  # the arrays the server sent must have the setup's layout
-        sent = flatten(_single(msg.content.array_records, "ArrayRecord"), setup.arrays)
+        sent: F64 | None = flatten(_single(msg.content.array_records, "ArrayRecord"),
+                                   setup.arrays)
     except ReplyError as exc:
         raise SetupError(f"the train message's arrays do not match the round setup: "
                          f"{exc}") from None
+    if setup.encoding != "ddp":
+        sent = None  # only ddp decodes against it: not held through the user's training
     round_release(setup)  # refuses a setup whose encoding cannot hold the round
     session = derive_session_id(config, tuple(range(1, setup.num_clients + 1)),
                                 setup.context())
@@ -275,8 +278,7 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
     if reply.has_error():
         return reply
     client = Client(config, client_id,
-                    reply_vector(setup, reply.content, sent if setup.encoding == "ddp"
-                                 else None),
+                    reply_vector(setup, reply.content, sent),
                     roster=range(1, setup.num_clients + 1), context=setup.context(),
                     nonce=setup.nonce, **options.identity(setup))
     advertisement = encode(client.advertise())
