@@ -34,7 +34,15 @@ from typing import Any
 
 from dp.policy import SitePolicy
 from fl.errors import FLError
-from fl.flower.chunks import CHUNK, MASKED, answer_digest, check_layout, to_records
+from fl.flower.chunks import (
+    CHUNK,
+    MASKED,
+    ChunkError,
+    answer_digest,
+    check_context,
+    check_layout,
+    to_records,
+)
 from fl.flower.encoding import (
     F64,
     U64,
@@ -259,6 +267,10 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
     if setup.encoding != "ddp":
         sent = None  # only ddp decodes against it: not held through the user's training
     round_release(setup)  # refuses a setup whose encoding cannot hold the round
+    try:  # a round state Flower cannot move between messages: refused before training
+        check_context(config.dim, setup.bits)
+    except ChunkError as exc:
+        raise SetupError(str(exc)) from None
     session = derive_session_id(config, tuple(range(1, setup.num_clients + 1)),
                                 setup.context())
     directory = options.directory(context)
