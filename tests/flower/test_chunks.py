@@ -9,6 +9,7 @@ others; a node refuses a chunk request it cannot honour."""
 from __future__ import annotations
 
 import gc
+import io
 import logging
 import weakref
 from collections.abc import Callable
@@ -103,6 +104,14 @@ def _first_chunk(reply: Message, array: Array) -> None:
     _replace(reply, {**_arrays(reply), "0": array})
 
 
+def _npy_claiming(shape: tuple[int, ...]) -> bytes:
+    """.npy bytes whose header claims ``shape`` (uint32) over 7 elements of data."""
+    stream = io.BytesIO()
+    np.lib.format.write_array_header_1_0(stream, {"descr": "<u4", "fortran_order": False,
+                                                  "shape": shape})
+    return stream.getvalue() + bytes(28)
+
+
 def _without_last(reply: Message) -> None:
     arrays = _arrays(reply)
     arrays.pop(max(arrays, key=int))
@@ -128,6 +137,9 @@ TAMPERS: dict[str, tuple[Tamper, str]] = {
     "a chunk that is not an array": (
         lambda r: _first_chunk(r, Array(dtype="uint32", shape=(7,), stype="numpy.ndarray",
                                         data=b"\x93NUMPY garbage")), "not a valid array"),
+    "a chunk whose bytes describe a huge array": (
+        lambda r: _first_chunk(r, Array(dtype="uint32", shape=(7,), stype="numpy.ndarray",
+                                        data=_npy_claiming((1 << 40,)))), "another array"),
     "an unknown dtype": (
         lambda r: _first_chunk(r, Array(dtype="no-such-type", shape=(7,),
                                         stype="numpy.ndarray", data=b"")), "has dtype"),
