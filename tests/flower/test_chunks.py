@@ -22,7 +22,15 @@ from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.serverapp.strategy import FedAvg
 
 from fl.flower import SecureAggregation, chunks
-from fl.flower.chunks import CHUNK, MASKED, MAX_CHUNK_BYTES, ChunkError, chunk_elements
+from fl.flower.chunks import (
+    CHUNK,
+    MASKED,
+    MAX_CHUNK_BYTES,
+    MAX_CHUNKS,
+    ChunkError,
+    check_layout,
+    chunk_elements,
+)
 from fl.flower.local import LocalGrid
 from fl.flower.records import PAYLOAD, RECORD
 from secagg.crypto import dtype_for_bits
@@ -240,6 +248,12 @@ def test_chunk_sizes_the_server_refuses_or_lengthens() -> None:
     assert chunk_elements(4, 32, 10**8) == 1526
     assert chunk_elements(4 << 20, 32, 10**7) == 1 << 20
     assert chunk_elements(4 << 20, 16, 10) == 2 << 20
+    # what a node refuses to be asked for (fl.flower.client checks the request with it)
+    with pytest.raises(ChunkError, match="more than 65536"):
+        check_layout(1, 32, MAX_CHUNKS + 1)
+    with pytest.raises(ChunkError, match="lower chunk_bytes"):
+        check_layout((1 << 28) + 1, 32, 10)
+    assert check_layout(1, 32, MAX_CHUNKS) == 1
 
 
 def test_a_round_whose_node_state_flower_cannot_move_is_not_run_and_says_why(
