@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .client import Client
+from .client import Client, MaskedStream
 from .config import Config
 from .crypto import SigningKey
 from .errors import ProtocolAbort, ProtocolError
@@ -23,7 +23,8 @@ from .stage import Stage, round_stages
 
 @dataclass(frozen=True)
 class SimulationResult:
-    """``total`` (uint64, the sum of included inputs mod 2**bits) and ``included`` as in
+    """``total`` (the sum of included inputs mod 2**bits, in the natural width
+    ``secagg.crypto.dtype_for_bits(bits)``) and ``included`` as in
     docs/architecture.md section 4, plus what a report needs."""
 
     total: np.ndarray
@@ -85,6 +86,29 @@ def _parse_drop(drop: Mapping[int, Stage | str] | None, ids: set[int]) -> dict[i
     return out
 
 
+STREAM_CHUNK_BYTES = 4 << 20
+"""The chunk size (bytes of masked vector) ``simulate`` streams masked inputs in."""
+
+
+def _stream(server: Server, cid: int, stream: MaskedStream, aborts: dict[int, str]) -> int:
+    """Client ``cid``'s masked input, chunk by chunk through the wire codec into the
+    server (its upload slot granted first, released when it completes); the bytes sent."""
+    server.grant_uploads([cid])
+    sent = 0
+    elements = max(1, STREAM_CHUNK_BYTES * stream.dim // max(1, stream.nbytes))
+    for chunk in stream.chunks(elements):
+        data = encode(chunk)
+        sent += len(data)
+        try:
+            server.receive(cid, data)
+        except ProtocolAbort:
+            raise
+        except ProtocolError as exc:
+            aborts.setdefault(cid, str(exc))
+            break
+    return sent
+
+
 def simulate(config: Config, inputs: Mapping[int, object],
              drop: Mapping[int, Stage | str] | None = None, seed: int | None = None, *,
              context: bytes | None = None) -> SimulationResult:
@@ -139,9 +163,14 @@ def simulate(config: Config, inputs: Mapping[int, object],
                 if stops(cid, stage):
                     continue
                 try:
-                    replies[cid] = encode(clients[cid].handle(data))
+                    reply = clients[cid].stream(data)
                 except ProtocolAbort as exc:
                     aborts[cid] = str(exc)
+                    continue
+                if isinstance(reply, MaskedStream):
+                    sent[cid][stage.label] = _stream(server, cid, reply, aborts)
+                else:
+                    replies[cid] = encode(reply)
         for cid, data in replies.items():
             sent[cid][stage.label] = len(data)
             try:

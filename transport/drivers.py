@@ -42,6 +42,12 @@ from .framing import (
 from .link import Link, Will
 from .topics import Topics
 
+DEFAULT_CHUNK_BYTES = 4 << 20
+"""Bytes of masked vector per streamed chunk (``MaskedChunk``): the window a client masks
+and the server reassembles at a time."""
+DEFAULT_UPLOAD_WINDOW = 4
+"""Chunks a granted client may have unconfirmed (each chunk's receipt frees one)."""
+
 
 @dataclass(frozen=True)
 class Timeouts:
@@ -50,7 +56,9 @@ class Timeouts:
     message without receipt; ``answer``: re-publish a confirmed message when the next one does
     not come; ``give_up``: a client abandons the round after this long without progress;
     ``resend_interval``: the server re-sends an answer to one client at most this often;
-    ``will_grace``: how long a last will must stand before the server stops waiting."""
+    ``will_grace``: how long a last will must stand before the server stops waiting;
+    ``upload_idle``: the server takes back the upload slot of a sender whose streamed
+    masked input brought no chunk for this long (docs/deployment.md, flow control)."""
 
     stage: float = 60.0
     per_stage: Mapping[str, float] = field(default_factory=dict)
@@ -60,6 +68,7 @@ class Timeouts:
     give_up: float = 300.0
     resend_interval: float = 1.0
     will_grace: float = 0.5
+    upload_idle: float = 60.0
 
     def deadline(self, stage: Stage) -> float:
         return float(self.per_stage.get(stage.label, self.stage))
