@@ -129,6 +129,7 @@ class ClientDriver:
         self._grant: Grant | None = None
         self._chunks: Iterator[MaskedChunk] | None = None
         self._inflight: dict[bytes, bytes] = {}  # digest -> wire bytes, in sending order
+        self._produced = False  # the last chunk is out (or the stream cannot go on)
 
     @property
     def client_id(self) -> int:
@@ -302,21 +303,23 @@ class ClientDriver:
         grant, upload = self._grant, self._upload
         if grant is None or upload is None or self.outcome.status != "running":
             return
+        if self._produced:
+            return
         if self._chunks is None:
             self._chunks = (upload.chunks(grant.chunk_elements)
                             if isinstance(upload, MaskedStream)
                             else split_masked_input(upload, grant.chunk_elements))
         label = Stage.MASKED_INPUT.label
-        while len(self._inflight) < grant.window and self._chunks is not None:
+        while len(self._inflight) < grant.window and not self._produced:
             try:
                 async with _compute_turn():
                     chunk = next(self._chunks)
             except StopIteration:
-                self._chunks = None
+                self._produced = True
                 break
             except ProtocolError as exc:  # the client aborted or finished meanwhile
                 logger.warning("client %d: %s", self.client_id, exc)
-                self._chunks = None
+                self._produced = True
                 break
             raw = encode(chunk)
             digest = message_id(raw)
@@ -325,7 +328,7 @@ class ClientDriver:
             if chunk.last:
                 self._current = (Stage.MASKED_INPUT, raw, digest)
                 self._confirmed = False
-                self._chunks = None
+                self._produced = True
             await self._publish_raw(raw)
 
     async def _on_server_message(self, digest: bytes, raw: bytes,

@@ -56,6 +56,8 @@ class RoundReport:
     rejected: int = 0
     resends: int = 0
     chunks: int = 0  # masked-input chunks the server accepted (the streaming path)
+    reassembly_peak: int = 0  # the most bytes the server's reassembly held
+    reassembly_bound: int = 0  # what round_reassembler allows it (every sender's quota)
 
     @property
     def total(self) -> object:
@@ -197,4 +199,6 @@ async def run_round(network: Network, config: Config, inputs: Mapping[int, objec
                        bytes_received=driver.bytes_received, gone=dict(driver.gone),
                        client_aborts=dict(driver.client_aborts),
                        invalid_payloads=driver.invalid_payloads, rejected=driver.rejected,
-                       resends=driver.resends, chunks=driver.chunks)
+                       resends=driver.resends, chunks=driver.chunks,
+                       reassembly_peak=driver.reassembly_peak,
+                       reassembly_bound=driver.reassembly_bound)

@@ -87,7 +87,9 @@ class ServerDriver:
         largest = (server.max_message_bytes() - config.dim * width
                    + self.chunk_elements * width)
         self._reassembler = round_reassembler(largest + 4096, len(server.roster), max_payload)
+        self.reassembly_bound = self._reassembler.max_buffered_bytes
         self._upload_seen: dict[int, float] = {}  # uploading client -> its last chunk
+        self.reassembly_peak = 0  # the most bytes the reassembly ever held (its bound)
         self._outbox: dict[int, tuple[Stage, bytes]] = {}
         self._answered: dict[int, bytes] = {}  # client -> digest its outbox message answers
         self._accepted: dict[int, bytes] = {}  # this stage: client -> digest accepted
@@ -294,6 +296,8 @@ class ServerDriver:
         try:
             message = self._reassembler.feed((cid, kind), event.payload, now, limit,
                                              quota=cid)
+            self.reassembly_peak = max(self.reassembly_peak,
+                                       self._reassembler.charged_bytes)
         except FrameError as exc:
             self.invalid_payloads += 1
             logger.warning("server: invalid payload from client %d on %s dropped: %s", cid,
