@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import secrets
 import time
 from typing import Any
@@ -93,7 +94,7 @@ def test_a_slow_server_makes_senders_wait_and_drops_nothing(monkeypatch: Any) ->
     assert report.result.total.tolist() == exact(inputs, report.included, 32)
     assert most[0] == 1  # one pending sender at a time: the slot, not n vectors
     order = sorted(started, key=started.__getitem__)
-    for before, after in zip(order, order[1:], strict=False):
+    for before, after in itertools.pairwise(order):
         assert finished[before] <= started[after]  # each waited for the previous one
     assert report.invalid_payloads == 0 and report.rejected == 0
     assert all(o.status == "done" for o in report.outcomes.values())
