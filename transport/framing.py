@@ -37,15 +37,19 @@ class FrameError(TransportError, ValueError):
     """A payload that is not a valid frame, or one that does not fit its chunk set."""
 
 
-def frame(message: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> list[bytes]:
-    """Split ``message`` into frames of at most ``max_payload`` bytes each."""
+def frame(message: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD,
+          digest: bytes | None = None) -> list[bytes]:
+    """Split ``message`` into frames of at most ``max_payload`` bytes each; ``digest``: its
+    ``message_id`` when the caller already computed it (a 4 MiB chunk is not hashed
+    twice)."""
     if max_payload < MIN_MAX_PAYLOAD:
         raise ValueError(f"max_payload={max_payload}: need at least {MIN_MAX_PAYLOAD} bytes "
                          f"(the {HEADER_BYTES}-byte frame header plus data)")
     total = len(message)
     if total > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {total} bytes exceeds the framing limit of 4 GiB")
-    digest = hashlib.sha256(message).digest()
+    if digest is None:
+        digest = hashlib.sha256(message).digest()
     step = max_payload - HEADER_BYTES
     count = max(1, -(-total // step))
     view = memoryview(message)
