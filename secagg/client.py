@@ -653,12 +653,12 @@ class MaskedStream:
                                     "; its masked input is gone", stage=client.stage,
                                     client_id=me)
             count = min(window, dim - start)
-            y = client._secrets.input[start:start + count].copy()
-            for key, added in self._keys:
-                if added:
-                    masker.add(y, bytes(key), start)
-                else:
-                    masker.subtract(y, bytes(key), start)
+            x = client._secrets.input[start:start + count]
+            y = np.empty(count, dtype=masker.dtype)  # each chunk its own bytes
+            for i, (key, added) in enumerate(self._keys):
+                stream = masker.keystream(bytes(key), start, count)
+                # the first mask is added to x straight into y: no separate copy of x
+                (np.add if added else np.subtract)(x if i == 0 else y, stream, out=y)
             if top is not None:
                 np.bitwise_and(y, top, out=y)
             data = cast(bytes, y.data.cast("B").toreadonly())

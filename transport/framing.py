@@ -75,7 +75,7 @@ class _Partial:
     count: int
     step: int  # the length of every chunk but the last
     created: float
-    chunks: dict[int, bytes] = field(default_factory=dict)
+    chunks: dict[int, memoryview] = field(default_factory=dict)
     size: int = 0
     charged: int = PARTIAL_OVERHEAD
 
@@ -183,7 +183,9 @@ class Reassembler:
         magic, digest, index, count, total = _HEADER.unpack_from(data)
         if magic != MAGIC:
             raise FrameError("payload does not start with the frame magic")
-        chunk = data[HEADER_BYTES:]
+        if not isinstance(data, bytes):
+            data = bytes(data)  # a view into mutable memory could change under us
+        chunk = memoryview(data)[HEADER_BYTES:]  # kept as a view: one copy, in the join
         if total > limit:
             raise FrameError(f"message of {total} bytes exceeds the {limit}-byte limit")
         if count < 1 or index >= count or count > max(1, total):
@@ -224,7 +226,7 @@ class Reassembler:
         if self._charged_total + cost > self.max_buffered_bytes:
             self._discard(key)
             raise FrameError(f"reassembly buffers are full ({self._charged_total} bytes)")
-        partial.chunks[index] = bytes(chunk)
+        partial.chunks[index] = chunk
         partial.size += len(chunk)
         partial.charged += cost
         self._buffered += len(chunk)
