@@ -585,6 +585,11 @@ class Client:
 
     # --- resuming (secagg/resume.py) -----------------------------------------------------
 
+    def _answered_messages(self) -> dict[bytes, ClientMessage]:
+        """The reply cache as messages (a streamed masked input as its ``MaskedInput``)."""
+        return {digest: reply.whole() if isinstance(reply, MaskedStream) else reply
+                for digest, reply in self._answered.items()}
+
     def snapshot(self, key: bytes = b"") -> bytes:
         """This client's whole state as bytes, **secrets included**, authenticated with
         HMAC-SHA256 under ``key``: node-local, never to be sent to anyone. See
