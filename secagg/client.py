@@ -244,9 +244,10 @@ class Client:
 
     def _erase(self) -> None:
         """Overwrite with zeros every buffer that holds a secret of this round: the private
-        keys, the seed, the input (until it is masked in place: the masked input is
-        public), the X25519 share-key secrets, its own shares and those it received. What
-        was revealed stays in the cached replies only."""
+        keys, the seed, the input x (the masked input streams from it until the round
+        ends; its chunks are public), the mask keys, the X25519 share-key secrets, its own
+        shares and those it received. What was revealed stays in the cached replies
+        only."""
         for buffer in self._wipeable:
             wipe(buffer)
         self._wipeable = []
