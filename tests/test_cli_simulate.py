@@ -133,6 +133,7 @@ def test_streamed_inputs_and_one_line_reasons(tmp_path: Path,
     for cid in left:
         line = f"client {cid} not included: it left while streaming its masked input"
         assert line in out and report["reasons"][cid].startswith(line.split(": ", 1)[1])
+    assert report["transport"]["masked_input_chunks"] >= 6 - len(left)  # streamed
     # natural width on the wire: 3000 x 4 bytes plus headers, not 8 bytes per element
     sizes = [b["masked_input"] for c, b in report["bytes"].items() if c not in left]
     assert all(12_000 <= n < 13_000 for n in sizes)

@@ -492,7 +492,8 @@ def build_report(args: argparse.Namespace, config: Config, seed: int,
                       "rejected": outcome.rejected, "resends": outcome.resends,
                       "republished": sum(o.get("republished", 0)
                                          for o in outcome.outcomes.values()),
-                      "worker_errors": outcome.worker_errors},
+                      "worker_errors": outcome.worker_errors,
+                      "masked_input_chunks": outcome.chunks},
         "reasons": reasons,
     }
 
