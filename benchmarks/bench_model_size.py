@@ -143,8 +143,8 @@ def floor(row: Row) -> float:
 
 
 def table(results: list[tuple[Row, dict[str, Any], float]], source: Path) -> str:
-    lines = [f"Code: `{source}`{' (this checkout)' if source == REPO else ''}; 32 bits, "
-             "no dropouts, seed 1.", "",
+    code = "this checkout" if source == REPO else f"`{source}`"
+    lines = [f"Code: {code}; 32 bits, no dropouts, seed 1.", "",
              "| run | clients | d | round s | floor s | ratio | peak RSS, largest process "
              "| wire bytes per client / (d x 4) | dropped payloads | correct |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -208,8 +208,8 @@ def main() -> int:
     print(json.dumps([{"row": r.name, **g, "floor": f} for r, g, f in results])
           if args.json else text)
     if args.write_docs:
-        write_docs(text, "nice python benchmarks/bench_model_size.py "
-                   + " ".join(a for a in sys.argv[1:] if a != "--write-docs"),
+        write_docs(text, " ".join(["nice python benchmarks/bench_model_size.py",
+                                   *(a for a in sys.argv[1:] if a != "--write-docs")]),
                    "current" if args.source.resolve() == REPO else "before")
     failed = any(not g.get("correct") or g.get("dropped_payloads") for _, g, _ in results)
     return 1 if failed else 0
