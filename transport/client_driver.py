@@ -380,7 +380,9 @@ class ClientDriver:
         if self._upload is not None:
             return  # the same Ciphertexts again: the stream is under way
         self._upload = upload
-        self._current = None
+        # _current stays the previous message until the last chunk is out: re-published
+        # (no answer, or a reconnect) it makes the server send its answer and the grant
+        # again, so a grant lost on the way is not waited for until give_up
         self.outcome.stage = stage.label
         await self._pump_upload(loop)
 
