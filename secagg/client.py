@@ -24,7 +24,7 @@ Rejections and aborts (docs/protocol.md section 7):
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TypeVar, cast
 
@@ -73,6 +73,7 @@ from .messages import (
     ConsistencySignature,
     KeyEntry,
     KeyList,
+    MaskedChunk,
     MaskedInput,
     ServerMessage,
     ShareKeys,
@@ -88,12 +89,15 @@ from .session import derive_session_id, normalize_roster, session_graph
 from .shamir import SHARE_BYTES, decode_share, split_many
 from .stage import Stage
 from .transcripts import (
+    SIGNED_TAGS,
     advertisement_digest,
     advertisement_transcript,
     client_message_transcript,
     key_set_digest,
+    masked_input_hash,
     share_associated_data,
     survivors_transcript,
+    transcript,
 )
 
 # Which server message each client stage accepts, by (stage of the last message the client
@@ -132,7 +136,7 @@ def _reencode(message: object, stage: Stage, client_id: int | None = None) -> by
                             stage=stage, client_id=client_id) from None
 
 
-_Signable = TypeVar("_Signable", ShareKeys, MaskedInput, UnmaskingShares)
+_Signable = TypeVar("_Signable", ShareKeys, UnmaskingShares)
 
 
 class Client:
@@ -163,7 +167,8 @@ class Client:
                                                         self._secrets.input]
         self._advertisement = self._build_advertisement()
         self._state: State = Advertised()
-        self._answered: dict[bytes, ClientMessage] = {}  # digest of server message -> reply
+        # digest of server message -> reply
+        self._answered: dict[bytes, ClientMessage | MaskedStream] = {}
         self.revealed: dict[int, str] = {}  # peer -> "self_mask" | "masking_key"
 
     def _setup(self, config: Config, client_id: int, roster: Iterable[int] | None,
@@ -239,9 +244,10 @@ class Client:
 
     def _erase(self) -> None:
         """Overwrite with zeros every buffer that holds a secret of this round: the private
-        keys, the seed, the input (until it is masked in place: the masked input is
-        public), the X25519 share-key secrets, its own shares and those it received. What
-        was revealed stays in the cached replies only."""
+        keys, the seed, the input x (the masked input streams from it until the round
+        ends; its chunks are public), the mask keys, the X25519 share-key secrets, its own
+        shares and those it received. What was revealed stays in the cached replies
+        only."""
         for buffer in self._wipeable:
             wipe(buffer)
         self._wipeable = []
@@ -299,7 +305,21 @@ class Client:
     # --- dispatch -------------------------------------------------------------------------
 
     def handle(self, message: ServerMessage | bytes | bytearray | memoryview) -> ClientMessage:
-        """Consume one server message and return this client's reply."""
+        """Consume one server message and return this client's reply (the masked input as
+        one ``MaskedInput``: the one-chunk case of ``stream``)."""
+        reply = self._answer(message)
+        return reply.whole() if isinstance(reply, MaskedStream) else reply
+
+    def stream(self, message: ServerMessage | bytes | bytearray | memoryview
+               ) -> ClientMessage | MaskedStream:
+        """Like ``handle``, but the answer to ``Ciphertexts`` is a ``MaskedStream``: the
+        masked input produced chunk by chunk in a bounded window (docs/protocol.md 6.3),
+        for transports that send model-sized vectors. The same message again returns the
+        same stream."""
+        return self._answer(message)
+
+    def _answer(self, message: ServerMessage | bytes | bytearray | memoryview
+                ) -> ClientMessage | MaskedStream:
         stage = self._state.stage
         if isinstance(message, (bytes, bytearray, memoryview)):
             raw = bytes(message)
@@ -332,7 +352,7 @@ class Client:
             raise self._abort(f"{type(msg).__name__} is not the next message after "
                               f"{stage.label}")
         try:
-            reply = _HANDLERS[want](self, msg)
+            reply: ClientMessage | MaskedStream = _HANDLERS[want](self, msg)
         except (CryptoError, ShamirError) as exc:
             raise self._abort(str(exc)) from None
         self._answered[digest] = reply
@@ -402,7 +422,7 @@ class Client:
 
     # --- stage masked_input ---------------------------------------------------------------
 
-    def _on_ciphertexts(self, msg: Ciphertexts) -> MaskedInput:
+    def _on_ciphertexts(self, msg: Ciphertexts) -> MaskedStream:
         state = self._state
         assert isinstance(state, Shared)  # guaranteed by CLIENT_ACCEPTS
         t = self.config.threshold
@@ -436,37 +456,26 @@ class Client:
             decode_share(plaintext[8:8 + SHARE_BYTES])
             decode_share(plaintext[8 + SHARE_BYTES:])
             received[PAIR * i:PAIR * i + PAIR] = plaintext[8:]
-        masked = self._mask_input(state, order)
+        keys = self._mask_keys(state, order)
         self._state = Masked(state, frozenset(senders), received,
                               {p: PAIR * i for i, p in enumerate(order)})
-        return self._signed(MaskedInput(sid, me, self.config.bits, self.config.dim, masked,
-                                        peers_digest(senders)), state.key_set)
+        return MaskedStream(self, keys, peers_digest(senders), state.key_set)
 
-    def _mask_input(self, state: Shared, peers: list[int]) -> bytes:
-        """y = x + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)."""
+    def _mask_keys(self, state: Shared, peers: list[int]) -> list[tuple[bytearray, bool]]:
+        """The AES keys of y = x + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv),
+        each with its sign (True: added), held as secrets of this round."""
         cfg = self.config
-        secrets = self._secrets
-        masker = Masker(cfg.dim, cfg.bits)
-        y = secrets.input  # this client's private copy (check_input), masked in place
         session, shape, me = self.session_id, cfg.shape_tag, self.client_id
-        masker.add(y, self_mask_key(bytes(secrets.seed), session, me, shape))
-        masking = KeyPair(secrets.key(secrets.masking))
+        keys = [(self._hold(bytearray(self_mask_key(bytes(self._secrets.seed), session, me,
+                                                    shape))), True)]
+        masking = KeyPair(self._secrets.key(self._secrets.masking))
         own = self._advertisement.masking_key
         for peer in peers:
             peer_key = state.keys[peer].masking_key
             key = pairwise_mask_key(masking.exchange(state.loaded[peer_key]), session,
                                     me, peer, own, peer_key, shape)
-            if me < peer:
-                masker.add(y, key)
-            else:
-                masker.subtract(y, key)
-        width = 8 * y.dtype.itemsize
-        if cfg.bits < width:
-            np.bitwise_and(y, y.dtype.type((1 << cfg.bits) - 1), out=y)
-        # y is public now (it is what the server receives): no longer wiped, and handed
-        # out as a read-only view instead of a copy
-        self._wipeable = [b for b in self._wipeable if b is not y]
-        return cast(bytes, y.data.cast("B").toreadonly())
+            keys.append((self._hold(bytearray(key)), me < peer))
+        return keys
 
     # --- stage consistency_check (malicious) ---------------------------------------------
 
@@ -577,6 +586,11 @@ class Client:
 
     # --- resuming (secagg/resume.py) -----------------------------------------------------
 
+    def _answered_messages(self) -> dict[bytes, ClientMessage]:
+        """The reply cache as messages (a streamed masked input as its ``MaskedInput``)."""
+        return {digest: reply.whole() if isinstance(reply, MaskedStream) else reply
+                for digest, reply in self._answered.items()}
+
     def snapshot(self, key: bytes = b"") -> bytes:
         """This client's whole state as bytes, **secrets included**, authenticated with
         HMAC-SHA256 under ``key``: node-local, never to be sent to anyone. See
@@ -602,7 +616,77 @@ class Client:
                        key=key, min_stage=min_stage)
 
 
-_HANDLERS: Mapping[type, Callable[[Client, object], ClientMessage]] = {
+class MaskedStream:
+    """A client's masked input y = x + masks mod 2^bits (stage masked_input), produced
+    chunk by chunk: ``chunks(elements)`` yields ``MaskedChunk`` messages in order, each
+    expanding every mask over its own window only (AES-CTR seeks), so the client never
+    holds more than one window of y; ``whole()`` is the one-chunk case as a ``MaskedInput``
+    (what ``Client.handle`` returns). The same bytes come out every time and for every
+    chunking: a transport may restart the stream. In malicious mode the last chunk is
+    signed over the running SHA-256 of the whole stream (docs/protocol.md 5.7, 6.3)."""
+
+    def __init__(self, client: Client, keys: list[tuple[bytearray, bool]],
+                 peers: bytes, key_set: bytes) -> None:
+        self._client = client
+        self._keys = keys
+        self.peers_digest = peers
+        self._key_set = key_set
+        self._whole: MaskedInput | None = None
+        config = client.config
+        self.dim = config.dim
+        self.bits = config.bits
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the whole masked vector."""
+        return self.dim * dtype_for_bits(self.bits).itemsize
+
+    def chunks(self, elements: int) -> Iterator[MaskedChunk]:
+        """The masked input as chunks of ``elements`` elements (the last may be shorter)."""
+        if not isinstance(elements, int) or elements < 1:
+            raise ValueError(f"chunks of {elements!r} elements: use a positive integer")
+        client = self._client
+        config = client.config
+        sid, me, dim, bits = client.session_id, client.client_id, self.dim, self.bits
+        window = min(elements, dim)
+        masker = Masker(window, bits)
+        signer = client._signing_key if config.malicious else None
+        running = masked_input_hash(bits, dim, self.peers_digest) if signer else None
+        top = masker.dtype.type((1 << bits) - 1) if bits < 8 * masker.dtype.itemsize else None
+        for start in range(0, dim, window):
+            if client.aborted is not None or client.done:
+                raise ProtocolError(f"client {me} has {'aborted' if client.aborted else 'finished'}"
+                                    "; its masked input is gone", stage=client.stage,
+                                    client_id=me)
+            count = min(window, dim - start)
+            x = client._secrets.input[start:start + count]
+            y = np.empty(count, dtype=masker.dtype)  # each chunk its own bytes
+            for i, (key, added) in enumerate(self._keys):
+                stream = masker.keystream(bytes(key), start, count)
+                # the first mask is added to x straight into y: no separate copy of x
+                (np.add if added else np.subtract)(x if i == 0 else y, stream, out=y)
+            if top is not None:
+                np.bitwise_and(y, top, out=y)
+            data = cast(bytes, y.data.cast("B").toreadonly())
+            signature = b""
+            if running is not None and signer is not None:
+                running.update(data)
+                if start + count == dim:
+                    signature = signer.sign(transcript(
+                        SIGNED_TAGS[MaskedInput], sid, Stage.MASKED_INPUT, me,
+                        running.digest(), self._key_set))
+            yield MaskedChunk(sid, me, bits, dim, start, data, self.peers_digest, signature)
+
+    def whole(self) -> MaskedInput:
+        """The masked input as one ``MaskedInput`` (the same object every time)."""
+        if self._whole is None:
+            chunk = next(iter(self.chunks(self.dim)))
+            self._whole = MaskedInput(chunk.session_id, chunk.client_id, self.bits, self.dim,
+                                      chunk.masked, self.peers_digest, chunk.signature)
+        return self._whole
+
+
+_HANDLERS: Mapping[type, Callable[[Client, object], ClientMessage | MaskedStream]] = {
     KeyList: Client._on_key_list,  # type: ignore[dict-item]
     Ciphertexts: Client._on_ciphertexts,  # type: ignore[dict-item]
     SurvivorList: Client._on_survivor_list,  # type: ignore[dict-item]

@@ -235,27 +235,43 @@ def _zeros(nbytes: int) -> bytes:
 
 class Masker:
     """Expands mask keys with AES-128-CTR into one preallocated buffer and adds or subtracts
-    the keystream in place, so a mask costs one keystream pass plus one vector add."""
+    the keystream in place, so a mask costs one keystream pass plus one vector add.
+
+    ``dim`` is the window: the most elements one call expands. ``start`` seeks: the
+    keystream of elements [start, start + count) of a vector is the CTR stream from the
+    counter block ``start * itemsize // 16`` (CTR can seek), so a masked input is produced
+    and unmasked window by window with the same bytes a whole pass gives (docs/protocol.md
+    section 5.4)."""
 
     def __init__(self, dim: int, bits: int) -> None:
         self.dim = dim
         self.dtype = dtype_for_bits(bits)
         nbytes = dim * self.dtype.itemsize
-        self._zeros = _zeros(nbytes)
-        self._buffer = bytearray(nbytes + 15)
-        self._view = np.frombuffer(self._buffer, dtype=self.dtype, count=dim)
+        self._zeros = _zeros(nbytes + 16)
+        self._buffer = bytearray(nbytes + 16 + 15)
+        self._array = np.frombuffer(self._buffer, dtype=np.uint8)
 
-    def keystream(self, key: bytes) -> np.ndarray:
-        """The mask for ``key``; a view valid until the next call."""
-        encryptor = Cipher(algorithms.AES(key), _ZERO_COUNTER).encryptor()
-        encryptor.update_into(self._zeros, self._buffer)
-        return self._view
+    def keystream(self, key: bytes, start: int = 0, count: int | None = None) -> np.ndarray:
+        """The mask for ``key`` at elements [start, start + count) (default: the whole
+        window); a view valid until the next call."""
+        count = self.dim if count is None else count
+        if not 0 <= count <= self.dim:
+            raise ValueError(f"a window of {count} elements is more than this masker's "
+                             f"{self.dim}")
+        itemsize = self.dtype.itemsize
+        block, skip = divmod(start * itemsize, 16)
+        nbytes = count * itemsize
+        counter = modes.CTR(block.to_bytes(16, "big")) if block else _ZERO_COUNTER
+        encryptor = Cipher(algorithms.AES(key), counter).encryptor()
+        encryptor.update_into(memoryview(self._zeros)[:skip + nbytes], self._buffer)
+        return self._array[skip:skip + nbytes].view(self.dtype)
 
-    def add(self, accumulator: np.ndarray, key: bytes) -> None:
-        np.add(accumulator, self.keystream(key), out=accumulator)
+    def add(self, accumulator: np.ndarray, key: bytes, start: int = 0) -> None:
+        np.add(accumulator, self.keystream(key, start, accumulator.shape[0]), out=accumulator)
 
-    def subtract(self, accumulator: np.ndarray, key: bytes) -> None:
-        np.subtract(accumulator, self.keystream(key), out=accumulator)
+    def subtract(self, accumulator: np.ndarray, key: bytes, start: int = 0) -> None:
+        np.subtract(accumulator, self.keystream(key, start, accumulator.shape[0]),
+                    out=accumulator)
 
 
 # --- signatures -----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import enum
 import hashlib
 import itertools
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, cast
@@ -89,6 +89,42 @@ class MaskedInput:
         from .crypto import dtype_for_bits
 
         return np.frombuffer(self.masked, dtype=dtype_for_bits(self.bits), count=self.dim)
+
+
+@dataclass(frozen=True)
+class MaskedChunk:
+    """Stage masked_input, streamed: elements [offset, offset + len) of the client's masked
+    input y (docs/protocol.md section 6.3). A client sends its chunks in order, from offset 0
+    to ``dim``; ``MaskedInput`` is the one-chunk case. In malicious mode only the last
+    chunk carries a signature, over the SHA-256 of the whole stream (``bits``, ``dim``,
+    ``peers_digest`` and every chunk's bytes in order: exactly the digest of the equivalent
+    ``MaskedInput``, so one masked input has one signature however it was chunked)."""
+
+    session_id: bytes
+    client_id: int
+    bits: int
+    dim: int
+    offset: int
+    masked: bytes
+    peers_digest: bytes = bytes(32)
+    signature: bytes = b""
+    stage = Stage.MASKED_INPUT
+
+    @property
+    def count(self) -> int:
+        """Elements in this chunk."""
+        from .crypto import dtype_for_bits
+
+        return len(self.masked) // dtype_for_bits(self.bits).itemsize
+
+    @property
+    def last(self) -> bool:
+        return self.offset + self.count == self.dim
+
+    def vector(self) -> np.ndarray:
+        from .crypto import dtype_for_bits
+
+        return np.frombuffer(self.masked, dtype=dtype_for_bits(self.bits), count=self.count)
 
 
 @dataclass(frozen=True)
@@ -180,13 +216,13 @@ class UnmaskRequest:
         object.__setattr__(self, "signatures", _frozen(self.signatures))
 
 
-ClientMessage = (AdvertiseKeys | ShareKeys | MaskedInput | ConsistencySignature
+ClientMessage = (AdvertiseKeys | ShareKeys | MaskedInput | MaskedChunk | ConsistencySignature
                  | UnmaskingShares)
 ServerMessage = KeyList | Ciphertexts | SurvivorList | UnmaskRequest
 Message = ClientMessage | ServerMessage
 
 class MessageKind(enum.IntEnum):
-    """The ``kind`` element of the envelope (docs/protocol.md section 6.1): 1-5 are client
+    """The ``kind`` element of the envelope (docs/protocol.md section 6.1): 1-6 are client
     messages, 11-14 server messages. ``MESSAGE_KINDS`` maps each kind to its class, side and
     fields; ``encode`` and ``decode`` both read that one table."""
 
@@ -195,6 +231,7 @@ class MessageKind(enum.IntEnum):
     MASKED_INPUT = 3
     CONSISTENCY_SIGNATURE = 4
     UNMASKING_SHARES = 5
+    MASKED_CHUNK = 6
     KEY_LIST = 11
     CIPHERTEXTS = 12
     SURVIVOR_LIST = 13
@@ -326,6 +363,32 @@ class _Vector(_Field):
         return r.view(self.what, size)
 
 
+class _Offset(_Field):
+    """The element offset of a chunk: below ``dim`` (the field before it)."""
+
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        offset = r.uint(self.what)
+        if offset >= got[-1]:
+            raise _fail(f"{self.what} {offset} is not below dim={got[-1]}")
+        return offset
+
+
+class _ChunkVector(_Field):
+    """bin of a whole number of elements, at least one, ending at or before ``dim``
+    (``bits``, ``dim`` and ``offset`` are the three fields before it); read without a copy."""
+
+    def pack(self, value: Any) -> bytes | memoryview:
+        return memoryview(value)
+
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        from .crypto import dtype_for_bits
+
+        bits, dim, offset = got[-3], got[-2], got[-1]
+        width = dtype_for_bits(bits).itemsize
+        room = min((dim - offset) * width, limits.vector_bytes)
+        return r.view(self.what, None, limit=room, multiple=width)
+
+
 @dataclass(frozen=True)
 class KindSpec:
     """One row of the wire table: the kind, its message class, which side sends it, and
@@ -395,6 +458,10 @@ MESSAGE_KINDS: Mapping[MessageKind, KindSpec] = MappingProxyType({spec.kind: spe
     KindSpec(MessageKind.MASKED_INPUT, MaskedInput, True, (
         _Bits("bits", "bits"), _Dim("dim", "dim"), _Vector("masked", "masked vector"),
         _Bytes("peers_digest", "peers digest", 32), _Signature("signature", "signature"))),
+    KindSpec(MessageKind.MASKED_CHUNK, MaskedChunk, True, (
+        _Bits("bits", "bits"), _Dim("dim", "dim"), _Offset("offset", "chunk offset"),
+        _ChunkVector("masked", "masked chunk"), _Bytes("peers_digest", "peers digest", 32),
+        _Signature("signature", "signature"))),
     KindSpec(MessageKind.CONSISTENCY_SIGNATURE, ConsistencySignature, True, (
         _Bytes("signature", "signature", SIGNATURE_BYTES),)),
     KindSpec(MessageKind.UNMASKING_SHARES, UnmaskingShares, True, (
@@ -430,7 +497,7 @@ def encode(message: Message) -> bytes:
         _pack(message.session_id), _pack(party)]
     for fld in spec.fields:
         value = getattr(message, fld.attr)
-        if isinstance(fld, _Vector):
+        if isinstance(fld, (_Vector, _ChunkVector)):
             parts.append(_bin_header(len(value)))
         parts.append(fld.pack(value))
     return b"".join(parts)
@@ -494,15 +561,20 @@ class _Reader:
             raise _fail(f"{what} must be a non-negative integer")
         return self._length(_UINT, lead, what)
 
-    def view(self, what: str, length: int) -> bytes:
-        """A bin of exactly ``length`` bytes as a read-only view into the message (no copy:
-        the masked vector is most of a round's bytes)."""
+    def view(self, what: str, length: int | None, *, limit: int = 1 << 62,
+             multiple: int = 1) -> bytes:
+        """A bin of exactly ``length`` bytes (or, ``None``: 1 to ``limit`` bytes, a multiple
+        of ``multiple``) as a read-only view into the message (no copy: the masked vector
+        is most of a round's bytes)."""
         lead = self.data[self._take(1, what)]
         if lead not in _BIN:
             raise _fail(f"{what} must be bytes")
         size = self._length(_BIN, lead, what)
-        if size != length:
+        if length is not None and size != length:
             raise _fail(f"{what} must be {length} bytes, got {size}")
+        if length is None and not (0 < size <= limit and size % multiple == 0):
+            raise _fail(f"{what} of {size} bytes: it must be 1 to {limit} bytes, whole "
+                        f"{multiple}-byte elements, ending at or before dim")
         start = self._take(size, what)
         return cast(bytes, memoryview(self.data)[start:start + size])
 
@@ -668,6 +740,22 @@ def decode_server_message(data: bytes | bytearray | memoryview, num_clients: int
                      max_entries=num_clients, max_vector_bytes=0, kinds=SERVER_KINDS)
     assert isinstance(message, (KeyList, Ciphertexts, SurvivorList, UnmaskRequest))
     return message
+
+
+def split_masked_input(message: MaskedInput, elements: int) -> Iterator[MaskedChunk]:
+    """``message`` as chunks of ``elements`` elements, in order, without copying: the last
+    carries its signature, which covers the stream as it covers the whole message
+    (``MaskedChunk``)."""
+    if elements < 1:
+        raise ValueError(f"chunks of {elements} elements: use a positive integer")
+    view = memoryview(message.masked).cast("B")
+    width = len(view) // message.dim
+    for start in range(0, message.dim, elements):
+        stop = min(message.dim, start + elements)
+        yield MaskedChunk(message.session_id, message.client_id, message.bits, message.dim,
+                          start, cast(bytes, view[start * width:stop * width]),
+                          message.peers_digest,
+                          message.signature if stop == message.dim else b"")
 
 
 def peers_digest(peers: Iterable[int]) -> bytes:

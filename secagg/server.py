@@ -42,6 +42,7 @@ from .messages import (
     ConsistencySignature,
     KeyEntry,
     KeyList,
+    MaskedChunk,
     MaskedInput,
     ServerMessage,
     ShareKeys,
@@ -58,27 +59,53 @@ from .shamir import (
 )
 from .stage import Stage
 from .transcripts import (
+    SIGNED_TAGS,
     advertisement_digest,
     advertisement_transcript,
     client_message_transcript,
     key_set_digest,
+    masked_input_hash,
     payload_digest,
     survivors_transcript,
+    transcript,
 )
 from .unmasking import (
     MaskJob,
+    apply_masks,
     balance,
-    mask_correction,
+    derive_mask_keys,
     reconstruct_verified,
     screen_shares,
 )
+
+DEFAULT_UPLOAD_BUDGET = 1 << 30
+"""Bytes the server sets aside for masked inputs that are still streaming in (pending: not
+in the sum until complete, docs/protocol.md 6.3); ``upload_budget // vector bytes`` senders
+stream at once (at least one). 1 GiB: every sender at once up to 2.6 x 10^7 32-bit
+elements, two at a time at 10^8."""
+UNMASK_WINDOW_BYTES = 8 << 20
+"""The window the server removes masks in (bytes of the sum): the correction never takes
+a second d-sized vector."""
+
+
+@dataclass(eq=False)
+class _Upload:
+    """A granted sender's masked input while it streams in: pending, never in the sum
+    until its last chunk arrived (a partial input cannot be unmasked without revealing
+    it, docs/protocol.md 6.3)."""
+
+    vector: np.ndarray | None = None  # allocated by the first chunk
+    next: int = 0  # the element offset the next chunk must start at
+    running: object = None  # malicious mode: SHA-256 of the stream so far
+    last_raw: bytes = b""  # the latest accepted chunk (its redelivery is a no-op)
 
 
 @dataclass(frozen=True)
 class AggregateResult:
     """The output of a round.
 
-    ``total``: the sum of the included inputs mod 2**bits (uint64).
+    ``total``: the sum of the included inputs mod 2**bits, in the natural width
+    (``secagg.crypto.dtype_for_bits``: uint32 for bits <= 32, uint64 above).
     ``included``: ids whose masked input is in the sum.
     ``dropped``: id -> the first stage in which the client sent nothing.
     ``corrupt_shares``: holder id -> ids of clients whose secret it sent a wrong share of,
@@ -100,7 +127,8 @@ class Server:
     def __init__(self, config: Config, *, roster: Iterable[int] | None = None,
                  context: bytes = b"", verify_keys: Mapping[int, bytes] | None = None,
                  executor: Executor | None = None, workers: int = 2,
-                 nonce: bytes | None = None) -> None:
+                 nonce: bytes | None = None, upload_budget: int = DEFAULT_UPLOAD_BUDGET
+                 ) -> None:
         if nonce is not None and (not isinstance(nonce, bytes) or len(nonce) != 32):
             raise ValueError("nonce must be 32 bytes (e.g. os.urandom(32)) or None")
         # relayed to every client before it advertises (Client(nonce=...) or
@@ -121,6 +149,11 @@ class Server:
         self._verify_keys = dict(verify_keys or {})
         self._threshold: int = config.threshold
         self._vector_bytes = config.dim * dtype_for_bits(config.bits).itemsize
+        if upload_budget < 1:
+            raise ValueError("upload_budget must be a positive number of bytes")
+        self.upload_slots = max(1, upload_budget // self._vector_bytes)
+        """How many senders may stream a masked input at once (``grant_uploads``)."""
+        self._uploads: dict[int, _Upload] = {}  # granted senders whose input is pending
         self._stage = Stage.ADVERTISE_KEYS
         self._expected: set[int] = set(self.roster)
         self._inbox: dict[int, ClientMessage] = {}
@@ -138,7 +171,12 @@ class Server:
         self._advert_digests: dict[int, bytes] = {}
         self._share_keys: dict[int, ShareKeys] = {}
         self._forwarded: dict[int, frozenset[int]] = {}
-        self._sum = np.zeros(config.dim, dtype=dtype_for_bits(config.bits))
+        # the running sum of complete masked inputs; holds nothing meaningful until the
+        # first one is added (``_sum_fresh``): that one is copied or swapped in, not added
+        # to zeros (first-touching a fresh 400 MB vector costs more than the adds)
+        self._sum = np.empty(config.dim, dtype=dtype_for_bits(config.bits))
+        self._sum_fresh = True
+        self._spares: list[np.ndarray] = []  # finished pending buffers, reused
         self._survivors: frozenset[int] = frozenset()
         self._requests: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
         self._signatures: dict[int, bytes] = {}
@@ -193,8 +231,8 @@ class Server:
             raise self._reject(client_id, f"the round was aborted: {self.aborted}")
         if isinstance(message, (bytes, bytearray, memoryview)):
             raw = bytes(message)
-        elif isinstance(message, (AdvertiseKeys, ShareKeys, MaskedInput, ConsistencySignature,
-                                  UnmaskingShares)):
+        elif isinstance(message, (AdvertiseKeys, ShareKeys, MaskedInput, MaskedChunk,
+                                  ConsistencySignature, UnmaskingShares)):
             try:  # objects get exactly the validation wire bytes get
                 raw = encode(message)
             except Exception as exc:  # a hand-built object with wrong field types
@@ -208,8 +246,8 @@ class Server:
                          kinds=CLIENT_KINDS)
         except ProtocolError as exc:
             raise self._reject(client_id, str(exc)) from None
-        assert isinstance(msg, (AdvertiseKeys, ShareKeys, MaskedInput, ConsistencySignature,
-                                UnmaskingShares))
+        assert isinstance(msg, (AdvertiseKeys, ShareKeys, MaskedInput, MaskedChunk,
+                                ConsistencySignature, UnmaskingShares))
         if client_id not in self._members:
             raise self._reject(client_id, "the sender is not in the roster")
         if msg.client_id != client_id:
@@ -228,8 +266,13 @@ class Server:
         if client_id not in self._expected:
             raise self._reject(client_id, "the client is not part of this stage (it dropped "
                                           "or was not sent the previous message)")
+        upload = self._uploads.get(client_id)
+        if upload is not None and upload.last_raw == raw:
+            return False  # redelivery of the latest chunk of a stream
         if client_id in self._inbox:
             raise self._reject(client_id, "a second, different message in one stage")
+        if isinstance(msg, (MaskedInput, MaskedChunk)):
+            return self._take_masked(client_id, msg, raw)
         self._validate(client_id, msg)
         self._inbox[client_id] = msg
         self._accepted_raw[client_id] = raw
@@ -238,8 +281,6 @@ class Server:
                 self.session_id, client_id, _entry(msg))
             self._key_owner[msg.encryption_key] = client_id
             self._key_owner[msg.masking_key] = client_id
-        if isinstance(msg, MaskedInput):
-            np.add(self._sum, msg.vector(), out=self._sum)
         return True
 
     def _validate(self, cid: int, msg: ClientMessage) -> None:
@@ -269,19 +310,6 @@ class Server:
                 raise self._reject(cid, "ciphertexts must address exactly the other clients "
                                         "of its key list")
             self._check_signature(cid, msg)
-        elif isinstance(msg, MaskedInput):
-            if msg.bits != cfg.bits or msg.dim != cfg.dim:
-                raise self._reject(cid, f"masked input has bits={msg.bits}, dim={msg.dim}; "
-                                        f"the round uses bits={cfg.bits}, dim={cfg.dim}")
-            if len(msg.masked) != self._vector_bytes:
-                raise self._reject(cid, "masked input has the wrong length")
-            width = 8 * self._sum.dtype.itemsize
-            if cfg.bits < width and int(msg.vector().max()) >> cfg.bits:
-                raise self._reject(cid, f"masked input has values >= 2**{cfg.bits}")
-            if not constant_time_equal(msg.peers_digest, peers_digest(self._forwarded[cid])):
-                raise self._reject(cid, "the client masked with other peers than the server "
-                                        "forwarded (the ciphertext list was altered)")
-            self._check_signature(cid, msg)
         elif isinstance(msg, ConsistencySignature):
             try:
                 verify_signature(self._verify_keys.get(cid, b""), msg.signature,
@@ -300,8 +328,137 @@ class Server:
                     raise self._reject(cid, "a share is not a field element")
             self._check_signature(cid, msg)
 
-    def _check_signature(self, cid: int, msg: ShareKeys | MaskedInput | UnmaskingShares
-                         ) -> None:
+    # --- streamed masked inputs (docs/protocol.md 6.3) ------------------------------------
+
+    @property
+    def uploading(self) -> frozenset[int]:
+        """Senders granted an upload slot whose masked input has not completed."""
+        return frozenset(self._uploads)
+
+    def grant_uploads(self, client_ids: Iterable[int] | None = None) -> list[int]:
+        """Stage masked_input: give free upload slots to clients still expected (of
+        ``client_ids``, default all; lowest id first) and return them. Only a granted
+        client may stream chunks; a whole ``MaskedInput`` needs no grant (it completes in
+        one message). The transport tells each granted client, which waits for its grant
+        instead of being dropped: a slow server slows its senders (docs/deployment.md,
+        flow control)."""
+        if self._stage is not Stage.MASKED_INPUT or self.result is not None \
+                or self.aborted is not None:
+            return []
+        free = self.upload_slots - len(self._uploads)
+        if free <= 0:
+            return []
+        granted: list[int] = []
+        eligible = self._expected - set(self._inbox) - set(self._uploads)
+        if client_ids is not None:
+            eligible &= set(client_ids)
+        for cid in sorted(eligible):
+            if len(granted) == free:
+                break
+            self._uploads[cid] = _Upload()
+            granted.append(cid)
+        return granted
+
+    def cancel_upload(self, client_id: int, reason: str) -> bool:
+        """Take back ``client_id``'s upload slot (e.g. it sent nothing for too long): its
+        pending chunks are discarded, it is dropped from this round at masked_input with
+        ``reason`` (in ``rejected``), and the slot is free for ``grant_uploads``. Returns
+        False when it held no slot."""
+        if self._uploads.pop(client_id, None) is None:
+            return False
+        self._expected.discard(client_id)
+        self.dropped.setdefault(client_id, Stage.MASKED_INPUT)
+        self.rejected.append((client_id, reason))
+        return True
+
+    def _take_masked(self, cid: int, msg: MaskedInput | MaskedChunk, raw: bytes) -> bool:
+        """One chunk of a masked input (a ``MaskedInput`` is the chunk [0, dim)): checked
+        whole before anything changes, then held pending, and added to the sum only when
+        the sender's last chunk completes it."""
+        cfg = self.config
+        if msg.bits != cfg.bits or msg.dim != cfg.dim:
+            raise self._reject(cid, f"masked input has bits={msg.bits}, dim={msg.dim}; "
+                                    f"the round uses bits={cfg.bits}, dim={cfg.dim}")
+        offset = msg.offset if isinstance(msg, MaskedChunk) else 0
+        vector = msg.vector()
+        count = vector.shape[0]
+        if isinstance(msg, MaskedInput) and len(msg.masked) != self._vector_bytes:
+            raise self._reject(cid, "masked input has the wrong length")
+        last = offset + count == cfg.dim
+        upload = self._uploads.get(cid)
+        if offset or not last:
+            if upload is None:
+                raise self._reject(cid, f"no upload slot is granted to this client: a "
+                                        f"streamed masked input waits for the server's "
+                                        f"grant ({self.upload_slots} at a time)")
+            if offset != upload.next:
+                raise self._reject(cid, f"a chunk at element {offset}, but the stream is "
+                                        f"at element {upload.next} (chunks come in order, "
+                                        f"each once)")
+        elif upload is not None and upload.next:
+            raise self._reject(cid, f"a whole masked input while its stream is at element "
+                                    f"{upload.next}")
+        width = 8 * self._sum.dtype.itemsize
+        if cfg.bits < width and int(vector.max()) >> cfg.bits:
+            raise self._reject(cid, f"masked input has values >= 2**{cfg.bits}")
+        if not constant_time_equal(msg.peers_digest, peers_digest(self._forwarded[cid])):
+            raise self._reject(cid, "the client masked with other peers than the server "
+                                    "forwarded (the ciphertext list was altered)")
+        running = None
+        if cfg.malicious:
+            if msg.signature and not last:
+                raise self._reject(cid, "a signature on a chunk that is not the last")
+            running = (upload.running.copy()  # type: ignore[attr-defined]
+                       if upload is not None and upload.running is not None
+                       else masked_input_hash(cfg.bits, cfg.dim, msg.peers_digest))
+            running.update(msg.masked)
+            if last:
+                try:
+                    verify_signature(self._verify_keys.get(cid, b""), msg.signature,
+                                     transcript(SIGNED_TAGS[MaskedInput], self.session_id,
+                                                Stage.MASKED_INPUT, cid, running.digest(),
+                                                self._key_sets[cid]))
+                except CryptoError as exc:
+                    raise self._reject(cid, f"the masked_input signature is invalid (another "
+                                            f"round's, or its chunks were altered, spliced, "
+                                            f"reordered or cut): {exc}") from None
+        elif msg.signature:
+            raise self._reject(cid, "a signature in a semi-honest round")
+        # accepted: from here on nothing can fail
+        if offset == 0 and last:
+            self._add_to_sum(vector)
+            self._uploads.pop(cid, None)
+        else:
+            assert upload is not None
+            if upload.vector is None:  # a buffer of an earlier upload, or a new one
+                upload.vector = (self._spares.pop() if self._spares
+                                 else np.empty(cfg.dim, dtype=self._sum.dtype))
+            upload.vector[offset:offset + count] = vector
+            upload.next, upload.running, upload.last_raw = offset + count, running, raw
+            if last:
+                spare = self._add_to_sum(upload.vector, owned=True)
+                if len(self._spares) < self.upload_slots:
+                    self._spares.append(spare)
+                del self._uploads[cid]
+        if last:
+            self._inbox[cid] = msg
+            self._accepted_raw[cid] = raw
+        return True
+
+    def _add_to_sum(self, vector: np.ndarray, *, owned: bool = False) -> np.ndarray:
+        """Add a complete masked input to the sum. The first one becomes the sum (swapped
+        in when the buffer is the server's own, ``owned``); returns the buffer now free."""
+        if not self._sum_fresh:
+            np.add(self._sum, vector, out=self._sum)
+            return vector
+        self._sum_fresh = False
+        if owned:
+            free, self._sum = self._sum, vector
+            return free
+        self._sum[:] = vector
+        return vector
+
+    def _check_signature(self, cid: int, msg: ShareKeys | UnmaskingShares) -> None:
         if self.config.malicious:
             try:
                 verify_signature(self._verify_keys.get(cid, b""), msg.signature,
@@ -323,6 +480,12 @@ class Server:
 
     def _close(self) -> set[int]:
         responders = set(self._inbox)
+        for cid, upload in sorted(self._uploads.items()):
+            self.rejected.append((cid, f"its masked input stopped at element {upload.next} "
+                                       f"of {self.config.dim}; an incomplete input never "
+                                       f"counts (docs/protocol.md 6.3)"))
+        self._uploads.clear()
+        self._spares.clear()
         for cid in self._expected - responders:
             self.dropped.setdefault(cid, self._stage)
         return responders
@@ -519,19 +682,30 @@ class Server:
         header = (self.session_id, cfg.shape_tag, cfg.dim, cfg.bits,
                   {d: self._adverts[d].masking_key for d in private_keys})
         total = self._sum  # the round is over: unmask in place, no d-sized copy
+        if self._sum_fresh:  # no input at all (cannot pass the threshold checks)
+            total.fill(0)
         workers = self._workers if self._executor is not None else 1
         batches = balance(jobs, workers)
-        if self._executor is not None and len(batches) > 1:
-            futures = [self._executor.submit(mask_correction, header, batch)
-                       for batch in batches]
-            for future in futures:
-                np.subtract(total, future.result(), out=total)
+        pool = self._executor if self._executor is not None and len(batches) > 1 else None
+        if pool is not None:
+            keys = [f.result() for f in [pool.submit(derive_mask_keys, header, batch)
+                                         for batch in batches]]
         else:
-            for batch in batches:
-                np.subtract(total, mask_correction(header, batch), out=total)
+            keys = [derive_mask_keys(header, batch) for batch in batches]
+        window = max(1, UNMASK_WINDOW_BYTES // total.dtype.itemsize)
+        for start in range(0, cfg.dim, window):  # window by window: bounded memory
+            count = min(window, cfg.dim - start)
+            part = total[start:start + count]
+            if pool is not None:
+                futures = [pool.submit(apply_masks, k, cfg.bits, start, count) for k in keys]
+                for future in futures:
+                    np.subtract(part, future.result(), out=part)
+            else:
+                for k in keys:
+                    apply_masks(k, cfg.bits, start, count, out=part)
         if cfg.bits < 8 * total.dtype.itemsize:
             np.bitwise_and(total, total.dtype.type((1 << cfg.bits) - 1), out=total)
-        return total.astype(np.uint64)
+        return total
 
 
 def _entry(msg: AdvertiseKeys) -> KeyEntry:

@@ -12,18 +12,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .client import Client
+from .client import Client, MaskedStream
 from .config import Config
 from .crypto import SigningKey
 from .errors import ProtocolAbort, ProtocolError
 from .messages import encode
-from .server import Server
+from .server import DEFAULT_UPLOAD_BUDGET, Server
 from .stage import Stage, round_stages
 
 
 @dataclass(frozen=True)
 class SimulationResult:
-    """``total`` (uint64, the sum of included inputs mod 2**bits) and ``included`` as in
+    """``total`` (the sum of included inputs mod 2**bits, in the natural width
+    ``secagg.crypto.dtype_for_bits(bits)``) and ``included`` as in
     docs/architecture.md section 4, plus what a report needs."""
 
     total: np.ndarray
@@ -53,8 +54,8 @@ class LocalRound:
     server: Server
 
     @classmethod
-    def new(cls, config: Config, client_ids: Iterable[int], context: bytes | None = None
-            ) -> LocalRound:
+    def new(cls, config: Config, client_ids: Iterable[int], context: bytes | None = None,
+            *, upload_budget: int = DEFAULT_UPLOAD_BUDGET) -> LocalRound:
         roster = tuple(sorted(int(c) for c in client_ids))
         context = os.urandom(32) if context is None else context
         signing: dict[int, SigningKey] = {}
@@ -62,7 +63,8 @@ class LocalRound:
         if config.malicious:
             signing = {cid: SigningKey.generate() for cid in roster}
             verify = {cid: key.public for cid, key in signing.items()}
-        server = Server(config, roster=roster, context=context, verify_keys=verify)
+        server = Server(config, roster=roster, context=context, verify_keys=verify,
+                        upload_budget=upload_budget)
         return cls(config, roster, context, signing, verify, server)
 
     def client(self, client_id: int, vector: object) -> Client:
@@ -85,15 +87,43 @@ def _parse_drop(drop: Mapping[int, Stage | str] | None, ids: set[int]) -> dict[i
     return out
 
 
+STREAM_CHUNK_BYTES = 4 << 20
+"""The chunk size (bytes of masked vector) ``simulate`` streams masked inputs in."""
+
+
+def _stream(server: Server, cid: int, stream: MaskedStream, aborts: dict[int, str],
+            chunk_bytes: int) -> int:
+    """Client ``cid``'s masked input, chunk by chunk through the wire codec into the
+    server (its upload slot granted first, released when it completes); the bytes sent."""
+    server.grant_uploads([cid])
+    sent = 0
+    elements = max(1, chunk_bytes * stream.dim // max(1, stream.nbytes))
+    for chunk in stream.chunks(elements):
+        data = encode(chunk)
+        sent += len(data)
+        try:
+            server.receive(cid, data)
+        except ProtocolAbort:
+            raise
+        except ProtocolError as exc:
+            aborts.setdefault(cid, str(exc))
+            break
+    return sent
+
+
 def simulate(config: Config, inputs: Mapping[int, object],
              drop: Mapping[int, Stage | str] | None = None, seed: int | None = None, *,
-             context: bytes | None = None) -> SimulationResult:
+             context: bytes | None = None, chunk_bytes: int = STREAM_CHUNK_BYTES
+             ) -> SimulationResult:
     """Run one round. ``drop={id: stage}``: that client sends nothing from ``stage`` on.
 
     Raises ``ProtocolAbort`` when too few clients survive, ``ValueError`` for bad inputs.
     ``seed`` makes the session context reproducible; keys and masks always come from the
-    operating system's CSPRNG.
+    operating system's CSPRNG. Masked inputs stream into the server in chunks of
+    ``chunk_bytes`` (docs/protocol.md 6.3), one client at a time.
     """
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes!r}: use a positive number of bytes")
     if not isinstance(config, Config):
         raise TypeError("config must be a secagg.Config")
     if not isinstance(inputs, Mapping):
@@ -139,9 +169,14 @@ def simulate(config: Config, inputs: Mapping[int, object],
                 if stops(cid, stage):
                     continue
                 try:
-                    replies[cid] = encode(clients[cid].handle(data))
+                    reply = clients[cid].stream(data)
                 except ProtocolAbort as exc:
                     aborts[cid] = str(exc)
+                    continue
+                if isinstance(reply, MaskedStream):
+                    sent[cid][stage.label] = _stream(server, cid, reply, aborts, chunk_bytes)
+                else:
+                    replies[cid] = encode(reply)
         for cid, data in replies.items():
             sent[cid][stage.label] = len(data)
             try:

@@ -97,8 +97,7 @@ def payload_digest(message: ShareKeys | MaskedInput | UnmaskingShares) -> bytes:
             h.update(struct.pack(">I", recipient))
             h.update(ciphertext)
     elif isinstance(message, MaskedInput):
-        h.update(struct.pack(">BQ", message.bits, message.dim))
-        h.update(message.peers_digest)
+        h = masked_input_hash(message.bits, message.dim, message.peers_digest)
         h.update(message.masked)
     else:
         h.update(b"s" + struct.pack(">I", len(message.self_mask_shares)))
@@ -110,6 +109,16 @@ def payload_digest(message: ShareKeys | MaskedInput | UnmaskingShares) -> bytes:
             h.update(struct.pack(">I", owner))
             h.update(share)
     return h.digest()
+
+
+def masked_input_hash(bits: int, dim: int, peers_digest: bytes) -> hashlib._Hash:
+    """The running SHA-256 of a masked input before its vector: a streamed input updates
+    it with every chunk in order, so the digest of the stream is the digest of the whole
+    ``MaskedInput`` (one signature, whatever the chunking; docs/protocol.md 5.7)."""
+    h = hashlib.sha256()
+    h.update(struct.pack(">BQ", bits, dim))
+    h.update(peers_digest)
+    return h
 
 
 def client_message_transcript(message: ShareKeys | MaskedInput | UnmaskingShares,

@@ -133,19 +133,21 @@ def balance(jobs: list[MaskJob], parts: int) -> list[list[MaskJob]]:
     return [b for b in batches if b]
 
 
-def mask_correction(header: tuple[bytes, bytes, int, int, dict[int, bytes]],
-                    jobs: list[MaskJob]) -> np.ndarray:
-    """The masks that the survivors' masked inputs still carry, for a batch of jobs:
-    ``("self", u, b_u, ())`` adds PRG(b_u); ``("pair", u, sk_u, ((v, pk_v), ...))`` adds
-    what each survivor v added for its pair with dropped u. Top-level so a process pool
-    can run it."""
-    session_id, shape_tag, dim, bits, dropped_keys = header
-    masker = Masker(dim, bits)
-    correction = np.zeros(dim, dtype=masker.dtype)
+MaskKeys = list[tuple[bytes, bool]]
+
+
+def derive_mask_keys(header: tuple[bytes, bytes, int, int, dict[int, bytes]],
+                     jobs: list[MaskJob]) -> MaskKeys:
+    """The AES keys of the masks that the survivors' masked inputs still carry, for a batch
+    of jobs, each with its sign (True: the sum carries +mask): ``("self", u, b_u, ())``
+    gives PRG(b_u); ``("pair", u, sk_u, ((v, pk_v), ...))`` what each survivor v added for
+    its pair with dropped u. Top-level so a process pool can run it."""
+    session_id, shape_tag, _, _, dropped_keys = header
+    keys: MaskKeys = []
     loaded: dict[bytes, X25519PublicKey] = {}  # one key object per survivor, not per pair
     for kind, owner, secret, peers in jobs:
         if kind == "self":
-            masker.add(correction, self_mask_key(secret, session_id, owner, shape_tag))
+            keys.append((self_mask_key(secret, session_id, owner, shape_tag), True))
             continue
         pair = KeyPair.from_private_bytes(secret)
         owner_pk = dropped_keys[owner]
@@ -156,8 +158,22 @@ def mask_correction(header: tuple[bytes, bytes, int, int, dict[int, bytes]],
             key = pairwise_mask_key(pair.exchange(peer), session_id, survivor, owner,
                                     survivor_pk, owner_pk, shape_tag)
             # the survivor added +mask if survivor < dropped, else -mask
-            if survivor < owner:
-                masker.add(correction, key)
-            else:
-                masker.subtract(correction, key)
+            keys.append((key, survivor < owner))
+    return keys
+
+
+def apply_masks(keys: MaskKeys, bits: int, start: int, count: int,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """The sum of the masks ``keys`` over elements [start, start + count) of the vector
+    (AES-CTR seeks to the window): what the server subtracts there. With ``out`` (that
+    window of the sum) the masks are subtracted from it in place instead. Top-level so a
+    process pool can run it."""
+    masker = Masker(count, bits)
+    if out is not None:
+        for key, added in keys:
+            (masker.subtract if added else masker.add)(out, key, start)
+        return out
+    correction = np.zeros(count, dtype=masker.dtype)
+    for key, added in keys:
+        (masker.add if added else masker.subtract)(correction, key, start)
     return correction

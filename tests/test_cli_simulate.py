@@ -93,7 +93,7 @@ def test_inputs_output_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert set(report["dropped"].values()) == {"share_keys"}
     assert set(report["included"]) == set(ids) - {int(c) for c in report["dropped"]}
     total = np.load(out)
-    assert total.dtype == np.uint64
+    assert total.dtype == np.uint32  # the natural width of a 32-bit sum
     assert np.array_equal(total, plaintext_sum(inputs, report["included"], 32))
     stdout = capsys.readouterr().out
     assert "correct: yes" in stdout and "included 6/8" in stdout
@@ -110,10 +110,33 @@ def test_random_inputs_malicious_with_sigkill(tmp_path: Path) -> None:
     assert report["correct"] is True
     assert len(report["killed"]) == 2
     assert all(report["client_status"][str(c)] == "killed" for c in report["killed"])
-    # the documented input generator: uint64 below 2**bits from (seed, id)
-    inputs = {c: np.random.default_rng([11, c]).integers(0, 1 << 20, 40, dtype=np.uint64)
+    # the documented input generator: below 2**bits from (seed, id), in the natural width
+    inputs = {c: np.random.default_rng([11, c]).integers(0, 1 << 20, 40, dtype=np.uint32)
               for c in range(1, 10)}
     assert np.array_equal(np.load(out), plaintext_sum(inputs, report["included"], 20))
+
+
+def test_streamed_inputs_and_one_line_reasons(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """secagg simulate streams masked inputs through the drivers (chunks counted by the
+    server), and a site that leaves is named in the summary with its reason, in one line,
+    and in the report's ``reasons``."""
+    rep = tmp_path / "r.json"
+    rc = cli("--clients", "6", "--dim", "3000", "--drop-rate", "0.2", "--drop-stage",
+             "masked-input", "--seed", "4", "--report", str(rep))
+    assert rc == 0
+    report = json.loads(rep.read_text())
+    assert report["correct"] is True
+    left = sorted(report["dropped"])
+    assert left and set(report["reasons"]) == set(left)
+    out = capsys.readouterr().out
+    for cid in left:  # while streaming (it held an upload slot) or before its grant
+        line = f"client {cid} not included: it left"
+        assert line in out and report["reasons"][cid].startswith("it left")
+    assert report["transport"]["masked_input_chunks"] >= 6 - len(left)  # streamed
+    # natural width on the wire: 3000 x 4 bytes plus headers, not 8 bytes per element
+    sizes = [b["masked_input"] for c, b in report["bytes"].items() if c not in left]
+    assert all(12_000 <= n < 13_000 for n in sizes)
 
 
 @pytest.mark.parametrize(("argv", "hint"), [

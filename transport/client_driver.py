@@ -6,16 +6,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from secagg import DecodeError, ProtocolAbort, ProtocolError, Stage, decode, encode
-from secagg.client import Client
+from secagg.client import Client, MaskedStream
+from secagg.messages import MaskedChunk, MaskedInput, split_masked_input
 
 from .control import (
     MAX_CONTROL_BYTES,
+    UPLOAD_RECEIPT,
     ClientAbort,
     ControlError,
+    Grant,
     Offline,
     Receipt,
     RoundAbort,
@@ -120,6 +123,13 @@ class ClientDriver:
         self._progress_at = 0.0
         self._started = False
         self._server_lost_at: float | None = None
+        # the streamed masked input (docs/deployment.md, flow control): what to send, the
+        # server's grant, the chunks not yet produced and those sent but unconfirmed
+        self._upload: MaskedStream | MaskedInput | None = None
+        self._grant: Grant | None = None
+        self._chunks: Iterator[MaskedChunk] | None = None
+        self._inflight: dict[bytes, bytes] = {}  # digest -> wire bytes, in sending order
+        self._produced = False  # the last chunk is out (or the stream cannot go on)
 
     @property
     def client_id(self) -> int:
@@ -158,11 +168,13 @@ class ClientDriver:
                 if now - self._progress_at >= self.timeouts.give_up:
                     self._finish("timeout", f"no progress for {self.timeouts.give_up} s")
                     return
-                wait = self.timeouts.retry if not self._confirmed else self.timeouts.answer
+                unconfirmed = bool(self._inflight) or not self._confirmed
+                wait = self.timeouts.retry if unconfirmed else self.timeouts.answer
                 wake = min(self._sent_at + wait, self._progress_at + self.timeouts.give_up)
                 if lost is not None:
                     wake = min(wake, lost + self.timeouts.answer)
-                if self._current is not None and now >= self._sent_at + wait:
+                sent = self._current is not None or bool(self._inflight)
+                if sent and now >= self._sent_at + wait:
                     await self._republish("no receipt" if not self._confirmed
                                           else "no answer")
                     continue
@@ -171,7 +183,7 @@ class ClientDriver:
                 continue
             if isinstance(event, Reconnected):
                 self._server_lost_at = None
-                if self._current is not None:
+                if self._current is not None or self._inflight:
                     await self._republish("reconnected")
                 continue
             await self._on_delivery(event, loop)
@@ -214,7 +226,9 @@ class ClientDriver:
         if kind == "control":
             await self._on_control(control, loop)
         elif kind == RECEIPT and isinstance(control, Receipt):
-            self._on_receipt(control, loop)
+            await self._on_receipt(control, loop)
+        elif kind == RECEIPT and isinstance(control, Grant):
+            await self._on_grant(control, loop)
         else:
             logger.warning("client %d: unexpected %s payload dropped", cid, kind)
 
@@ -251,18 +265,71 @@ class ClientDriver:
         elif isinstance(control, RoundAbort) and control.session_id == session:
             self._finish("round-aborted", control.reason)
 
-    def _on_receipt(self, receipt: Receipt, loop: asyncio.AbstractEventLoop) -> None:
-        if self._current is None or receipt.digest != self._current[2]:
+    async def _on_receipt(self, receipt: Receipt, loop: asyncio.AbstractEventLoop) -> None:
+        chunk = self._inflight.pop(receipt.digest, None)
+        whole_upload = (receipt.digest == UPLOAD_RECEIPT and not receipt.ok
+                        and self._upload is not None)
+        if chunk is None and not whole_upload and (
+                self._current is None or receipt.digest != self._current[2]):
             return  # a receipt for something this client did not send (garbage, replays)
         if receipt.ok:
-            self._confirmed = True
             self._progress_at = loop.time()
-            if self.client.done:
-                self._finish("done")
+            if self._current is not None and receipt.digest == self._current[2]:
+                self._confirmed = True
+                if self.client.done:
+                    self._finish("done")
+            await self._pump_upload(loop)
         else:
+            label = (self._current[0] if self._current is not None
+                     else Stage.MASKED_INPUT).label
             logger.warning("client %d: the server rejected its %s message: %s",
-                           self.client_id, self._current[0].label, receipt.reason)
+                           self.client_id, label, receipt.reason)
             self._finish("excluded", receipt.reason)
+
+    async def _on_grant(self, grant: Grant, loop: asyncio.AbstractEventLoop) -> None:
+        if grant.session_id != self.client.session_id:
+            logger.warning("client %d: upload grant of another session dropped", self.client_id)
+            return
+        if self._grant is not None:
+            return  # a re-sent grant: the stream goes on where it is
+        self._grant = grant
+        self._progress_at = loop.time()
+        await self._pump_upload(loop)
+
+    async def _pump_upload(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Produce and publish chunks of the masked input while the grant's window has
+        room: the client masks one chunk at a time (``MaskedStream``) and waits for the
+        server's receipts, so a slow server slows it instead of losing chunks."""
+        grant, upload = self._grant, self._upload
+        if grant is None or upload is None or self.outcome.status != "running":
+            return
+        if self._produced:
+            return
+        if self._chunks is None:
+            self._chunks = (upload.chunks(grant.chunk_elements)
+                            if isinstance(upload, MaskedStream)
+                            else split_masked_input(upload, grant.chunk_elements))
+        label = Stage.MASKED_INPUT.label
+        while len(self._inflight) < grant.window and not self._produced:
+            try:
+                async with _compute_turn():
+                    chunk = next(self._chunks)
+            except StopIteration:
+                self._produced = True
+                break
+            except ProtocolError as exc:  # the client aborted or finished meanwhile
+                logger.warning("client %d: %s", self.client_id, exc)
+                self._produced = True
+                break
+            raw = encode(chunk)
+            digest = message_id(raw)
+            self._inflight[digest] = raw
+            self.outcome.bytes_sent[label] = self.outcome.bytes_sent.get(label, 0) + len(raw)
+            if chunk.last:
+                self._current = (Stage.MASKED_INPUT, raw, digest)
+                self._confirmed = False
+                self._produced = True
+            await self._publish_raw(raw, digest)
 
     async def _on_server_message(self, digest: bytes, raw: bytes,
                                  loop: asyncio.AbstractEventLoop) -> None:
@@ -285,7 +352,7 @@ class ClientDriver:
             return
         try:
             async with _compute_turn():
-                reply = self.client.handle(raw)
+                reply = self.client.stream(raw)
         except ProtocolAbort as exc:
             logger.error("%s", exc)
             self._finish("aborted", str(exc))
@@ -298,7 +365,26 @@ class ClientDriver:
         self._handled[digest] = len(self._handled)
         self._last_handled = digest
         self._progress_at = loop.time()
-        await self._send(reply)
+        if isinstance(reply, (MaskedStream, MaskedInput)):
+            await self._start_upload(reply, loop)
+        else:
+            await self._send(reply)
+
+    async def _start_upload(self, upload: MaskedStream | MaskedInput,
+                            loop: asyncio.AbstractEventLoop) -> None:
+        """The masked input streams once the server grants this client a slot."""
+        stage = Stage.MASKED_INPUT
+        if self.drop_at is not None and stage >= self.drop_at:
+            await self._drop(stage)
+            return
+        if self._upload is not None:
+            return  # the same Ciphertexts again: the stream is under way
+        self._upload = upload
+        # _current stays the previous message until the last chunk is out: re-published
+        # (no answer, or a reconnect) it makes the server send its answer and the grant
+        # again, so a grant lost on the way is not waited for until give_up
+        self.outcome.stage = stage.label
+        await self._pump_upload(loop)
 
     async def _send(self, message: object) -> None:
         stage: Stage = message.stage  # type: ignore[attr-defined]
@@ -314,13 +400,24 @@ class ClientDriver:
 
     async def _publish(self) -> None:
         assert self._current is not None
-        stage, raw, _ = self._current
+        stage, raw, digest = self._current
+        await self._publish_raw(raw, digest, stage)
+
+    async def _publish_raw(self, raw: bytes, digest: bytes,
+                           stage: Stage = Stage.MASKED_INPUT) -> None:
         self._sent_at = asyncio.get_running_loop().time()
         self.outcome.wire_bytes += await publish_framed(
             self.link, self.topics.stage_upstream(self.client_id, stage), raw,
-            self.max_payload)
+            self.max_payload, digest=digest)
 
     async def _republish(self, why: str) -> None:
+        if self._inflight:  # the unconfirmed chunks of the masked input, in order
+            logger.info("client %d: re-publishing %d unconfirmed chunks of its masked "
+                        "input (%s)", self.client_id, len(self._inflight), why)
+            self.outcome.republished += 1
+            for digest, raw in list(self._inflight.items()):
+                await self._publish_raw(raw, digest)
+            return
         assert self._current is not None
         logger.info("client %d: re-publishing its %s message (%s)", self.client_id,
                     self._current[0].label, why)

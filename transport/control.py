@@ -57,6 +57,22 @@ class Receipt:
     reason: str = ""
 
 
+UPLOAD_RECEIPT = bytes(32)
+"""The digest of a ``Receipt`` about a client's streamed masked input as a whole (its
+upload slot taken back), not about one message."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The server's upload slot for one client's streamed masked input (flow control,
+    docs/deployment.md): stream it now, in chunks of ``chunk_elements`` elements, with at
+    most ``window`` chunks unconfirmed (each chunk's ``Receipt`` frees one)."""
+
+    session_id: bytes
+    chunk_elements: int
+    window: int
+
+
 @dataclass(frozen=True)
 class Offline:
     """A site's last will (``final=False``: the broker may publish it merely because it is
@@ -73,7 +89,7 @@ class ClientAbort:
     reason: str
 
 
-Control = RoundStart | RoundEnd | RoundAbort | Receipt | Offline | ClientAbort
+Control = RoundStart | RoundEnd | RoundAbort | Receipt | Grant | Offline | ClientAbort
 
 
 def config_fields(config: Config) -> dict[str, Any]:
@@ -97,6 +113,9 @@ def encode_control(message: Control) -> bytes:
     elif isinstance(message, Receipt):
         body = {"t": "receipt", "digest": message.digest, "ok": message.ok,
                 "reason": message.reason}
+    elif isinstance(message, Grant):
+        body = {"t": "grant", "session": message.session_id,
+                "chunk": message.chunk_elements, "window": message.window}
     elif isinstance(message, Offline):
         body = {"t": "offline", "reason": message.reason, "final": message.final}
     else:
@@ -146,6 +165,13 @@ def decode_control(data: bytes) -> Control:
         if not isinstance(ok, bool):
             raise ControlError("control field 'ok' must be true or false")
         return Receipt(digest, ok, str(body.get("reason", "")))
+    if kind == "grant":
+        chunk = fields.integer(body, "chunk", 1, 1 << 40, error=ControlError,
+                               what="control field")
+        window = fields.integer(body, "window", 1, 1024, error=ControlError,
+                                what="control field")
+        return Grant(fields.raw(body, "session", error=ControlError, what="control field"),
+                     chunk, window)
     if kind == "offline":
         return Offline(str(body.get("reason", "")), body.get("final") is not False)
     if kind == "client-abort":

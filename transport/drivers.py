@@ -25,6 +25,7 @@ the sides are :mod:`transport.server_driver` (``ServerDriver``) and
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -42,6 +43,15 @@ from .framing import (
 from .link import Link, Will
 from .topics import Topics
 
+DEFAULT_CHUNK_BYTES = 4 << 20
+"""Bytes of masked vector per streamed chunk (``MaskedChunk``): the window a client masks
+and the server reassembles at a time."""
+DEFAULT_UPLOAD_WINDOW = 4
+"""Chunks a granted client may have unconfirmed (each chunk's receipt frees one)."""
+PUBLISH_AHEAD = 16
+"""Frames of one message ``publish_framed`` has in flight at once (below paho's default
+of 20 unacknowledged QoS 1 messages per connection)."""
+
 
 @dataclass(frozen=True)
 class Timeouts:
@@ -50,7 +60,9 @@ class Timeouts:
     message without receipt; ``answer``: re-publish a confirmed message when the next one does
     not come; ``give_up``: a client abandons the round after this long without progress;
     ``resend_interval``: the server re-sends an answer to one client at most this often;
-    ``will_grace``: how long a last will must stand before the server stops waiting."""
+    ``will_grace``: how long a last will must stand before the server stops waiting;
+    ``upload_idle``: the server takes back the upload slot of a sender whose streamed
+    masked input brought no chunk for this long (docs/deployment.md, flow control)."""
 
     stage: float = 60.0
     per_stage: Mapping[str, float] = field(default_factory=dict)
@@ -60,24 +72,34 @@ class Timeouts:
     give_up: float = 300.0
     resend_interval: float = 1.0
     will_grace: float = 0.5
+    upload_idle: float = 60.0
 
     def deadline(self, stage: Stage) -> float:
         return float(self.per_stage.get(stage.label, self.stage))
 
 
 async def publish_framed(link: Link, topic: str, message: bytes, max_payload: int, *,
-                         retain: bool = False) -> int:
+                         retain: bool = False, digest: bytes | None = None) -> int:
     """Publish ``message`` as frames; returns the bytes put on the wire (0 if the link
     refused any frame)."""
     # A retained message must be one frame (a topic retains one payload); control messages
     # are O(1) in size (no roster, no vectors), far below any broker's limit.
     frames = frame(message, max(max_payload, len(message) + HEADER_BYTES) if retain
-                   else max_payload)
+                   else max_payload, digest)
     sent = 0
-    for data in frames:
-        if not await link.publish(topic, data, retain=retain):
+    # up to PUBLISH_AHEAD frames in flight at once (issued in order; MQTT keeps the order
+    # of one connection): a chunked message waits for one round of PUBACKs per group, not
+    # one per frame (5 x 10^8 elements at 256 KiB frames: 7,600 round trips otherwise)
+    for start in range(0, len(frames), PUBLISH_AHEAD):
+        group = frames[start:start + PUBLISH_AHEAD]
+        if len(group) == 1:
+            done = [await link.publish(topic, group[0], retain=retain)]
+        else:
+            done = await asyncio.gather(*(link.publish(topic, data, retain=retain)
+                                          for data in group))
+        if not all(done):
             return 0
-        sent += len(data)
+        sent += sum(len(data) for data in group)
     return sent
 
 

@@ -17,11 +17,17 @@ from typing import Any
 
 from secagg import Config, Stage
 from secagg.client import Client, check_input
-from secagg.server import AggregateResult, Server
+from secagg.server import DEFAULT_UPLOAD_BUDGET, AggregateResult, Server
 from secagg.simulate import LocalRound
 
 from .client_driver import ClientDriver, ClientOutcome, DropHook
-from .drivers import StageProgress, Timeouts, client_will, server_will
+from .drivers import (
+    DEFAULT_CHUNK_BYTES,
+    StageProgress,
+    Timeouts,
+    client_will,
+    server_will,
+)
 from .errors import TransportError
 from .framing import DEFAULT_MAX_PAYLOAD
 from .link import LinkLost, Network
@@ -49,6 +55,9 @@ class RoundReport:
     invalid_payloads: int = 0
     rejected: int = 0
     resends: int = 0
+    chunks: int = 0  # masked-input chunks the server accepted (the streaming path)
+    reassembly_peak: int = 0  # the most bytes the server's reassembly held
+    reassembly_bound: int = 0  # what round_reassembler allows it (every sender's quota)
 
     @property
     def total(self) -> object:
@@ -85,12 +94,14 @@ async def serve_server(network: Network, server: Server, topics: Topics, *,
                        on_stage: Callable[[StageProgress], None] | None = None,
                        ready: asyncio.Event | None = None,
                        start: asyncio.Event | None = None,
-                       on_message: Callable[[int, Stage], None] | None = None
+                       on_message: Callable[[int, Stage], None] | None = None,
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES
                        ) -> ServerDriver:
     """Connect the aggregator (as ``server``), then run the round once ``start`` is set.
 
     Returns the driver (its ``server.result`` holds the aggregate). Raises ``ProtocolAbort``
-    or ``TransportError``. ``on_message(client, stage)`` sees every accepted message.
+    or ``TransportError``. ``on_message(client, stage)`` sees every accepted message;
+    masked inputs stream in chunks of ``chunk_bytes`` (``ServerDriver``).
     """
     async with network.connect(SERVER_USER, will=server_will(server, topics)) as link:
         await link.subscribe(topics.server_filter)
@@ -100,7 +111,7 @@ async def serve_server(network: Network, server: Server, topics: Topics, *,
             await start.wait()
         driver = ServerDriver(server, link, topics, timeouts=timeouts,
                               max_payload=max_payload, on_stage=on_stage,
-                              on_message=on_message)
+                              on_message=on_message, chunk_bytes=chunk_bytes)
         await driver.run()
         return driver
 
@@ -111,10 +122,12 @@ async def run_round(network: Network, config: Config, inputs: Mapping[int, objec
                     timeouts: Timeouts | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
                     drop_mode: str = "leave",
                     on_stage: Callable[[StageProgress], None] | None = None,
-                    connect_timeout: float = 60.0) -> RoundReport:
+                    connect_timeout: float = 60.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                    upload_budget: int = DEFAULT_UPLOAD_BUDGET) -> RoundReport:
     """Run one round with every party on this loop; ``drop={id: stage}`` as in
     ``secagg.simulate``. Raises ``ProtocolAbort`` when the round cannot finish and
-    ``TransportError`` when the bus fails."""
+    ``TransportError`` when the bus fails. Masked inputs stream in chunks of
+    ``chunk_bytes``, ``upload_budget // vector bytes`` senders at a time (``Server``)."""
     if len(inputs) != config.num_clients:
         raise ValueError(f"inputs has {len(inputs)} clients but num_clients="
                          f"{config.num_clients}; give one vector per client")
@@ -125,13 +138,13 @@ async def run_round(network: Network, config: Config, inputs: Mapping[int, objec
     if unknown:
         raise ValueError(f"drop names clients {unknown[:10]} that have no input")
     topics = Topics(round_name or new_round_name())
-    parties = LocalRound.new(config, checked, context)
+    parties = LocalRound.new(config, checked, context, upload_budget=upload_budget)
     server = parties.server
     clients = [parties.client(cid, checked[cid]) for cid in parties.roster]
     server_ready, start = asyncio.Event(), asyncio.Event()
     server_task = asyncio.create_task(serve_server(
         network, server, topics, timeouts=timeouts, max_payload=max_payload,
-        on_stage=on_stage, ready=server_ready, start=start))
+        on_stage=on_stage, ready=server_ready, start=start, chunk_bytes=chunk_bytes))
     ready: set[int] = set()
     all_ready = asyncio.Event()
 
@@ -186,4 +199,6 @@ async def run_round(network: Network, config: Config, inputs: Mapping[int, objec
                        bytes_received=driver.bytes_received, gone=dict(driver.gone),
                        client_aborts=dict(driver.client_aborts),
                        invalid_payloads=driver.invalid_payloads, rejected=driver.rejected,
-                       resends=driver.resends)
+                       resends=driver.resends, chunks=driver.chunks,
+                       reassembly_peak=driver.reassembly_peak,
+                       reassembly_bound=driver.reassembly_bound)

@@ -57,6 +57,10 @@ class SimulationRun:
     rejected: int = 0
     resends: int = 0
     gone: dict[int, str] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)
+    """One line per site whose message the round did not accept, saying why (the server's
+    rejection, or the site's own outcome)."""
+    chunks: int = 0  # masked-input chunks the server accepted (the streaming path)
 
 
 @dataclass(frozen=True)
@@ -165,8 +169,24 @@ async def run_simulation(spec: SimulationSpec,
             finally:
                 await stop_task(server_task)
     run.result = server.result
+    run.reasons = _reasons(server.rejected, run.outcomes, run.gone)
     seconds["wall"] = time.perf_counter() - wall
     return run
+
+
+def _reasons(rejected: Any, outcomes: Mapping[int, Mapping[str, Any]],
+             gone: Mapping[int, str]) -> dict[int, str]:
+    """Why each site's message was not accepted, one line each: the server's last
+    rejection of it, else the site's own reason (excluded, timed out, aborted), else that
+    it left (its sign-off or last will)."""
+    out: dict[int, str] = {cid: f"it left the round ({why})" for cid, why in gone.items()}
+    for cid, outcome in outcomes.items():
+        reason = str(outcome.get("reason") or "")
+        if reason and outcome.get("status") not in ("done", "dropped", "killed"):
+            out[cid] = f"{outcome.get('status')}: {reason}"
+    for cid, reason in rejected:
+        out[cid] = str(reason)
+    return {cid: " ".join(text.split()) for cid, text in out.items()}
 
 
 def _copy_stats(run: SimulationRun, driver: Any) -> None:
@@ -174,6 +194,7 @@ def _copy_stats(run: SimulationRun, driver: Any) -> None:
     run.rejected = driver.rejected
     run.resends = driver.resends
     run.gone = dict(driver.gone)
+    run.chunks = driver.chunks
 
 
 async def _wait_ready(workers: Workers, server_task: asyncio.Task[Any],

@@ -9,12 +9,15 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from secagg import ProtocolAbort, ProtocolError, Stage, encode, round_stages
+from secagg.crypto import dtype_for_bits
 from secagg.server import AggregateResult, Server
 
 from .control import (
     MAX_CONTROL_BYTES,
+    UPLOAD_RECEIPT,
     ClientAbort,
     ControlError,
+    Grant,
     Offline,
     Receipt,
     RoundAbort,
@@ -24,7 +27,13 @@ from .control import (
     decode_control,
     encode_control,
 )
-from .drivers import StageProgress, Timeouts, publish_framed
+from .drivers import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_UPLOAD_WINDOW,
+    StageProgress,
+    Timeouts,
+    publish_framed,
+)
 from .errors import TransportError
 from .framing import (
     DEFAULT_MAX_PAYLOAD,
@@ -50,7 +59,11 @@ class ServerDriver:
     def __init__(self, server: Server, link: Link, topics: Topics, *,
                  timeouts: Timeouts | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  on_stage: Callable[[StageProgress], None] | None = None,
-                 on_message: Callable[[int, Stage], None] | None = None) -> None:
+                 on_message: Callable[[int, Stage], None] | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 window: int = DEFAULT_UPLOAD_WINDOW) -> None:
+        if chunk_bytes < 1 or not 1 <= window <= 1024:
+            raise ValueError("chunk_bytes must be positive and window in 1..1024")
         self.server = server
         self.link = link
         self.topics = topics
@@ -66,8 +79,17 @@ class ServerDriver:
         self.invalid_payloads = 0
         self.rejected = 0
         self.resends = 0
-        self._reassembler = round_reassembler(server.max_message_bytes() + 4096,
-                                              len(server.roster), max_payload)
+        config = server.config
+        width = dtype_for_bits(config.bits).itemsize
+        self.chunk_elements = max(1, min(config.dim, chunk_bytes // width))
+        self.window = window
+        self.chunks = 0  # masked-input chunks accepted (the streaming path, its test)
+        largest = (server.max_message_bytes() - config.dim * width
+                   + self.chunk_elements * width)
+        self._reassembler = round_reassembler(largest + 4096, len(server.roster), max_payload)
+        self.reassembly_bound = self._reassembler.max_buffered_bytes
+        self._upload_seen: dict[int, float] = {}  # uploading client -> its last chunk
+        self.reassembly_peak = 0  # the most bytes the reassembly ever held (its bound)
         self._outbox: dict[int, tuple[Stage, bytes]] = {}
         self._answered: dict[int, bytes] = {}  # client -> digest its outbox message answers
         self._accepted: dict[int, bytes] = {}  # this stage: client -> digest accepted
@@ -117,12 +139,52 @@ class ServerDriver:
                 del self._wills[cid]
                 logger.info("server: client %d is gone (last will)", cid)
                 self.gone[cid] = "offline"
+        self._reclaim_uploads(now)
         return self.server.pending - set(self.gone)
 
     def _next_wake(self, deadline: float) -> float:
+        if self._upload_seen:
+            deadline = min(deadline, min(self._upload_seen.values())
+                           + self.timeouts.upload_idle)
         if not self._wills:
             return deadline
         return min(deadline, min(self._wills.values()) + self.timeouts.will_grace)
+
+    # -- flow control of streamed masked inputs ------------------------------------------
+
+    def _grant_uploads(self) -> None:
+        """Give free upload slots to clients still expected and not gone."""
+        server = self.server
+        now = asyncio.get_running_loop().time()
+        for cid in server.grant_uploads(server.pending - set(self.gone)):
+            self._upload_seen[cid] = now
+            self._spawn(self._send_grant(cid))
+
+    async def _send_grant(self, cid: int) -> None:
+        grant = Grant(self.server.session_id, self.chunk_elements, self.window)
+        await publish_framed(self.link, self.topics.downstream(cid, RECEIPT),
+                             encode_control(grant), self.max_payload)
+
+    def _reclaim_uploads(self, now: float) -> None:
+        """Take back the slots of senders that are gone or sent nothing for
+        ``timeouts.upload_idle`` seconds, and grant them to the next clients."""
+        uploading = self.server.uploading
+        for cid in list(self._upload_seen):
+            if cid not in uploading:
+                del self._upload_seen[cid]
+                continue
+            if cid in self.gone:
+                reason = f"it left while streaming its masked input ({self.gone[cid]})"
+            elif now - self._upload_seen[cid] >= self.timeouts.upload_idle:
+                reason = (f"its upload slot was taken back: no chunk of its masked input "
+                          f"for {self.timeouts.upload_idle:g} s")
+            else:
+                continue
+            del self._upload_seen[cid]
+            self.server.cancel_upload(cid, reason)
+            logger.warning("server: client %d dropped at masked_input: %s", cid, reason)
+            self._spawn(self._receipt(cid, Receipt(UPLOAD_RECEIPT, False, reason)))
+        self._grant_uploads()
 
     async def _run_stage(self) -> None:
         loop = asyncio.get_running_loop()
@@ -155,6 +217,8 @@ class ServerDriver:
         encoded = {cid: (self.server.stage, encode(msg)) for cid, msg in out.items()}
         self._outbox = encoded
         await asyncio.gather(*(self._send(cid) for cid in encoded))
+        self._upload_seen.clear()
+        self._grant_uploads()
         seconds = loop.time() - opened
         self.seconds[stage.label] = seconds
         gone = sum(1 for cid in self.gone if cid in self.server.dropped)
@@ -209,6 +273,8 @@ class ServerDriver:
         for cid in self.server.pending:
             if cid in self._outbox:
                 self._spawn(self._send(cid))
+            if cid in self.server.uploading:
+                self._spawn(self._send_grant(cid))
 
     def _on_delivery(self, event: Delivery) -> None:
         parsed = self.topics.parse_upstream(event.topic)
@@ -230,6 +296,8 @@ class ServerDriver:
         try:
             message = self._reassembler.feed((cid, kind), event.payload, now, limit,
                                              quota=cid)
+            self.reassembly_peak = max(self.reassembly_peak,
+                                       self._reassembler.charged_bytes)
         except FrameError as exc:
             self.invalid_payloads += 1
             logger.warning("server: invalid payload from client %d on %s dropped: %s", cid,
@@ -277,12 +345,15 @@ class ServerDriver:
                 logger.info("server: client %d re-sent its %s message; answering again", cid,
                             self._outbox[cid][0].label)
                 self._spawn(self._send(cid))
+                if cid in self.server.uploading:
+                    self._spawn(self._send_grant(cid))
             return
         if (cid, digest) in self._seen:
             # A duplicate of an accepted message (also after the round finished): confirm.
             self._spawn(self._receipt(cid, Receipt(digest, True)))
             return
         stage = self.server.stage
+        uploading = cid in self.server.uploading
         try:
             self.server.receive(cid, payload)
         except ProtocolError as exc:
@@ -290,15 +361,21 @@ class ServerDriver:
             logger.warning("server: %s", exc)
             self._spawn(self._receipt(cid, Receipt(digest, False, str(exc))))
             return
-        self._accepted.setdefault(cid, digest)
+        self._accepted[cid] = digest  # of a stream: its latest chunk
         self._seen.add((cid, digest))
         self.gone.pop(cid, None)
         self._wills.pop(cid, None)
         counts = self.bytes_received.setdefault(cid, {})
-        counts.setdefault(stage.label, len(payload))
-        if self.on_message is not None:
+        counts[stage.label] = counts.get(stage.label, 0) + len(payload)
+        if uploading:
+            self.chunks += 1
+            self._upload_seen[cid] = asyncio.get_running_loop().time()
+        complete = cid in self.server.received
+        if complete and self.on_message is not None:
             self.on_message(cid, stage)
         self._spawn(self._receipt(cid, Receipt(digest, True)))
+        if complete and uploading:
+            self._grant_uploads()  # its slot is free
 
     async def _receipt(self, cid: int, receipt: Receipt) -> None:
         await publish_framed(self.link, self.topics.downstream(cid, RECEIPT),

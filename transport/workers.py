@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from secagg import Config, SigningKey, Stage
 from secagg.client import Client, check_input
+from secagg.crypto import dtype_for_bits
 
 from .client_driver import ClientDriver
 from .drivers import Timeouts
@@ -56,7 +57,8 @@ STOP_GRACE = 0.5
 @dataclass(frozen=True)
 class InputSource:
     """Where each site's input vector comes from: ``<directory>/<id>.npy``, or random
-    uint64 values below 2**bits from ``seed`` (numpy: inputs are not secrets)."""
+    values below 2**bits from ``seed`` in the natural width (``dtype_for_bits``: uint32 for
+    bits <= 32; numpy: inputs are not secrets)."""
 
     directory: str | None = None
     seed: int = 0
@@ -68,9 +70,11 @@ class InputSource:
                 vector = np.load(path, allow_pickle=False)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"cannot read input {path}: {exc}") from None
-            return check_input(vector, config, str(path)).astype(np.uint64)
+            return check_input(vector, config, str(path))
         rng = np.random.default_rng([self.seed, client_id])
-        return rng.integers(0, 1 << config.bits, size=config.dim, dtype=np.uint64)
+        # the natural width: a 32-bit round holds 32-bit inputs, never 64-bit copies
+        return rng.integers(0, 1 << config.bits, size=config.dim,
+                            dtype=dtype_for_bits(config.bits), endpoint=False)
 
 
 def input_ids(directory: str) -> list[int]:

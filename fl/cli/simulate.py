@@ -23,13 +23,14 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
 from secagg import Config, Stage, round_stages
+from secagg.crypto import dtype_for_bits
 
 from ..errors import FLError
 from ._common import UsageError, nonnegative_int, positive_int
@@ -72,7 +73,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="the embedded broker (default), a local Mosquitto with a "
                              "generated config, or an existing broker's URL")
     parser.add_argument("--inputs", metavar="DIR",
-                        help="directory of <id>.npy uint64 vectors (ids are the file stems)")
+                        help="directory of <id>.npy unsigned vectors (ids are the file stems)")
     parser.add_argument("--output", metavar="SUM.npy", help="write the aggregate here")
     parser.add_argument("--report", metavar="REPORT.json", help="write a JSON report here")
     parser.add_argument("--seed", type=nonnegative_int, metavar="S",
@@ -381,10 +382,12 @@ def _run(args: argparse.Namespace) -> int:
     seed = secrets.randbelow(1 << 31) if args.seed is None else args.seed
     drops = drop_schedule(config, ids, args.drop_rate, args.drop_stage, seed)
     source = InputSource(directory=args.inputs, seed=seed)
-    try:
-        inputs = {cid: source.load(cid, config) for cid in ids}
-    except ValueError as exc:
-        raise UsageError(f"--inputs: {exc}") from None
+    if args.inputs is not None:  # checked now, one at a time: never n vectors held here
+        for cid in ids:
+            try:
+                source.load(cid, config)
+            except ValueError as exc:
+                raise UsageError(f"--inputs: {exc}") from None
     for path in (args.output, args.report):
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"{path}: its directory does not exist")
@@ -415,11 +418,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"secagg simulate: interrupted by {interrupted}; the broker and the worker "
               "processes are stopped and the temporary files removed", file=sys.stderr)
         return 128 + interrupted.signum
-    report = build_report(args, config, seed, drops, processes, inputs, outcome)
+    report = build_report(args, config, seed, drops, processes, ids, source, outcome)
     if args.report is not None:
         Path(args.report).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     if outcome.result is not None and args.output is not None:
-        np.save(args.output, outcome.result.total.astype(np.uint64))
+        np.save(args.output, outcome.result.total)
     print(json.dumps(report, indent=2) if args.json else summary(report))
     if outcome.error is not None:
         print(f"secagg simulate: round aborted: {outcome.error}", file=sys.stderr)
@@ -436,20 +439,31 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def plaintext_sum(source: Any, config: Config, included: Iterable[int]) -> np.ndarray:
+    """The sum of the included inputs mod 2**bits in the natural width, loading one input
+    at a time (the check holds two vectors, never n)."""
+    expected = np.empty(config.dim, dtype=dtype_for_bits(config.bits))
+    expected.fill(0)  # written at once: np.zeros' lazy pages fault twice on the adds
+    for cid in included:
+        np.add(expected, source.load(cid, config), out=expected)  # wraps mod 2**width
+    if config.bits < 8 * expected.dtype.itemsize:
+        np.bitwise_and(expected, expected.dtype.type((1 << config.bits) - 1), out=expected)
+    return expected
+
+
 def build_report(args: argparse.Namespace, config: Config, seed: int,
-                 drops: Mapping[int, Stage], processes: int,
-                 inputs: Mapping[int, np.ndarray], outcome: Any) -> dict[str, Any]:
+                 drops: Mapping[int, Stage], processes: int, ids: Iterable[int],
+                 source: Any, outcome: Any) -> dict[str, Any]:
     result = outcome.result
     included = sorted(result.included) if result is not None else []
     correct = False
     if result is not None:
-        expected = np.zeros(config.dim, dtype=np.uint64)
-        for cid in included:
-            np.add(expected, inputs[cid], out=expected)  # wraps mod 2**64
-        if config.bits < 64:
-            np.bitwise_and(expected, np.uint64((1 << config.bits) - 1), out=expected)
-        correct = bool(np.array_equal(expected, np.asarray(result.total, dtype=np.uint64)))
-    ids = sorted(inputs)
+        correct = bool(np.array_equal(plaintext_sum(source, config, included),
+                                      result.total))
+    ids = sorted(ids)
+    reasons = {str(cid): why for cid, why in sorted(outcome.reasons.items())
+               if cid not in result.included} if result is not None else {
+                   str(cid): why for cid, why in sorted(outcome.reasons.items())}
     bytes_sent = {str(cid): dict(outcome.outcomes.get(cid, {}).get("bytes_sent", {}))
                   for cid in ids}
     return {
@@ -478,7 +492,9 @@ def build_report(args: argparse.Namespace, config: Config, seed: int,
                       "rejected": outcome.rejected, "resends": outcome.resends,
                       "republished": sum(o.get("republished", 0)
                                          for o in outcome.outcomes.values()),
-                      "worker_errors": outcome.worker_errors},
+                      "worker_errors": outcome.worker_errors,
+                      "masked_input_chunks": outcome.chunks},
+        "reasons": reasons,
     }
 
 
@@ -495,6 +511,11 @@ def summary(report: Mapping[str, Any]) -> str:
         by_stage[stage] = by_stage.get(stage, 0) + 1
     dropped = ", ".join(f"{s} {k}" for s, k in by_stage.items()) or "none"
     lines.append(f"included {len(report['included'])}/{cfg['clients']}; dropped: {dropped}")
+    reasons = report.get("reasons", {})
+    for cid, why in list(reasons.items())[:10]:  # why an honest message was not accepted
+        lines.append(f"client {cid} not included: {why}")
+    if len(reasons) > 10:
+        lines.append(f"... and {len(reasons) - 10} more (--report has every reason)")
     lines.append(f"correct: {'yes' if report['correct'] else 'NO'} (aggregate vs the "
                  "plaintext sum of the included inputs)")
     seconds = report["seconds"]

@@ -19,6 +19,7 @@ from fl.remote.site import SiteOptions, SiteProcess
 from fl.settings import TrainSettings
 from transport.link import Will
 from transport.memory import MemoryNetwork
+from transport.server_driver import ServerDriver
 from transport.topics import acl_table
 
 pytestmark = pytest.mark.timeout(90)
@@ -56,9 +57,17 @@ async def _federation(settings: TrainSettings, network: MemoryNetwork,
     return report, codes
 
 
-def test_remote_roles_train_with_one_connection_per_party() -> None:
+def test_remote_roles_train_with_one_connection_per_party(monkeypatch: Any) -> None:
     settings = TrainSettings(sites=3, rounds=2, dataset="breast-cancer", seed=0)
     network = CountingNetwork()
+    drivers: list[ServerDriver] = []
+    real_init = ServerDriver.__init__
+
+    def recording_init(self: ServerDriver, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        drivers.append(self)
+
+    monkeypatch.setattr(ServerDriver, "__init__", recording_init)
     logs: list[str] = []
     options = {cid: SiteOptions(federation="fed", idle_timeout=30, insecure_verify=True)
                for cid in IDS}
@@ -72,6 +81,8 @@ def test_remote_roles_train_with_one_connection_per_party() -> None:
     # Feature scaling and two rounds, each one secagg session, over a single link per party.
     assert network.connections == {"server": 1, "site-1": 1, "site-2": 1, "site-3": 1}
     assert "took part in 3 aggregations" in text
+    # every masked input came through the streaming path: granted slots, chunks
+    assert len(drivers) == 3 and all(d.chunks >= 3 for d in drivers)
 
 
 def test_a_site_refuses_rounds_of_another_privacy_mode() -> None:

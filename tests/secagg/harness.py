@@ -24,6 +24,7 @@ import msgpack
 import numpy as np
 
 from secagg import Client, Config, ProtocolAbort, ProtocolError, Server, SigningKey
+from secagg.crypto import dtype_for_bits
 from secagg.messages import (
     MESSAGE_KINDS,
     AdvertiseKeys,
@@ -202,7 +203,7 @@ class Round:
 
     def assert_correct(self, result: AggregateResult | None = None) -> AggregateResult:
         result = result if result is not None else self.finish()
-        assert result.total.dtype == np.uint64
+        assert result.total.dtype == dtype_for_bits(self.config.bits)
         assert result.total.tolist() == self.expected(result.included)
         return result
 

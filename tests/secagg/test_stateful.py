@@ -286,7 +286,8 @@ class SecAggSchedules(RuleBasedStateMachine):
         result = self.rnd.server.result
         assert result is not None
         assert result.included == frozenset(self.accepted_masked)
-        assert result.total.dtype == np.uint64 and result.total.shape == (self.rnd.config.dim,)
+        assert result.total.dtype == dtype_for_bits(self.rnd.config.bits)
+        assert result.total.shape == (self.rnd.config.dim,)
         if self.tainted:
             return
         cfg = self.rnd.config

@@ -96,13 +96,13 @@ def test_clients_on_one_loop_compute_one_per_loop_iteration(monkeypatch) -> None
     inputs = {cid: rng.integers(0, 1 << 16, size=64, dtype=np.uint64)
               for cid in range(1, n + 1)}
     seen: list[int] = []
-    real_handle = Client.handle
+    real_stream = Client.stream  # what the client driver calls (masked inputs stream)
 
-    def handle(self: Client, raw: bytes) -> object:
+    def stream(self: Client, raw: bytes) -> object:
         seen.append(iterations)
-        return real_handle(self, raw)
+        return real_stream(self, raw)
 
-    monkeypatch.setattr(Client, "handle", handle)
+    monkeypatch.setattr(Client, "stream", stream)
     iterations = 0
 
     async def scenario() -> object:
