@@ -179,3 +179,27 @@ def test_secure_fedadam_equals_numpy_fedadam_over_the_plain_weighted_mean_and_av
     assert float(np.max(np.abs(x - np.arange(1, 10).reshape(3, 3)))) > 0.1  # it moved
     saved = np.load(next((tmp_path / "ws").rglob("server.npy")))
     np.testing.assert_allclose(saved, x, rtol=1e-6, atol=1e-6)
+
+
+def test_secagg_plus_on_a_sparse_graph_with_drops(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """SecAgg+ through NVFlare: seven sites, each masking with 4 of its 6 peers (neighbors=5
+    with itself); a site that fails after sharing its keys has its masks recovered from its
+    neighbours' shares, a site silent at unmasking stays in the sum; every total equals the
+    plaintext sum of the included sites' inputs."""
+    names = [f"site-{i}" for i in range(1, 8)]
+    server = SecureFedAvg(num_rounds=2, neighbors=5, stage_timeout=2.0, train_timeout=60,
+                          report_path=str(tmp_path / "reports.jsonl"))
+    reports = _run(tmp_path, monkeypatch, server, {n: {"modes": ["none"]} for n in names}, {
+        "site-2": {"0": ["masked_input", "fail"]},
+        "site-5": {"1": ["unmasking", "stall", 3]},
+    })
+    first, second = reports
+    for report in reports:
+        assert report["neighbors"] == 5 and report["threshold"] == 3
+        assert report["aborted"] is None
+        assert report["total"] == plain_sum(inputs(tmp_path / "record", report["server_round"],
+                                                   report["included"]), 64)
+    assert first["dropped"] == {"site-2": "masked_input"}
+    assert first["included"] == [n for n in names if n != "site-2"]
+    assert second["dropped"] == {"site-5": "unmasking"} and second["included"] == names
