@@ -88,8 +88,9 @@ class CpuMeter:
         return out
 
 
-def build_job(kind: str, dim: int, sites: int, rounds: int, work: Path, silent_run: bool) -> Any:
-    from bench_components import BenchExecutor, EncryptedNPModelPersistor
+def build_job(kind: str, dim: int, sites: int, rounds: int, work: Path, silent_run: bool,
+              interval: float = 0.0) -> Any:
+    from bench_components import BenchExecutor, EncryptedNPModelPersistor, TaskRequestInterval
     from nvflare.apis.dxo import DataKind
     from nvflare.app_common.np.np_model_persistor import NPModelPersistor
     from nvflare.app_common.workflows.fedavg import FedAvg
@@ -113,6 +114,8 @@ def build_job(kind: str, dim: int, sites: int, rounds: int, work: Path, silent_r
     script = str(HERE / "nvflare" / "bench_train.py")
     persistor = EncryptedNPModelPersistor if kind == "he" else NPModelPersistor
     job.to_server(persistor(source_ckpt_file_full_name=str(initial)), id="persistor")
+    if interval and kind != "secure":  # SecureFedAvg sets its own (0.1 s)
+        job.to_server(TaskRequestInterval(interval))
     if kind == "plain":
         job.to_server(FedAvg(num_clients=sites, num_rounds=rounds))
         job.to_clients(ScriptRunner(script, framework=FrameworkType.NUMPY))
@@ -230,13 +233,15 @@ def reference(start: np.ndarray, server_round: int, sites: list[str]) -> np.ndar
     return sum(w * u.astype(np.float64) for u, w in updates) / total
 
 
-def timing(poc: Poc, kind: str, dim: int, rounds: int, work: Path) -> dict[str, Any]:
+def timing(poc: Poc, kind: str, dim: int, rounds: int, work: Path, interval: float
+           ) -> dict[str, Any]:
     """One ``rounds``-round job; per round: the seconds and CPU between site-1 receiving
     round 1's model and round ``rounds - 1``'s (start-up and the first round's warm-up
     excluded)."""
     folder = work / f"{kind}-{dim}"
     folder.mkdir(parents=True)
-    job = build_job(kind, dim, len(poc.names), rounds, folder, silent_run=False)
+    job = build_job(kind, dim, len(poc.names), rounds, folder, silent_run=False,
+                    interval=interval)
     run = poc.run(job, rounds, folder / "record", None, limit=3600)
     print(f"  {kind} d={dim}: {run['wall']:.1f} s {run['status']}", flush=True)
     first, last = run["marks"][1], run["marks"][rounds - 1]
@@ -258,12 +263,14 @@ def timing(poc: Poc, kind: str, dim: int, rounds: int, work: Path) -> dict[str, 
     return out
 
 
-def drop(poc: Poc, kind: str, dim: int, when: str, work: Path, hang: float) -> str:
+def drop(poc: Poc, kind: str, dim: int, when: str, work: Path, hang: float,
+         interval: float) -> str:
     """Site-3 silent for good from round 1 (``before`` / ``after`` its upload) in a 3-round
     job: what happened to round 1 and to the job."""
     folder = work / f"drop-{kind}-{when}"
     folder.mkdir(parents=True)
-    job = build_job(kind, dim, len(poc.names), 3, folder, silent_run=True)
+    job = build_job(kind, dim, len(poc.names), 3, folder, silent_run=True,
+                    interval=interval)
     budget = 60 + 2 * TRAIN_TIMEOUT + 6 * STAGE_TIMEOUT if kind == "secure" else 60
     run = poc.run(job, 3, folder / "record", [SILENT, 1, when], limit=budget + hang)
     record = folder / "record"
@@ -305,6 +312,10 @@ def main() -> None:
     parser.add_argument("--hang", type=float, default=60.0,
                         help="seconds a job may wait on a silent site past its budget")
     parser.add_argument("--no-drops", action="store_true")
+    parser.add_argument("--task-request-interval", type=float, default=0.1,
+                        help="the plain and HE jobs' server task_request_interval (seconds; "
+                        "SecureFedAvg's default, 0.1, so that all three poll alike; 0: "
+                        "NVFlare's default, 2 s)")
     args = parser.parse_args()
     rows: list[tuple[int, str, dict[str, Any]]] = []
     drops: dict[tuple[str, str], str] = {}
@@ -313,7 +324,8 @@ def main() -> None:
         poc = Poc(args.sites, work)
         try:
             for dim in args.dims:
-                results = {kind: timing(poc, kind, dim, args.rounds, work)
+                results = {kind: timing(poc, kind, dim, args.rounds, work,
+                                        args.task_request_interval)
                            for kind in args.kinds}
                 for kind in args.kinds:
                     rows.append((dim, kind, results[kind]))
@@ -321,13 +333,14 @@ def main() -> None:
                 for kind in args.kinds:
                     for when in ("before", "after"):
                         drops[kind, when] = drop(poc, kind, args.dims[0], when, work,
-                                                 args.hang)
+                                                 args.hang, args.task_request_interval)
                         print(f"  drop {kind} {when}: {drops[kind, when]}", flush=True)
         finally:
             poc.stop()
     names = {"plain": "NVFlare FedAvg", "he": "NVFlare HE (CKKS)", "secure": "SecureFedAvg"}
     print(f"\n{args.sites} sites, {args.rounds} rounds, NVFlare POC mode (processes on "
-          "127.0.0.1), this machine")
+          f"127.0.0.1), task_request_interval {args.task_request_interval or 2} s "
+          "(SecureFedAvg: 0.1 s), this machine")
     print("| d | variant | s/round | server CPU s/round | site CPU s/round | bytes up/site/round "
           "| max abs diff from plain FedAvg |")
     print("|---|---|---|---|---|---|---|")

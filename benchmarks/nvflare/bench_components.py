@@ -47,3 +47,15 @@ class EncryptedNPModelPersistor(NPModelPersistor):
             (folder / "server.ckks").write_bytes(raw)
             return
         super().save_model(model_learnable, fl_ctx)
+
+
+class TaskRequestInterval:
+    """Added to a job's server (``job.to_server``): the server's ``task_request_interval``
+    (NVFlare's default 2 s), which SecureFedAvg sets for its own jobs, for the other
+    variants' jobs too."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def add_to_fed_job(self, job: Any, ctx: Any, **kwargs: Any) -> None:
+        job.add_params({"server": {"task_request_interval": self.seconds}}, ctx)
