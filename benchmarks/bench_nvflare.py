@@ -207,9 +207,19 @@ class Poc:
         return {"wall": wall, "cpu": cpu, "status": status, "marks": marks}
 
     def stop(self) -> None:
-        if self.meter is not None:
-            self.meter.stop.set()
+        import psutil
+
         self.env.stop(clean_up=True)
+        if self.meter is None:
+            return
+        self.meter.stop.set()
+        for pid in list(self.meter.last):  # a silent site's job process outlives the POC
+            try:
+                proc = psutil.Process(pid)
+                if self.meter.pattern.search(" ".join(proc.cmdline())):
+                    proc.kill()
+            except psutil.NoSuchProcess:
+                continue
 
     def he_upload_bytes(self, dim: int) -> int:
         """The bytes of one site's HE upload: its CKKS vector of d values, serialized with
