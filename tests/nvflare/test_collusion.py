@@ -9,8 +9,10 @@ context decrypts that upload exactly (to CKKS precision).
 This package, malicious mode, driven through real ``SecAggExecutor`` sites: the server has
 every message and all of one site's secrets (its shares, its signing key); it tells two
 groups of honest sites different survivor lists, to collect a survivor's masking-key shares
-from one group and its self-mask seed shares from the other. The honest sites refuse to
-reveal both, and what the server collects of either secret stays below the threshold.
+from one group and its self-mask seed shares from the other. An honest site asked for both
+refuses; split, the group that signed the survivor's "drop" gives at most what a real drop
+gives (its masking key's shares), and the survivor's self-mask seed stays at the colluder's
+one share, below the threshold: its masked input stays masked.
 """
 
 from __future__ import annotations
