@@ -1,8 +1,8 @@
 """NVFlare 2.9's plain FedAvg, NVFlare's HE (TenSEAL CKKS filters) and this package's
 SecureFedAvg on the same job, side by side (docs/nvflare.md "Measured").
 
-One POC deployment (NVFlare's ``PocEnv(use_he=True)``: the server and K sites as processes
-on 127.0.0.1, provisioned with NVFlare's ``HEBuilder`` contexts), a numpy model of d
+One POC deployment (NVFlare's ``PocEnv``: the server and K sites as processes on 127.0.0.1,
+on free ports, provisioned with NVFlare's ``HEBuilder`` contexts), a numpy model of d
 float32 parameters moved by the same deterministic step per site and round
 (``benchmarks/nvflare/bench_step.py``), jobs run one after another:
 
@@ -45,6 +45,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "nvflare"))
+sys.path.insert(0, str(ROOT / "tests" / "nvflare"))  # nvflare_sites.poc_project
 
 from bench_step import PLAN_ENV, local_update  # noqa: E402
 
@@ -160,7 +161,10 @@ class Poc:
         for name in self.names:  # the sites opt in to exact sums
             (work / "sites" / name).mkdir(parents=True)
             (work / "sites" / name / "policy.json").write_text('{"modes": ["none"]}')
-        self.env = PocEnv(num_clients=sites, clients=self.names, use_he=True)
+        from nvflare_sites import poc_project  # free loopback ports, NVFlare's HE kits
+
+        self.env = PocEnv(project_conf_path=poc_project(work / "project", self.names,
+                                                        use_he=True), use_he=True)
         self.started = False
         self.meter: CpuMeter | None = None
 
