@@ -11,7 +11,10 @@ whose task fails, times out or is rejected is dropped at that stage, exactly as 
 protocol allows; the round completes while the protocol can, and is skipped (the model
 kept) when it cannot. The decoded aggregate is FedAvg's: the weighted average of the
 arrays with the securely summed ``NUM_STEPS_CURRENT_ROUND`` (distributed DP: the noisy mean
-update over the noisy site count, added to the model sent).
+update over the noisy site count, added to the model sent). With a ``strategy`` other than
+``fedavg`` the server optimiser of :mod:`fl.strategies` (FedAdam, FedYogi, FedAdagrad; the
+package's one implementation) takes the aggregate minus the model sent as its
+pseudo-gradient: post-processing of the released sum, so it reveals nothing more.
 
 :attr:`SecureFedAvg.reports` holds one :class:`fl.flower.rounds.RoundReport`-like
 :class:`RoundReport` per round (included and dropped sites with the stage, seconds per
@@ -50,6 +53,7 @@ from fl.round_setup import (
     with_distributed_dp,
 )
 from fl.site.privacy import DistributedPlan
+from fl.strategies import ADAPTIVE, ServerStrategy
 from fl.vector import ArrayLayout
 from secagg import (
     ProtocolAbort,
@@ -67,8 +71,9 @@ class RoundReport:
     ``dropped`` (site -> the stage it dropped in), ``seconds`` per stage, ``bytes_up`` /
     ``bytes_down`` (secagg payload bytes each site sent / was sent; the train task's model
     is not counted), ``total`` (the modular sum, None if the round aborted), ``epsilon``
-    (the budget spent after the round, distributed DP with a budget), ``skipped`` (why a
-    round was not run), and the round's protocol: ``security``, ``encoding`` (``fixed`` or
+    (the budget spent after the round, distributed DP with a budget), ``metrics`` (the train
+    metrics averaged securely, ``metrics=[...]``), ``skipped`` (why a round was not run),
+    and the round's protocol: ``security``, ``encoding`` (``fixed`` or
     ``ddp``), ``bits``, ``threshold``, ``neighbors`` (None: the complete graph)."""
 
     server_round: int
@@ -81,6 +86,7 @@ class RoundReport:
     total: np.ndarray | None = None
     aborted: str | None = None
     epsilon: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
     skipped: str | None = None
     security: str = ""
     encoding: str = ""
@@ -108,7 +114,12 @@ class SecureFedAvg(ModelController):
     ``sample_rate``, ``rounds``, ``noise_multiplier``, ``granularity_bits``); with an
     ``epsilon`` a round that would overshoot the budget is not run. ``report_path``: a
     JSON-lines file of the round reports. ``task_request_interval``: seconds a site with no
-    task waits before it asks again (:meth:`add_to_fed_job` sets it for the server)."""
+    task waits before it asks again (:meth:`add_to_fed_job` sets it for the server).
+    ``strategy``: the server's step from the secure aggregate, ``"fedavg"`` (the weighted
+    average, moved by ``server_lr``) or a server optimiser of :mod:`fl.strategies`
+    (``"fedadam"``, ``"fedyogi"``, ``"fedadagrad"``: Reddi et al. 2021 with ``server_lr``,
+    ``server_beta1``, ``server_beta2``, ``server_tau``; None: its defaults), its state kept
+    across the job's rounds."""
 
     def __init__(self, *, num_rounds: int = 1, min_clients: int = 0,
                  neighbors: int | str | None = "auto", threshold: int | None = None,
@@ -117,7 +128,9 @@ class SecureFedAvg(ModelController):
                  metrics: list[str] | None = None, dp: dict[str, Any] | None = None,
                  stage_timeout: float = 60.0, train_timeout: float = 3600.0,
                  verify_keys: dict[str, str] | None = None, report_path: str = "",
-                 task_request_interval: float = 0.1,
+                 task_request_interval: float = 0.1, strategy: str = "fedavg",
+                 server_lr: float = 1.0, server_beta1: float | None = None,
+                 server_beta2: float | None = None, server_tau: float | None = None,
                  persistor_id: str = AppConstants.DEFAULT_PERSISTOR_ID) -> None:
         super().__init__(persistor_id=persistor_id, ignore_result_error=True,
                          task_check_period=0.05)
@@ -137,6 +150,9 @@ class SecureFedAvg(ModelController):
         if self.privacy is not None and self.privacy.epsilon is None \
                 and self.privacy.noise_multiplier is None:
             raise ValueError("dp needs an epsilon (a budget) or a noise_multiplier")
+        if strategy not in ("fedavg", *ADAPTIVE):
+            raise ValueError(f"strategy={strategy!r}: use one of "
+                             f"{', '.join(('fedavg', *ADAPTIVE))}")
         if not stage_timeout > 0 or not train_timeout > 0:
             raise ValueError("stage_timeout and train_timeout are seconds (> 0)")
         self.num_rounds = num_rounds
@@ -155,6 +171,14 @@ class SecureFedAvg(ModelController):
         self.verify_keys = dict(verify_keys or {})
         self.report_path = report_path
         self.task_request_interval = task_request_interval
+        self.strategy = strategy
+        # (NVFlare's job export reads each __init__ argument back from the attribute of its name)
+        self.server_lr, self.server_beta1 = server_lr, server_beta1
+        self.server_beta2, self.server_tau = server_beta2, server_tau
+        given = {"lr": server_lr, "beta1": server_beta1, "beta2": server_beta2,
+                 "tau": server_tau}  # None: ServerStrategy's default
+        self.optimizer_args = {k: v for k, v in given.items() if v is not None}
+        self.optimizer: ServerStrategy | None = None
         self.budget = (PrivacyBudget(self.privacy.epsilon, self.privacy.delta)
                        if self.privacy is not None and self.privacy.epsilon is not None
                        else None)
@@ -184,16 +208,19 @@ class SecureFedAvg(ModelController):
                 return
             sites = sorted(self.sample_clients(self.min_clients or None))
             report = self.secure_round(r, params, sites)
-            self._publish(report)
             if report.total is None:
+                self._publish(report)
                 continue
             sent = ArrayLayout.of(params).flatten(params)
             setup = self._last_setup
             assert setup is not None  # set by the round that produced the total
-            aggregate, metrics, weight = decode_sum(setup, report.total,
-                                                    len(report.included), sent)
-            params = ArrayLayout.of(params).unflatten(aggregate)
-            out = FLModel(params_type=ParamsType.FULL, params=params, metrics=metrics,
+            aggregate, report.metrics, weight = decode_sum(setup, report.total,
+                                                           len(report.included), sent)
+            self._publish(report)
+            if self.optimizer is None:
+                self.optimizer = ServerStrategy(self.strategy, sent.size, **self.optimizer_args)
+            params = ArrayLayout.of(params).unflatten(self.optimizer.step(sent, aggregate - sent))
+            out = FLModel(params_type=ParamsType.FULL, params=params, metrics=report.metrics,
                           current_round=r, total_rounds=self.num_rounds,
                           meta={FLMetaKey.NUM_STEPS_CURRENT_ROUND: weight})
             self.save_model(out)

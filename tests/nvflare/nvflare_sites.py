@@ -87,3 +87,28 @@ def inputs(record: Path, server_round: int, sites: list[str]) -> list[np.ndarray
 def plain_sum(vectors: list[np.ndarray], bits: int) -> list[int]:
     """The modular sum, in Python integers (exact)."""
     return [sum(int(v[i]) for v in vectors) % (1 << bits) for i in range(len(vectors[0]))]
+
+
+def poc_project(folder: Path, clients: list[str], use_he: bool = False) -> str:
+    """A POC project file like NVFlare's default (``PocEnv(project_conf_path=...)``) whose
+    server listens on two free loopback ports instead of 8002/8003, so POC deployments of
+    parallel runs on one machine do not answer each other's connections."""
+    import socket
+
+    from nvflare.tool.poc import poc_commands as poc
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = poc.load_yaml(poc.gen_project_config_file(str(folder)))
+    config = poc.update_server_name(config)
+    config = poc.update_clients(clients, len(clients), config)
+    config = poc.add_he_builder(use_he, config)
+    sockets = [socket.socket() for _ in range(2)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    (server,) = [p for p in config["participants"] if p["type"] == "server"]
+    server["fed_learn_port"], server["admin_port"] = ports
+    poc.save_project_config(config, str(folder / "project.yml"))
+    return str(folder / "project.yml")

@@ -21,7 +21,13 @@ sys.path.insert(0, str(HERE))
 from nvflare.app_common.np.np_model_persistor import NPModelPersistor  # noqa: E402
 from nvflare.fuel.utils.constants import FrameworkType  # noqa: E402
 from nvflare.job_config.api import FedJob  # noqa: E402
-from nvflare_sites import PLAN_ENV, RecordingExecutor, inputs, plain_sum  # noqa: E402
+from nvflare_sites import (  # noqa: E402
+    PLAN_ENV,
+    RecordingExecutor,
+    inputs,
+    plain_sum,
+    poc_project,
+)
 
 from fl.nvflare.client import DIR_ENV  # noqa: E402
 from fl.nvflare.job import SecureScriptRunner  # noqa: E402
@@ -56,7 +62,7 @@ def test_poc_processes_a_site_killed_mid_round(tmp_path: Path,
     job.to_clients(SecureScriptRunner(str(HERE / "train_script.py"),
                                       framework=FrameworkType.NUMPY,
                                       executor=RecordingExecutor()))
-    env = PocEnv(num_clients=len(sites), clients=sites)
+    env = PocEnv(project_conf_path=poc_project(tmp_path / "project", sites))
     try:
         job_id = env.deploy(job)
         assert env.get_job_result(job_id, timeout=180) is not None

@@ -145,3 +145,61 @@ def test_malicious_distributed_dp_budget_and_a_zero_noise_round_refused(
     for name in names:  # each site charged rounds 0 and 2, never the refused round
         with Ledger.open(tmp_path / "sites" / name / "ledger.json", SitePolicy()) as ledger:
             assert ledger.releases == 2
+
+
+def test_secure_fedadam_equals_numpy_fedadam_over_the_plain_weighted_mean_and_averages_loss(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SecureFedAvg(strategy="fedadam"): three rounds of three sites of unequal weights;
+    each round's model equals Adam (Reddi et al. 2021, written out here in numpy) over the
+    plain weighted mean of the sites' own training from the model sent, and the round's
+    securely averaged train loss equals the weighted mean of the sites' losses."""
+    from site_data import local_training
+
+    names = ["site-1", "site-22", "site-333"]  # 23, 24 and 25 rows: unequal weights
+    lr, beta1, beta2, tau = 0.1, 0.9, 0.99, 1e-3
+    server = SecureFedAvg(num_rounds=3, neighbors=None, strategy="fedadam", server_lr=lr,
+                          server_beta1=beta1, server_beta2=beta2, server_tau=tau,
+                          metrics=["loss"], stage_timeout=5.0, train_timeout=60,
+                          report_path=str(tmp_path / "reports.jsonl"))
+    reports = _run(tmp_path, monkeypatch, server,
+                   {n: {"modes": ["none"]} for n in names}, {})
+    x = np.arange(1, 10, dtype=np.float32).reshape(3, 3)  # NPModelPersistor's default model
+    m = v = np.zeros((3, 3))
+    for report in reports:
+        assert report["included"] == names and report["dropped"] == {}
+        trained = [local_training(s, x) for s in names]
+        rows = sum(n for _, _, n in trained)
+        mean = sum(n * w for w, _, n in trained) / rows
+        loss = sum(n * f for _, f, n in trained) / rows
+        assert report["metrics"]["loss"] == pytest.approx(loss, rel=1e-6)
+        delta = mean - x
+        m = beta1 * m + (1 - beta1) * delta
+        v = beta2 * v + (1 - beta2) * delta ** 2
+        x = (x + lr * m / (np.sqrt(v) + tau)).astype(np.float32)
+    assert float(np.max(np.abs(x - np.arange(1, 10).reshape(3, 3)))) > 0.1  # it moved
+    saved = np.load(next((tmp_path / "ws").rglob("server.npy")))
+    np.testing.assert_allclose(saved, x, rtol=1e-6, atol=1e-6)
+
+
+def test_secagg_plus_on_a_sparse_graph_with_drops(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """SecAgg+ through NVFlare: seven sites, each masking with 4 of its 6 peers (neighbors=5
+    with itself); a site that fails after sharing its keys has its masks recovered from its
+    neighbours' shares, a site silent at unmasking stays in the sum; every total equals the
+    plaintext sum of the included sites' inputs."""
+    names = [f"site-{i}" for i in range(1, 8)]
+    server = SecureFedAvg(num_rounds=2, neighbors=5, stage_timeout=2.0, train_timeout=60,
+                          report_path=str(tmp_path / "reports.jsonl"))
+    reports = _run(tmp_path, monkeypatch, server, {n: {"modes": ["none"]} for n in names}, {
+        "site-2": {"0": ["masked_input", "fail"]},
+        "site-5": {"1": ["unmasking", "stall", 3]},
+    })
+    first, second = reports
+    for report in reports:
+        assert report["neighbors"] == 5 and report["threshold"] == 3
+        assert report["aborted"] is None
+        assert report["total"] == plain_sum(inputs(tmp_path / "record", report["server_round"],
+                                                   report["included"]), 64)
+    assert first["dropped"] == {"site-2": "masked_input"}
+    assert first["included"] == [n for n in names if n != "site-2"]
+    assert second["dropped"] == {"site-5": "unmasking"} and second["included"] == names
