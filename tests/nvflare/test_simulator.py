@@ -192,7 +192,7 @@ def test_secagg_plus_on_a_sparse_graph_with_drops(tmp_path: Path,
                           report_path=str(tmp_path / "reports.jsonl"))
     reports = _run(tmp_path, monkeypatch, server, {n: {"modes": ["none"]} for n in names}, {
         "site-2": {"0": ["masked_input", "fail"]},
-        "site-5": {"1": ["unmasking", "stall", 3]},
+        "site-5": {"1": ["unmasking", "stall", 6]},
     })
     first, second = reports
     for report in reports:
