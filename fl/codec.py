@@ -24,17 +24,20 @@ FedAvg) and :meth:`DistributedCodec.encode` / :func:`noisy_mean` (distributed DP
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from dp.encoding import EncodingParams, IntegerEncoder
 from dp.randomness import RandomSource
+from secagg.crypto import dtype_for_bits
 
 from .errors import FLError
 
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
+UInt = npt.NDArray[np.unsignedinteger[Any]]
 
 
 class EncodingOverflow(FLError, ValueError):
@@ -64,14 +67,18 @@ class FixedPointCodec:
     def encoded_dim(self) -> int:
         return self.dim
 
-    def encode(self, values: F64) -> U64:
+    def encode(self, values: F64) -> UInt:
+        """The fixed-point vector in the sum's natural width (``uint32`` for 32 bits: the
+        smallest unsigned dtype holding ``bits``, as secagg carries it), through one
+        float64 and one int64 working copy."""
         v = np.asarray(values, dtype=np.float64)
         if v.shape != (self.dim,):
             raise ValueError(f"expected a vector of length {self.dim}, got shape {v.shape}")
         if not np.all(np.isfinite(v)):
             raise EncodingOverflow("the update contains NaN or inf; lower the learning rate")
-        ints = np.rint(v * self.scale)
-        worst = float(np.max(np.abs(ints))) if ints.size else 0.0
+        ints = np.multiply(v, self.scale)
+        np.rint(ints, out=ints)
+        worst = max(float(ints.max()), -float(ints.min())) if ints.size else 0.0
         if worst >= self.limit:
             # the value is not in the message: a runtime may pass the text to the server,
             # and a server that picks bits and frac_bits would read the site's update off it
@@ -79,9 +86,11 @@ class FixedPointCodec:
                                    f"with {self.frac_bits} fractional bits for this many "
                                    "sites; lower the learning rate or frac_bits")
         as_int = ints.astype(np.int64)
+        del ints
         if self.bits == 64:
             return as_int.view(np.uint64)
-        return np.mod(as_int, np.int64(1) << np.int64(self.bits)).astype(np.uint64)
+        np.bitwise_and(as_int, np.int64((1 << self.bits) - 1), out=as_int)  # mod 2**bits
+        return as_int.astype(dtype_for_bits(self.bits))
 
     def decode(self, total: U64) -> F64:
         t = np.asarray(total, dtype=np.uint64)
@@ -136,12 +145,16 @@ class DistributedCodec:
         return s[:-1], float(s[-1] / self.gamma)
 
 
-def encode_weighted(codec: FixedPointCodec, values: F64, weight: float) -> U64:
+def encode_weighted(codec: FixedPointCodec, values: F64, weight: float) -> UInt:
     """Weighted FedAvg's input ``[w * values, w]`` (``codec.dim == len(values) + 1``): the sum
     reveals only ``sum w * values`` and ``sum w``."""
     if not (math.isfinite(weight) and weight >= 0):
         raise EncodingOverflow(f"the weight must be a non-negative number, got {weight!r}")
-    return codec.encode(np.append(weight * np.asarray(values, dtype=np.float64), weight))
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    row = np.empty(v.size + 1, dtype=np.float64)  # one copy, not w * values and an append
+    np.multiply(v, weight, out=row[:-1])
+    row[-1] = weight
+    return codec.encode(row)
 
 
 def decode_weighted(codec: FixedPointCodec, total: U64) -> tuple[F64, float]:

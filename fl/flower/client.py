@@ -34,6 +34,7 @@ from typing import Any
 
 from dp.policy import SitePolicy
 from fl.errors import FLError
+from fl.flower.chunks import CHUNK, MASKED, answer_digest, check_layout, to_records
 from fl.flower.encoding import (
     F64,
     U64,
@@ -57,6 +58,7 @@ from fl.flower.setup import RoundSetup, SetupError
 from fl.round_setup import admit_round, check_identity, round_release
 from fl.site.core import SiteCore, open_site_core, state_directory
 from secagg import Client, ProtocolAbort, SigningKey, Stage, encode
+from secagg.messages import MaskedInput
 from secagg.session import derive_session_id
 
 log = logging.getLogger("fl.flower")
@@ -213,11 +215,13 @@ secagg_mod = make_secagg_mod()
 """The mod with the default :class:`NodeOptions`: ``ClientApp(mods=[secagg_mod])``."""
 
 
-def _reply(msg: Any, session: bytes, payload: bytes) -> Any:
+def _reply(msg: Any, session: bytes, payload: bytes, masked: Any = None) -> Any:
     from flwr.app import ConfigRecord, Message, RecordDict
 
-    return Message(RecordDict({RECORD: ConfigRecord({SESSION: session, PAYLOAD: payload})}),
-                   reply_to=msg)
+    content = RecordDict({RECORD: ConfigRecord({SESSION: session, PAYLOAD: payload})})
+    if masked is not None:
+        content[MASKED] = masked
+    return Message(content, reply_to=msg)
 
 
 def _single(records: Any, what: str) -> Any:
@@ -314,18 +318,25 @@ def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
             min_stage=None if stage_record.stage is None else Stage(stage_record.stage),
             **options.identity(setup))
         try:
-            out = encode(client.handle(payload))
+            message = client.handle(payload)
         except ProtocolAbort as exc:
             # returned, not raised: Flower saves the Context (the round's secrets are gone)
             stage_record.abort()
             context.state.config_records.pop(STATE, None)
             return _error(msg, f"ProtocolAbort: {exc}")
-        stage_record.answer(int(client.stage), out)
+        if isinstance(message, MaskedInput):  # chunked, in its natural width
+            # the chunk length the server asked for, checked before anything is answered
+            out, arrays = to_records(message, check_layout(record.get(CHUNK), message.bits,
+                                                           message.dim))
+            stage_record.answer(int(client.stage), answer_digest(message))
+        else:
+            out, arrays = encode(message), None
+            stage_record.answer(int(client.stage), out)
         if client.done:
             context.state.config_records.pop(STATE, None)
         else:
             _save(context, setup, client, key)
-    return _reply(msg, client.session_id, out)
+    return _reply(msg, client.session_id, out, arrays)
 
 
 def _error(msg: Any, reason: str) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fl.flower.chunks import CHUNK, DEFAULT_CHUNK_BYTES, ChunkError, assemble, chunk_elements
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, payload_of
 from fl.flower.setup import RoundSetup
 from secagg import ProtocolAbort, ProtocolError, Server, Stage, encode
@@ -36,7 +37,10 @@ class RoundReport:
     ``seconds``: wall time per stage; ``bytes_up`` / ``bytes_down``: secagg payload bytes
     each node sent / was sent (the train message's own arrays are not counted);
     ``server_cpu``: the server process's CPU seconds spent in the secagg state machine;
-    ``epsilon``: the privacy budget spent after this round (distributed DP with a budget).
+    ``epsilon``: the privacy budget spent after this round (distributed DP with a budget);
+    ``rejected``: the secagg server's rejections (client id -> reason, mapped to node ids);
+    ``chunk_rejected``: masked inputs whose chunks did not have the round's layout (node,
+    reason; :mod:`fl.flower.chunks`), each a dropout at masked_input.
     """
 
     setup: RoundSetup
@@ -50,25 +54,31 @@ class RoundReport:
     server_cpu: float = 0.0
     epsilon: float | None = None
     rejected: list[tuple[int, str]] = field(default_factory=list)
+    chunk_rejected: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def server_round(self) -> int:
         return self.setup.server_round
 
 
-def _content(payload: bytes, session: bytes) -> Any:
+def _content(payload: bytes, session: bytes, chunk: int | None = None) -> Any:
     from flwr.app import ConfigRecord, RecordDict
 
-    return RecordDict({RECORD: ConfigRecord({SESSION: session, PAYLOAD: payload})})
+    fields: dict[str, Any] = {SESSION: session, PAYLOAD: payload}
+    if chunk is not None:
+        fields[CHUNK] = chunk
+    return RecordDict({RECORD: ConfigRecord(fields)})
 
 
 class RoundDriver:
     """Runs the stages of one round; ``run`` returns the report (``total`` set on success)."""
 
     def __init__(self, grid: Any, setup: RoundSetup, server: Server, message_type: str,
-                 timeout: float | None, *, first_timeout: float | None = None) -> None:
+                 timeout: float | None, *, first_timeout: float | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         """``timeout``: each stage after the first; ``first_timeout``: the first (the
-        nodes train in it; default ``timeout``)."""
+        nodes train in it; default ``timeout``); ``chunk_bytes``: the bytes of one chunk
+        of a node's masked input (:mod:`fl.flower.chunks`)."""
         self.grid = grid
         self.setup = setup
         self.server = server
@@ -76,6 +86,7 @@ class RoundDriver:
         self.timeout = timeout
         self.first_timeout = timeout if first_timeout is None else first_timeout
         self.report = RoundReport(setup)
+        self.chunk = chunk_elements(chunk_bytes, server.config.bits, server.config.dim)
         self._cpu = 0.0
 
     def run(self, first: Iterable[Any]) -> RoundReport:
@@ -119,12 +130,13 @@ class RoundDriver:
         from flwr.app import Message
 
         session = self.server.session_id
+        chunk = self.chunk if self.server.stage == Stage.MASKED_INPUT else None
         out = []
         for cid, message in sorted(to_send.items()):
             node = self.setup.node_of(cid)
             payload = encode(message)
             self.report.bytes_down[node] = self.report.bytes_down.get(node, 0) + len(payload)
-            out.append(Message(content=_content(payload, session), dst_node_id=node,
+            out.append(Message(content=_content(payload, session, chunk), dst_node_id=node,
                                message_type=self.message_type,
                                group_id=str(self.setup.server_round)))
         return out
@@ -132,10 +144,12 @@ class RoundDriver:
     def _exchange(self, stage: Stage, outgoing: list[Any]) -> None:
         started = time.perf_counter()
         timeout = self.first_timeout if stage == Stage.ADVERTISE_KEYS else self.timeout
-        replies = self.grid.send_and_receive(outgoing, timeout=timeout)
+        replies = list(self.grid.send_and_receive(outgoing, timeout=timeout))
         sent_to = {m.metadata.dst_node_id for m in outgoing}
         cpu = time.process_time()
-        for reply in replies:
+        replies.reverse()
+        while replies:  # each reply is let go once handled: its vector is summed
+            reply = replies.pop()
             node = reply.metadata.src_node_id
             if node not in sent_to:
                 continue
@@ -145,8 +159,19 @@ class RoundDriver:
                 continue
             try:
                 payload = payload_of(reply)
-                self.report.bytes_up[node] = self.report.bytes_up.get(node, 0) + len(payload)
-                self.server.receive(cid, payload)
+                message: Any = payload
+                if stage == Stage.MASKED_INPUT:
+                    message = assemble(reply.content, payload, self.server.config.dim,
+                                       self.server.config.bits, self.chunk)
+                    size = len(payload) + len(message.masked)
+                else:
+                    size = len(payload)
+                del reply
+                self.report.bytes_up[node] = self.report.bytes_up.get(node, 0) + size
+                self.server.receive(cid, message)
+            except ChunkError as exc:
+                self.report.chunk_rejected.append((node, str(exc)))
+                log.warning("node %d's masked input rejected: %s", node, exc)
             except (ValueError, ProtocolError) as exc:
                 log.info("node %d's %s reply rejected: %s", node, stage.label, exc)
         self._cpu += time.process_time() - cpu

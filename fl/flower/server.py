@@ -35,6 +35,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
 from dp.budget import PrivacyBudget
+from fl.flower.chunks import DEFAULT_CHUNK_BYTES, chunk_elements
 from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten
 from fl.flower.rounds import RoundDriver, RoundReport
 from fl.flower.setup import RoundSetup
@@ -163,7 +164,9 @@ class SecureAggregation(Strategy):
     ``timeout`` of :meth:`start`. A strategy that needs each node's update (FedMedian, Krum,
     ...) is refused (:func:`check_strategy`). ``reports`` holds one
     :class:`fl.flower.rounds.RoundReport` per round; each round's drops are also logged to
-    Flower's log."""
+    Flower's log. ``chunk_bytes``: a node's masked input travels as an ``ArrayRecord`` of
+    chunks of this many bytes in the sum's natural width (:mod:`fl.flower.chunks`; default
+    4 MiB, one Flower ``ArrayChunk`` each), so no Flower message of the round is larger."""
 
     def __init__(self, strategy: Strategy, *, neighbors: int | str | None = "auto",
                  threshold: int | None = None, dropout_rate: float = 0.1,
@@ -171,7 +174,8 @@ class SecureAggregation(Strategy):
                  frac_bits: int = 24, metrics: Sequence[str] = (),
                  privacy: DistributedDP | None = None,
                  stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
-                 verify_keys: Mapping[int, bytes] | None = None) -> None:
+                 verify_keys: Mapping[int, bytes] | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         if security not in ("semi-honest", "malicious"):
             raise ValueError(f"security={security!r}: use 'semi-honest' or 'malicious'")
         if security == "malicious" and not verify_keys:
@@ -186,6 +190,7 @@ class SecureAggregation(Strategy):
         if privacy is not None and privacy.epsilon is None and privacy.noise_multiplier is None:
             raise ValueError("DistributedDP needs epsilon (a budget) or a noise_multiplier")
         check_strategy(strategy)
+        chunk_elements(chunk_bytes, 8, 1)  # a positive size under the gRPC limit
         if stage_timeout is not None and not stage_timeout > 0:
             raise ValueError(f"stage_timeout={stage_timeout!r}: the seconds a node has for a "
                              "secure-aggregation stage after its training (> 0)")
@@ -201,6 +206,7 @@ class SecureAggregation(Strategy):
         self.privacy = privacy
         self.stage_timeout = stage_timeout
         self.verify_keys = dict(verify_keys or {})
+        self.chunk_bytes = chunk_bytes
         self.budget = (PrivacyBudget(privacy.epsilon, privacy.delta)
                        if privacy is not None and privacy.epsilon is not None else None)
         self.reports: list[RoundReport] = []
@@ -278,7 +284,8 @@ class SecureAggregation(Strategy):
                         verify_keys=setup.peer_keys() if setup.verify_keys else None,
                         nonce=setup.nonce)
         driver = RoundDriver(grid, setup, server, messages[0].metadata.message_type,
-                             self.stage_timeout, first_timeout=timeout)
+                             self.stage_timeout, first_timeout=timeout,
+                             chunk_bytes=self.chunk_bytes)
         report = driver.run(messages)
         self.reports.append(report)
         _log_outcome(report)

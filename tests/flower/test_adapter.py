@@ -22,9 +22,10 @@ from fl.flower import (
     make_secagg_mod,
     secagg_mod,
 )
+from fl.flower.chunks import MASKED
 from fl.flower.local import LocalGrid
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE
-from secagg.messages import UnmaskRequest, decode, encode
+from secagg.messages import MaskedInput, UnmaskRequest, decode, encode
 from tests.flower import apps
 
 
@@ -120,14 +121,20 @@ def test_nothing_but_secagg_messages_leaves_a_node_and_the_state_is_erased() -> 
     assert wrapper.reports[0].aborted is None and snapshots
     plain = [apps.reply_content(node, 1)["arrays"][k].numpy().tobytes()
              for node in grid.nodes for k in apps.SHAPES]
+    chunked = 0
     for reply in grid.replies:
-        assert set(reply.content.keys()) == {RECORD}
-        record = reply.content[RECORD]
-        assert set(record.keys()) == {SESSION, PAYLOAD}
-        decode(record[PAYLOAD])  # a secagg client message, nothing else
-        wire = record[PAYLOAD]
+        message = decode(reply.content[RECORD][PAYLOAD])  # a secagg client message
+        if isinstance(message, MaskedInput):  # and its vector's chunks (fl.flower.chunks)
+            assert set(reply.content.keys()) == {RECORD, MASKED}
+            wire = b"".join(a.numpy().tobytes() for a in reply.content[MASKED].values())
+            chunked += 1
+        else:
+            assert set(reply.content.keys()) == {RECORD}
+            wire = reply.content[RECORD][PAYLOAD]
+        assert set(reply.content[RECORD].keys()) == {SESSION, PAYLOAD}
         assert not any(chunk[:32] in wire for chunk in plain)
         assert not any(snap[-64:] in wire for snap in snapshots)
+    assert chunked == 5
     assert all(STATE not in grid.state(node).config_records for node in grid.nodes)
 
 
