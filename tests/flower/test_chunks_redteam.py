@@ -1,0 +1,117 @@
+"""Red team of the Flower adapter's chunked masked input (fl/flower/chunks.py), at small d.
+
+A hostile node through ``LocalGrid`` answers the masked-input request with chunks that
+play dtype games (big-endian, signed with negatives, float with NaN, pickled objects, a
+``.npy`` body that contradicts the declared dtype or shape) or that declare a huge array in
+a few bytes (an allocation bomb): each is a ``ChunkError`` naming the chunk, the node is a
+dropout at masked_input and the round sums the others exactly. A malicious server that
+asks one node twice for its masked input with another chunk length gets the same vector
+(re-cut), never a second masked input.
+"""
+
+from __future__ import annotations
+
+import io
+import resource
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Array, ConfigRecord, Message
+from flwr.common.serde import message_from_proto, message_to_proto
+
+from fl.flower.chunks import CHUNK, MASKED
+from fl.flower.local import LocalGrid
+from fl.flower.records import RECORD
+from tests.flower import apps
+from tests.flower.test_chunks import _first_chunk, _one_round, _tampering_mod
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _npy(dtype: str, shape: tuple[int, ...], body: bytes) -> bytes:
+    """A ``.npy`` header declaring ``dtype`` and ``shape``, then ``body``."""
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        out, {"descr": dtype, "fortran_order": False, "shape": shape})
+    return out.getvalue() + body
+
+
+def _declared(data: bytes, dtype: str = "uint32", shape: tuple[int, ...] = (7,)) -> Array:
+    return Array(dtype=dtype, shape=shape, stype="numpy.ndarray", data=data)
+
+
+# the round is 32-bit at 7 elements per chunk (tests/flower/test_chunks.py::_one_round)
+GAMES: dict[str, tuple[Array, str]] = {
+    "big-endian uint32": (Array(np.arange(7, dtype=">u4")), "has dtype"),
+    "signed with negatives": (Array(-np.ones(7, np.int32)), "has dtype"),
+    "float32 with NaN": (Array(np.full(7, np.nan, np.float32)), "has dtype"),
+    "pickled objects": (_declared(b"\x80\x04junk", dtype="object"), "has dtype"),
+    "declared uint32, body big-endian": (
+        _declared(_npy(">u4", (7,), bytes(28))), "not its declared uint32"),
+    "declared uint32, body int32": (
+        _declared(_npy("<i4", (7,), b"\xff" * 28)), "not its declared uint32"),
+    "declared uint32, body float32 NaN": (
+        _declared(_npy("<f4", (7,), b"\xff" * 28)), "not its declared uint32"),
+    "declared uint32, body of objects": (
+        _declared(_npy("|O", (7,), b"\x80\x04junk")), "not a valid array"),
+    "declared (7,), body (7, 1)": (
+        _declared(_npy("<u4", (7, 1), bytes(28))), "not its declared uint32"),
+    "declared (7,), body of 2**31 elements": (
+        _declared(_npy("<u4", (1 << 31,), bytes(28))), "not a valid array"),
+    "declared (7,), body of 2**60 elements": (
+        _declared(_npy("<u4", (1 << 60,), bytes(28))), "not a valid array"),
+    "declared (2**30,)": (_declared(bytes(28), shape=(1 << 30,)), "expected (7,)"),
+    "a zero-dimensional chunk": (_declared(_npy("<u4", (), bytes(4)), shape=()),
+                                 "expected (7,)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GAMES))
+def test_dtype_and_shape_games_in_a_chunk_are_refused(case: str) -> None:
+    array, reason = GAMES[case]
+    grid = LocalGrid(None, 5)
+    hostile = grid.nodes[3]
+    grid.app = apps.client_app(None, [_tampering_mod(
+        {hostile}, lambda r: _first_chunk(r, array)), apps.open_mod])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report = _one_round(grid)
+    # an allocation bomb costs no memory: the peak RSS grew by far less than its claim
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
+    assert report.dropped == {hostile: "masked_input"}
+    assert report.included == frozenset(grid.nodes) - {hostile}
+    ((node, why),) = report.chunk_rejected
+    assert node == hostile and reason in why, why
+
+
+def test_a_second_request_with_another_chunk_length_gets_the_same_vector() -> None:
+    """A malicious server sends one node the masked-input request twice, the second time
+    asking for one-element chunks: the node answers the same masked vector (re-cut), so
+    the server learns nothing it did not have; the round completes."""
+    grid = LocalGrid(None, 5)
+    grid.app = apps.client_app()
+    victim = grid.nodes[2]
+    deliver = grid.deliver
+    answers: list[np.ndarray] = []
+
+    def vector(reply: Message) -> np.ndarray:
+        record = reply.content[MASKED]
+        return np.concatenate([record[k].numpy() for k in sorted(record, key=int)])
+
+    def twice(message: Message) -> Message | None:
+        record = message.content.config_records.get(RECORD)
+        if message.metadata.dst_node_id != victim or record is None or CHUNK not in record:
+            return deliver(message)
+        again = message_from_proto(message_to_proto(message))
+        first = deliver(message)
+        again.content[RECORD] = ConfigRecord({**dict(record.items()), CHUNK: 1})
+        second = deliver(again)
+        for reply in (first, second):
+            assert reply is not None and not reply.has_error(), reply
+            answers.append(vector(reply))
+        assert second is not None and len(second.content[MASKED]) == answers[1].size
+        return first
+
+    report: Any = _one_round(grid, twice)
+    assert len(answers) == 2 and np.array_equal(answers[0], answers[1])
+    assert victim in report.included

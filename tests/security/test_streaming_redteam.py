@@ -1,0 +1,332 @@
+"""Red team of the streamed masked input (docs/protocol.md 6.3, docs/deployment.md 6.1).
+
+Attacks through the public surface only: a site's chunks into a real ``secagg.Server``
+with real clients (out of order, overlapping, past ``dim``, after the last chunk, of another
+session / round shape / sender, a stream that stops half-way), and a site with a valid
+login on the embedded broker against the real drivers (slot hogging, chunk sizes the server
+did not grant, forged grants and cancels for another site). Tests marked ``xfail(strict)``
+are open findings: each asserts the protection and fails today; its fix flips it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+from adversary import threat
+
+from secagg import Config, ProtocolAbort, ProtocolError, Stage, encode
+from secagg.messages import MaskedChunk, peers_digest
+from secagg.session import derive_session_id, normalize_roster
+from tests.secagg.test_streaming import _exact, _finish, _masked_round
+from tests.transport.mqtt_raw import RawClient, publish_packet
+from transport.broker import EmbeddedBroker
+from transport.control import UPLOAD_RECEIPT, Grant, Receipt, encode_control
+from transport.drivers import StageProgress, Timeouts
+from transport.framing import frame
+from transport.memory import MemoryNetwork
+from transport.mqtt import BrokerSettings, MqttNetwork
+from transport.rounds import RoundReport, run_round
+from transport.topics import RECEIPT, SERVER_USER, Topics, acl_table, site_name
+
+pytestmark = [pytest.mark.security, pytest.mark.timeout(60)]
+
+
+# --- the secagg server with real clients ---------------------------------------------------
+
+
+def _junk(chunk: MaskedChunk, **changes: Any) -> bytes:
+    return encode(replace(chunk, **changes))
+
+
+def _past_dim(chunk: MaskedChunk) -> bytes:
+    """A chunk whose bytes run past ``dim`` (the encoder does not check; the decoder must)."""
+    return encode(replace(chunk, masked=bytes(chunk.masked) + bytes(8)))
+
+
+# each: the granted stream of client 1 is at element 10 (chunk 0 of 10 accepted); a hostile
+# message under client 1's name (its own login) that must be refused with nothing changed
+HOSTILE: dict[str, Callable[[dict[int, list[MaskedChunk]]], bytes]] = {
+    "overlapping (offset one element back)": lambda c: _junk(
+        c[1][1], offset=9, masked=bytes(c[1][1].masked)),
+    "skipping ahead": lambda c: encode(c[1][2]),
+    "running past dim": lambda c: _past_dim(c[1][3]),
+    "offset at dim": lambda c: _junk(c[1][1], offset=40),
+    "another dim (a bigger round)": lambda c: _junk(c[1][1], dim=4000),
+    "another bits": lambda c: _junk(c[1][1], bits=16),
+    "another session (another round)": lambda c: _junk(c[1][1], session_id=bytes(32)),
+    "another sender's chunk spliced in": lambda c: _junk(c[2][1], client_id=1),
+    "a chunk claiming another client": lambda c: encode(c[2][0]),
+    "a signature in a semi-honest round": lambda c: _junk(c[1][1], signature=bytes(64)),
+    "a whole vector while streaming": lambda c: _junk(
+        c[1][0], masked=b"".join(bytes(x.masked) for x in c[1])),
+    "an odd number of bytes": lambda c: _junk(c[1][1], masked=bytes(c[1][1].masked)[:-1]),
+}
+
+
+@threat(attack="Streamed masked input: hostile chunks", adversary="malicious client",
+        controls="its own login: chunks out of order, overlapping, past dim, of another "
+                 "round, session or sender, while its granted stream is half-way",
+        protocol="each is a typed ProtocolError before anything changes: the stream goes "
+                 "on from where it was and the sum is exact", mode="semi-honest")
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_chunks_are_refused_and_change_nothing(case: str) -> None:
+    config = Config(num_clients=4, threshold=3, dim=40, bits=32)
+    server, clients, streams, inputs = _masked_round(config, seed=11)
+    server.grant_uploads()
+    chunks = {cid: list(s.chunks(10)) for cid, s in streams.items()}
+    assert server.receive(1, encode(chunks[1][0])) is True
+    total_before = server._sum.copy()
+    with pytest.raises(ProtocolError) as caught:
+        server.receive(1, HOSTILE[case](chunks))
+    assert caught.value.client_id == 1
+    assert np.array_equal(server._sum, total_before)
+    assert server.uploading == {1, 2, 3, 4} and 1 not in server.received
+    # the state is unchanged: the honest stream continues at element 10 and counts
+    for cid in (1, 2, 3, 4):
+        for chunk in chunks[cid][1 if cid == 1 else 0:]:
+            assert server.receive(cid, encode(chunk)) is True
+    result: Any = _finish(server, clients)
+    assert result.included == {1, 2, 3, 4}
+    assert result.total.tolist() == _exact(inputs, result.included, 32)
+
+
+@threat(attack="Streamed masked input: chunk after the last", adversary="malicious client",
+        controls="its own login: any chunk after its stream completed",
+        protocol="refused (a second message in the stage); the sum keeps the input once",
+        mode="semi-honest")
+def test_a_chunk_after_the_last_is_refused() -> None:
+    config = Config(num_clients=3, threshold=2, dim=30, bits=16)
+    server, clients, streams, inputs = _masked_round(config, seed=12)
+    server.grant_uploads()
+    chunks = {cid: list(s.chunks(8)) for cid, s in streams.items()}
+    for cid in (1, 2, 3):
+        for chunk in chunks[cid]:
+            server.receive(cid, encode(chunk))
+    total = server._sum.copy()
+    assert server.receive(1, encode(chunks[1][-1])) is False  # a redelivery: a no-op
+    for raw in (encode(chunks[1][0]), _junk(chunks[1][-1], offset=16,
+                                            masked=bytes(chunks[1][-1].masked))):
+        with pytest.raises(ProtocolError):
+            server.receive(1, raw)
+    assert np.array_equal(server._sum, total)
+    result: Any = _finish(server, clients)
+    assert result.total.tolist() == _exact(inputs, frozenset({1, 2, 3}), 16)
+
+
+@threat(attack="Streamed masked input: a stream cut half-way", adversary="malicious server",
+        controls="it stops (or cuts) a sender's stream after most of its chunks arrived",
+        protocol="the partial input never enters the sum; the sender is dropped, so the "
+                 "others reveal only its masking key, never its self-mask seed",
+        mode="semi-honest")
+@pytest.mark.parametrize("kept", [0, 1, 3])
+def test_a_cut_stream_never_counts_and_reveals_only_the_masking_key(kept: int) -> None:
+    config = Config(num_clients=5, threshold=3, dim=40, bits=32)
+    server, clients, streams, inputs = _masked_round(config, seed=13)
+    server.grant_uploads()
+    victim = 3
+    for cid, stream in streams.items():
+        for chunk in list(stream.chunks(10))[:kept if cid == victim else None]:
+            server.receive(cid, encode(chunk))
+    result: Any = _finish(server, clients)
+    assert victim not in result.included and result.dropped[victim] is Stage.MASKED_INPUT
+    assert result.total.tolist() == _exact(inputs, result.included, 32)
+    revealed = {cid: c.revealed.get(victim) for cid, c in clients.items() if cid != victim}
+    assert set(revealed.values()) == {"masking_key"}, revealed
+
+
+@threat(attack="Streamed masked input: rejection log growth", adversary="malicious client",
+        controls="its own login: thousands of refused chunks in one stage",
+        protocol="a refused message never grows the server's memory without bound",
+        mode="semi-honest")
+@pytest.mark.xfail(strict=True, reason="MEDIUM: every refused chunk appends a reason string "
+                   "to Server.rejected (secagg/server.py:212), unbounded per stage")
+def test_refused_chunks_do_not_grow_the_server_without_bound() -> None:
+    config = Config(num_clients=3, threshold=2, dim=40, bits=32)
+    server, _, streams, _ = _masked_round(config, seed=14)
+    server.grant_uploads()
+    first = next(streams[1].chunks(10))
+    wrong = _junk(first, offset=20)
+    for _ in range(5000):
+        with pytest.raises(ProtocolError):
+            server.receive(1, wrong)
+    assert len(server.rejected) <= 100
+
+
+# --- the drivers on a broker: a site with a valid login ------------------------------------
+
+
+CONFIG = Config(num_clients=4, threshold=3, dim=400, bits=32)
+IDS = [1, 2, 3, 4]
+
+
+def _inputs(seed: int) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {cid: rng.integers(0, 1 << 32, CONFIG.dim, dtype=np.uint64) for cid in IDS}
+
+
+Attack = Callable[[RawClient, Topics, bytes], Awaitable[None]]
+BROKER = Timeouts(stage=5.0, start=10.0, retry=1.0, answer=3.0, give_up=30.0)
+
+
+def _broker_round(attack: Attack, *, hostile: int, timeouts: Timeouts, seed: int,
+                  upload_budget: int = 1 << 30, chunk_bytes: int = 400
+                  ) -> tuple[RoundReport | ProtocolAbort, dict[int, np.ndarray]]:
+    """A semi-honest round on the embedded broker where site ``hostile``'s driver goes
+    silent at masked_input and a second connection under its own login runs ``attack``
+    (with the round's topics and session id) as masked_input opens."""
+    users = {site_name(c): secrets.token_hex(8) for c in IDS}
+    users[SERVER_USER] = secrets.token_hex(8)
+    topics = Topics(f"redteam-{secrets.token_hex(4)}")
+    context = b"redteam"
+    session = derive_session_id(CONFIG, normalize_roster(CONFIG, IDS), context)
+    inputs = _inputs(seed)
+
+    async def scenario() -> RoundReport | ProtocolAbort:
+        async with EmbeddedBroker(users=users, acl=acl_table(IDS)) as broker:
+            evil = await RawClient.login(broker.port, f"site-{hostile}-evil",
+                                         site_name(hostile), users[site_name(hostile)])
+            tasks: list[asyncio.Task[None]] = []
+
+            def on_stage(progress: StageProgress) -> None:
+                if progress.stage is Stage.SHARE_KEYS:  # masked_input is open
+                    tasks.append(asyncio.create_task(attack(evil, topics, session)))
+
+            settings = BrokerSettings(port=broker.port, passwords=users)
+            try:
+                report: RoundReport | ProtocolAbort = await run_round(
+                    MqttNetwork(settings), CONFIG, inputs, {hostile: Stage.MASKED_INPUT},
+                    round_name=topics.round_name, timeouts=timeouts, on_stage=on_stage,
+                    drop_mode="silent", chunk_bytes=chunk_bytes,
+                    upload_budget=upload_budget, context=context)
+            except ProtocolAbort as exc:
+                report = exc
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            evil.disconnect()
+            return report
+
+    return asyncio.run(asyncio.wait_for(scenario(), 50)), inputs
+
+
+def _completed(report: RoundReport | ProtocolAbort, inputs: dict[int, np.ndarray],
+               honest: set[int]) -> RoundReport:
+    """The round completed with exactly the ``honest`` sites, summed exactly."""
+    assert isinstance(report, RoundReport), f"the round aborted: {report}"
+    assert report.included == honest
+    assert report.result.total.tolist() == _exact(inputs, report.included, 32)
+    return report
+
+
+def _chunk(session: bytes, hostile: int, offset: int, count: int) -> bytes:
+    """A valid chunk of site ``hostile``'s stream (semi-honest: no signature; the honest
+    server forwarded every other site's ciphertext to it)."""
+    others = [c for c in IDS if c != hostile]
+    return encode(MaskedChunk(session, hostile, CONFIG.bits, CONFIG.dim, offset,
+                              bytes(4 * count), peers_digest(others)))
+
+
+async def _publish(evil: RawClient, topics: Topics, hostile: int, raw: bytes) -> None:
+    for data in frame(raw):
+        evil.send(publish_packet(topics.stage_upstream(hostile, Stage.MASKED_INPUT), data))
+    await evil.ping(5.0)
+
+
+def _dripper(elements: int, pause: float) -> Attack:
+    """Site 1's first ``elements`` one-element chunks, ``pause`` seconds apart."""
+    async def drip(evil: RawClient, topics: Topics, session: bytes) -> None:
+        for offset in range(elements):
+            await _publish(evil, topics, 1, _chunk(session, 1, offset, 1))
+            await asyncio.sleep(pause)
+
+    return drip
+
+
+@threat(attack="Streamed masked input: upload-slot hogging", adversary="malicious client",
+        controls="its own login: granted the only upload slot, it sends one valid "
+                 "one-element chunk just before every upload_idle",
+        protocol="the slot should go to the honest sites (a lease or a minimum rate)")
+@pytest.mark.xfail(strict=True, reason="HIGH: a granted site that drips one valid element "
+                   "per upload_idle keeps the slot for the whole stage; with fewer slots "
+                   "than sites the honest sites are never granted and the round aborts "
+                   "(transport/server_driver.py:178 only checks idle time; "
+                   "secagg/server.py:369 _take_masked accepts any chunk length)")
+def test_a_site_dripping_chunks_cannot_hold_the_only_slot() -> None:
+    # never the last element (the stream never completes), one every 0.3 s
+    report, inputs = _broker_round(_dripper(CONFIG.dim - 1, 0.3), hostile=1,
+                                   timeouts=replace(BROKER, stage=4.0, upload_idle=0.6),
+                                   seed=21, upload_budget=CONFIG.dim * 4)  # one slot
+    report = _completed(report, inputs, {2, 3, 4})
+
+
+@threat(attack="Streamed masked input: chunks smaller than granted",
+        adversary="malicious client",
+        controls="its own login: granted a slot of 100-element chunks, it sends "
+                 "one-element chunks",
+        protocol="a chunk other than the granted size (but the last) should be refused: "
+                 "the server's per-chunk state (ServerDriver._seen, one entry per accepted "
+                 "chunk, never cleared) and per-chunk work must stay per granted chunk")
+@pytest.mark.xfail(strict=True, reason="HIGH: the server accepts chunks of any length, so "
+                   "a site makes it keep one (client, digest) entry per element in "
+                   "ServerDriver._seen for the whole round (transport/server_driver.py:96, "
+                   "secagg/server.py:369 _take_masked) - ~150 B of server memory per 4-byte "
+                   "element, d-proportional per hostile site")
+def test_chunks_smaller_than_granted_are_refused() -> None:
+    report, inputs = _broker_round(_dripper(50, 0.0), hostile=1, timeouts=BROKER, seed=22)
+    report = _completed(report, inputs, {2, 3, 4})
+    assert report.chunks == 3 * 4  # only the honest sites' granted 100-element chunks
+
+
+@threat(attack="Streamed masked input: forged grants and cancels",
+        adversary="malicious client",
+        controls="its own login: publishes a Grant with a tiny chunk and a Receipt that "
+                 "takes back the upload slot on every other site's receipt topic",
+        protocol="the broker's ACL refuses them (only the server writes a site's "
+                 "downstream topics); every honest site completes")
+def test_forged_grants_and_cancels_for_other_sites_are_refused() -> None:
+    async def forge(evil: RawClient, topics: Topics, session: bytes) -> None:
+        for victim in (1, 3, 4):
+            topic = topics.downstream(victim, RECEIPT)
+            for control in (Grant(session, 1, 1024),
+                            Receipt(UPLOAD_RECEIPT, False, "slot taken back")):
+                for data in frame(encode_control(control)):
+                    evil.send(publish_packet(topic, data))
+        await evil.ping(5.0)
+
+    report, inputs = _broker_round(forge, hostile=2, timeouts=BROKER, seed=23)
+    report = _completed(report, inputs, {1, 3, 4})
+    assert all(report.outcomes[c].status == "done" for c in (1, 3, 4))
+
+
+@threat(attack="Streamed masked input: a silent slot holder", adversary="malicious client",
+        controls="its own login, the lowest id: granted the only slot, it stays online and "
+                 "sends nothing (upload_idle equal to the stage deadline, as the defaults "
+                 "Timeouts().upload_idle == Timeouts().stage == 60 s)",
+        protocol="the slot should be taken back in time for the honest sites to stream")
+@pytest.mark.xfail(strict=True, reason="HIGH: with the default Timeouts (upload_idle 60 s = "
+                   "stage 60 s) a granted site that stays silent holds the slot until the "
+                   "stage deadline: with fewer slots than sites every other site is dropped "
+                   "and the round aborts (transport/drivers.py:71; ServerDriver does not "
+                   "check upload_idle against the masked_input deadline)")
+def test_a_silent_slot_holder_at_the_default_timeout_ratio_does_not_abort_the_round() -> None:
+    scale = Timeouts()
+    ratio = scale.upload_idle / scale.deadline(Stage.MASKED_INPUT)
+    timeouts = Timeouts(stage=2.0, start=10.0, retry=0.5, answer=2.0, give_up=20.0,
+                        resend_interval=0.1, upload_idle=2.0 * ratio)
+    config = Config(num_clients=4, threshold=3, dim=300, bits=32)
+    rng = np.random.default_rng(24)
+    inputs = {c: rng.integers(0, 1 << 32, config.dim, dtype=np.uint64) for c in IDS}
+    try:
+        report = asyncio.run(run_round(MemoryNetwork(), config, inputs,
+                                       {1: Stage.MASKED_INPUT}, timeouts=timeouts,
+                                       drop_mode="silent", chunk_bytes=400,
+                                       upload_budget=300 * 4))
+    except ProtocolAbort as exc:
+        pytest.fail(f"the round aborted: {exc}")
+    assert report.included == {2, 3, 4}
