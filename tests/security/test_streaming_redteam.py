@@ -11,7 +11,10 @@ are open findings: each asserts the protection and fails today; its fix flips it
 from __future__ import annotations
 
 import asyncio
+import gc
 import secrets
+import time
+import tracemalloc
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -22,6 +25,7 @@ from adversary import threat
 
 from secagg import Config, ProtocolAbort, ProtocolError, Stage, encode
 from secagg.messages import MaskedChunk, peers_digest
+from secagg.server import Server
 from secagg.session import derive_session_id, normalize_roster
 from tests.secagg.test_streaming import _exact, _finish, _masked_round
 from tests.transport.mqtt_raw import RawClient, publish_packet
@@ -330,3 +334,94 @@ def test_a_silent_slot_holder_at_the_default_timeout_ratio_does_not_abort_the_ro
     except ProtocolAbort as exc:
         pytest.fail(f"the round aborted: {exc}")
     assert report.included == {2, 3, 4}
+
+
+@threat(attack="Streamed masked input: a network blip", adversary="network attacker",
+        controls="it cuts one honest site's connection for 0.8 s (the broker publishes its "
+                 "will) while the site waits for its upload slot (mode 'waiting') or "
+                 "streams (mode 'streaming'); the site reconnects and goes on",
+        protocol="a site that comes back should still be granted / finish its stream, as a "
+                 "whole MaskedInput re-published after a reconnect was accepted before "
+                 "streaming")
+@pytest.mark.xfail(strict=True, reason="HIGH: a site whose will was published is 'gone' "
+                   "for the rest of masked_input: never granted a slot while it waits "
+                   "(_grant_uploads skips gone sites, transport/server_driver.py:159) and "
+                   "cancelled for good while it streams (_reclaim_uploads, "
+                   "transport/server_driver.py:176); nothing it can send clears 'gone' "
+                   "(only an accepted message does, and it has no grant)")
+@pytest.mark.parametrize("mode", ["waiting", "streaming"])
+def test_a_site_that_blips_during_masked_input_is_not_dropped(mode: str,
+                                                              monkeypatch: Any) -> None:
+    config = Config(num_clients=4, threshold=3, dim=600, bits=32)
+    rng = np.random.default_rng(25)
+    inputs = {c: rng.integers(0, 1 << 32, config.dim, dtype=np.uint64) for c in IDS}
+    network = MemoryNetwork()
+    timeouts = Timeouts(stage=8.0, start=5.0, retry=0.5, answer=2.0, give_up=20.0,
+                        resend_interval=0.1)
+    victim = 4 if mode == "waiting" else 1  # the last / the first to be granted
+    receive = Server.receive
+
+    def slow_receive(self: Server, client_id: int, message: Any) -> bool:
+        if self.stage is Stage.MASKED_INPUT:
+            time.sleep(0.02)  # every chunk costs the aggregator time: streams take a while
+        return receive(self, client_id, message)
+
+    monkeypatch.setattr(Server, "receive", slow_receive)
+
+    async def blip() -> None:
+        await asyncio.sleep(0.1)
+        link = network._links[site_name(victim)]  # the site's own connection
+        link.drop(publish_will=True)
+        await asyncio.sleep(0.8)  # longer than will_grace
+        link.reconnect()
+
+    async def scenario() -> RoundReport:
+        tasks: list[asyncio.Task[None]] = []
+
+        def on_stage(progress: StageProgress) -> None:
+            if progress.stage is Stage.SHARE_KEYS:  # masked_input is open
+                tasks.append(asyncio.create_task(blip()))
+
+        report = await run_round(network, config, inputs, timeouts=timeouts,
+                                 on_stage=on_stage, chunk_bytes=400,
+                                 upload_budget=config.dim * 4)  # one slot
+        await asyncio.gather(*tasks)
+        return report
+
+    report = asyncio.run(asyncio.wait_for(scenario(), 40))
+    _completed(report, inputs, {1, 2, 3, 4})
+
+
+@threat(attack="Whole masked inputs: the server keeps every vector",
+        adversary="honest-but-curious server",
+        controls="nothing: n clients answer with a whole MaskedInput (Client.handle, the "
+                 "Flower adapter's assembled input)",
+        protocol="docs/protocol.md 6.3: the server holds the sum plus upload_slots "
+                 "vectors, never n", mode="semi-honest", shows="defence")
+@pytest.mark.xfail(strict=True, reason="MEDIUM: Server keeps each accepted MaskedInput's "
+                   "raw bytes (a d-sized vector) in _accepted_raw for masked_input and, as "
+                   "_previous_raw, for the whole next stage (secagg/server.py:437, :472): "
+                   "n vectors at the server on the Flower path (fl/flower/rounds.py "
+                   "receives whole inputs); keeping a digest for redelivery would do")
+def test_whole_masked_inputs_are_not_all_kept_by_the_server() -> None:
+    config = Config(num_clients=8, threshold=5, dim=1 << 16, bits=32)
+    vector = config.dim * 4
+    tracemalloc.start()
+    try:
+        server, clients, streams, _ = _masked_round(config, seed=3)
+        raws = [(cid, encode(stream.whole())) for cid, stream in streams.items()]
+        del clients, streams  # the clients' own copies: only the wire bytes remain
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0] - len(raws) * vector
+        while raws:  # each message handed over and let go, as a transport does
+            cid, raw = raws.pop()
+            server.receive(cid, raw)
+            del raw
+        server.advance()
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert server.stage is Stage.UNMASKING
+    # the sum was allocated before; nothing pending: no vector should stay behind
+    assert held < vector, f"{held / vector:.1f} vectors held"
