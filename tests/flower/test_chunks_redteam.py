@@ -24,7 +24,7 @@ from fl.flower.chunks import CHUNK, MASKED
 from fl.flower.local import LocalGrid
 from fl.flower.records import RECORD
 from tests.flower import apps
-from tests.flower.test_chunks import _first_chunk, _one_round, _tampering_mod
+from tests.flower.test_chunks import _first_chunk, _keys, _one_round, _tampering_mod
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,3 +115,26 @@ def test_a_second_request_with_another_chunk_length_gets_the_same_vector() -> No
     report: Any = _one_round(grid, twice)
     assert len(answers) == 2 and np.array_equal(answers[0], answers[1])
     assert victim in report.included
+
+
+UNTYPED: dict[str, Any] = {
+    "a dtype numpy refuses with ValueError": lambda r: _first_chunk(
+        r, _declared(bytes(28), dtype="m8[as/0]")),
+    "an offset of 5000 digits": lambda r: _keys(r, {"7": "9" * 5000}),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="LOW: chunks_of lets numpy's / int()'s ValueError "
+                   "through (fl/flower/chunks.py:140 int(key) over 4300 digits, :196 "
+                   "_is_dtype catches only TypeError): the node is dropped, but as an "
+                   "untyped reply logged at info level, not a ChunkError in "
+                   "report.chunk_rejected saying what to change")
+@pytest.mark.parametrize("case", sorted(UNTYPED))
+def test_every_malformed_chunk_is_a_chunk_error(case: str) -> None:
+    grid = LocalGrid(None, 5)
+    hostile = grid.nodes[1]
+    grid.app = apps.client_app(None, [_tampering_mod({hostile}, UNTYPED[case]),
+                                      apps.open_mod])
+    report = _one_round(grid)
+    assert report.dropped == {hostile: "masked_input"}
+    assert [node for node, _ in report.chunk_rejected] == [hostile]
