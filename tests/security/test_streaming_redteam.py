@@ -425,3 +425,36 @@ def test_whole_masked_inputs_are_not_all_kept_by_the_server() -> None:
     assert server.stage is Stage.UNMASKING
     # the sum was allocated before; nothing pending: no vector should stay behind
     assert held < vector, f"{held / vector:.1f} vectors held"
+
+
+@threat(attack="Streamed masked input: a long wait for the upload slot",
+        adversary="malicious client",
+        controls="nothing but time: one slot and a slow aggregator, so the last sites wait "
+                 "for their grant longer than Timeouts.answer after their last message",
+        protocol="a site that waits for its grant sleeps until it comes and then streams")
+@pytest.mark.xfail(strict=True, reason="HIGH: a ClientDriver with nothing sent (waiting for "
+                   "its grant) computes its wake-up from _sent_at + answer, which is in the "
+                   "past after `answer` seconds: it polls link.receive(0) in a loop "
+                   "(transport/client_driver.py:171-178). On MemoryNetwork receive(0) never "
+                   "returns a queued event, so the site never sees its grant and is dropped; "
+                   "on MQTT it busy-polls (1,947 receive(0) calls in 3 s measured) until "
+                   "granted")
+def test_a_site_waiting_longer_than_answer_for_its_grant_still_streams(
+        monkeypatch: Any) -> None:
+    config = Config(num_clients=4, threshold=3, dim=600, bits=32)
+    rng = np.random.default_rng(27)
+    inputs = {c: rng.integers(0, 1 << 32, config.dim, dtype=np.uint64) for c in IDS}
+    receive = Server.receive
+
+    def slow_receive(self: Server, client_id: int, message: Any) -> bool:
+        if self.stage is Stage.MASKED_INPUT:
+            time.sleep(0.01)  # a busy aggregator: each site's 60 chunks take 0.6 s
+        return receive(self, client_id, message)
+
+    monkeypatch.setattr(Server, "receive", slow_receive)
+    timeouts = Timeouts(stage=8.0, start=5.0, retry=0.5, answer=0.3, give_up=20.0,
+                        resend_interval=0.1, upload_idle=1.0)
+    report = asyncio.run(asyncio.wait_for(run_round(
+        MemoryNetwork(), config, inputs, timeouts=timeouts, chunk_bytes=40,
+        upload_budget=config.dim * 4), 40))  # one slot: sites 2-4 wait 0.6-1.8 s
+    _completed(report, inputs, {1, 2, 3, 4})
