@@ -170,10 +170,12 @@ class ClientDriver:
                     return
                 unconfirmed = bool(self._inflight) or not self._confirmed
                 wait = self.timeouts.retry if unconfirmed else self.timeouts.answer
-                wake = min(self._sent_at + wait, self._progress_at + self.timeouts.give_up)
+                wake = self._progress_at + self.timeouts.give_up
+                sent = self._current is not None or bool(self._inflight)
+                if sent:  # nothing to re-publish (e.g. waiting for a grant): no retry timer
+                    wake = min(wake, self._sent_at + wait)
                 if lost is not None:
                     wake = min(wake, lost + self.timeouts.answer)
-                sent = self._current is not None or bool(self._inflight)
                 if sent and now >= self._sent_at + wait:
                     await self._republish("no receipt" if not self._confirmed
                                           else "no answer")

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from adversary import threat
 
-from secagg import Config, ProtocolAbort, ProtocolError, Stage, encode
+from secagg import Config, ProtocolAbort, ProtocolError, Stage, decode, encode
 from secagg.messages import MaskedChunk, peers_digest
 from secagg.server import Server
 from secagg.session import derive_session_id, normalize_roster
@@ -31,8 +31,8 @@ from tests.secagg.test_streaming import _exact, _finish, _masked_round
 from tests.transport.mqtt_raw import RawClient, publish_packet
 from transport.broker import EmbeddedBroker
 from transport.control import UPLOAD_RECEIPT, Grant, Receipt, encode_control
-from transport.drivers import StageProgress, Timeouts
-from transport.framing import frame
+from transport.drivers import StageProgress, Timeouts, client_will
+from transport.framing import HEADER_BYTES, frame
 from transport.memory import MemoryNetwork
 from transport.mqtt import BrokerSettings, MqttNetwork
 from transport.rounds import RoundReport, run_round
@@ -337,7 +337,7 @@ def test_a_silent_slot_holder_at_the_default_timeout_ratio_does_not_abort_the_ro
 
 
 @threat(attack="Streamed masked input: a network blip", adversary="network attacker",
-        controls="it cuts one honest site's connection for 0.8 s (the broker publishes its "
+        controls="it cuts one honest site's connection for 1 s (the broker publishes its "
                  "will) while the site waits for its upload slot (mode 'waiting') or "
                  "streams (mode 'streaming'); the site reconnects and goes on",
         protocol="a site that comes back should still be granted / finish its stream, as a "
@@ -359,11 +359,12 @@ def test_a_site_that_blips_during_masked_input_is_not_dropped(mode: str,
     timeouts = Timeouts(stage=8.0, start=5.0, retry=0.5, answer=2.0, give_up=20.0,
                         resend_interval=0.1)
     victim = 4 if mode == "waiting" else 1  # the last / the first to be granted
+    topics = Topics(f"redteam-blip-{mode}")
     receive = Server.receive
 
     def slow_receive(self: Server, client_id: int, message: Any) -> bool:
         if self.stage is Stage.MASKED_INPUT:
-            time.sleep(0.02)  # every chunk costs the aggregator time: streams take a while
+            time.sleep(0.01)  # every chunk costs the aggregator time: a stream takes 0.6 s
         return receive(self, client_id, message)
 
     monkeypatch.setattr(Server, "receive", slow_receive)
@@ -371,8 +372,11 @@ def test_a_site_that_blips_during_masked_input_is_not_dropped(mode: str,
     async def blip() -> None:
         await asyncio.sleep(0.1)
         link = network._links[site_name(victim)]  # the site's own connection
-        link.drop(publish_will=True)
-        await asyncio.sleep(0.8)  # longer than will_grace
+        link.drop(publish_will=False)
+        await asyncio.sleep(0.2)  # the broker notices the dead connection a little later
+        will = client_will(topics, victim)
+        network.route(site_name(victim), will.topic, will.payload, False)
+        await asyncio.sleep(0.8)  # longer than will_grace (0.5 s)
         link.reconnect()
 
     async def scenario() -> RoundReport:
@@ -383,7 +387,8 @@ def test_a_site_that_blips_during_masked_input_is_not_dropped(mode: str,
                 tasks.append(asyncio.create_task(blip()))
 
         report = await run_round(network, config, inputs, timeouts=timeouts,
-                                 on_stage=on_stage, chunk_bytes=400,
+                                 on_stage=on_stage, round_name=topics.round_name,
+                                 chunk_bytes=40,  # 60 chunks a site
                                  upload_budget=config.dim * 4)  # one slot
         await asyncio.gather(*tasks)
         return report
@@ -431,14 +436,9 @@ def test_whole_masked_inputs_are_not_all_kept_by_the_server() -> None:
         adversary="malicious client",
         controls="nothing but time: one slot and a slow aggregator, so the last sites wait "
                  "for their grant longer than Timeouts.answer after their last message",
-        protocol="a site that waits for its grant sleeps until it comes and then streams")
-@pytest.mark.xfail(strict=True, reason="HIGH: a ClientDriver with nothing sent (waiting for "
-                   "its grant) computes its wake-up from _sent_at + answer, which is in the "
-                   "past after `answer` seconds: it polls link.receive(0) in a loop "
-                   "(transport/client_driver.py:171-178). On MemoryNetwork receive(0) never "
-                   "returns a queued event, so the site never sees its grant and is dropped; "
-                   "on MQTT it busy-polls (1,947 receive(0) calls in 3 s measured) until "
-                   "granted")
+        protocol="a site that waits for its grant sleeps until it comes and then streams "
+                 "(was: it polled link.receive(0) once its retry timer had passed - lost "
+                 "the grant on MemoryNetwork, busy-polled on MQTT)")
 def test_a_site_waiting_longer_than_answer_for_its_grant_still_streams(
         monkeypatch: Any) -> None:
     config = Config(num_clients=4, threshold=3, dim=600, bits=32)
@@ -458,3 +458,55 @@ def test_a_site_waiting_longer_than_answer_for_its_grant_still_streams(
         MemoryNetwork(), config, inputs, timeouts=timeouts, chunk_bytes=40,
         upload_budget=config.dim * 4), 40))  # one slot: sites 2-4 wait 0.6-1.8 s
     _completed(report, inputs, {1, 2, 3, 4})
+
+
+@threat(attack="Streamed masked input: splice and reorder on the wire",
+        adversary="untrusted broker",
+        controls="it rewrites chunks in flight: site 2's chunk at element 100 replaced by "
+                 "site 1's (relabelled as site 2's, its peers digest too), site 3's chunks "
+                 "at elements 100 and 200 swapped (offsets rewritten)",
+        protocol="malicious mode: the last chunk's signature covers the stream's bytes, so "
+                 "both inputs are refused with a typed reason and never counted; the others "
+                 "sum exactly", mode="malicious")
+def test_a_broker_splicing_or_reordering_streams_gets_them_refused() -> None:
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    config = Config(num_clients=7, threshold=5, dim=600, bits=32, security="malicious")
+    rng = np.random.default_rng(26)
+    inputs = {c: rng.integers(0, 1 << 32, config.dim, dtype=np.uint64) for c in ids}
+    topics = Topics("redteam-splice")
+    network = MemoryNetwork()
+    seen: dict[tuple[int, int], MaskedChunk] = {}
+    held: list[MaskedChunk] = []
+
+    def rewrite(chunk: MaskedChunk) -> list[bytes]:
+        seen[(chunk.client_id, chunk.offset)] = chunk
+        if chunk.client_id == 2 and chunk.offset == 100:
+            donor = seen[(1, 100)]  # one slot: site 1 streamed before site 2
+            chunk = replace(donor, client_id=2, peers_digest=chunk.peers_digest)
+        elif chunk.client_id == 3 and chunk.offset == 100:
+            held.append(chunk)
+            return []
+        elif chunk.client_id == 3 and chunk.offset == 200:
+            first = held.pop()
+            return [encode(replace(chunk, offset=100)), encode(replace(first, offset=200))]
+        return [encode(chunk)]
+
+    def tap(user: str, topic: str, payload: bytes) -> list[bytes]:
+        parsed = topics.parse_upstream(topic)
+        if parsed is None or parsed[0] != Stage.MASKED_INPUT.label:
+            return [payload]
+        chunk = decode(payload[HEADER_BYTES:])
+        assert isinstance(chunk, MaskedChunk)
+        return [frame(raw)[0] for raw in rewrite(chunk)]
+
+    network.tap = tap
+    timeouts = Timeouts(stage=8.0, start=5.0, retry=0.5, answer=2.0, give_up=20.0,
+                        resend_interval=0.1, upload_idle=1.0)
+    report = asyncio.run(asyncio.wait_for(run_round(
+        network, config, inputs, timeouts=timeouts, round_name=topics.round_name,
+        chunk_bytes=400, upload_budget=config.dim * 4), 40))
+    assert report.included == {1, 4, 5, 6, 7}
+    assert report.result.total.tolist() == _exact(inputs, report.included, 32)
+    for cid in (2, 3):
+        assert report.outcomes[cid].status == "excluded"
+        assert "signature is invalid" in report.outcomes[cid].reason
