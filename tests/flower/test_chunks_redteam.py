@@ -17,13 +17,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Array, ConfigRecord, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.serverapp.strategy import FedAvg
 
+from fl.flower import SecureAggregation
 from fl.flower.chunks import CHUNK, MASKED
 from fl.flower.local import LocalGrid
 from fl.flower.records import RECORD
 from tests.flower import apps
+from tests.flower.test_adapter import _malicious
 from tests.flower.test_chunks import _first_chunk, _keys, _one_round, _tampering_mod
 
 pytestmark = pytest.mark.timeout(60)
@@ -135,3 +138,33 @@ def test_every_malformed_chunk_is_a_chunk_error(case: str) -> None:
     report = _one_round(grid)
     assert report.dropped == {hostile: "masked_input"}
     assert [node for node, _ in report.chunk_rejected] == [hostile]
+
+
+def test_malicious_mode_a_node_answering_with_another_nodes_chunks_is_refused() -> None:
+    """Malicious mode: node B's masked-input chunks arrive under node A's reply (an
+    untrusted relay splices them; the layout is valid): A's envelope signature covers its
+    own vector, so the server refuses A with a typed reason and sums the others exactly."""
+    grid, _, keys = _malicious(7)
+    donor, victim = grid.nodes[1], grid.nodes[4]
+    deliver = grid.deliver
+    chunks: dict[int, ArrayRecord] = {}
+
+    def splicing(message: Message) -> Message | None:
+        reply = deliver(message)
+        node = message.metadata.dst_node_id
+        if reply is not None and not reply.has_error() and MASKED in reply.content:
+            chunks[node] = reply.content[MASKED]
+            if node == victim:  # the donor was asked first (nodes go in order)
+                reply.content[MASKED] = chunks[donor]
+        return reply
+
+    grid.deliver = splicing  # type: ignore[method-assign]
+    wrapper = SecureAggregation(
+        FedAvg(fraction_evaluate=0.0, min_available_nodes=7), neighbors=None,
+        security="malicious", verify_keys={n: k.public for n, k in keys.items()})
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    (report,) = wrapper.reports
+    assert report.dropped == {victim: "masked_input"}
+    assert report.included == frozenset(grid.nodes) - {victim}
+    assert any(node == victim and "signature" in why for node, why in report.rejected)
+    assert np.array_equal(report.total, apps.expected_total(report))

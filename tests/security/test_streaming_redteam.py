@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from adversary import threat
+from adversary import Puppeteer, threat
 
 from secagg import Config, ProtocolAbort, ProtocolError, Stage, decode, encode
+from secagg.client import MaskedStream
 from secagg.messages import MaskedChunk, peers_digest
 from secagg.server import Server
 from secagg.session import derive_session_id, normalize_roster
@@ -276,7 +277,7 @@ def test_a_site_dripping_chunks_cannot_hold_the_only_slot() -> None:
         protocol="a chunk other than the granted size (but the last) should be refused: "
                  "the server's per-chunk state (ServerDriver._seen, one entry per accepted "
                  "chunk, never cleared) and per-chunk work must stay per granted chunk")
-@pytest.mark.xfail(strict=True, reason="HIGH: the server accepts chunks of any length, so "
+@pytest.mark.xfail(strict=True, reason="MEDIUM: the server accepts chunks of any length, so "
                    "a site makes it keep one (client, digest) entry per element in "
                    "ServerDriver._seen for the whole round (transport/server_driver.py:96, "
                    "secagg/server.py:369 _take_masked) - ~150 B of server memory per 4-byte "
@@ -510,3 +511,27 @@ def test_a_broker_splicing_or_reordering_streams_gets_them_refused() -> None:
     for cid in (2, 3):
         assert report.outcomes[cid].status == "excluded"
         assert "signature is invalid" in report.outcomes[cid].reason
+
+
+@threat(attack="Streamed masked input: a second, different Ciphertexts mid-stream",
+        adversary="malicious server",
+        controls="after a client started streaming, the server sends it another "
+                 "Ciphertexts (one sender fewer), hoping for a second masked input under "
+                 "other pairwise masks",
+        protocol="the client aborts; its stream stops with a typed error, so no second "
+                 "masked input exists (the same request again gives the same stream)")
+def test_a_second_different_ciphertexts_stops_the_stream() -> None:
+    p = Puppeteer(Config(num_clients=4, threshold=3, dim=40, bits=32))
+    p.honest_until_masked_input()
+    client = p.clients[1]
+    stream = client.stream(encode(p.ciphertexts(1)))
+    assert isinstance(stream, MaskedStream)
+    assert client.stream(encode(p.ciphertexts(1))) is stream  # a redelivery: the same
+    chunks = stream.chunks(10)
+    first = next(chunks)
+    assert bytes(first.masked) == bytes(p.masked[1].masked)[:40]
+    assert p.deliver(1, p.ciphertexts(1, senders={2, 3})) is None
+    assert 1 in p.aborts
+    for produce in (lambda: next(chunks), lambda: next(stream.chunks(10))):
+        with pytest.raises(ProtocolError, match="aborted"):
+            produce()
