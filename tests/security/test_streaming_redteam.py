@@ -237,9 +237,10 @@ def _chunk(session: bytes, hostile: int, offset: int, count: int) -> bytes:
                               bytes(4 * count), peers_digest(others)))
 
 
-async def _publish(evil: RawClient, topics: Topics, hostile: int, raw: bytes) -> None:
+async def _publish(evil: RawClient, topics: Topics, site: int, raw: bytes) -> None:
+    """``raw`` framed on site ``site``'s masked_input topic (the broker's ACL decides)."""
     for data in frame(raw):
-        evil.send(publish_packet(topics.stage_upstream(hostile, Stage.MASKED_INPUT), data))
+        evil.send(publish_packet(topics.stage_upstream(site, Stage.MASKED_INPUT), data))
     await evil.ping(5.0)
 
 
@@ -291,22 +292,28 @@ def test_chunks_smaller_than_granted_are_refused() -> None:
 @threat(attack="Streamed masked input: forged grants and cancels",
         adversary="malicious client",
         controls="its own login: publishes a Grant with a tiny chunk and a Receipt that "
-                 "takes back the upload slot on every other site's receipt topic",
+                 "takes back the upload slot on every other site's receipt topic, and an "
+                 "out-of-order chunk on every other site's masked_input topic",
         protocol="the broker's ACL refuses them (only the server writes a site's "
-                 "downstream topics); every honest site completes")
+                 "downstream topics, only the site its upstream ones); every honest site "
+                 "completes")
 def test_forged_grants_and_cancels_for_other_sites_are_refused() -> None:
     async def forge(evil: RawClient, topics: Topics, session: bytes) -> None:
-        for victim in (1, 3, 4):
-            topic = topics.downstream(victim, RECEIPT)
-            for control in (Grant(session, 1, 1024),
-                            Receipt(UPLOAD_RECEIPT, False, "slot taken back")):
-                for data in frame(encode_control(control)):
-                    evil.send(publish_packet(topic, data))
-        await evil.ping(5.0)
+        for _ in range(10):  # all through the stage: before, during and after the streams
+            for victim in (1, 3, 4):
+                topic = topics.downstream(victim, RECEIPT)
+                for control in (Grant(session, 1, 1024),
+                                Receipt(UPLOAD_RECEIPT, False, "slot taken back")):
+                    for data in frame(encode_control(control)):
+                        evil.send(publish_packet(topic, data))
+                # a chunk out of order under the victim's name, on the victim's own topic
+                await _publish(evil, topics, victim, _chunk(session, victim, 50, 1))
+            await asyncio.sleep(0.05)
 
     report, inputs = _broker_round(forge, hostile=2, timeouts=BROKER, seed=23)
     report = _completed(report, inputs, {1, 3, 4})
     assert all(report.outcomes[c].status == "done" for c in (1, 3, 4))
+    assert report.rejected == 0  # no forged chunk ever reached the server
 
 
 @threat(attack="Streamed masked input: a silent slot holder", adversary="malicious client",
