@@ -316,17 +316,25 @@ def test_forged_grants_and_cancels_for_other_sites_are_refused() -> None:
     assert report.rejected == 0  # no forged chunk ever reached the server
 
 
-@threat(attack="Streamed masked input: a silent slot holder", adversary="malicious client",
-        controls="its own login, the lowest id: granted the only slot, it stays online and "
-                 "sends nothing (upload_idle equal to the stage deadline, as the defaults "
-                 "Timeouts().upload_idle == Timeouts().stage == 60 s)",
-        protocol="the slot should be taken back in time for the honest sites to stream")
+@threat(attack="Streamed masked input: a slot held after its stream failed",
+        adversary="malicious client",
+        controls="granted the only slot (the lowest id), the site stays online and sends "
+                 "nothing (mode 'silent'), or its stream is refused half-way because a "
+                 "chunk was lost on the way (mode 'refused': the next one is out of order "
+                 "and the site gives up); upload_idle equal to the stage deadline, as the "
+                 "defaults Timeouts().upload_idle == Timeouts().stage == 60 s",
+        protocol="the slot should come back in time for the honest sites to stream")
 @pytest.mark.xfail(strict=True, reason="HIGH: with the default Timeouts (upload_idle 60 s = "
-                   "stage 60 s) a granted site that stays silent holds the slot until the "
-                   "stage deadline: with fewer slots than sites every other site is dropped "
-                   "and the round aborts (transport/drivers.py:71; ServerDriver does not "
-                   "check upload_idle against the masked_input deadline)")
-def test_a_silent_slot_holder_at_the_default_timeout_ratio_does_not_abort_the_round() -> None:
+                   "stage 60 s) a granted site that is silent, or whose chunk the server "
+                   "refused (the client driver gives up on any refusal, the server keeps its "
+                   "slot: transport/server_driver.py:362 does not cancel_upload), holds the "
+                   "slot until the stage deadline: with fewer slots than sites every other "
+                   "site is dropped and the round aborts (transport/drivers.py:71; "
+                   "ServerDriver does not check upload_idle against the masked_input "
+                   "deadline)")
+@pytest.mark.parametrize("mode", ["silent", "refused"])
+def test_a_failed_slot_holder_at_the_default_timeout_ratio_does_not_abort_the_round(
+        mode: str) -> None:
     scale = Timeouts()
     ratio = scale.upload_idle / scale.deadline(Stage.MASKED_INPUT)
     timeouts = Timeouts(stage=2.0, start=10.0, retry=0.5, answer=2.0, give_up=20.0,
@@ -334,14 +342,24 @@ def test_a_silent_slot_holder_at_the_default_timeout_ratio_does_not_abort_the_ro
     config = Config(num_clients=4, threshold=3, dim=300, bits=32)
     rng = np.random.default_rng(24)
     inputs = {c: rng.integers(0, 1 << 32, config.dim, dtype=np.uint64) for c in IDS}
+    network = MemoryNetwork()
+    lost: list[str] = []
+
+    def lose_one(user: str, topic: str, payload: bytes) -> list[bytes]:
+        if user == site_name(1) and "/masked_input/" in topic and not lost:
+            lost.append(topic)  # site 1's first chunk never arrives
+            return []
+        return [payload]
+
+    if mode == "refused":
+        network.tap = lose_one
     try:
-        report = asyncio.run(run_round(MemoryNetwork(), config, inputs,
-                                       {1: Stage.MASKED_INPUT}, timeouts=timeouts,
-                                       drop_mode="silent", chunk_bytes=400,
-                                       upload_budget=300 * 4))
+        report = asyncio.run(run_round(
+            network, config, inputs, {1: Stage.MASKED_INPUT} if mode == "silent" else None,
+            timeouts=timeouts, drop_mode="silent", chunk_bytes=400, upload_budget=300 * 4))
     except ProtocolAbort as exc:
         pytest.fail(f"the round aborted: {exc}")
-    assert report.included == {2, 3, 4}
+    assert report.included >= {2, 3, 4}
 
 
 @threat(attack="Streamed masked input: a network blip", adversary="network attacker",
