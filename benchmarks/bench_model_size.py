@@ -143,8 +143,8 @@ def floor(row: Row) -> float:
 
 
 def table(results: list[tuple[Row, dict[str, Any], float]], source: Path) -> str:
-    lines = [f"Code: `{source}`{' (this checkout)' if source == REPO else ''}; 32 bits, "
-             "no dropouts, seed 1.", "",
+    code = "this checkout" if source == REPO else f"`{source}`"
+    lines = [f"Code: {code}; 32 bits, no dropouts, seed 1.", "",
              "| run | clients | d | round s | floor s | ratio | peak RSS, largest process "
              "| wire bytes per client / (d x 4) | dropped payloads | correct |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -166,19 +166,26 @@ def table(results: list[tuple[Row, dict[str, Any], float]], source: Path) -> str
     return "\n".join(lines)
 
 
-def write_docs(text: str, command: str) -> None:
+def write_docs(text: str, command: str, block: str) -> None:
+    """Put ``text`` (printed by ``command``) into docs/performance.md's "Model-sized
+    updates" section, as its ``block`` (``current`` or ``before``: a run of older code)."""
     path = REPO / "docs" / "performance.md"
     doc = path.read_text(encoding="utf-8")
     head = "## Model-sized updates"
-    section = (f"{head}\n\nMasked inputs stream chunk by chunk end to end (docs/protocol.md "
-               "6.3, docs/deployment.md \"Model-sized updates\"). Printed by\n\n"
-               f"```\n{command}\n```\n\n{text}\n")
-    if head in doc:
-        start = doc.index(head)
-        end = doc.find("\n## ", start + len(head))
-        doc = doc[:start] + section + (doc[end + 1:] if end != -1 else "")
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + section
+    if head not in doc:
+        doc = doc.rstrip("\n") + (
+            f"\n\n{head}\n\nMasked inputs stream chunk by chunk end to end "
+            "(docs/protocol.md 6.3, docs/deployment.md 6.1). The floor is AES-128-CTR "
+            "keystream for every mask of every client plus two localhost socket copies of "
+            "every masked input (client -> broker -> server), measured in the same run "
+            "(benchmarks/_floor.py); peak RSS is the largest process of the run (the "
+            "command, its broker, its workers).\n\n"
+            "<!-- bench_model_size:current -->\n<!-- /bench_model_size:current -->\n\n"
+            "<!-- bench_model_size:before -->\n<!-- /bench_model_size:before -->\n")
+    start_tag, end_tag = f"<!-- bench_model_size:{block} -->", f"<!-- /bench_model_size:{block} -->"
+    start, end = doc.index(start_tag) + len(start_tag), doc.index(end_tag)
+    title = "Before (main at 43626a8)" if block == "before" else "Now"
+    doc = (doc[:start] + f"\n{title}: `{command}`\n\n{text}\n" + doc[end:])
     path.write_text(doc, encoding="utf-8")
 
 
@@ -201,8 +208,9 @@ def main() -> int:
     print(json.dumps([{"row": r.name, **g, "floor": f} for r, g, f in results])
           if args.json else text)
     if args.write_docs:
-        write_docs(text, "nice python benchmarks/bench_model_size.py "
-                   + " ".join(sys.argv[1:]))
+        write_docs(text, " ".join(["nice python benchmarks/bench_model_size.py",
+                                   *(a for a in sys.argv[1:] if a != "--write-docs")]),
+                   "current" if args.source.resolve() == REPO else "before")
     failed = any(not g.get("correct") or g.get("dropped_payloads") for _, g, _ in results)
     return 1 if failed else 0
 

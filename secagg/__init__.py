@@ -5,11 +5,12 @@ Public surface (docs/architecture.md section 4)::
 
     from secagg import Config, Stage, simulate, ProtocolError, ProtocolAbort
 
-The state machines ``Client`` and ``Server`` are for embedding the protocol in a transport;
+The state machines ``Client`` and ``Server`` are for embedding the protocol in a transport
+(a model-sized masked input streams: ``Client.stream`` gives a ``MaskedStream`` of chunks);
 ``simulate`` drives them in one process. docs/protocol.md is the normative spec.
 """
 
-from .client import Client
+from .client import Client, MaskedStream
 from .config import Config, required_bits
 from .crypto import SigningKey
 from .errors import (
@@ -35,6 +36,7 @@ __all__ = [
     "DecodeError",
     "GraphParameters",
     "LocalRound",
+    "MaskedStream",
     "ProtocolAbort",
     "ProtocolError",
     "SecAggError",

@@ -244,9 +244,10 @@ class Client:
 
     def _erase(self) -> None:
         """Overwrite with zeros every buffer that holds a secret of this round: the private
-        keys, the seed, the input (until it is masked in place: the masked input is
-        public), the X25519 share-key secrets, its own shares and those it received. What
-        was revealed stays in the cached replies only."""
+        keys, the seed, the input x (the masked input streams from it until the round
+        ends; its chunks are public), the mask keys, the X25519 share-key secrets, its own
+        shares and those it received. What was revealed stays in the cached replies
+        only."""
         for buffer in self._wipeable:
             wipe(buffer)
         self._wipeable = []
@@ -585,6 +586,11 @@ class Client:
 
     # --- resuming (secagg/resume.py) -----------------------------------------------------
 
+    def _answered_messages(self) -> dict[bytes, ClientMessage]:
+        """The reply cache as messages (a streamed masked input as its ``MaskedInput``)."""
+        return {digest: reply.whole() if isinstance(reply, MaskedStream) else reply
+                for digest, reply in self._answered.items()}
+
     def snapshot(self, key: bytes = b"") -> bytes:
         """This client's whole state as bytes, **secrets included**, authenticated with
         HMAC-SHA256 under ``key``: node-local, never to be sent to anyone. See
@@ -653,12 +659,12 @@ class MaskedStream:
                                     "; its masked input is gone", stage=client.stage,
                                     client_id=me)
             count = min(window, dim - start)
-            y = client._secrets.input[start:start + count].copy()
-            for key, added in self._keys:
-                if added:
-                    masker.add(y, bytes(key), start)
-                else:
-                    masker.subtract(y, bytes(key), start)
+            x = client._secrets.input[start:start + count]
+            y = np.empty(count, dtype=masker.dtype)  # each chunk its own bytes
+            for i, (key, added) in enumerate(self._keys):
+                stream = masker.keystream(bytes(key), start, count)
+                # the first mask is added to x straight into y: no separate copy of x
+                (np.add if added else np.subtract)(x if i == 0 else y, stream, out=y)
             if top is not None:
                 np.bitwise_and(y, top, out=y)
             data = cast(bytes, y.data.cast("B").toreadonly())

@@ -33,7 +33,7 @@ class Secrets:
     encryption: bytearray  # c_u, 32 bytes
     masking: bytearray  # s_u, 32 bytes
     seed: bytearray  # b_u, 32 bytes
-    input: np.ndarray  # x_u, then y_u (masked in place; y_u is public and not wiped)
+    input: np.ndarray  # x_u, unmasked: y_u streams from it (MaskedStream), wiped at the end
 
     def key(self, which: bytearray) -> X25519PrivateKey:
         return X25519PrivateKey.from_private_bytes(which)

@@ -76,7 +76,6 @@ def _mac(key: bytes, body: bytes) -> bytes:
 
 
 def snapshot(client: Client, key: bytes = b"") -> bytes:
-    from .client import MaskedStream
 
     state = client._state
     code = {Shared: 1, Masked: 2, Checked: 3, Finished: 4, Aborted: 5}.get(
@@ -102,8 +101,7 @@ def snapshot(client: Client, key: bytes = b"") -> bytes:
         bytes(masked.received) if masked is not None else b"",
         list(state.survivors) if isinstance(state, Checked) else [],
         [[p, _REVEALED.index(kind)] for p, kind in sorted(client.revealed.items())],
-        [[digest, encode(reply.whole() if isinstance(reply, MaskedStream) else reply)]
-         for digest, reply in client._answered.items()],
+        [[digest, encode(reply)] for digest, reply in client._answered_messages().items()],
         str(state.error) if isinstance(state, Aborted) else "",
         int(state.stage) if isinstance(state, Aborted) else 0,
         client.nonce,

@@ -171,7 +171,12 @@ class Server:
         self._advert_digests: dict[int, bytes] = {}
         self._share_keys: dict[int, ShareKeys] = {}
         self._forwarded: dict[int, frozenset[int]] = {}
-        self._sum = np.zeros(config.dim, dtype=dtype_for_bits(config.bits))
+        # the running sum of complete masked inputs; holds nothing meaningful until the
+        # first one is added (``_sum_fresh``): that one is copied or swapped in, not added
+        # to zeros (first-touching a fresh 400 MB vector costs more than the adds)
+        self._sum = np.empty(config.dim, dtype=dtype_for_bits(config.bits))
+        self._sum_fresh = True
+        self._spares: list[np.ndarray] = []  # finished pending buffers, reused
         self._survivors: frozenset[int] = frozenset()
         self._requests: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
         self._signatures: dict[int, bytes] = {}
@@ -421,21 +426,37 @@ class Server:
             raise self._reject(cid, "a signature in a semi-honest round")
         # accepted: from here on nothing can fail
         if offset == 0 and last:
-            np.add(self._sum, vector, out=self._sum)
+            self._add_to_sum(vector)
             self._uploads.pop(cid, None)
         else:
             assert upload is not None
-            if upload.vector is None:
-                upload.vector = np.empty(cfg.dim, dtype=self._sum.dtype)
+            if upload.vector is None:  # a buffer of an earlier upload, or a new one
+                upload.vector = (self._spares.pop() if self._spares
+                                 else np.empty(cfg.dim, dtype=self._sum.dtype))
             upload.vector[offset:offset + count] = vector
             upload.next, upload.running, upload.last_raw = offset + count, running, raw
             if last:
-                np.add(self._sum, upload.vector, out=self._sum)
+                spare = self._add_to_sum(upload.vector, owned=True)
+                if len(self._spares) < self.upload_slots:
+                    self._spares.append(spare)
                 del self._uploads[cid]
         if last:
             self._inbox[cid] = msg
             self._accepted_raw[cid] = raw
         return True
+
+    def _add_to_sum(self, vector: np.ndarray, *, owned: bool = False) -> np.ndarray:
+        """Add a complete masked input to the sum. The first one becomes the sum (swapped
+        in when the buffer is the server's own, ``owned``); returns the buffer now free."""
+        if not self._sum_fresh:
+            np.add(self._sum, vector, out=self._sum)
+            return vector
+        self._sum_fresh = False
+        if owned:
+            free, self._sum = self._sum, vector
+            return free
+        self._sum[:] = vector
+        return vector
 
     def _check_signature(self, cid: int, msg: ShareKeys | UnmaskingShares) -> None:
         if self.config.malicious:
@@ -464,6 +485,7 @@ class Server:
                                        f"of {self.config.dim}; an incomplete input never "
                                        f"counts (docs/protocol.md 6.3)"))
         self._uploads.clear()
+        self._spares.clear()
         for cid in self._expected - responders:
             self.dropped.setdefault(cid, self._stage)
         return responders
@@ -660,6 +682,8 @@ class Server:
         header = (self.session_id, cfg.shape_tag, cfg.dim, cfg.bits,
                   {d: self._adverts[d].masking_key for d in private_keys})
         total = self._sum  # the round is over: unmask in place, no d-sized copy
+        if self._sum_fresh:  # no input at all (cannot pass the threshold checks)
+            total.fill(0)
         workers = self._workers if self._executor is not None else 1
         batches = balance(jobs, workers)
         pool = self._executor if self._executor is not None and len(batches) > 1 else None

@@ -21,6 +21,7 @@ def _load(name: str) -> ModuleType:
         spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
         return module
     finally:
@@ -61,3 +62,19 @@ def test_long_run_benchmark_reports_rss_per_interval(tmp_path: Path) -> None:
     assert saved is not None and saved.round == 4 and len(saved.history) == 4
     points = [(0, 100), (100, 350), (200, 500), (300, 910)]
     assert bench.slope(points) == pytest.approx(np.polyfit(*zip(*points, strict=True), 1)[0])
+
+
+def test_model_size_benchmark_runs_its_rows_at_a_tiny_size() -> None:
+    """benchmarks/bench_model_size.py: a `secagg simulate` row and an in-process row at
+    d = 3000 run, check the sum, report no dropped payloads, and make a table row."""
+    bench = _load("bench_model_size")
+    rows = [bench.Row("tiny", 3, 3000), bench.Row("tiny-inprocess", 3, 3000, inprocess=True)]
+    results = []
+    for row in rows:
+        got = bench.run_row(row, bench.REPO)
+        assert got["correct"] is True and got["dropped_payloads"] == 0, got
+        assert 1.0 <= got["wire"] / (row.dim * 4) < 1.1  # 32-bit elements on the wire
+        assert got["max_rss"] > 0
+        results.append((row, got, 0.01))
+    text = bench.table(results, bench.REPO)
+    assert text.count("| yes |") == 2 and "x |" in text

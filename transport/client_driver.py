@@ -331,7 +331,7 @@ class ClientDriver:
                 self._current = (Stage.MASKED_INPUT, raw, digest)
                 self._confirmed = False
                 self._produced = True
-            await self._publish_raw(raw)
+            await self._publish_raw(raw, digest)
 
     async def _on_server_message(self, digest: bytes, raw: bytes,
                                  loop: asyncio.AbstractEventLoop) -> None:
@@ -400,22 +400,23 @@ class ClientDriver:
 
     async def _publish(self) -> None:
         assert self._current is not None
-        stage, raw, _ = self._current
-        await self._publish_raw(raw, stage)
+        stage, raw, digest = self._current
+        await self._publish_raw(raw, digest, stage)
 
-    async def _publish_raw(self, raw: bytes, stage: Stage = Stage.MASKED_INPUT) -> None:
+    async def _publish_raw(self, raw: bytes, digest: bytes,
+                           stage: Stage = Stage.MASKED_INPUT) -> None:
         self._sent_at = asyncio.get_running_loop().time()
         self.outcome.wire_bytes += await publish_framed(
             self.link, self.topics.stage_upstream(self.client_id, stage), raw,
-            self.max_payload)
+            self.max_payload, digest=digest)
 
     async def _republish(self, why: str) -> None:
         if self._inflight:  # the unconfirmed chunks of the masked input, in order
             logger.info("client %d: re-publishing %d unconfirmed chunks of its masked "
                         "input (%s)", self.client_id, len(self._inflight), why)
             self.outcome.republished += 1
-            for raw in list(self._inflight.values()):
-                await self._publish_raw(raw)
+            for digest, raw in list(self._inflight.items()):
+                await self._publish_raw(raw, digest)
             return
         assert self._current is not None
         logger.info("client %d: re-publishing its %s message (%s)", self.client_id,

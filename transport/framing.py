@@ -37,15 +37,19 @@ class FrameError(TransportError, ValueError):
     """A payload that is not a valid frame, or one that does not fit its chunk set."""
 
 
-def frame(message: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> list[bytes]:
-    """Split ``message`` into frames of at most ``max_payload`` bytes each."""
+def frame(message: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD,
+          digest: bytes | None = None) -> list[bytes]:
+    """Split ``message`` into frames of at most ``max_payload`` bytes each; ``digest``: its
+    ``message_id`` when the caller already computed it (a 4 MiB chunk is not hashed
+    twice)."""
     if max_payload < MIN_MAX_PAYLOAD:
         raise ValueError(f"max_payload={max_payload}: need at least {MIN_MAX_PAYLOAD} bytes "
                          f"(the {HEADER_BYTES}-byte frame header plus data)")
     total = len(message)
     if total > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {total} bytes exceeds the framing limit of 4 GiB")
-    digest = hashlib.sha256(message).digest()
+    if digest is None:
+        digest = hashlib.sha256(message).digest()
     step = max_payload - HEADER_BYTES
     count = max(1, -(-total // step))
     view = memoryview(message)
@@ -71,7 +75,7 @@ class _Partial:
     count: int
     step: int  # the length of every chunk but the last
     created: float
-    chunks: dict[int, bytes] = field(default_factory=dict)
+    chunks: dict[int, memoryview] = field(default_factory=dict)
     size: int = 0
     charged: int = PARTIAL_OVERHEAD
 
@@ -179,7 +183,9 @@ class Reassembler:
         magic, digest, index, count, total = _HEADER.unpack_from(data)
         if magic != MAGIC:
             raise FrameError("payload does not start with the frame magic")
-        chunk = data[HEADER_BYTES:]
+        if not isinstance(data, bytes):
+            data = bytes(data)  # a view into mutable memory could change under us
+        chunk = memoryview(data)[HEADER_BYTES:]  # kept as a view: one copy, in the join
         if total > limit:
             raise FrameError(f"message of {total} bytes exceeds the {limit}-byte limit")
         if count < 1 or index >= count or count > max(1, total):
@@ -220,7 +226,7 @@ class Reassembler:
         if self._charged_total + cost > self.max_buffered_bytes:
             self._discard(key)
             raise FrameError(f"reassembly buffers are full ({self._charged_total} bytes)")
-        partial.chunks[index] = bytes(chunk)
+        partial.chunks[index] = chunk
         partial.size += len(chunk)
         partial.charged += cost
         self._buffered += len(chunk)

@@ -169,15 +169,17 @@ async def run_simulation(spec: SimulationSpec,
             finally:
                 await stop_task(server_task)
     run.result = server.result
-    run.reasons = _reasons(server.rejected, run.outcomes)
+    run.reasons = _reasons(server.rejected, run.outcomes, run.gone)
     seconds["wall"] = time.perf_counter() - wall
     return run
 
 
-def _reasons(rejected: Any, outcomes: Mapping[int, Mapping[str, Any]]) -> dict[int, str]:
+def _reasons(rejected: Any, outcomes: Mapping[int, Mapping[str, Any]],
+             gone: Mapping[int, str]) -> dict[int, str]:
     """Why each site's message was not accepted, one line each: the server's last
-    rejection of it, else the site's own reason (excluded, timed out, aborted)."""
-    out: dict[int, str] = {}
+    rejection of it, else the site's own reason (excluded, timed out, aborted), else that
+    it left (its sign-off or last will)."""
+    out: dict[int, str] = {cid: f"it left the round ({why})" for cid, why in gone.items()}
     for cid, outcome in outcomes.items():
         reason = str(outcome.get("reason") or "")
         if reason and outcome.get("status") not in ("done", "dropped", "killed"):

@@ -442,7 +442,8 @@ def _one_line(exc: BaseException) -> str:
 def plaintext_sum(source: Any, config: Config, included: Iterable[int]) -> np.ndarray:
     """The sum of the included inputs mod 2**bits in the natural width, loading one input
     at a time (the check holds two vectors, never n)."""
-    expected = np.zeros(config.dim, dtype=dtype_for_bits(config.bits))
+    expected = np.empty(config.dim, dtype=dtype_for_bits(config.bits))
+    expected.fill(0)  # written at once: np.zeros' lazy pages fault twice on the adds
     for cid in included:
         np.add(expected, source.load(cid, config), out=expected)  # wraps mod 2**width
     if config.bits < 8 * expected.dtype.itemsize:
@@ -491,7 +492,8 @@ def build_report(args: argparse.Namespace, config: Config, seed: int,
                       "rejected": outcome.rejected, "resends": outcome.resends,
                       "republished": sum(o.get("republished", 0)
                                          for o in outcome.outcomes.values()),
-                      "worker_errors": outcome.worker_errors},
+                      "worker_errors": outcome.worker_errors,
+                      "masked_input_chunks": outcome.chunks},
         "reasons": reasons,
     }
 

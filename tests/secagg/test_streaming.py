@@ -236,3 +236,20 @@ def test_a_stream_rechunked_on_the_way_still_verifies() -> None:
     result = _finish(server, clients)
     assert result.included == {1, 2, 3, 4}  # type: ignore[attr-defined]
     assert result.total.tolist() == _exact(inputs, result.included, 32)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bits", [12, 32, 64])
+def test_unmasking_window_by_window_is_exact(bits: int, monkeypatch: pytest.MonkeyPatch
+                                             ) -> None:
+    """The server removes masks in windows (UNMASK_WINDOW_BYTES; here 20 bytes, so windows
+    that do not divide d and start off a counter block): with a survivor's self mask and
+    a dropped client's pairwise masks to remove, the sum is exact."""
+    import secagg.server
+
+    monkeypatch.setattr(secagg.server, "UNMASK_WINDOW_BYTES", 20)
+    config = Config(num_clients=5, threshold=3, dim=45, bits=bits)
+    inputs = _inputs(config, seed=bits)
+    result = simulate(config, inputs, drop={3: Stage.MASKED_INPUT, 5: Stage.UNMASKING},
+                      seed=2, chunk_bytes=7 * dtype_for_bits(bits).itemsize)
+    assert result.included == {1, 2, 4, 5}
+    assert result.total.tolist() == _exact(inputs, result.included, bits)

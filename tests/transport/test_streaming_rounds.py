@@ -107,14 +107,14 @@ def test_a_stalled_sender_loses_its_slot_with_a_reason() -> None:
     config = Config(num_clients=4, threshold=3, dim=500, bits=32)
     inputs = make_inputs(4, config.dim, 32, seed=4)
     timeouts = Timeouts(stage=10.0, start=5.0, retry=0.5, answer=3.0, give_up=20.0,
-                        resend_interval=0.1, upload_idle=0.5)
+                        resend_interval=0.1, upload_idle=1.5)
     report = asyncio.run(run_round(MemoryNetwork(), config, inputs, {1: Stage.MASKED_INPUT},
                                    timeouts=timeouts, drop_mode="silent", chunk_bytes=256,
                                    upload_budget=500 * 4))
     assert report.included == {2, 3, 4}
     assert report.result.dropped[1] is Stage.MASKED_INPUT
     assert report.result.total.tolist() == exact(inputs, report.included, 32)
-    assert report.seconds["masked_input"] < 5.0  # not the stage deadline: the idle limit
+    assert report.seconds["masked_input"] < 8.0  # not the stage deadline: the idle limit
 
 
 def test_a_hostile_site_cannot_starve_the_others_through_the_broker() -> None:
