@@ -142,6 +142,7 @@ class _Timer:
     def __init__(self, grid: Any) -> None:
         self.grid = grid
         self.seconds = self.server_cpu = self.client_cpu = 0.0
+        self.peak = 0
 
     def _client(self) -> float:
         return sum(getattr(self.grid, "client_cpu", {}).values())
@@ -156,6 +157,9 @@ class _Timer:
         client = self._client() - self.client
         self.server_cpu = time.process_time() - self.cpu - client
         self.client_cpu = client
+        # this process's peak RSS up to the end of the round (the checks after it are not
+        # the round's memory)
+        self.peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _Peak:
@@ -243,10 +247,15 @@ def our_round(grid: Any, n: int, dim: int, bits: int, frac_bits: int, dropout_ra
 def _exact_sum(report: Any, dim: int) -> bool:
     from fl.flower.encoding import encode_reply, flatten
 
-    expected = sum(encode_reply(report.setup, flatten(ArrayRecord({"w": Array(
-        update(node, dim)[0])}), report.setup.arrays), {}, update(node, dim)[1], None
-    ).astype(object) for node in sorted(report.included)) % (1 << report.setup.bits)
-    return bool(np.array_equal(report.total.astype(object), expected))
+    expected = np.zeros(dim + 1, dtype=np.uint64)  # uint64 wraps mod 2**64
+    for node in sorted(report.included):
+        values, weight = update(node, dim)
+        np.add(expected, encode_reply(report.setup, flatten(ArrayRecord(
+            {"w": Array(values)}), report.setup.arrays), {}, weight, None), out=expected,
+            casting="unsafe")
+    if report.setup.bits < 64:
+        expected &= np.uint64((1 << report.setup.bits) - 1)
+    return bool(np.array_equal(report.total, expected))
 
 
 def _row(name: str, bits: int, n: int, dim: int, timer: _Timer, error: float | None,
@@ -261,8 +270,7 @@ def _row(name: str, bits: int, n: int, dim: int, timer: _Timer, error: float | N
             "bytes_down_per_node": sum(grid.bytes_down.values()) / n if local else None,
             "bytes_up_per_node": up,
             "up_over_vector": None if up is None else up / (dim * bits / 8),
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            if peak is None else None,
+            "peak_rss": timer.peak if peak is None else None,
             "peak_server_rss": None if peak is None else peak.server,
             "peak_node_rss": None if peak is None else peak.node,
             "max_abs_error": error, "exact_sum": exact_sum}

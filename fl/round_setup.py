@@ -351,9 +351,9 @@ def encode_reply(setup: RoundSetup, arrays: F64, metrics: dict[str, float], weig
         raise ReplyError(f"the weight {setup.weight_key!r} must be a positive number, got "
                          f"{weight!r}")
     values = [metrics[name] for name in setup.metrics]
-    try:
+    try:  # no d-sized concatenation when there are no metrics
         return encode_weighted(_fixed(setup), np.concatenate(
-            [arrays, np.asarray(values, dtype=np.float64)]), weight)
+            [arrays, np.asarray(values, dtype=np.float64)]) if values else arrays, weight)
     except ValueError as exc:
         raise ReplyError(str(exc)) from None
 

@@ -75,7 +75,7 @@ class ArrayLayout:
         if names != expected:
             raise LayoutError(f"the arrays are {names[:8]}; the layout expects "
                               f"{expected[:8]} (same keys, same order)")
-        parts = []
+        values = []
         for spec in self.specs:
             value = np.asarray(arrays[spec.name])
             if tuple(value.shape) != spec.shape:
@@ -84,9 +84,13 @@ class ArrayLayout:
             if value.dtype.kind != "f":
                 raise LayoutError(f"array {spec.name!r} has dtype {value.dtype}; only "
                                   "floating arrays are averaged")
-            parts.append(value.astype(np.float64).reshape(-1))
-        flat = np.concatenate(parts) if parts else np.zeros(0)
-        if not np.all(np.isfinite(flat)):
+            values.append(value)
+        flat = np.empty(self.size, dtype=np.float64)  # one copy, cast in place
+        offset = 0
+        for value in values:
+            flat[offset:offset + value.size] = value.reshape(-1)
+            offset += value.size
+        if not np.isfinite(flat).all():
             raise LayoutError("the arrays contain NaN or inf; fix the training first")
         return flat
 

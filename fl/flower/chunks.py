@@ -16,12 +16,15 @@ The server fixes the chunk length per round (``SecureAggregation(chunk_bytes=...
 sends it, in elements, with the message that asks for the masked input (:data:`CHUNK`), so
 a node's reply has exactly one layout: entry ``str(offset)`` holds elements
 ``[offset, offset + chunk)`` (the last one shorter), offsets ``0, chunk, 2 chunk, ...``
-below ``d``. :func:`assemble` accepts nothing else: a missing, extra, duplicate (a second
-spelling of an offset) or misplaced entry, a wrong dtype or length, or more entries than
-the round's ``d`` makes is a :class:`ChunkError` that names what to change, raised before
-any of that node's data is used; the round goes on without that node (a dropout at
-``masked_input``), and every other node's reply is checked on its own (nothing is shared
-between nodes but the round's running sum).
+below ``d``. :func:`assemble` accepts nothing else: more entries than the round's ``d``
+makes (refused before any is parsed), a missing or misplaced entry, a key that is not the
+decimal offset (``"07"``: a second spelling of an offset; Flower's serde already keeps one
+entry per key, so a key listed twice on the wire arrives once), a wrong dtype or length, an
+entry whose bytes outgrow its shape (refused before parsing), or a malformed envelope is a
+:class:`ChunkError` that names what is wrong, raised before any of that node's data is
+used; the round goes on without that node (a dropout at ``masked_input``), and every
+other node's reply is checked on its own: nothing is shared between nodes but the round's
+running sum, so one node's chunks cannot evict or starve another's.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ MAX_CHUNKS = 1 << 16
 length; a node refuses a request for more): bounds the entries either side handles."""
 MAX_CHUNK_BYTES = 1 << 30
 """The largest chunk (under gRPC's 2 GiB message limit, with room)."""
+CONTEXT_LIMIT = (1 << 31) - 1
+"""The most bytes a node's ``Context`` may take serialised: Flower moves a ClientApp's
+Context as one protobuf message (between the ClientApp process and its SuperNode), and
+protobuf and Flower's gRPC limit (``flwr.supercore.grpc.GRPC_MAX_MESSAGE_LENGTH``) stop at
+2 GiB."""
+_STATE_MARGIN = 1 << 20  # keys, shares, setup and Flower's own fields of the Context
 _ENVELOPE_BYTES = 1024  # an envelope is ~150 bytes (~220 with a signature)
 _NPY_HEADER = 256  # the .npy header of one chunk (Flower's Array serialisation)
 
@@ -89,6 +98,20 @@ def check_layout(chunk: object, bits: int, dim: int) -> int:
                          f"{math.ceil(dim / chunk)} chunks, more than {MAX_CHUNKS}; raise "
                          "chunk_bytes")
     return chunk
+
+
+def check_context(dim: int, bits: int) -> None:
+    """Refuse (:class:`ChunkError`, one line) a round whose node state cannot cross
+    Flower: between its messages a node keeps its round in ``Context.state``, at most its
+    input and (after the masked input, for a redelivery) its masked vector, ``2 d`` elements
+    of the sum's width, and a Context travels as one message of at most
+    :data:`CONTEXT_LIMIT` bytes."""
+    state = 2 * dim * dtype_for_bits(bits).itemsize + _STATE_MARGIN
+    if state > CONTEXT_LIMIT:
+        raise ChunkError(f"a round of d={dim} at {bits} bits keeps about {state >> 20} MiB of "
+                         "round state in each node's Context (its input and masked vector), "
+                         f"more than the {CONTEXT_LIMIT >> 20} MiB Flower moves in one "
+                         "message; use bits=32 or fewer parameters per round")
 
 
 def offsets(dim: int, chunk: int) -> range:

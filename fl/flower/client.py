@@ -34,7 +34,15 @@ from typing import Any
 
 from dp.policy import SitePolicy
 from fl.errors import FLError
-from fl.flower.chunks import CHUNK, MASKED, answer_digest, check_layout, to_records
+from fl.flower.chunks import (
+    CHUNK,
+    MASKED,
+    ChunkError,
+    answer_digest,
+    check_context,
+    check_layout,
+    to_records,
+)
 from fl.flower.encoding import (
     F64,
     U64,
@@ -251,11 +259,18 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
     options.check_identity(setup, client_id)
     config = setup.config(encoded_dim(setup))
     try:  # the arrays the server sent must have the setup's layout
-        sent = flatten(_single(msg.content.array_records, "ArrayRecord"), setup.arrays)
+        sent: F64 | None = flatten(_single(msg.content.array_records, "ArrayRecord"),
+                                   setup.arrays)
     except ReplyError as exc:
         raise SetupError(f"the train message's arrays do not match the round setup: "
                          f"{exc}") from None
+    if setup.encoding != "ddp":
+        sent = None  # only ddp decodes against it: not held through the user's training
     round_release(setup)  # refuses a setup whose encoding cannot hold the round
+    try:  # a round state Flower cannot move between messages: refused before training
+        check_context(config.dim, setup.bits)
+    except ChunkError as exc:
+        raise SetupError(str(exc)) from None
     session = derive_session_id(config, tuple(range(1, setup.num_clients + 1)),
                                 setup.context())
     directory = options.directory(context)
@@ -275,8 +290,7 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
     if reply.has_error():
         return reply
     client = Client(config, client_id,
-                    reply_vector(setup, reply.content, sent if setup.encoding == "ddp"
-                                 else None),
+                    reply_vector(setup, reply.content, sent),
                     roster=range(1, setup.num_clients + 1), context=setup.context(),
                     nonce=setup.nonce, **options.identity(setup))
     advertisement = encode(client.advertise())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,14 @@ def _content(payload: bytes, session: bytes, chunk: int | None = None) -> Any:
     if chunk is not None:
         fields[CHUNK] = chunk
     return RecordDict({RECORD: ConfigRecord(fields)})
+
+
+def _one_by_one(replies: Iterable[Any]) -> Iterator[Any]:
+    """The replies in order, each dropped from the list as it is handed out."""
+    pending = list(replies)
+    pending.reverse()
+    while pending:
+        yield pending.pop()
 
 
 class RoundDriver:
@@ -144,35 +152,62 @@ class RoundDriver:
     def _exchange(self, stage: Stage, outgoing: list[Any]) -> None:
         started = time.perf_counter()
         timeout = self.first_timeout if stage == Stage.ADVERTISE_KEYS else self.timeout
-        replies = list(self.grid.send_and_receive(outgoing, timeout=timeout))
         sent_to = {m.metadata.dst_node_id for m in outgoing}
-        cpu = time.process_time()
-        replies.reverse()
-        while replies:  # each reply is let go once handled: its vector is summed
-            reply = replies.pop()
-            node = reply.metadata.src_node_id
-            if node not in sent_to:
-                continue
-            cid = self.setup.client_id(node)
-            if reply.has_error():
-                log.info("node %d dropped in %s: %s", node, stage.label, reply.error.reason)
-                continue
-            try:
-                payload = payload_of(reply)
-                message: Any = payload
-                if stage == Stage.MASKED_INPUT:
-                    message = assemble(reply.content, payload, self.server.config.dim,
-                                       self.server.config.bits, self.chunk)
-                    size = len(payload) + len(message.masked)
-                else:
-                    size = len(payload)
-                del reply
-                self.report.bytes_up[node] = self.report.bytes_up.get(node, 0) + size
-                self.server.receive(cid, message)
-            except ChunkError as exc:
-                self.report.chunk_rejected.append((node, str(exc)))
-                log.warning("node %d's masked input rejected: %s", node, exc)
-            except (ValueError, ProtocolError) as exc:
-                log.info("node %d's %s reply rejected: %s", node, stage.label, exc)
-        self._cpu += time.process_time() - cpu
+        cpu = 0.0
+        for reply in self._replies(outgoing, timeout):  # each let go once handled
+            started_cpu = time.process_time()
+            self._handle(stage, reply, sent_to)
+            del reply
+            cpu += time.process_time() - started_cpu
+        self._cpu += cpu
         self.report.seconds[stage.label] = time.perf_counter() - started
+
+    def _replies(self, outgoing: list[Any], timeout: float | None) -> Iterator[Any]:
+        """The stage's replies as they arrive (push, then pull until every node answered or
+        the timeout passed, as ``Grid.send_and_receive`` does), so a node's masked input is
+        checked and summed while others are still on their way and the server never holds
+        every reply of a stage because it waited for the last; a grid without push and
+        pull (``fl.flower.local.LocalGrid``) answers them all at once."""
+        try:
+            pending = set(self.grid.push_messages(outgoing))
+        except NotImplementedError:
+            yield from _one_by_one(self.grid.send_and_receive(outgoing, timeout=timeout))
+            return
+        del outgoing
+        end = time.time() + (timeout if timeout is not None else 0.0)
+        interval = float(getattr(self.grid, "pull_interval", 3.0))  # Flower's HTTP grid: 3 s
+        while timeout is None or time.time() < end:
+            replies = list(self.grid.pull_messages(pending))
+            pending.difference_update(r.metadata.reply_to_message_id for r in replies)
+            yield from _one_by_one(replies)
+            if not pending:
+                return
+            time.sleep(interval)
+
+    def _handle(self, stage: Stage, reply: Any, sent_to: set[int]) -> None:
+        """Check one node's reply and hand it to the secagg server (a rejection is logged:
+        that node drops out at this stage)."""
+        node = reply.metadata.src_node_id
+        if node not in sent_to:
+            return
+        cid = self.setup.client_id(node)
+        if reply.has_error():
+            log.info("node %d dropped in %s: %s", node, stage.label, reply.error.reason)
+            return
+        try:
+            payload = payload_of(reply)
+            message: Any = payload
+            if stage == Stage.MASKED_INPUT:
+                message = assemble(reply.content, payload, self.server.config.dim,
+                                   self.server.config.bits, self.chunk)
+                size = len(payload) + len(message.masked)
+            else:
+                size = len(payload)
+            del reply
+            self.report.bytes_up[node] = self.report.bytes_up.get(node, 0) + size
+            self.server.receive(cid, message)
+        except ChunkError as exc:
+            self.report.chunk_rejected.append((node, str(exc)))
+            log.warning("node %d's masked input rejected: %s", node, exc)
+        except (ValueError, ProtocolError) as exc:
+            log.info("node %d's %s reply rejected: %s", node, stage.label, exc)

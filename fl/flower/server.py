@@ -35,7 +35,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
 from dp.budget import PrivacyBudget
-from fl.flower.chunks import DEFAULT_CHUNK_BYTES, chunk_elements
+from fl.flower.chunks import DEFAULT_CHUNK_BYTES, check_context, chunk_elements
 from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten
 from fl.flower.rounds import RoundDriver, RoundReport
 from fl.flower.setup import RoundSetup
@@ -272,9 +272,11 @@ class SecureAggregation(Strategy):
             raise ValueError("distributed DP decodes updates against the arrays sent: the "
                              "strategy must send every node the same ArrayRecord")
         server_round = self._server_round(first)
-        try:
+        try:  # no safe protocol parameters for this many nodes, or a state Flower cannot move
             setup = self._setup(grid, sorted(nodes), server_round, layout_of(arrays))
-        except ValueError as exc:  # no safe protocol parameters for this many nodes
+            if setup is not None:
+                check_context(encoded_dim(setup), setup.bits)
+        except ValueError as exc:
             log.error("round %d is not run: %s", server_round, exc)
             return []
         if setup is None:

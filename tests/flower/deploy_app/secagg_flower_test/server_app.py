@@ -21,7 +21,10 @@ def main(grid: Grid, context: Context) -> None:
     nodes = int(context.run_config["num-nodes"])
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_train_nodes=nodes,
                                        min_available_nodes=nodes),
-                                neighbors=None, metrics=("train_loss",), stage_timeout=90)
+                                neighbors=None, metrics=("train_loss",), stage_timeout=90,
+                                # 3 elements per chunk: each masked input crosses
+                                # Flower's gRPC transport as 6 ArrayRecord entries
+                                chunk_bytes=24)
     started = time.perf_counter()
     result = wrapper.start(grid, apps.initial_arrays(),
                            num_rounds=int(context.run_config["num-server-rounds"]),
