@@ -70,12 +70,12 @@ def _content(payload: bytes, session: bytes, chunk: int | None = None) -> Any:
     return RecordDict({RECORD: ConfigRecord(fields)})
 
 
-def _one_by_one(replies: Iterable[Any]) -> Iterator[Any]:
-    """The replies in order, each dropped from the list as it is handed out."""
-    pending = list(replies)
-    pending.reverse()
-    while pending:
-        yield pending.pop()
+def _one_by_one(replies: list[Any]) -> Iterator[Any]:
+    """The replies in order, each taken out of ``replies`` as it is handed out (so nothing
+    else keeps it once its handler lets it go)."""
+    replies.reverse()
+    while replies:
+        yield replies.pop()
 
 
 class RoundDriver:
@@ -171,7 +171,7 @@ class RoundDriver:
         try:
             pending = set(self.grid.push_messages(outgoing))
         except NotImplementedError:
-            yield from _one_by_one(self.grid.send_and_receive(outgoing, timeout=timeout))
+            yield from _one_by_one(list(self.grid.send_and_receive(outgoing, timeout=timeout)))
             return
         del outgoing
         end = time.time() + (timeout if timeout is not None else 0.0)

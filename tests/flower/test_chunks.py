@@ -8,7 +8,9 @@ others; a node refuses a chunk request it cannot honour."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -266,3 +268,51 @@ def test_a_round_whose_node_state_flower_cannot_move_is_not_run_and_says_why(
     assert wrapper.reports[0].aborted is not None and trained == []
     reasons = {r.error.reason.split(":")[0] for r in grid.replies if r.has_error()}
     assert reasons == {"SetupError"}
+
+
+class _PullGrid(LocalGrid):
+    """A grid with push and pull, as Flower's simulation and deployment grids have: each
+    pull delivers one pushed message and returns its reply; it records, at every pull,
+    whether a masked-input reply it returned before is still alive anywhere."""
+
+    pull_interval = 0.0
+
+    def __init__(self, n: int) -> None:
+        super().__init__(None, n)
+        self.record = False  # LocalGrid would keep every reply for the tests
+        self.pushed: dict[str, Message] = {}
+        self.returned: list[weakref.ref[Message]] = []
+        self.alive_at_pull: list[int] = []
+
+    def push_messages(self, messages: Any) -> list[str]:
+        ids = []
+        for message in messages:
+            ids.append(f"pushed-{len(self.pushed)}")
+            self.pushed[ids[-1]] = message
+        return ids
+
+    def pull_messages(self, message_ids: Any) -> list[Message]:
+        gc.collect()
+        self.alive_at_pull.append(sum(ref() is not None for ref in self.returned))
+        wanted = sorted(set(message_ids) & set(self.pushed))
+        if not wanted:
+            return []
+        reply = self.deliver(self.pushed.pop(wanted[0]))
+        if reply is None:
+            return []
+        reply.metadata.__dict__["_reply_to_message_id"] = wanted[0]
+        if reply.has_content() and MASKED in reply.content:
+            self.returned.append(weakref.ref(reply))
+        return [reply]
+
+
+def test_the_server_sums_each_masked_input_as_it_arrives_and_lets_it_go() -> None:
+    """On a grid with push and pull (Flower's simulation and deployment grids) the server
+    checks and sums a node's masked input when it is pulled and keeps no reference to it:
+    when the next reply is pulled, no earlier masked-input reply is alive."""
+    grid = _PullGrid(6)
+    grid.app = apps.client_app()
+    report = _one_round(grid)
+    assert report.included == frozenset(grid.nodes)
+    assert len(grid.returned) == 6 and all(ref() is None for ref in grid.returned)
+    assert max(grid.alive_at_pull) == 0
