@@ -149,8 +149,6 @@ def test_a_cut_stream_never_counts_and_reveals_only_the_masking_key(kept: int) -
         controls="its own login: thousands of refused chunks in one stage",
         protocol="a refused message never grows the server's memory without bound",
         mode="semi-honest")
-@pytest.mark.xfail(strict=True, reason="MEDIUM: every refused chunk appends a reason string "
-                   "to Server.rejected (secagg/server.py:212), unbounded per stage")
 def test_refused_chunks_do_not_grow_the_server_without_bound() -> None:
     config = Config(num_clients=3, threshold=2, dim=40, bits=32)
     server, _, streams, _ = _masked_round(config, seed=14)
@@ -161,6 +159,7 @@ def test_refused_chunks_do_not_grow_the_server_without_bound() -> None:
         with pytest.raises(ProtocolError):
             server.receive(1, wrong)
     assert len(server.rejected) <= 100
+    assert server.rejected.count(1) == 5000 and "element 20" in server.rejected[-1][1]
 
 
 # --- the drivers on a broker: a site with a valid login ------------------------------------
@@ -429,11 +428,6 @@ def test_a_site_that_blips_during_masked_input_is_not_dropped(mode: str,
                  "Flower adapter's assembled input)",
         protocol="docs/protocol.md 6.3: the server holds the sum plus upload_slots "
                  "vectors, never n", mode="semi-honest", shows="defence")
-@pytest.mark.xfail(strict=True, reason="MEDIUM: Server keeps each accepted MaskedInput's "
-                   "raw bytes (a d-sized vector) in _accepted_raw for masked_input and, as "
-                   "_previous_raw, for the whole next stage (secagg/server.py:437, :472): "
-                   "n vectors at the server on the Flower path (fl/flower/rounds.py "
-                   "receives whole inputs); keeping a digest for redelivery would do")
 def test_whole_masked_inputs_are_not_all_kept_by_the_server() -> None:
     config = Config(num_clients=8, threshold=5, dim=1 << 16, bits=32)
     vector = config.dim * 4
