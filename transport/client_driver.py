@@ -130,6 +130,10 @@ class ClientDriver:
         self._chunks: Iterator[MaskedChunk] | None = None
         self._inflight: dict[bytes, bytes] = {}  # digest -> wire bytes, in sending order
         self._produced = False  # the last chunk is out (or the stream cannot go on)
+        # the message the server answered with the Ciphertexts: re-published to announce
+        # this client after a reconnect while it waits for its grant (the server re-sends
+        # its answer and grants it when a slot is free)
+        self._announce: tuple[Stage, bytes, bytes] | None = None
 
     @property
     def client_id(self) -> int:
@@ -187,6 +191,11 @@ class ClientDriver:
                 self._server_lost_at = None
                 if self._current is not None or self._inflight:
                     await self._republish("reconnected")
+                elif self._waiting_for_grant() and self._announce is not None:
+                    logger.info("client %d: reconnected while waiting for its upload "
+                                "grant; announcing itself", self.client_id)
+                    stage, raw, digest = self._announce
+                    await self._publish_raw(raw, digest, stage)
                 continue
             await self._on_delivery(event, loop)
 
@@ -287,6 +296,12 @@ class ClientDriver:
             logger.warning("client %d: the server rejected its %s message: %s",
                            self.client_id, label, receipt.reason)
             self._finish("excluded", receipt.reason)
+            if receipt.digest != UPLOAD_RECEIPT:
+                # it gives up: signing off frees its upload slot and the stage at once
+                await publish_framed(self.link, self.topics.offline(self.client_id),
+                                     encode_control(Offline(f"gave up: the server refused "
+                                                            f"its {label} message")),
+                                     self.max_payload)
 
     async def _on_grant(self, grant: Grant, loop: asyncio.AbstractEventLoop) -> None:
         if grant.session_id != self.client.session_id:
@@ -382,9 +397,13 @@ class ClientDriver:
         if self._upload is not None:
             return  # the same Ciphertexts again: the stream is under way
         self._upload = upload
-        self._current = None
+        self._announce, self._current = self._current, None
         self.outcome.stage = stage.label
         await self._pump_upload(loop)
+
+    def _waiting_for_grant(self) -> bool:
+        return (self._upload is not None and self._grant is None
+                and self.outcome.status == "running")
 
     async def _send(self, message: object) -> None:
         stage: Stage = message.stage  # type: ignore[attr-defined]

@@ -257,11 +257,6 @@ def _dripper(elements: int, pause: float) -> Attack:
         controls="its own login: granted the only upload slot, it sends one valid "
                  "one-element chunk just before every upload_idle",
         protocol="the slot should go to the honest sites (a lease or a minimum rate)")
-@pytest.mark.xfail(strict=True, reason="HIGH: a granted site that drips one valid element "
-                   "per upload_idle keeps the slot for the whole stage; with fewer slots "
-                   "than sites the honest sites are never granted and the round aborts "
-                   "(transport/server_driver.py:178 only checks idle time; "
-                   "secagg/server.py:369 _take_masked accepts any chunk length)")
 def test_a_site_dripping_chunks_cannot_hold_the_only_slot() -> None:
     # never the last element (the stream never completes), one every 0.3 s
     report, inputs = _broker_round(_dripper(CONFIG.dim - 1, 0.3), hostile=1,
@@ -277,11 +272,6 @@ def test_a_site_dripping_chunks_cannot_hold_the_only_slot() -> None:
         protocol="a chunk other than the granted size (but the last) should be refused: "
                  "the server's per-chunk state (ServerDriver._seen, one entry per accepted "
                  "chunk, never cleared) and per-chunk work must stay per granted chunk")
-@pytest.mark.xfail(strict=True, reason="MEDIUM: the server accepts chunks of any length, so "
-                   "a site makes it keep one (client, digest) entry per element in "
-                   "ServerDriver._seen for the whole round (transport/server_driver.py:96, "
-                   "secagg/server.py:369 _take_masked) - ~150 B of server memory per 4-byte "
-                   "element, d-proportional per hostile site")
 def test_chunks_smaller_than_granted_are_refused() -> None:
     report, inputs = _broker_round(_dripper(50, 0.0), hostile=1, timeouts=BROKER, seed=22)
     report = _completed(report, inputs, {2, 3, 4})
@@ -323,19 +313,11 @@ def test_forged_grants_and_cancels_for_other_sites_are_refused() -> None:
                  "and the site gives up); upload_idle equal to the stage deadline, as the "
                  "defaults Timeouts().upload_idle == Timeouts().stage == 60 s",
         protocol="the slot should come back in time for the honest sites to stream")
-@pytest.mark.xfail(strict=True, reason="HIGH: with the default Timeouts (upload_idle 60 s = "
-                   "stage 60 s) a granted site that is silent, or whose chunk the server "
-                   "refused (the client driver gives up on any refusal, the server keeps its "
-                   "slot: transport/server_driver.py:362 does not cancel_upload), holds the "
-                   "slot until the stage deadline: with fewer slots than sites every other "
-                   "site is dropped and the round aborts (transport/drivers.py:71; "
-                   "ServerDriver does not check upload_idle against the masked_input "
-                   "deadline)")
 @pytest.mark.parametrize("mode", ["silent", "refused"])
 def test_a_failed_slot_holder_at_the_default_timeout_ratio_does_not_abort_the_round(
         mode: str) -> None:
     scale = Timeouts()
-    ratio = scale.upload_idle / scale.deadline(Stage.MASKED_INPUT)
+    ratio = scale.upload_idle_limit() / scale.deadline(Stage.MASKED_INPUT)
     timeouts = Timeouts(stage=2.0, start=10.0, retry=0.5, answer=2.0, give_up=20.0,
                         resend_interval=0.1, upload_idle=2.0 * ratio)
     config = Config(num_clients=4, threshold=3, dim=300, bits=32)
@@ -368,12 +350,6 @@ def test_a_failed_slot_holder_at_the_default_timeout_ratio_does_not_abort_the_ro
         protocol="a site that comes back should still be granted / finish its stream, as a "
                  "whole MaskedInput re-published after a reconnect was accepted before "
                  "streaming")
-@pytest.mark.xfail(strict=True, reason="HIGH: a site whose will was published is 'gone' "
-                   "for the rest of masked_input: never granted a slot while it waits "
-                   "(_grant_uploads skips gone sites, transport/server_driver.py:159) and "
-                   "cancelled for good while it streams (_reclaim_uploads, "
-                   "transport/server_driver.py:176); nothing it can send clears 'gone' "
-                   "(only an accepted message does, and it has no grant)")
 @pytest.mark.parametrize("mode", ["waiting", "streaming"])
 def test_a_site_that_blips_during_masked_input_is_not_dropped(mode: str,
                                                               monkeypatch: Any) -> None:
