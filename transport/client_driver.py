@@ -130,10 +130,6 @@ class ClientDriver:
         self._chunks: Iterator[MaskedChunk] | None = None
         self._inflight: dict[bytes, bytes] = {}  # digest -> wire bytes, in sending order
         self._produced = False  # the last chunk is out (or the stream cannot go on)
-        # the message the server answered with the Ciphertexts: re-published to announce
-        # this client after a reconnect while it waits for its grant (the server re-sends
-        # its answer and grants it when a slot is free)
-        self._announce: tuple[Stage, bytes, bytes] | None = None
 
     @property
     def client_id(self) -> int:
@@ -191,11 +187,6 @@ class ClientDriver:
                 self._server_lost_at = None
                 if self._current is not None or self._inflight:
                     await self._republish("reconnected")
-                elif self._waiting_for_grant() and self._announce is not None:
-                    logger.info("client %d: reconnected while waiting for its upload "
-                                "grant; announcing itself", self.client_id)
-                    stage, raw, digest = self._announce
-                    await self._publish_raw(raw, digest, stage)
                 continue
             await self._on_delivery(event, loop)
 
@@ -291,8 +282,8 @@ class ClientDriver:
                     self._finish("done")
             await self._pump_upload(loop)
         else:
-            label = (self._current[0] if self._current is not None
-                     else Stage.MASKED_INPUT).label
+            label = (Stage.MASKED_INPUT if self._upload is not None or self._current is None
+                     else self._current[0]).label
             logger.warning("client %d: the server rejected its %s message: %s",
                            self.client_id, label, receipt.reason)
             self._finish("excluded", receipt.reason)
@@ -397,13 +388,11 @@ class ClientDriver:
         if self._upload is not None:
             return  # the same Ciphertexts again: the stream is under way
         self._upload = upload
-        self._announce, self._current = self._current, None
+        # _current stays the previous message until the last chunk is out: re-published
+        # (no answer, or a reconnect) it makes the server send its answer and the grant
+        # again, so a grant lost on the way is not waited for until give_up
         self.outcome.stage = stage.label
         await self._pump_upload(loop)
-
-    def _waiting_for_grant(self) -> bool:
-        return (self._upload is not None and self._grant is None
-                and self.outcome.status == "running")
 
     async def _send(self, message: object) -> None:
         stage: Stage = message.stage  # type: ignore[attr-defined]

@@ -190,3 +190,37 @@ def test_a_hostile_site_cannot_starve_the_others_through_the_broker() -> None:
     # message (a few KiB each here), whatever site 2 sent
     assert 0 < report.reassembly_peak <= report.reassembly_bound <= 5 * 16 * 1024
     assert report.chunks == 4 * -(-3000 // 512)
+
+
+def test_a_lost_grant_is_sent_again() -> None:
+    """The broker loses client 1's upload grant: the client, still holding its share_keys
+    message as the one to re-publish, re-sends it after ``answer`` seconds without news,
+    the server answers with its ciphertexts and the grant again, and the round completes
+    with every client (no wait until give_up)."""
+    from transport.control import Grant, decode_control
+    from transport.framing import Reassembler
+
+    config = Config(num_clients=4, threshold=3, dim=600, bits=32)
+    inputs = make_inputs(4, config.dim, 32, seed=8)
+    network = MemoryNetwork()
+    lost: list[str] = []
+    topics = Topics("lost-grant")
+
+    def tap(user: str, topic: str, payload: bytes) -> list[bytes]:
+        if user == SERVER_USER and topic == topics.downstream(1, "receipt") and not lost:
+            done = Reassembler(1 << 20).feed("s", payload, 0.0)
+            if done is not None and isinstance(decode_control(done.payload), Grant):
+                lost.append(topic)
+                return []
+        return [payload]
+
+    network.tap = tap
+    timeouts = Timeouts(stage=15.0, start=5.0, retry=0.5, answer=1.0, give_up=12.0,
+                        resend_interval=0.1)
+    started = time.monotonic()
+    report = asyncio.run(run_round(network, config, inputs, timeouts=timeouts,
+                                   round_name=topics.round_name, chunk_bytes=512))
+    assert lost  # the grant was dropped once
+    assert report.included == {1, 2, 3, 4}
+    assert report.result.total.tolist() == exact(inputs, report.included, 32)
+    assert time.monotonic() - started < 10.0
