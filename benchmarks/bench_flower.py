@@ -24,6 +24,8 @@ far the aggregate is from the exact weighted average of the included nodes' upda
     python benchmarks/bench_flower.py [--nodes 20] [--dim 10000] [--drop-rate 0.1] [--json]
     nice python benchmarks/bench_flower.py --dim 10000000 --nodes 5 --scenario masked_input
     nice python benchmarks/bench_flower.py --dim 10000000 --nodes 5 --runtime simulation
+    nice python benchmarks/bench_flower.py --dim 50000000 --nodes 5 --runtime simulation \
+        --scenario masked_input --protocols adapter-32
 
 Scenarios: ``masked_input`` (nodes fail when asked for their masked input: both protocols
 can finish) and ``share_keys`` (one node fails before its masked input: Flower's round
@@ -356,6 +358,10 @@ def _simulate(app: ClientApp, n: int, dim: int, bits: int, body: Any,
                 peak=peak)
 
 
+PROTOCOLS = {"flower": ("legacy", 32), "adapter-64": ("ours", 64), "adapter-32": ("ours", 32)}
+"""The rows' protocols (``--protocols``): Flower's SecAgg+, the adapter at 64 and 32 bits."""
+
+
 def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (scenario, protocol) row, each in a fresh subprocess unless --in-process."""
     n, dim = args.nodes, args.dim
@@ -368,7 +374,7 @@ def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     chosen = list(scenarios) if args.scenario == "both" else [args.scenario]
     rows = []
     for stage in chosen:
-        for spec in (("legacy", 32), ("ours", 64), ("ours", 32)):
+        for spec in [PROTOCOLS[name] for name in args.protocols]:
             call = {"kind": spec[0], "bits": spec[1], "n": n, "dim": dim, "k": k, "t": t,
                     "drops": scenarios[stage], "stage": stage, "rate": rate,
                     "runtime": args.runtime}
@@ -419,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", choices=("both", "masked_input", "share_keys"),
                         default="both")
     parser.add_argument("--runtime", choices=("local", "simulation"), default="local")
+    parser.add_argument("--protocols", nargs="+", choices=tuple(PROTOCOLS),
+                        default=list(PROTOCOLS), help="the rows to run (default: all three)")
     parser.add_argument("--in-process", action="store_true",
                         help="run every row in this process (no per-row peak memory)")
     parser.add_argument("--json", action="store_true")

@@ -7,7 +7,8 @@ Two lines change in a Flower app (docs/flower.md)::
 
 :mod:`fl.flower.client` is the node's mod, :mod:`fl.flower.server` the strategy wrapper,
 :mod:`fl.flower.rounds` the stage loop over the ``Grid``, :mod:`fl.flower.setup` the public
-round setup and :mod:`fl.flower.encoding` the reply <-> vector encoding both sides share.
+round setup, :mod:`fl.flower.encoding` the reply <-> vector encoding both sides share and
+:mod:`fl.flower.chunks` the masked input as checked ``ArrayRecord`` chunks.
 Nothing here needs torch; flwr is imported only in this package.
 """
 

@@ -20,7 +20,8 @@ below ``d``. :func:`assemble` accepts nothing else: more entries than the round'
 makes (refused before any is parsed), a missing or misplaced entry, a key that is not the
 decimal offset (``"07"``: a second spelling of an offset; Flower's serde already keeps one
 entry per key, so a key listed twice on the wire arrives once), a wrong dtype or length, an
-entry whose bytes outgrow its shape (refused before parsing), or a malformed envelope is a
+entry whose bytes outgrow its shape or whose ``.npy`` header describes another array (both
+refused before parsing), or a malformed envelope is a
 :class:`ChunkError` that names what is wrong, raised before any of that node's data is
 used; the round goes on without that node (a dropout at ``masked_input``), and every
 other node's reply is checked on its own: nothing is shared between nodes but the round's
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -181,8 +183,13 @@ def chunks_of(content: Any, dim: int, bits: int, chunk: int
                 + _NPY_HEADER:
             raise ChunkError(f"chunk at offset {start} has shape {tuple(array.shape)}; "
                              f"expected ({length},)")
-        try:
+        try:  # the .npy header's own shape and dtype first: np.load allocates by them
+            if _npy_header(array.data) != ((length,), False, dtype):
+                raise ChunkError(f"chunk at offset {start}: its bytes describe another "
+                                 f"array than the declared {dtype.name} ({length},)")
             values = array.numpy()
+        except ChunkError:
+            raise
         except Exception as exc:  # malformed .npy bytes
             raise ChunkError(f"chunk at offset {start} is not a valid array: "
                              f"{type(exc).__name__}") from None
@@ -196,7 +203,7 @@ def assemble(content: Any, payload: bytes, dim: int, bits: int, chunk: int) -> M
     """The whole ``MaskedInput`` of a chunked reply (its envelope ``payload`` and the
     chunks in ``content``), for ``secagg.Server.receive``; :class:`ChunkError` if the
     envelope or any chunk does not fit the round. Only this node's vector is built here
-    (one buffer), and only once every chunk checked out."""
+    (one buffer), and it reaches the secagg server only if every chunk checked out."""
     try:
         head = decode(payload, max_bytes=_ENVELOPE_BYTES, max_vector_bytes=8,
                       kinds=CLIENT_KINDS)
@@ -213,6 +220,15 @@ def assemble(content: Any, payload: bytes, dim: int, bits: int, chunk: int) -> M
         vector[start:start + len(values)] = values
     # a view of the buffer, not a copy: Server.receive encodes it once
     return dataclasses.replace(head, dim=dim, masked=memoryview(vector).cast("B"))
+
+
+def _npy_header(data: bytes) -> tuple[Any, Any, Any]:
+    """(shape, fortran order, dtype) of ``.npy`` bytes, read without allocating the array."""
+    stream = io.BytesIO(data)
+    version = np.lib.format.read_magic(stream)
+    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+            else np.lib.format.read_array_header_2_0)
+    return tuple(read(stream))
 
 
 def _is_dtype(name: object, dtype: np.dtype[Any]) -> bool:

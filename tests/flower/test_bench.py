@@ -29,3 +29,6 @@ def test_the_flower_benchmark_runs_and_reports_both_protocols(
             row = by[stage, f"secagg adapter ({bits}-bit)"]
             assert row["completed"] and row["exact_sum"] is True
             assert row["bytes_up_per_node"] > 0 and row["seconds"] > 0
+            # each row ran in its own process: its peak RSS, its ratio to the floor
+            assert row["peak_rss"] > 0 and row["over_floor"] > 0 and row["floor_seconds"] > 0
+            assert row["up_over_vector"] > 0

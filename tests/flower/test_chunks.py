@@ -9,6 +9,7 @@ others; a node refuses a chunk request it cannot honour."""
 from __future__ import annotations
 
 import gc
+import io
 import logging
 import weakref
 from collections.abc import Callable
@@ -21,7 +22,15 @@ from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.serverapp.strategy import FedAvg
 
 from fl.flower import SecureAggregation, chunks
-from fl.flower.chunks import CHUNK, MASKED, MAX_CHUNK_BYTES, ChunkError, chunk_elements
+from fl.flower.chunks import (
+    CHUNK,
+    MASKED,
+    MAX_CHUNK_BYTES,
+    MAX_CHUNKS,
+    ChunkError,
+    check_layout,
+    chunk_elements,
+)
 from fl.flower.local import LocalGrid
 from fl.flower.records import PAYLOAD, RECORD
 from secagg.crypto import dtype_for_bits
@@ -103,6 +112,14 @@ def _first_chunk(reply: Message, array: Array) -> None:
     _replace(reply, {**_arrays(reply), "0": array})
 
 
+def _npy_claiming(shape: tuple[int, ...]) -> bytes:
+    """.npy bytes whose header claims ``shape`` (uint32) over 7 elements of data."""
+    stream = io.BytesIO()
+    np.lib.format.write_array_header_1_0(stream, {"descr": "<u4", "fortran_order": False,
+                                                  "shape": shape})
+    return stream.getvalue() + bytes(28)
+
+
 def _without_last(reply: Message) -> None:
     arrays = _arrays(reply)
     arrays.pop(max(arrays, key=int))
@@ -128,6 +145,9 @@ TAMPERS: dict[str, tuple[Tamper, str]] = {
     "a chunk that is not an array": (
         lambda r: _first_chunk(r, Array(dtype="uint32", shape=(7,), stype="numpy.ndarray",
                                         data=b"\x93NUMPY garbage")), "not a valid array"),
+    "a chunk whose bytes describe a huge array": (
+        lambda r: _first_chunk(r, Array(dtype="uint32", shape=(7,), stype="numpy.ndarray",
+                                        data=_npy_claiming((1 << 40,)))), "another array"),
     "an unknown dtype": (
         lambda r: _first_chunk(r, Array(dtype="no-such-type", shape=(7,),
                                         stype="numpy.ndarray", data=b"")), "has dtype"),
@@ -228,6 +248,12 @@ def test_chunk_sizes_the_server_refuses_or_lengthens() -> None:
     assert chunk_elements(4, 32, 10**8) == 1526
     assert chunk_elements(4 << 20, 32, 10**7) == 1 << 20
     assert chunk_elements(4 << 20, 16, 10) == 2 << 20
+    # what a node refuses to be asked for (fl.flower.client checks the request with it)
+    with pytest.raises(ChunkError, match="more than 65536"):
+        check_layout(1, 32, MAX_CHUNKS + 1)
+    with pytest.raises(ChunkError, match="lower chunk_bytes"):
+        check_layout((1 << 28) + 1, 32, 10)
+    assert check_layout(1, 32, MAX_CHUNKS) == 1
 
 
 def test_a_round_whose_node_state_flower_cannot_move_is_not_run_and_says_why(
