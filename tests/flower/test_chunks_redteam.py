@@ -45,25 +45,27 @@ def _declared(data: bytes, dtype: str = "uint32", shape: tuple[int, ...] = (7,))
 
 
 # the round is 32-bit at 7 elements per chunk (tests/flower/test_chunks.py::_one_round)
+# a .npy header that does not describe the declared array is refused before it is parsed
+DESCRIBES_ANOTHER = "its bytes describe another array than the declared uint32 (7,)"
 GAMES: dict[str, tuple[Array, str]] = {
     "big-endian uint32": (Array(np.arange(7, dtype=">u4")), "has dtype"),
     "signed with negatives": (Array(-np.ones(7, np.int32)), "has dtype"),
     "float32 with NaN": (Array(np.full(7, np.nan, np.float32)), "has dtype"),
     "pickled objects": (_declared(b"\x80\x04junk", dtype="object"), "has dtype"),
     "declared uint32, body big-endian": (
-        _declared(_npy(">u4", (7,), bytes(28))), "not its declared uint32"),
+        _declared(_npy(">u4", (7,), bytes(28))), DESCRIBES_ANOTHER),
     "declared uint32, body int32": (
-        _declared(_npy("<i4", (7,), b"\xff" * 28)), "not its declared uint32"),
+        _declared(_npy("<i4", (7,), b"\xff" * 28)), DESCRIBES_ANOTHER),
     "declared uint32, body float32 NaN": (
-        _declared(_npy("<f4", (7,), b"\xff" * 28)), "not its declared uint32"),
+        _declared(_npy("<f4", (7,), b"\xff" * 28)), DESCRIBES_ANOTHER),
     "declared uint32, body of objects": (
-        _declared(_npy("|O", (7,), b"\x80\x04junk")), "not a valid array"),
+        _declared(_npy("|O", (7,), b"\x80\x04junk")), DESCRIBES_ANOTHER),
     "declared (7,), body (7, 1)": (
-        _declared(_npy("<u4", (7, 1), bytes(28))), "not its declared uint32"),
+        _declared(_npy("<u4", (7, 1), bytes(28))), DESCRIBES_ANOTHER),
     "declared (7,), body of 2**31 elements": (
-        _declared(_npy("<u4", (1 << 31,), bytes(28))), "not a valid array"),
+        _declared(_npy("<u4", (1 << 31,), bytes(28))), DESCRIBES_ANOTHER),
     "declared (7,), body of 2**60 elements": (
-        _declared(_npy("<u4", (1 << 60,), bytes(28))), "not a valid array"),
+        _declared(_npy("<u4", (1 << 60,), bytes(28))), DESCRIBES_ANOTHER),
     "declared (2**30,)": (_declared(bytes(28), shape=(1 << 30,)), "expected (7,)"),
     "a zero-dimensional chunk": (_declared(_npy("<u4", (), bytes(4)), shape=()),
                                  "expected (7,)"),
