@@ -265,6 +265,35 @@ def test_a_site_dripping_chunks_cannot_hold_the_only_slot() -> None:
     report = _completed(report, inputs, {2, 3, 4})
 
 
+def _slow_granted(chunk: int, pause: float) -> Attack:
+    """Site 1's chunks of the granted ``chunk`` elements, in order, ``pause`` seconds
+    apart, all but the last (its stream never completes)."""
+    async def crawl(evil: RawClient, topics: Topics, session: bytes) -> None:
+        for offset in range(0, CONFIG.dim - chunk, chunk):
+            await _publish(evil, topics, 1, _chunk(session, 1, offset, chunk))
+            await asyncio.sleep(pause)
+
+    return crawl
+
+
+@threat(attack="Streamed masked input: upload-slot hogging with granted chunks",
+        adversary="malicious client",
+        controls="its own login: granted the only upload slot, it sends valid chunks of the "
+                 "granted size, one just before every upload_idle, and never the last",
+        protocol="its grant is a lease (the masked_input deadline over the waves of senders "
+                 "the slots take): at its end the slot is taken back, its pending chunks "
+                 "discarded, and the honest sites stream")
+def test_a_site_crawling_with_granted_chunks_loses_its_slot_at_its_lease() -> None:
+    # 10-element chunks (chunk_bytes 40): 39 chunks at 0.3 s would hold the slot 11.7 s,
+    # far past the stage (4 s); the lease is 4 s / 4 waves = 1 s
+    report, inputs = _broker_round(_slow_granted(10, 0.3), hostile=1,
+                                   timeouts=replace(BROKER, stage=4.0, upload_idle=0.6),
+                                   seed=23, upload_budget=CONFIG.dim * 4, chunk_bytes=40)
+    report = _completed(report, inputs, {2, 3, 4})
+    assert report.result.dropped[1] is Stage.MASKED_INPUT
+    assert report.seconds["masked_input"] < 3.5
+
+
 @threat(attack="Streamed masked input: chunks smaller than granted",
         adversary="malicious client",
         controls="its own login: granted a slot of 100-element chunks, it sends "

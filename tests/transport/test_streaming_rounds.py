@@ -20,7 +20,7 @@ from secagg.messages import MaskedChunk
 from secagg.server import Server
 from tests.transport.mqtt_raw import RawClient, publish_packet
 from transport.broker import EmbeddedBroker
-from transport.drivers import StageProgress, Timeouts
+from transport.drivers import UPLOAD_IDLE_SHARE, StageProgress, Timeouts, TimeoutsError
 from transport.framing import HEADER_BYTES, frame
 from transport.memory import MemoryNetwork
 from transport.mqtt import BrokerSettings, MqttNetwork
@@ -224,3 +224,20 @@ def test_a_lost_grant_is_sent_again() -> None:
     assert report.included == {1, 2, 3, 4}
     assert report.result.total.tolist() == exact(inputs, report.included, 32)
     assert time.monotonic() - started < 10.0
+
+
+def test_upload_idle_at_or_past_the_masked_input_deadline_is_refused_in_one_line() -> None:
+    """A slot holder that fails must give its slot back while the others can still stream:
+    upload_idle must be below the masked_input deadline (a per-stage one too); by default it
+    is UPLOAD_IDLE_SHARE of it."""
+    for bad in ({"stage": 10.0, "upload_idle": 10.0},
+                {"stage": 60.0, "per_stage": {"masked_input": 5.0}, "upload_idle": 6.0},
+                {"upload_idle": 0.0}):
+        with pytest.raises(TimeoutsError, match="upload_idle") as caught:
+            Timeouts(**bad)
+        assert "\n" not in str(caught.value) and "below the masked_input deadline" in str(
+            caught.value)
+    assert Timeouts().upload_idle_limit() == UPLOAD_IDLE_SHARE * 60.0 < 60.0
+    scaled = Timeouts(stage=8.0, per_stage={"masked_input": 20.0})
+    assert scaled.upload_idle_limit() == UPLOAD_IDLE_SHARE * 20.0
+    assert Timeouts(stage=8.0, upload_idle=2.0).upload_idle_limit() == 2.0
