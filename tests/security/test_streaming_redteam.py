@@ -4,8 +4,10 @@ Attacks through the public surface only: a site's chunks into a real ``secagg.Se
 with real clients (out of order, overlapping, past ``dim``, after the last chunk, of another
 session / round shape / sender, a stream that stops half-way), and a site with a valid
 login on the embedded broker against the real drivers (slot hogging, chunk sizes the server
-did not grant, forged grants and cancels for another site). Tests marked ``xfail(strict)``
-are open findings: each asserts the protection and fails today; its fix flips it.
+did not grant, forged grants and cancels for another site). The findings this file opened
+(slot drip, chunks smaller than granted, a failed slot holder at the default timeouts, a
+will during masked_input, whole inputs kept, an unbounded rejection log) are fixed; each
+test asserts the protection.
 """
 
 from __future__ import annotations
@@ -147,7 +149,8 @@ def test_a_cut_stream_never_counts_and_reveals_only_the_masking_key(kept: int) -
 
 @threat(attack="Streamed masked input: rejection log growth", adversary="malicious client",
         controls="its own login: thousands of refused chunks in one stage",
-        protocol="a refused message never grows the server's memory without bound",
+        protocol="Server.rejected keeps one entry per client (its latest reason and a "
+                 "count): a refused message never grows the server's memory without bound",
         mode="semi-honest")
 def test_refused_chunks_do_not_grow_the_server_without_bound() -> None:
     config = Config(num_clients=3, threshold=2, dim=40, bits=32)
@@ -256,7 +259,8 @@ def _dripper(elements: int, pause: float) -> Attack:
 @threat(attack="Streamed masked input: upload-slot hogging", adversary="malicious client",
         controls="its own login: granted the only upload slot, it sends one valid "
                  "one-element chunk just before every upload_idle",
-        protocol="the slot should go to the honest sites (a lease or a minimum rate)")
+        protocol="refused (not the granted chunk size), and the grant is a lease: the slot "
+                 "goes to the honest sites, which complete")
 def test_a_site_dripping_chunks_cannot_hold_the_only_slot() -> None:
     # never the last element (the stream never completes), one every 0.3 s
     report, inputs = _broker_round(_dripper(CONFIG.dim - 1, 0.3), hostile=1,
@@ -298,9 +302,9 @@ def test_a_site_crawling_with_granted_chunks_loses_its_slot_at_its_lease() -> No
         adversary="malicious client",
         controls="its own login: granted a slot of 100-element chunks, it sends "
                  "one-element chunks",
-        protocol="a chunk other than the granted size (but the last) should be refused: "
-                 "the server's per-chunk state (ServerDriver._seen, one entry per accepted "
-                 "chunk, never cleared) and per-chunk work must stay per granted chunk")
+        protocol="a chunk other than the granted size (but the last) is refused, so the "
+                 "server's per-chunk work stays per granted chunk (and ServerDriver._seen "
+                 "keeps the last window of each stream)")
 def test_chunks_smaller_than_granted_are_refused() -> None:
     report, inputs = _broker_round(_dripper(50, 0.0), hostile=1, timeouts=BROKER, seed=22)
     report = _completed(report, inputs, {2, 3, 4})
@@ -339,9 +343,11 @@ def test_forged_grants_and_cancels_for_other_sites_are_refused() -> None:
         controls="granted the only slot (the lowest id), the site stays online and sends "
                  "nothing (mode 'silent'), or its stream is refused half-way because a "
                  "chunk was lost on the way (mode 'refused': the next one is out of order "
-                 "and the site gives up); upload_idle equal to the stage deadline, as the "
-                 "defaults Timeouts().upload_idle == Timeouts().stage == 60 s",
-        protocol="the slot should come back in time for the honest sites to stream")
+                 "and the site gives up); upload_idle at the default ratio to the "
+                 "masked_input deadline",
+        protocol="the default upload_idle is a quarter of the masked_input deadline (at or "
+                 "past it: TimeoutsError), a site that gives up signs off, each grant is a "
+                 "lease: the slot comes back in time for the honest sites to stream")
 @pytest.mark.parametrize("mode", ["silent", "refused"])
 def test_a_failed_slot_holder_at_the_default_timeout_ratio_does_not_abort_the_round(
         mode: str) -> None:
@@ -370,15 +376,17 @@ def test_a_failed_slot_holder_at_the_default_timeout_ratio_does_not_abort_the_ro
     except ProtocolAbort as exc:
         pytest.fail(f"the round aborted: {exc}")
     assert report.included >= {2, 3, 4}
+    if mode == "refused":  # the site gave up on its refused chunk and signed off
+        assert report.gone == {1: "offline"} and 1 not in report.included
 
 
 @threat(attack="Streamed masked input: a network blip", adversary="network attacker",
         controls="it cuts one honest site's connection for 1 s (the broker publishes its "
                  "will) while the site waits for its upload slot (mode 'waiting') or "
                  "streams (mode 'streaming'); the site reconnects and goes on",
-        protocol="a site that comes back should still be granted / finish its stream, as a "
-                 "whole MaskedInput re-published after a reconnect was accepted before "
-                 "streaming")
+        protocol="a will does not cancel an upload (its lease and idle limit decide); any "
+                 "message from the site clears its will; a waiting site re-publishes its "
+                 "share_keys message on reconnect and is granted: it completes")
 @pytest.mark.parametrize("mode", ["waiting", "streaming"])
 def test_a_site_that_blips_during_masked_input_is_not_dropped(mode: str,
                                                               monkeypatch: Any) -> None:
@@ -432,7 +440,8 @@ def test_a_site_that_blips_during_masked_input_is_not_dropped(mode: str,
         controls="nothing: n clients answer with a whole MaskedInput (Client.handle, the "
                  "Flower adapter's assembled input)",
         protocol="docs/protocol.md 6.3: the server holds the sum plus upload_slots "
-                 "vectors, never n", mode="semi-honest", shows="defence")
+                 "vectors, never n (an accepted message leaves only its sha256 for "
+                 "redeliveries)", mode="semi-honest", shows="defence")
 def test_whole_masked_inputs_are_not_all_kept_by_the_server() -> None:
     config = Config(num_clients=8, threshold=5, dim=1 << 16, bits=32)
     vector = config.dim * 4
