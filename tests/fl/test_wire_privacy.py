@@ -16,7 +16,8 @@ from fl.coordinator import RoundCapture
 from fl.federation import train
 from fl.settings import TrainSettings
 from secagg import decode
-from secagg.messages import MaskedInput
+from secagg.crypto import dtype_for_bits
+from secagg.messages import MaskedChunk, MaskedInput
 from transport.framing import FrameError, Reassembler
 
 pytestmark = pytest.mark.timeout(120)
@@ -71,7 +72,8 @@ def test_site_bytes_reveal_neither_update_nor_count() -> None:
         wire = b"".join(payloads)
         assert plain.tobytes() not in wire
         assert plain[:-1].tobytes()[:64] not in wire  # not even a prefix of the update
-        masked = None
+        streams: dict[int, dict[int, bytes]] = {}  # dim -> chunk offset -> masked bytes
+        width = 0
         for message in _messages(payloads):
             leaves = _fields(msgpack.unpackb(message, raw=True, strict_map_key=False))
             assert count not in [x for x in leaves if isinstance(x, int)]
@@ -80,9 +82,14 @@ def test_site_bytes_reveal_neither_update_nor_count() -> None:
                 decoded = decode(message)
             except Exception:
                 continue
-            if isinstance(decoded, MaskedInput) and len(decoded.masked) > 8 * 100:
-                masked = decoded.vector()
-        assert masked is not None, "the site's masked input was not on the wire"
+            if isinstance(decoded, (MaskedInput, MaskedChunk)):  # streamed: chunks
+                offset = decoded.offset if isinstance(decoded, MaskedChunk) else 0
+                streams.setdefault(decoded.dim, {})[offset] = bytes(decoded.masked)
+                width = decoded.bits
+        parts = streams.get(len(plain))  # the training round's (the scaler's is smaller)
+        assert parts, "the site's masked input was not on the wire"
+        masked = np.frombuffer(b"".join(parts[o] for o in sorted(parts)),
+                               dtype=dtype_for_bits(width))
         assert len(masked) == len(plain)  # the training round's (the scaler's is smaller)
         # No coordinate of the masked vector equals the plaintext one (the count included).
         assert not np.any(masked == plain)
