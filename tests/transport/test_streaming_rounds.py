@@ -241,3 +241,28 @@ def test_upload_idle_at_or_past_the_masked_input_deadline_is_refused_in_one_line
     scaled = Timeouts(stage=8.0, per_stage={"masked_input": 20.0})
     assert scaled.upload_idle_limit() == UPLOAD_IDLE_SHARE * 20.0
     assert Timeouts(stage=8.0, upload_idle=2.0).upload_idle_limit() == 2.0
+
+
+def test_the_server_remembers_a_window_of_each_stream_not_every_chunk(
+        monkeypatch: Any) -> None:
+    """Four sites stream 60 chunks each: the digests the server driver keeps to confirm
+    duplicates are the last ``window`` chunks of each stream plus one message per site and
+    stage (a site only re-sends unconfirmed chunks, at most ``window``), not 240."""
+    from transport.server_driver import ServerDriver
+
+    drivers: list[ServerDriver] = []
+    init = ServerDriver.__init__
+
+    def keep(self: ServerDriver, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        drivers.append(self)
+
+    monkeypatch.setattr(ServerDriver, "__init__", keep)
+    config = Config(num_clients=4, threshold=3, dim=600, bits=32)
+    inputs = make_inputs(4, config.dim, 32, seed=9)
+    report = asyncio.run(run_round(MemoryNetwork(), config, inputs, timeouts=FAST,
+                                   chunk_bytes=40))
+    assert report.included == {1, 2, 3, 4} and report.chunks == 4 * 60
+    (driver,) = drivers
+    stages = len(driver._deadlines)
+    assert len(driver._seen) <= 4 * (driver.window + stages) < report.chunks
