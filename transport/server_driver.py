@@ -385,11 +385,13 @@ class ServerDriver:
                            exc)
             return
         if kind == OFFLINE and isinstance(notice, Offline):
-            if cid in self.server.roster and cid not in self.gone:
+            after_will = notice.final and cid in self._gone_by_will
+            if cid in self.server.roster and (cid not in self.gone or after_will):
                 logger.info("server: client %d is offline (%s)", cid, notice.reason)
-                if notice.final:
+                if notice.final:  # a sign-off is final, also after a will
                     self.gone[cid] = "offline"
                     self._wills.pop(cid, None)
+                    self._gone_by_will.discard(cid)
                 else:
                     self._wills.setdefault(cid, asyncio.get_running_loop().time())
         elif kind == ABORT and isinstance(notice, ClientAbort):
