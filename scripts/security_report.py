@@ -252,8 +252,10 @@ documented non-guarantees are strict xfails in section 4.
    redelivery of any earlier server message with its earlier reply (P4), the canonical
    decoder, the sticky server abort, the client's erasure, and the finder's malicious
    bound 2t > k + c (`secagg_plus_parameters(50, 0, 0.1, "malicious")` gives (9, 8)).
-7. *Unbounded rejection log* - **fixed.** `Server.rejected` keeps the last 1024 entries
-   (`test_a_rejection_flood_leaves_a_bounded_log_and_an_exact_round`).
+7. *Unbounded rejection log* - **fixed.** `Server.rejected` keeps one entry per client
+   (its latest reason and a count), bounded by the roster
+   (`test_a_rejection_flood_leaves_a_bounded_log_and_an_exact_round`,
+   `test_refused_chunks_do_not_grow_the_server_without_bound`).
 8. *Stale test metadata* - **fixed.** The threat texts now describe the current code.
 9. *Parameter finder not minimal* - **fixed.** The finder scans a window below the
    bisection point and agrees with a linear scan on a grid of 320 cases

@@ -15,10 +15,9 @@ one stage is rejected. ``ProtocolAbort`` means the round cannot finish.
 from __future__ import annotations
 
 import os
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -31,6 +30,7 @@ from .crypto import (
     dtype_for_bits,
     is_clamped,
     self_mask_commitment,
+    sha256,
     verify_signature,
 )
 from .errors import ProtocolAbort, ProtocolError
@@ -88,12 +88,54 @@ UNMASK_WINDOW_BYTES = 8 << 20
 a second d-sized vector."""
 
 
+class RejectionLog:
+    """``Server.rejected``: why the server refused each client's messages, one entry per
+    client (its latest reason, and how many were refused), most recent last.
+
+    Iterating gives ``(client id, latest reason)`` pairs (indexing too, ``log[-1]``);
+    ``count(cid)`` is how many of ``cid``'s messages were refused. The memory is bounded
+    by the roster, whatever a client sends: a flood of refused messages only moves its
+    entry to the end and adds to its count. Ids outside the roster (a caller handing the
+    server an unauthenticated id) share ``spare`` further entries, the oldest evicted."""
+
+    def __init__(self, roster: Iterable[int], spare: int = 16) -> None:
+        self._limit = len(frozenset(roster)) + spare
+        self._latest: dict[int, str] = {}
+        self._counts: dict[int, int] = {}
+
+    def append(self, entry: tuple[int, str]) -> None:
+        cid, reason = entry
+        self._latest.pop(cid, None)  # re-inserted: the most recent comes last
+        self._latest[cid] = reason
+        self._counts[cid] = self._counts.get(cid, 0) + 1
+        while len(self._latest) > self._limit:
+            oldest = next(iter(self._latest))
+            del self._latest[oldest], self._counts[oldest]
+
+    def count(self, client_id: int) -> int:
+        """How many of ``client_id``'s messages were refused (0: none, or evicted)."""
+        return self._counts.get(client_id, 0)
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        return iter(list(self._latest.items()))
+
+    def __len__(self) -> int:
+        return len(self._latest)
+
+    def __getitem__(self, index: int) -> tuple[int, str]:
+        return list(self._latest.items())[index]
+
+    def __repr__(self) -> str:
+        return f"RejectionLog({[(c, self._counts[c], r) for c, r in self._latest.items()]})"
+
+
 @dataclass(eq=False)
 class _Upload:
     """A granted sender's masked input while it streams in: pending, never in the sum
     until its last chunk arrived (a partial input cannot be unmasked without revealing
     it, docs/protocol.md 6.3)."""
 
+    chunk: int | None = None  # the granted chunk length (elements); None: any
     vector: np.ndarray | None = None  # allocated by the first chunk
     next: int = 0  # the element offset the next chunk must start at
     running: object = None  # malicious mode: SHA-256 of the stream so far
@@ -157,13 +199,15 @@ class Server:
         self._stage = Stage.ADVERTISE_KEYS
         self._expected: set[int] = set(self.roster)
         self._inbox: dict[int, ClientMessage] = {}
-        # wire bytes of each accepted message (this stage, previous stage): a redelivery is
-        # the same bytes, compared only when a sender already has one (no hashing)
-        self._accepted_raw: dict[int, bytes] = {}
-        self._previous_raw: dict[int, bytes] = {}
+        # sha256 of each accepted message (this stage, previous stage): a redelivery is the
+        # same bytes, hashed only when the sender already has an accepted message. A digest,
+        # not the bytes: n whole masked inputs must not stay behind (docs/protocol.md 6.3)
+        self._accepted_digest: dict[int, bytes] = {}
+        self._previous_digest: dict[int, bytes] = {}
         self.dropped: dict[int, Stage] = {}
-        # the most recent rejections, bounded so a flood cannot grow memory
-        self.rejected: deque[tuple[int, str]] = deque(maxlen=1024)
+        # why each client's messages were refused: one entry per client, bounded by the
+        # roster whatever a client floods (RejectionLog)
+        self.rejected = RejectionLog(self.roster)
         self._adverts: dict[int, AdvertiseKeys] = {}
         self._key_owner: dict[bytes, int] = {}
         self._key_lists: dict[int, frozenset[int]] = {}
@@ -225,8 +269,9 @@ class Server:
 
         Returns ``True`` for a new message, ``False`` for a redelivery of one already
         accepted (this stage's or the previous stage's); raises ``ProtocolError`` when the
-        message is rejected. The bytes are decoded once; nothing is hashed except what a
-        signature covers (malicious mode)."""
+        message is rejected. The bytes are decoded once; besides what a signature covers
+        (malicious mode), the server keeps each accepted message's sha256 to recognise its
+        redelivery (never the bytes: a whole masked input is d-sized)."""
         if self.aborted is not None:
             raise self._reject(client_id, f"the round was aborted: {self.aborted}")
         if isinstance(message, (bytes, bytearray, memoryview)):
@@ -255,9 +300,12 @@ class Server:
                                           f"{msg.client_id}")
         if msg.session_id != self.session_id:
             raise self._reject(client_id, "the message belongs to another session")
-        if self._accepted_raw.get(client_id) == raw and client_id in self._inbox:
+        accepted = self._accepted_digest.get(client_id)
+        previous = self._previous_digest.get(client_id)
+        digest = sha256(raw) if accepted is not None or previous is not None else b""
+        if accepted == digest and client_id in self._inbox:
             return False  # redelivery of an accepted message
-        if self._previous_raw.get(client_id) == raw:
+        if previous == digest:
             return False  # late redelivery of last stage's message (also after the result)
         if self.result is not None:
             raise self._reject(client_id, "the round has finished")
@@ -275,7 +323,7 @@ class Server:
             return self._take_masked(client_id, msg, raw)
         self._validate(client_id, msg)
         self._inbox[client_id] = msg
-        self._accepted_raw[client_id] = raw
+        self._accepted_digest[client_id] = digest or sha256(raw)
         if isinstance(msg, AdvertiseKeys):
             self._advert_digests[client_id] = advertisement_digest(
                 self.session_id, client_id, _entry(msg))
@@ -335,13 +383,18 @@ class Server:
         """Senders granted an upload slot whose masked input has not completed."""
         return frozenset(self._uploads)
 
-    def grant_uploads(self, client_ids: Iterable[int] | None = None) -> list[int]:
+    def grant_uploads(self, client_ids: Iterable[int] | None = None, *,
+                      chunk_elements: int | None = None) -> list[int]:
         """Stage masked_input: give free upload slots to clients still expected (of
         ``client_ids``, default all; lowest id first) and return them. Only a granted
         client may stream chunks; a whole ``MaskedInput`` needs no grant (it completes in
         one message). The transport tells each granted client, which waits for its grant
         instead of being dropped: a slow server slows its senders (docs/deployment.md,
-        flow control)."""
+        flow control). With ``chunk_elements`` the grant is for chunks of that many
+        elements: any other chunk but the last (which may be shorter) is refused, so a
+        sender cannot make the server's per-chunk work and state per element."""
+        if chunk_elements is not None and chunk_elements < 1:
+            raise ValueError("chunk_elements must be a positive number of elements")
         if self._stage is not Stage.MASKED_INPUT or self.result is not None \
                 or self.aborted is not None:
             return []
@@ -355,7 +408,7 @@ class Server:
         for cid in sorted(eligible):
             if len(granted) == free:
                 break
-            self._uploads[cid] = _Upload()
+            self._uploads[cid] = _Upload(chunk_elements)
             granted.append(cid)
         return granted
 
@@ -395,6 +448,11 @@ class Server:
                 raise self._reject(cid, f"a chunk at element {offset}, but the stream is "
                                         f"at element {upload.next} (chunks come in order, "
                                         f"each once)")
+            if upload.chunk is not None and (count > upload.chunk if last
+                                             else count != upload.chunk):
+                raise self._reject(cid, f"a chunk of {count} elements; the grant is for "
+                                        f"chunks of {upload.chunk} (only the last may be "
+                                        f"shorter)")
         elif upload is not None and upload.next:
             raise self._reject(cid, f"a whole masked input while its stream is at element "
                                     f"{upload.next}")
@@ -441,8 +499,9 @@ class Server:
                     self._spares.append(spare)
                 del self._uploads[cid]
         if last:
-            self._inbox[cid] = msg
-            self._accepted_raw[cid] = raw
+            # kept without its vector (in the sum now), so n whole inputs never stay behind
+            self._inbox[cid] = replace(msg, masked=b"")
+            self._accepted_digest[cid] = sha256(raw)
         return True
 
     def _add_to_sum(self, vector: np.ndarray, *, owned: bool = False) -> np.ndarray:
@@ -491,8 +550,8 @@ class Server:
         return responders
 
     def _open(self, stage: Stage, recipients: Iterable[int]) -> None:
-        self._previous_raw = self._accepted_raw
-        self._accepted_raw = {}
+        self._previous_digest = self._accepted_digest
+        self._accepted_digest = {}
         self._inbox = {}
         self._stage = stage
         self._expected = set(recipients)

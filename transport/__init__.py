@@ -13,7 +13,7 @@ every error the layer raises is a ``TransportError``.
   ``launch``: starting either as a process.
 """
 
-from .drivers import StageProgress, Timeouts
+from .drivers import StageProgress, Timeouts, TimeoutsError
 from .errors import TransportError
 from .framing import FrameError
 from .launch import broker_for, running_broker
@@ -38,6 +38,7 @@ __all__ = [
     "RoundReport",
     "StageProgress",
     "Timeouts",
+    "TimeoutsError",
     "TlsSettings",
     "Topics",
     "TransportError",

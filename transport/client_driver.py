@@ -170,10 +170,12 @@ class ClientDriver:
                     return
                 unconfirmed = bool(self._inflight) or not self._confirmed
                 wait = self.timeouts.retry if unconfirmed else self.timeouts.answer
-                wake = min(self._sent_at + wait, self._progress_at + self.timeouts.give_up)
+                wake = self._progress_at + self.timeouts.give_up
+                sent = self._current is not None or bool(self._inflight)
+                if sent:  # nothing to re-publish (e.g. waiting for a grant): no retry timer
+                    wake = min(wake, self._sent_at + wait)
                 if lost is not None:
                     wake = min(wake, lost + self.timeouts.answer)
-                sent = self._current is not None or bool(self._inflight)
                 if sent and now >= self._sent_at + wait:
                     await self._republish("no receipt" if not self._confirmed
                                           else "no answer")
@@ -280,11 +282,17 @@ class ClientDriver:
                     self._finish("done")
             await self._pump_upload(loop)
         else:
-            label = (self._current[0] if self._current is not None
-                     else Stage.MASKED_INPUT).label
+            label = (Stage.MASKED_INPUT if self._upload is not None or self._current is None
+                     else self._current[0]).label
             logger.warning("client %d: the server rejected its %s message: %s",
                            self.client_id, label, receipt.reason)
             self._finish("excluded", receipt.reason)
+            if receipt.digest != UPLOAD_RECEIPT:
+                # it gives up: signing off frees its upload slot and the stage at once
+                await publish_framed(self.link, self.topics.offline(self.client_id),
+                                     encode_control(Offline(f"gave up: the server refused "
+                                                            f"its {label} message")),
+                                     self.max_payload)
 
     async def _on_grant(self, grant: Grant, loop: asyncio.AbstractEventLoop) -> None:
         if grant.session_id != self.client.session_id:

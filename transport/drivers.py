@@ -36,6 +36,7 @@ from .control import (
     Offline,
     encode_control,
 )
+from .errors import TransportError
 from .framing import (
     HEADER_BYTES,
     frame,
@@ -48,6 +49,11 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 and the server reassembles at a time."""
 DEFAULT_UPLOAD_WINDOW = 4
 """Chunks a granted client may have unconfirmed (each chunk's receipt frees one)."""
+UPLOAD_IDLE_SHARE = 0.25
+"""The default ``Timeouts.upload_idle``, as a share of the masked_input deadline: a granted
+site that goes silent costs the sites waiting for its slot at most a quarter of the stage.
+An honest sender is never idle that long: it re-publishes an unconfirmed chunk every
+``retry`` seconds."""
 PUBLISH_AHEAD = 16
 """Frames of one message ``publish_framed`` has in flight at once (below paho's default
 of 20 unacknowledged QoS 1 messages per connection)."""
@@ -62,7 +68,10 @@ class Timeouts:
     ``resend_interval``: the server re-sends an answer to one client at most this often;
     ``will_grace``: how long a last will must stand before the server stops waiting;
     ``upload_idle``: the server takes back the upload slot of a sender whose streamed
-    masked input brought no chunk for this long (docs/deployment.md, flow control)."""
+    masked input brought no chunk for this long (docs/deployment.md, flow control);
+    ``None``: ``UPLOAD_IDLE_SHARE`` of the masked_input deadline (``upload_idle_limit``).
+    It must be below that deadline (``TimeoutsError`` otherwise): a slot holder that
+    fails must give its slot back while the other sites can still stream."""
 
     stage: float = 60.0
     per_stage: Mapping[str, float] = field(default_factory=dict)
@@ -72,10 +81,28 @@ class Timeouts:
     give_up: float = 300.0
     resend_interval: float = 1.0
     will_grace: float = 0.5
-    upload_idle: float = 60.0
+    upload_idle: float | None = None
+
+    def __post_init__(self) -> None:
+        deadline = self.deadline(Stage.MASKED_INPUT)
+        if self.upload_idle is not None and not 0 < self.upload_idle < deadline:
+            raise TimeoutsError(f"Timeouts.upload_idle = {self.upload_idle:g} s must be "
+                                f"above 0 and below the masked_input deadline "
+                                f"({deadline:g} s); leave it None for "
+                                f"{UPLOAD_IDLE_SHARE:g} x that deadline")
 
     def deadline(self, stage: Stage) -> float:
         return float(self.per_stage.get(stage.label, self.stage))
+
+    def upload_idle_limit(self) -> float:
+        """Seconds without a chunk after which a sender loses its upload slot."""
+        if self.upload_idle is not None:
+            return self.upload_idle
+        return UPLOAD_IDLE_SHARE * self.deadline(Stage.MASKED_INPUT)
+
+
+class TimeoutsError(TransportError, ValueError):
+    """A ``Timeouts`` the drivers cannot run a round with (says which field to change)."""
 
 
 async def publish_framed(link: Link, topic: str, message: bytes, max_payload: int, *,

@@ -75,9 +75,10 @@ class MemoryLink:
         return True
 
     async def receive(self, timeout: float | None = None) -> Event | None:
-        try:
-            item = await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
+        try:  # as MqttLink: a queued event is returned even with timeout 0
+            async with asyncio.timeout(timeout):
+                item = await self._queue.get()
+        except TimeoutError:
             return None
         if isinstance(item, BaseException):
             raise item

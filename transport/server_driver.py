@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 from secagg import ProtocolAbort, ProtocolError, Stage, encode, round_stages
@@ -75,6 +77,9 @@ class ServerDriver:
         self.bytes_received: dict[int, dict[str, int]] = {}
         self.gone: dict[int, str] = {}
         self._wills: dict[int, float] = {}  # client -> when its last will arrived
+        # gone because its will stood for will_grace (not signed off, not aborted): any
+        # later delivery from it clears that, and it does not cost it its upload slot
+        self._gone_by_will: set[int] = set()
         self.client_aborts: dict[int, str] = {}
         self.invalid_payloads = 0
         self.rejected = 0
@@ -88,12 +93,19 @@ class ServerDriver:
                    + self.chunk_elements * width)
         self._reassembler = round_reassembler(largest + 4096, len(server.roster), max_payload)
         self.reassembly_bound = self._reassembler.max_buffered_bytes
-        self._upload_seen: dict[int, float] = {}  # uploading client -> its last chunk
+        # uploading client -> when its last chunk arrived (from its first: before that it
+        # may still be waiting for the Ciphertexts its grant overtook; its lease applies)
+        self._upload_seen: dict[int, float] = {}
+        self._lease_end: dict[int, float] = {}  # uploading client -> when its grant ends
+        self._lease: float | None = None  # seconds each grant of this masked_input lasts
         self.reassembly_peak = 0  # the most bytes the reassembly ever held (its bound)
         self._outbox: dict[int, tuple[Stage, bytes]] = {}
         self._answered: dict[int, bytes] = {}  # client -> digest its outbox message answers
         self._accepted: dict[int, bytes] = {}  # this stage: client -> digest accepted
-        self._seen: set[tuple[int, bytes]] = set()  # every (client, digest) accepted
+        self._seen: set[tuple[int, bytes]] = set()  # (client, digest) accepted
+        # of each stream only the last ``window`` chunks stay in _seen: a client re-sends
+        # only unconfirmed chunks, and it never has more than ``window`` of those
+        self._stream_seen: dict[int, deque[bytes]] = {}
         self._last_resend: dict[int, float] = {}
         self._progress = asyncio.Event()
         self._failure: BaseException | None = None
@@ -139,13 +151,20 @@ class ServerDriver:
                 del self._wills[cid]
                 logger.info("server: client %d is gone (last will)", cid)
                 self.gone[cid] = "offline"
+                self._gone_by_will.add(cid)
+                if cid in self._lease_end:
+                    # it keeps its slot, should it come back; its idle clock runs from
+                    # its will (a killed site loses the slot after upload_idle)
+                    self._upload_seen[cid] = min(at, self._upload_seen.get(cid, at))
         self._reclaim_uploads(now)
         return self.server.pending - set(self.gone)
 
     def _next_wake(self, deadline: float) -> float:
         if self._upload_seen:
             deadline = min(deadline, min(self._upload_seen.values())
-                           + self.timeouts.upload_idle)
+                           + self.timeouts.upload_idle_limit())
+        if self._lease_end:
+            deadline = min(deadline, min(self._lease_end.values()))
         if not self._wills:
             return deadline
         return min(deadline, min(self._wills.values()) + self.timeouts.will_grace)
@@ -153,12 +172,26 @@ class ServerDriver:
     # -- flow control of streamed masked inputs ------------------------------------------
 
     def _grant_uploads(self) -> None:
-        """Give free upload slots to clients still expected and not gone."""
+        """Give free upload slots to clients still expected and not gone, each a lease of
+        ``_lease_seconds()`` for its whole stream, in chunks of ``chunk_elements``."""
         server = self.server
         now = asyncio.get_running_loop().time()
-        for cid in server.grant_uploads(server.pending - set(self.gone)):
-            self._upload_seen[cid] = now
+        for cid in server.grant_uploads(server.pending - set(self.gone),
+                                        chunk_elements=self.chunk_elements):
+            self._lease_end[cid] = now + self._lease_seconds()
             self._spawn(self._send_grant(cid))
+
+    def _lease_seconds(self) -> float:
+        """How long one grant lasts: the masked_input deadline (the round's deadline
+        model, ``transport.deadlines.round_timeouts``) shared by the waves of senders the
+        slots take, ceil(senders / upload_slots). Senders that hold their slot to its
+        end still leave every later wave its share of the stage; a sender that drips
+        or stalls loses its slot to the next wave (docs/deployment.md 6.1)."""
+        if self._lease is None:
+            senders = max(1, len(self.server.pending))
+            waves = math.ceil(senders / self.server.upload_slots)
+            self._lease = self._deadlines[Stage.MASKED_INPUT.label] / waves
+        return self._lease
 
     async def _send_grant(self, cid: int) -> None:
         grant = Grant(self.server.session_id, self.chunk_elements, self.window)
@@ -166,25 +199,42 @@ class ServerDriver:
                              encode_control(grant), self.max_payload)
 
     def _reclaim_uploads(self, now: float) -> None:
-        """Take back the slots of senders that are gone or sent nothing for
-        ``timeouts.upload_idle`` seconds, and grant them to the next clients."""
+        """Take back the slots of senders that left (signed off or aborted: a last will
+        alone does not count, the connection may come back), sent nothing for
+        ``timeouts.upload_idle_limit()`` seconds since their last one or ran out of their
+        lease (which alone bounds a sender that never starts), and grant
+        them to the next clients."""
         uploading = self.server.uploading
-        for cid in list(self._upload_seen):
+        idle = self.timeouts.upload_idle_limit()
+        for cid in list(self._lease_end):
             if cid not in uploading:
-                del self._upload_seen[cid]
+                self._forget_upload(cid)
                 continue
-            if cid in self.gone:
+            if cid in self.gone and cid not in self._gone_by_will:
                 reason = f"it left while streaming its masked input ({self.gone[cid]})"
-            elif now - self._upload_seen[cid] >= self.timeouts.upload_idle:
+            elif now - self._upload_seen.get(cid, now) >= idle:
                 reason = (f"its upload slot was taken back: no chunk of its masked input "
-                          f"for {self.timeouts.upload_idle:g} s")
+                          f"for {idle:g} s")
+            elif now >= self._lease_end[cid]:
+                reason = (f"its upload slot was taken back: its masked input did not "
+                          f"complete within its lease of {self._lease_seconds():g} s (the "
+                          f"masked_input deadline shared by the senders that wait)")
             else:
                 continue
-            del self._upload_seen[cid]
-            self.server.cancel_upload(cid, reason)
+            self._revoke(cid, reason)
+        self._grant_uploads()
+
+    def _revoke(self, cid: int, reason: str) -> None:
+        """Cancel ``cid``'s upload (its pending chunks discarded: they never count) and
+        tell it why; the caller grants the slot to the next client."""
+        self._forget_upload(cid)
+        if self.server.cancel_upload(cid, reason):
             logger.warning("server: client %d dropped at masked_input: %s", cid, reason)
             self._spawn(self._receipt(cid, Receipt(UPLOAD_RECEIPT, False, reason)))
-        self._grant_uploads()
+
+    def _forget_upload(self, cid: int) -> None:
+        self._upload_seen.pop(cid, None)
+        self._lease_end.pop(cid, None)
 
     async def _run_stage(self) -> None:
         loop = asyncio.get_running_loop()
@@ -218,6 +268,9 @@ class ServerDriver:
         self._outbox = encoded
         await asyncio.gather(*(self._send(cid) for cid in encoded))
         self._upload_seen.clear()
+        self._lease_end.clear()
+        self._stream_seen.clear()
+        self._lease = None
         self._grant_uploads()
         seconds = loop.time() - opened
         self.seconds[stage.label] = seconds
@@ -267,6 +320,7 @@ class ServerDriver:
         self._wills.clear()
         for cid in [c for c, why in self.gone.items() if why == "offline"]:
             del self.gone[cid]
+        self._gone_by_will.clear()
         if self._control is not None:
             self._spawn(publish_framed(self.link, self.topics.control, self._control,
                                        self.max_payload, retain=True))
@@ -308,8 +362,19 @@ class ServerDriver:
         if stage is None:
             self._on_notice(cid, kind, message.payload)
         else:
+            self._back(cid)
             self._on_client_message(cid, message.digest, message.payload)
         self._progress.set()  # the stage loop re-evaluates (answers, wills, grace timers)
+
+    def _back(self, cid: int) -> None:
+        """A message from ``cid``: it is connected, whatever its last will said (a will
+        stands for a connection, which came back). A waiting client is granted again; a
+        sign-off or an abort stays final."""
+        self._wills.pop(cid, None)
+        if cid in self._gone_by_will:
+            self._gone_by_will.discard(cid)
+            del self.gone[cid]
+            logger.info("server: client %d is back after its last will", cid)
 
     def _on_notice(self, cid: int, kind: str, payload: bytes) -> None:
         try:
@@ -320,16 +385,20 @@ class ServerDriver:
                            exc)
             return
         if kind == OFFLINE and isinstance(notice, Offline):
-            if cid in self.server.roster and cid not in self.gone:
+            after_will = notice.final and cid in self._gone_by_will
+            if cid in self.server.roster and (cid not in self.gone or after_will):
                 logger.info("server: client %d is offline (%s)", cid, notice.reason)
-                if notice.final:
+                if notice.final:  # a sign-off is final, also after a will
                     self.gone[cid] = "offline"
+                    self._wills.pop(cid, None)
+                    self._gone_by_will.discard(cid)
                 else:
                     self._wills.setdefault(cid, asyncio.get_running_loop().time())
         elif kind == ABORT and isinstance(notice, ClientAbort):
             if cid in self.server.roster:
                 logger.warning("server: client %d aborted: %s", cid, notice.reason)
                 self.gone[cid] = "aborted"
+                self._gone_by_will.discard(cid)
                 self.client_aborts[cid] = notice.reason
         else:
             self.invalid_payloads += 1
@@ -355,21 +424,30 @@ class ServerDriver:
         stage = self.server.stage
         uploading = cid in self.server.uploading
         try:
-            self.server.receive(cid, payload)
+            new = self.server.receive(cid, payload)
         except ProtocolError as exc:
             self.rejected += 1
             logger.warning("server: %s", exc)
+            # An honest client gives up on its refused message and signs off, which frees
+            # its upload slot at once (_reclaim_uploads); a refusal alone does not: the
+            # message may be another connection's garbage under its name, not its own
             self._spawn(self._receipt(cid, Receipt(digest, False, str(exc))))
+            return
+        if not new:  # a redelivery the state machine recognised: confirm it again
+            self._spawn(self._receipt(cid, Receipt(digest, True)))
             return
         self._accepted[cid] = digest  # of a stream: its latest chunk
         self._seen.add((cid, digest))
         self.gone.pop(cid, None)
-        self._wills.pop(cid, None)
         counts = self.bytes_received.setdefault(cid, {})
         counts[stage.label] = counts.get(stage.label, 0) + len(payload)
         if uploading:
             self.chunks += 1
             self._upload_seen[cid] = asyncio.get_running_loop().time()
+            recent = self._stream_seen.setdefault(cid, deque())
+            recent.append(digest)
+            if len(recent) > self.window:
+                self._seen.discard((cid, recent.popleft()))
         complete = cid in self.server.received
         if complete and self.on_message is not None:
             self.on_message(cid, stage)

@@ -162,9 +162,11 @@ def chunks_of(content: Any, dim: int, bits: int, chunk: int
                          f"round's d={dim} makes at {chunk} elements per chunk")
     seen = set()
     for key in record:
-        start = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else -1
+        # at most as many digits as d (int() refuses over 4300 digits with a ValueError)
+        start = (int(key) if isinstance(key, str) and key.isascii() and key.isdigit()
+                 and len(key) <= len(str(dim)) else -1)
         if str(start) != key or start >= dim or start % chunk:
-            raise ChunkError(f"chunk key {key!r} is not an offset of this round (the "
+            raise ChunkError(f"chunk key {str(key)[:32]!r} is not an offset of this round (the "
                              f"multiples of {chunk} below d={dim}, in decimal)")
         seen.add(start)
     if len(seen) != len(expected):  # keys are unique and valid: only fewer is left
@@ -232,5 +234,5 @@ def _npy_header(data: bytes) -> tuple[Any, Any, Any]:
 def _is_dtype(name: object, dtype: np.dtype[Any]) -> bool:
     try:
         return isinstance(name, str) and np.dtype(name) == dtype
-    except TypeError:  # not a dtype name
+    except (TypeError, ValueError):  # not a dtype name, or one numpy cannot build
         return False

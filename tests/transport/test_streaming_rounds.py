@@ -20,7 +20,7 @@ from secagg.messages import MaskedChunk
 from secagg.server import Server
 from tests.transport.mqtt_raw import RawClient, publish_packet
 from transport.broker import EmbeddedBroker
-from transport.drivers import StageProgress, Timeouts
+from transport.drivers import UPLOAD_IDLE_SHARE, StageProgress, Timeouts, TimeoutsError
 from transport.framing import HEADER_BYTES, frame
 from transport.memory import MemoryNetwork
 from transport.mqtt import BrokerSettings, MqttNetwork
@@ -224,3 +224,45 @@ def test_a_lost_grant_is_sent_again() -> None:
     assert report.included == {1, 2, 3, 4}
     assert report.result.total.tolist() == exact(inputs, report.included, 32)
     assert time.monotonic() - started < 10.0
+
+
+def test_upload_idle_at_or_past_the_masked_input_deadline_is_refused_in_one_line() -> None:
+    """A slot holder that fails must give its slot back while the others can still stream:
+    upload_idle must be below the masked_input deadline (a per-stage one too); by default it
+    is UPLOAD_IDLE_SHARE of it."""
+    for bad in ({"stage": 10.0, "upload_idle": 10.0},
+                {"stage": 60.0, "per_stage": {"masked_input": 5.0}, "upload_idle": 6.0},
+                {"upload_idle": 0.0}):
+        with pytest.raises(TimeoutsError, match="upload_idle") as caught:
+            Timeouts(**bad)
+        assert "\n" not in str(caught.value) and "below the masked_input deadline" in str(
+            caught.value)
+    assert Timeouts().upload_idle_limit() == UPLOAD_IDLE_SHARE * 60.0 < 60.0
+    scaled = Timeouts(stage=8.0, per_stage={"masked_input": 20.0})
+    assert scaled.upload_idle_limit() == UPLOAD_IDLE_SHARE * 20.0
+    assert Timeouts(stage=8.0, upload_idle=2.0).upload_idle_limit() == 2.0
+
+
+def test_the_server_remembers_a_window_of_each_stream_not_every_chunk(
+        monkeypatch: Any) -> None:
+    """Four sites stream 60 chunks each: the digests the server driver keeps to confirm
+    duplicates are the last ``window`` chunks of each stream plus one message per site and
+    stage (a site only re-sends unconfirmed chunks, at most ``window``), not 240."""
+    from transport.server_driver import ServerDriver
+
+    drivers: list[ServerDriver] = []
+    init = ServerDriver.__init__
+
+    def keep(self: ServerDriver, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        drivers.append(self)
+
+    monkeypatch.setattr(ServerDriver, "__init__", keep)
+    config = Config(num_clients=4, threshold=3, dim=600, bits=32)
+    inputs = make_inputs(4, config.dim, 32, seed=9)
+    report = asyncio.run(run_round(MemoryNetwork(), config, inputs, timeouts=FAST,
+                                   chunk_bytes=40))
+    assert report.included == {1, 2, 3, 4} and report.chunks == 4 * 60
+    (driver,) = drivers
+    stages = len(driver._deadlines)
+    assert len(driver._seen) <= 4 * (driver.window + stages) < report.chunks
