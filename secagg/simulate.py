@@ -101,14 +101,22 @@ def _stream(server: Server, cid: int, stream: MaskedStream, aborts: dict[int, st
     for chunk in stream.chunks(elements):
         data = encode(chunk)
         sent += len(data)
-        try:
-            server.receive(cid, data)
-        except ProtocolAbort:
-            raise
-        except ProtocolError as exc:
-            aborts.setdefault(cid, str(exc))
+        if not _deliver(server, cid, data, aborts):
             break
     return sent
+
+
+def _deliver(server: Server, cid: int, data: bytes, aborts: dict[int, str]) -> bool:
+    """Client ``cid``'s encoded message into the server; False (its reason kept in
+    ``aborts``) when the server refuses it. A protocol abort propagates."""
+    try:
+        server.receive(cid, data)
+    except ProtocolAbort:
+        raise
+    except ProtocolError as exc:
+        aborts.setdefault(cid, str(exc))
+        return False
+    return True
 
 
 def simulate(config: Config, inputs: Mapping[int, object],
@@ -179,12 +187,7 @@ def simulate(config: Config, inputs: Mapping[int, object],
                     replies[cid] = encode(reply)
         for cid, data in replies.items():
             sent[cid][stage.label] = len(data)
-            try:
-                server.receive(cid, data)
-            except ProtocolAbort:
-                raise
-            except ProtocolError as exc:
-                aborts.setdefault(cid, str(exc))
+            _deliver(server, cid, data, aborts)
         messages = server.advance()
         outgoing = {cid: encode(msg) for cid, msg in messages.items()}
         seconds[stage.label] = time.perf_counter() - started
