@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections import deque
 from collections.abc import Awaitable, Callable
 
 from secagg import ProtocolAbort, ProtocolError, Stage, encode, round_stages
@@ -102,10 +101,11 @@ class ServerDriver:
         self._outbox: dict[int, tuple[Stage, bytes]] = {}
         self._answered: dict[int, bytes] = {}  # client -> digest its outbox message answers
         self._accepted: dict[int, bytes] = {}  # this stage: client -> digest accepted
-        self._seen: set[tuple[int, bytes]] = set()  # (client, digest) accepted
-        # of each stream only the last ``window`` chunks stay in _seen: a client re-sends
-        # only unconfirmed chunks, and it never has more than ``window`` of those
-        self._stream_seen: dict[int, deque[bytes]] = {}
+        # (client, digest) of every message and every chunk of a stream accepted: a re-sent
+        # one (its receipt was lost) is always confirmed again, never refused as a second
+        # message. At most dim / chunk_elements chunks per client (the grant fixes the
+        # chunk size), about 150 B each (docs/security.md, bounds per login)
+        self._seen: set[tuple[int, bytes]] = set()
         self._last_resend: dict[int, float] = {}
         self._progress = asyncio.Event()
         self._failure: BaseException | None = None
@@ -269,7 +269,6 @@ class ServerDriver:
         await asyncio.gather(*(self._send(cid) for cid in encoded))
         self._upload_seen.clear()
         self._lease_end.clear()
-        self._stream_seen.clear()
         self._lease = None
         self._grant_uploads()
         seconds = loop.time() - opened
@@ -444,10 +443,6 @@ class ServerDriver:
         if uploading:
             self.chunks += 1
             self._upload_seen[cid] = asyncio.get_running_loop().time()
-            recent = self._stream_seen.setdefault(cid, deque())
-            recent.append(digest)
-            if len(recent) > self.window:
-                self._seen.discard((cid, recent.popleft()))
         complete = cid in self.server.received
         if complete and self.on_message is not None:
             self.on_message(cid, stage)

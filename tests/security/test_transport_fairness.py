@@ -1,0 +1,127 @@
+"""One hostile login cannot delay, drop or bloat anyone else's round (issue 29).
+
+Each test attacks through the public surface (the drivers over a bus, the embedded broker
+over TCP, the framing's reassembly) and asserts the bound docs/security.md states for it:
+a lost receipt never costs an honest site its place; a flooding login is throttled at the
+broker and costs the server a bounded amount per stage; a slow reader cannot hold the
+server's connection; buffered chunks are charged at least what they cost in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import numpy as np
+import pytest
+from adversary import threat
+
+from secagg import Config, Stage
+from tests.secagg.test_streaming import _exact
+from transport.control import Receipt, decode_control
+from transport.drivers import Timeouts
+from transport.framing import HEADER_BYTES
+from transport.memory import MemoryNetwork, Tap
+from transport.rounds import RoundReport, run_round
+from transport.topics import RECEIPT, SERVER_USER, Topics, acl_table, site_name
+
+pytestmark = [pytest.mark.security, pytest.mark.timeout(120)]
+
+CONFIG = Config(num_clients=4, threshold=3, dim=400, bits=32)
+IDS = [1, 2, 3, 4]
+
+
+def _inputs(seed: int) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {cid: rng.integers(0, 1 << 32, CONFIG.dim, dtype=np.uint64) for cid in IDS}
+
+
+def _memory_round(network: MemoryNetwork, topics: Topics, inputs: dict[int, np.ndarray],
+                  tap: Tap, timeouts: Timeouts) -> RoundReport:
+    """A round of ``CONFIG`` on ``network`` with ``tap``, masked inputs streamed in 10
+    chunks of 40 elements (window 4)."""
+    network.tap = tap
+
+    async def scenario() -> RoundReport:
+        return await run_round(network, CONFIG, inputs, round_name=topics.round_name,
+                               timeouts=timeouts, chunk_bytes=160)
+
+    return asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+# --------------------------------------------------------------------------- lost receipts
+
+
+@threat(attack="Lost receipts drop honest sites", adversary="network attacker",
+        controls="loses the receipt of one chunk of two sites' streamed masked inputs and "
+                 "delays their later receipts past the retry interval, as a busy server "
+                 "does (t = n - 1: losing two sites aborts the round)",
+        protocol="the server keeps the digest of every chunk it accepted of a stream and "
+                 "confirms a re-sent one again; a client takes a refusal of a chunk the "
+                 "server must have accepted (a later chunk was confirmed) as a confirmation")
+@pytest.mark.parametrize("lost", [1, 3])  # the first chunk's receipt, a later one's
+def test_lost_chunk_receipts_do_not_drop_honest_sites(lost: int) -> None:
+    topics = Topics(f"fair-{secrets.token_hex(4)}")
+    inputs = _inputs(lost)
+    seen: dict[int, int] = {}
+    dropped: list[int] = []
+    network = MemoryNetwork(acl=acl_table(IDS))
+
+    def tap(user: str, topic: str, payload: bytes) -> list[bytes]:
+        parsed = topics.parse_downstream(topic)
+        if user != SERVER_USER or parsed is None or parsed[1] != RECEIPT:
+            return [payload]
+        receipt = decode_control(payload[HEADER_BYTES:])
+        cid = parsed[0]
+        if cid in (1, 2) and isinstance(receipt, Receipt) and receipt.ok:
+            seen[cid] = seen.get(cid, 0) + 1
+            # receipts 1 and 2 confirm advertise_keys and share_keys; then chunks
+            if seen[cid] == 2 + lost:
+                dropped.append(cid)
+                return []
+            if seen[cid] > 2 + lost + 4:  # the server accepted a window more: slow now
+                loop = asyncio.get_running_loop()
+                loop.call_later(1.0, network.inject, topic, payload)
+                return []
+        return [payload]
+
+    report = _memory_round(network, topics, inputs, tap, Timeouts(
+        stage=20.0, retry=0.3, answer=3.0, give_up=30.0))
+    assert sorted(dropped) == [1, 2]
+    assert report.included == set(IDS), report.outcomes
+    assert all(o.status == "done" for o in report.outcomes.values()), report.outcomes
+    assert report.result.total.tolist() == _exact(inputs, report.included, 32)
+
+
+@threat(attack="Lost receipts drop honest sites", adversary="network attacker",
+        controls="replays a chunk of a site's stream that the server accepted long ago "
+                 "(a late QoS 1 redelivery, or a client that re-sends after losing its "
+                 "receipt), after the stream moved on by more than a window",
+        protocol="the server confirms it again (a digest per accepted chunk is kept), "
+                 "never refuses it as a second, different message")
+@pytest.mark.parametrize("when", ["mid-stream", "after the stream completed"])
+def test_an_accepted_chunk_sent_again_is_confirmed_again(when: str) -> None:
+    topics = Topics(f"fair-{secrets.token_hex(4)}")
+    inputs = _inputs(7)
+    chunks: list[bytes] = []
+    receipts: list[Receipt] = []
+    network = MemoryNetwork(acl=acl_table(IDS))
+    resend_at = 7 if when == "mid-stream" else 10  # of 10 chunks; window 4
+
+    def tap(user: str, topic: str, payload: bytes) -> list[bytes]:
+        if user == site_name(1) and topic == topics.stage_upstream(1, Stage.MASKED_INPUT):
+            chunks.append(payload)
+            if len(chunks) == resend_at:
+                asyncio.get_running_loop().call_soon(
+                    network.route, user, topic, chunks[0], False)
+        parsed = topics.parse_downstream(topic)
+        if user == SERVER_USER and parsed == (1, RECEIPT):
+            receipt = decode_control(payload[HEADER_BYTES:])
+            if chunks and isinstance(receipt, Receipt) and receipt.digest == chunks[0][4:36]:
+                receipts.append(receipt)
+        return [payload]
+
+    report = _memory_round(network, topics, inputs, tap,
+                           Timeouts(stage=20.0, retry=5.0, answer=10.0))
+    assert report.included == set(IDS), report.outcomes
+    assert len(receipts) == 2 and all(r.ok for r in receipts), receipts
