@@ -101,11 +101,13 @@ class ServerDriver:
         self._outbox: dict[int, tuple[Stage, bytes]] = {}
         self._answered: dict[int, bytes] = {}  # client -> digest its outbox message answers
         self._accepted: dict[int, bytes] = {}  # this stage: client -> digest accepted
-        # (client, digest) of every message and every chunk of a stream accepted: a re-sent
-        # one (its receipt was lost) is always confirmed again, never refused as a second
-        # message. At most dim / chunk_elements chunks per client (the grant fixes the
-        # chunk size), about 150 B each (docs/security.md, bounds per login)
+        # (client, digest) of every message and, while masked_input is open, every chunk of
+        # a stream accepted: a re-sent one (its receipt was lost) is always confirmed
+        # again, never refused as a second message. At most dim / chunk_elements chunks
+        # per client (the grant fixes the chunk size), about 150 B each; when the stage
+        # closes only each stream's last ``window`` stay (a late duplicate of its tail)
         self._seen: set[tuple[int, bytes]] = set()
+        self._stream_seen: dict[int, list[bytes]] = {}  # this stage: client -> chunks
         self._last_resend: dict[int, float] = {}
         self._progress = asyncio.Event()
         self._failure: BaseException | None = None
@@ -269,6 +271,9 @@ class ServerDriver:
         await asyncio.gather(*(self._send(cid) for cid in encoded))
         self._upload_seen.clear()
         self._lease_end.clear()
+        for cid, digests in self._stream_seen.items():
+            self._seen.difference_update((cid, d) for d in digests[:-self.window])
+        self._stream_seen.clear()
         self._lease = None
         self._grant_uploads()
         seconds = loop.time() - opened
@@ -443,6 +448,7 @@ class ServerDriver:
         if uploading:
             self.chunks += 1
             self._upload_seen[cid] = asyncio.get_running_loop().time()
+            self._stream_seen.setdefault(cid, []).append(digest)
         complete = cid in self.server.received
         if complete and self.on_message is not None:
             self.on_message(cid, stage)

@@ -10,7 +10,10 @@ server's connection; buffered chunks are charged at least what they cost in memo
 from __future__ import annotations
 
 import asyncio
+import gc
+import hashlib
 import secrets
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -20,7 +23,7 @@ from secagg import Config, Stage
 from tests.secagg.test_streaming import _exact
 from transport.control import Receipt, decode_control
 from transport.drivers import Timeouts
-from transport.framing import HEADER_BYTES
+from transport.framing import _HEADER, HEADER_BYTES, MAGIC, Reassembler
 from transport.memory import MemoryNetwork, Tap
 from transport.rounds import RoundReport, run_round
 from transport.topics import RECEIPT, SERVER_USER, Topics, acl_table, site_name
@@ -125,3 +128,45 @@ def test_an_accepted_chunk_sent_again_is_confirmed_again(when: str) -> None:
                            Timeouts(stage=20.0, retry=5.0, answer=10.0))
     assert report.included == set(IDS), report.outcomes
     assert len(receipts) == 2 and all(r.ok for r in receipts), receipts
+
+
+# --------------------------------------------------------------------------- memory charge
+
+
+def _held_and_charged(chunk: int, chunks: int, messages: int) -> tuple[float, float]:
+    """Feed ``messages`` incomplete messages of ``chunks`` chunks of ``chunk`` bytes each
+    (hand-made frames, as a hostile site sends them; the caller keeps no reference): the
+    memory the reassembly holds per chunk (tracemalloc) and what it charged per chunk."""
+    reassembler = Reassembler(1 << 30, max_partial=messages + 1,
+                              max_buffered_bytes=1 << 40, max_sender_bytes=1 << 40)
+    total = chunk * (chunks + 1)  # never completes: the last chunk never comes
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for m in range(messages):
+            digest = hashlib.sha256(m.to_bytes(8, "big")).digest()
+            for i in range(chunks):
+                reassembler.feed("site", _HEADER.pack(MAGIC, digest, i, chunks + 1, total)
+                                 + bytes(chunk), 0.0)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    count = chunks * messages
+    assert reassembler.buffered_bytes == chunk * count
+    return held / count, reassembler.charged_bytes / count
+
+
+@threat(attack="Reassembly exhaustion by a site", adversary="malicious client",
+        controls="its own login: incomplete messages of tiny (1 and 16 byte) and larger "
+                 "chunks, kept as views into their frames",
+        protocol="each buffered chunk is charged at least the memory it holds (measured "
+                 "with tracemalloc), so a quota bounds real memory; never more than 1.5x "
+                 "it (an honest large message is not refused for phantom cost)")
+@pytest.mark.parametrize(("chunk", "chunks", "messages"),
+                         [(1, 2000, 1), (16, 2000, 1), (1000, 1000, 1), (65536, 64, 1),
+                          (16, 1, 2000)])  # the last: many one-chunk messages (partials)
+def test_buffered_chunks_are_charged_what_they_cost(chunk: int, chunks: int,
+                                                    messages: int) -> None:
+    held, charged = _held_and_charged(chunk, chunks, messages)
+    assert held <= charged <= 1.5 * held + 64, (held, charged)
