@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+import os
 import secrets
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,10 +23,25 @@ from adversary import threat
 
 from secagg import Config, Stage
 from tests.secagg.test_streaming import _exact
+from tests.transport.mqtt_raw import RawClient, publish_packet
+from transport.broker.config import DEFAULT_MAX_PAYLOAD
+from transport.broker.packets import PUBACK
 from transport.control import Receipt, decode_control
+from transport.credentials import (
+    MIN_PASSWORD_BITS,
+    CredentialsError,
+    password_strength,
+    write_federation,
+)
 from transport.drivers import Timeouts
 from transport.framing import _HEADER, HEADER_BYTES, MAGIC, Reassembler
 from transport.memory import MemoryNetwork, Tap
+from transport.mosquitto import (
+    DEFAULT_MEMORY_LIMIT,
+    PACKET_SLACK,
+    MosquittoBroker,
+    mosquitto_available,
+)
 from transport.rounds import RoundReport, run_round
 from transport.topics import RECEIPT, SERVER_USER, Topics, acl_table, site_name
 
@@ -170,3 +187,54 @@ def test_buffered_chunks_are_charged_what_they_cost(chunk: int, chunks: int,
                                                     messages: int) -> None:
     held, charged = _held_and_charged(chunk, chunks, messages)
     assert held <= charged <= 1.5 * held + 64, (held, charged)
+
+
+# --------------------------------------------------------------------------- broker files
+
+
+@threat(attack="Broker configuration: packets and memory", adversary="malicious client",
+        controls="a valid login on the Mosquitto that transport.mosquitto configures: one "
+                 "PUBLISH far above the largest frame the parties send",
+        protocol="max_packet_size is max_payload + PACKET_SLACK: Mosquitto disconnects "
+                 "the sender instead of taking (and retaining) the packet")
+@pytest.mark.skipif(not mosquitto_available(), reason="mosquitto is not installed")
+def test_mosquitto_refuses_packets_above_the_largest_frame() -> None:
+    users = {SERVER_USER: secrets.token_hex(12), site_name(3): secrets.token_hex(12)}
+    topics = Topics("cfg")
+
+    async def scenario() -> None:
+        async with MosquittoBroker(users=users, acl=acl_table([3])) as broker:
+            assert f"memory_limit {DEFAULT_MEMORY_LIMIT}" in broker.config_text
+            site = await RawClient.login(broker.port, site_name(3), site_name(3),
+                                         users[site_name(3)])
+            topic = topics.stage_upstream(3, Stage.ADVERTISE_KEYS)
+            site.send(publish_packet(topic, bytes(DEFAULT_MAX_PAYLOAD), qos=1, packet_id=1))
+            assert (await site.read_kind(PUBACK, 5.0)).packet_id == 1  # a frame: taken
+            site.send(publish_packet(topic, bytes(DEFAULT_MAX_PAYLOAD + 4 * PACKET_SLACK),
+                                     qos=1, retain=True, packet_id=2))
+            assert await site.closed(5.0)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+@threat(attack="Broker credentials: weak or exposed passwords kept",
+        adversary="malicious client",
+        controls="a credentials folder where an existing site password is one repeated "
+                 "letter, or is strong but in a file others can read (mode 0644)",
+        protocol="secagg broker (write_federation) refuses both and says to delete the "
+                 "file; a strong password in a 0600 file is kept")
+def test_weak_or_exposed_existing_passwords_are_refused(tmp_path: Path) -> None:
+    root = tmp_path / "creds"
+    first = write_federation(root, [1, 2])
+    kept = first.passwords[site_name(1)].read_text()
+    assert write_federation(root, [1, 2]).passwords[site_name(1)].read_text() == kept
+    weak = first.passwords[site_name(2)]
+    weak.write_text("a" * 40 + "\n")
+    with pytest.raises(CredentialsError, match="weak password"):
+        write_federation(root, [1, 2])
+    weak.unlink()
+    write_federation(root, [1, 2])  # a new one
+    assert password_strength(weak.read_text().strip()) >= MIN_PASSWORD_BITS
+    os.chmod(weak, 0o644)
+    with pytest.raises(CredentialsError, match="mode 0644"):
+        write_federation(root, [1, 2])
