@@ -10,12 +10,15 @@ server's connection; buffered chunks are charged at least what they cost in memo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import os
 import secrets
+import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,8 +27,9 @@ from adversary import threat
 from secagg import Config, Stage
 from tests.secagg.test_streaming import _exact
 from tests.transport.mqtt_raw import RawClient, publish_packet
+from transport.broker import EmbeddedBroker
 from transport.broker.config import DEFAULT_MAX_PAYLOAD
-from transport.broker.packets import PUBACK
+from transport.broker.packets import PUBACK, PUBLISH
 from transport.control import Receipt, decode_control
 from transport.credentials import (
     MIN_PASSWORD_BITS,
@@ -238,3 +242,58 @@ def test_weak_or_exposed_existing_passwords_are_refused(tmp_path: Path) -> None:
     os.chmod(weak, 0o644)
     with pytest.raises(CredentialsError, match="mode 0644"):
         write_federation(root, [1, 2])
+
+
+# --------------------------------------------------------------------------- slow reader
+
+BROKER_USERS = {SERVER_USER: secrets.token_hex(8), site_name(3): secrets.token_hex(8),
+                site_name(9): secrets.token_hex(8)}
+BROKER_TOPICS = Topics("r1")
+
+
+async def _login(port: int, user: str, **kwargs: Any) -> RawClient:
+    return await RawClient.login(port, user, user, BROKER_USERS[user], **kwargs)
+
+
+@threat(attack="Slow subscriber stalls routing", adversary="malicious client",
+        controls="a valid site login that reads its own inbox at 160 KiB/s (progress, "
+                 "so never idle) while the server publishes megabytes to it, then a "
+                 "message to another site",
+        protocol="the broker never stops reading the server's connection for one "
+                 "subscriber (it delivers to others too); the slow site is disconnected "
+                 "once its queue passes twice its limit or stays over it for "
+                 "slow_consumer_timeout; the other site's message arrives at once")
+@pytest.mark.parametrize("sent", [90, 200])  # 5.6 MiB: over its limit; 12.5: over twice
+def test_a_slow_reader_cannot_hold_the_servers_connection(sent: int) -> None:
+    async def scenario() -> None:
+        async with EmbeddedBroker(users=BROKER_USERS, acl=acl_table([3, 9]),
+                                  max_queued_bytes=256 << 10,
+                                  slow_consumer_timeout=2.0) as broker:
+            server = await _login(broker.port, SERVER_USER)
+            slow = await _login(broker.port, site_name(3), recv_buffer=4096)
+            await slow.subscribe([(BROKER_TOPICS.client_filter(3), 0)])
+            other = await _login(broker.port, site_name(9))
+            await other.subscribe([(BROKER_TOPICS.client_filter(9), 0)])
+
+            async def trickle() -> None:  # 16 KiB every 0.1 s until the broker closes it
+                with contextlib.suppress(ConnectionError, OSError):
+                    while await slow.reader.read(16 << 10):
+                        await asyncio.sleep(0.1)
+
+            reader = asyncio.create_task(trickle())
+            started = time.monotonic()
+            for _ in range(sent):  # beyond what the kernel's socket buffers absorb
+                server.send(publish_packet(BROKER_TOPICS.downstream(3, RECEIPT),
+                                           bytes(64 << 10)))
+            server.send(publish_packet(BROKER_TOPICS.downstream(9, RECEIPT), b"next"))
+            got = await other.read_kind(PUBLISH, 30.0)
+            waited = time.monotonic() - started
+            assert got.payload == b"next"
+            assert waited < 1.5, f"the other site's message waited {waited:.1f} s"
+            while not broker.stats.slow_consumers_dropped:
+                assert time.monotonic() - started < 2.0 + 3.0, "the slow reader stayed"
+                await asyncio.sleep(0.1)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -54,6 +54,10 @@ class Session:
         self.acked_at = time.monotonic()
         self.detached_at = time.monotonic()
         self.dropped = 0
+        self.over_since: float | None = None
+        self.sources: dict[object, float] = {}  # publishing connection -> when it last sent
+        """When its queue went over ``max_queued_bytes`` (None while under it): it must be
+        back under within ``slow_consumer_timeout`` seconds (``Router.check_drain``)."""
 
     @property
     def key(self) -> SessionKey:
@@ -79,6 +83,7 @@ class Session:
 
     def detach(self) -> None:
         self.connection = None
+        self.over_since = None
         self.detached_at = time.monotonic()
         if not self.persistent:
             self._inflight.clear()
@@ -158,6 +163,8 @@ class Session:
     def notify_room(self) -> None:
         """Wake the first publisher waiting for room, if there is room (it passes the baton
         on after queueing its message: waking every waiter would make them all re-check)."""
+        if not self.over():
+            self.over_since = None
         waiters = self._room_waiters
         while waiters:
             if waiters[0].done():
