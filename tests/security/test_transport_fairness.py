@@ -37,8 +37,9 @@ from transport.credentials import (
     password_strength,
     write_federation,
 )
-from transport.drivers import Timeouts
-from transport.framing import _HEADER, HEADER_BYTES, MAGIC, Reassembler
+from transport.drivers import StageProgress, Timeouts
+from transport.framing import _HEADER, HEADER_BYTES, MAGIC, Reassembler, frame
+from transport.launch import running_broker
 from transport.memory import MemoryNetwork, Tap
 from transport.mosquitto import (
     DEFAULT_MEMORY_LIMIT,
@@ -46,6 +47,7 @@ from transport.mosquitto import (
     MosquittoBroker,
     mosquitto_available,
 )
+from transport.mqtt import MqttNetwork
 from transport.rounds import RoundReport, run_round
 from transport.topics import RECEIPT, SERVER_USER, Topics, acl_table, site_name
 
@@ -297,3 +299,61 @@ def test_a_slow_reader_cannot_hold_the_servers_connection(sent: int) -> None:
             await asyncio.gather(reader, return_exceptions=True)
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+# --------------------------------------------------------------------------- flood
+
+FLOOD = 100_000  # publishes of 16-byte payloads or tiny framed garbage (about 7 MB)
+
+
+async def _flood(client: RawClient, topic: str) -> None:
+    """``FLOOD`` publishes on ``topic``: 16-byte junk (not a frame) and valid one-chunk
+    frames of garbage (each a refused message the server used to answer), alternately."""
+    junk = publish_packet(topic, bytes(range(16)))
+    garbage = publish_packet(topic, frame(b"\x00" * 16)[0])
+    for i in range(FLOOD):
+        client.send(junk if i % 2 else garbage)
+        if i % 1000 == 999:
+            await client.writer.drain()
+
+
+@threat(attack="Flood from one login", adversary="malicious client",
+        controls="a valid login, in the round (a second connection under its own name) or "
+                 "outside it, sending 100,000 tiny publishes on topics its ACL allows while "
+                 "a round runs with 4 s stage deadlines",
+        protocol="the broker throttles each login's publish rate (max_publish_rate); the "
+                 "server takes deliveries in turn per sender, drops a sender's messages "
+                 "unread past waste_budget per stage: every stage closes on the honest "
+                 "sites' answers, no deadline passes, every honest site is included")
+@pytest.mark.parametrize("evil", [1, 9])  # in the round; a login outside it
+def test_a_flooding_login_does_not_delay_the_round(evil: int) -> None:
+    users = {site_name(c): secrets.token_hex(8) for c in [*IDS, 9]}
+    users[SERVER_USER] = secrets.token_hex(8)
+    topics = Topics(f"flood-{secrets.token_hex(4)}")
+    inputs = _inputs(evil)
+    stages: list[StageProgress] = []
+
+    async def scenario() -> RoundReport:
+        # the broker in its own process, as secagg simulate and deployments run it
+        async with running_broker("embedded", users, acl_table([*IDS, 9])) as settings:
+            flooder = await RawClient.login(settings.port, f"{site_name(evil)}-flood",
+                                            site_name(evil), users[site_name(evil)])
+            flood = asyncio.create_task(_flood(flooder, topics.stage_upstream(
+                evil, Stage.ADVERTISE_KEYS)))
+            try:
+                return await run_round(
+                    MqttNetwork(settings), CONFIG, inputs, round_name=topics.round_name,
+                    on_stage=stages.append,
+                    timeouts=Timeouts(stage=4.0, retry=1.0, answer=3.0, give_up=30.0))
+            finally:
+                flood.cancel()
+                await asyncio.gather(flood, return_exceptions=True)
+                flooder.drop()
+
+    report = asyncio.run(asyncio.wait_for(scenario(), 90))
+    honest = set(IDS) - {evil}
+    # only a stage waiting for the flooder's own answer may run to its deadline
+    late = [p.stage.label for p in stages if p.deadline_hit and p.responded < len(honest)]
+    assert not late, stages
+    assert honest <= report.included, report.outcomes
+    assert report.result.total.tolist() == _exact(inputs, report.included, 32)

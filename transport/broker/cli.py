@@ -126,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
                              "server): login and connection places for all of them, even "
                              "from one address when --host is loopback (at most 65536; "
                              "BrokerLimits.for_parties; default: the fixed limits)")
+    parser.add_argument("--unthrottled", action="append", default=[], metavar="USER",
+                        help="a user with no PUBLISH rate limit (the aggregator, which "
+                             "publishes for every site; repeatable; every other user has "
+                             "BrokerLimits.max_publish_rate)")
     parser.add_argument("--parent-pid", type=int, metavar="PID",
                         help="stop when process PID (the one that started this broker) is "
                              "gone, even if it was SIGKILLed")
@@ -172,6 +176,7 @@ async def _serve(args: argparse.Namespace) -> None:
         allow_plaintext=args.allow_plaintext, max_payload=args.max_payload,
         limits=None if args.parties is None else BrokerLimits().for_parties(
             args.parties, one_address=args.host in LOOPBACK_HOSTS),
+        unthrottled=args.unthrottled,
     )
     await broker.start()
     stop = asyncio.Event()

@@ -52,8 +52,8 @@ class BrokerLimits:
     slow_consumer_timeout: float = 10.0
     slow_consumer_penalty: float = 300.0
     max_inflight: int = 64
-    max_publish_rate: float = 4000.0
-    max_publish_burst: int = 4000
+    max_publish_rate: float = 1000.0
+    max_publish_burst: int = 2000
     max_session_queue: int = 1000
     max_connections: int = 4096
     max_connections_per_user: int = 64
