@@ -412,7 +412,10 @@ class ServerDriver:
         if waste == self.waste_budget:
             logger.warning("server: client %d sent %d messages that change nothing in this "
                            "stage (last: %s); its messages are dropped unread until the next "
-                           "stage", cid, waste, why)
+                           "stage, and the stage does not wait for it", cid, waste, why)
+            if cid in self.server.pending and cid not in self.gone:
+                self.gone[cid] = "flooding"  # its answer would be dropped unread anyway
+                self._progress.set()
 
     def _on_reconnected(self) -> None:
         logger.info("server: reconnected; re-publishing the round state")

@@ -323,8 +323,9 @@ async def _flood(client: RawClient, topic: str) -> None:
                  "a round runs with 4 s stage deadlines",
         protocol="the broker throttles each login's publish rate (max_publish_rate); the "
                  "server takes deliveries in turn per sender, drops a sender's messages "
-                 "unread past waste_budget per stage: every stage closes on the honest "
-                 "sites' answers, no deadline passes, every honest site is included")
+                 "unread past waste_budget per stage and stops waiting for it: every "
+                 "stage closes on the honest sites' answers, no deadline passes, every "
+                 "honest site is included")
 @pytest.mark.parametrize("evil", [1, 9])  # in the round; a login outside it
 def test_a_flooding_login_does_not_delay_the_round(evil: int) -> None:
     users = {site_name(c): secrets.token_hex(8) for c in [*IDS, 9]}
@@ -352,8 +353,7 @@ def test_a_flooding_login_does_not_delay_the_round(evil: int) -> None:
 
     report = asyncio.run(asyncio.wait_for(scenario(), 90))
     honest = set(IDS) - {evil}
-    # only a stage waiting for the flooder's own answer may run to its deadline
-    late = [p.stage.label for p in stages if p.deadline_hit and p.responded < len(honest)]
-    assert not late, stages
+    # not even the flooder's own stage waits (past its budget it is not waited for)
+    assert not [p.stage.label for p in stages if p.deadline_hit], stages
     assert honest <= report.included, report.outcomes
     assert report.result.total.tolist() == _exact(inputs, report.included, 32)
