@@ -223,8 +223,8 @@ def test_partial_packets_and_keepalive_zero_have_deadlines() -> None:
         adversary="malicious client",
         controls="a valid login subscribed to a busy topic that never reads its socket",
         protocol="fan-out never waits for one subscriber: every other subscriber gets each "
-                 "message at once; only the publisher waits, and only while the slow one "
-                 "drains; after slow_consumer_timeout without progress it is disconnected")
+                 "message at once; a publisher that feeds others too never waits; one over "
+                 "twice its queue limit, or over it for slow_consumer_timeout, is disconnected")
 def test_a_subscriber_that_never_reads_blocks_nobody() -> None:
     async def scenario() -> None:
         async with broker(max_queued_bytes=256 << 10, slow_consumer_timeout=1.0) as b:
