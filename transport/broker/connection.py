@@ -50,7 +50,7 @@ from .packets import (
     read_u16,
 )
 from .routing import PublishRate, Router
-from .session import Session
+from .session import Recent, Session
 from .stream import Outbox, Stream
 from .topics import AclPolicy, match_levels, validate_topic_filter, validate_topic_name
 
@@ -104,7 +104,7 @@ class Connection:
         self.writer_task: asyncio.Task[None] | None = None
         self.refusals = 0
         self.authenticating = False
-        self.destinations: dict[Session, float] = {}  # session -> when last delivered to
+        self.destinations = Recent()  # the sessions it delivered to lately
 
     def __repr__(self) -> str:
         return f"<client {self.client_id or '?'} user={self.username or '?'} peer={self.peer}>"

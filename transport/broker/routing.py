@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Collection
+from typing import Protocol
 
 from .config import BrokerLimits, BrokerStats
 from .packets import Message
-from .session import Session
+from .session import Recent, Session
 
 logger = logging.getLogger("transport.broker")
 
@@ -179,19 +179,9 @@ class PublishRate:
 
 
 class Publisher(Protocol):
-    """What the router keeps per publishing connection: whom it delivered to, when."""
+    """What the router keeps per publishing connection: the sessions it delivered to."""
 
-    destinations: dict[Session, float]
-
-
-def _note(seen: dict[Any, float], keys: Iterable[Any], now: float, window: float) -> None:
-    """Record ``keys`` as seen ``now``; bounded: past 16 entries, those older than
-    ``window`` are forgotten (they no longer count)."""
-    for key in keys:
-        seen[key] = now
-    if len(seen) > 16:
-        for key in [k for k, at in seen.items() if now - at > window]:
-            del seen[key]
+    destinations: Recent
 
 
 class Router:
@@ -243,9 +233,9 @@ class Router:
     def _record(self, publisher: Publisher, matched: dict[Session, int]) -> None:
         now = time.monotonic()
         window = self.limits.slow_consumer_timeout
-        _note(publisher.destinations, matched, now, window)
         for session in matched:
-            _note(session.sources, (publisher,), now, window)
+            publisher.destinations.note(session, now, window)
+            session.sources.note(publisher, now, window)
 
     def _may_wait(self, publisher: Publisher, session: Session) -> bool:
         """Whether ``publisher`` may wait for ``session`` (over its limit): only when that
@@ -255,11 +245,8 @@ class Router:
         publishers too (the server's inbox, fed by every site; not a site's inbox, which
         only the server feeds: there the copy is queued and the drain deadline decides)."""
         since = time.monotonic() - self.limits.slow_consumer_timeout
-        alone = all(at < since for other, at in publisher.destinations.items()
-                    if other is not session)
-        shared = any(at >= since for other, at in session.sources.items()
-                     if other is not publisher)
-        return alone and shared
+        return (not publisher.destinations.other_since(session, since)
+                and session.sources.other_since(publisher, since))
 
     def check_drain(self, session: Session, now: float) -> None:
         """Disconnect ``session`` when it stayed over its queue limit for

@@ -33,6 +33,28 @@ class Attachment(Protocol):
         """Close at once (a slow consumer, a takeover)."""
 
 
+class Recent:
+    """Keys last seen within ``window`` seconds of the latest (older ones are forgotten in
+    amortised constant time per ``note``)."""
+
+    __slots__ = ("_limit", "at")
+
+    def __init__(self) -> None:
+        self.at: dict[object, float] = {}
+        self._limit = 16
+
+    def note(self, key: object, now: float, window: float) -> None:
+        self.at[key] = now
+        if len(self.at) > self._limit:
+            for old in [k for k, at in self.at.items() if now - at > window]:
+                del self.at[old]
+            self._limit = max(16, 2 * len(self.at))
+
+    def other_since(self, key: object, since: float) -> bool:
+        """Whether a key other than ``key`` was seen at or after ``since``."""
+        return any(at >= since for other, at in self.at.items() if other is not key)
+
+
 class Session:
     """Subscriptions and outbound QoS 1 state of one (username, client id)."""
 
@@ -55,7 +77,7 @@ class Session:
         self.detached_at = time.monotonic()
         self.dropped = 0
         self.over_since: float | None = None
-        self.sources: dict[object, float] = {}  # publishing connection -> when it last sent
+        self.sources = Recent()  # the connections that delivered to it lately
         """When its queue went over ``max_queued_bytes`` (None while under it): it must be
         back under within ``slow_consumer_timeout`` seconds (``Router.check_drain``)."""
 
