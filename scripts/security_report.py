@@ -224,7 +224,8 @@ else's round. Each bound below is enforced where stated and has a test in
 that fails on the code before it (commit `b1c034d`).
 
 * **PUBLISH rate per login** (embedded broker): 1,000/s in bursts of 2,000
-  (`BrokerLimits.max_publish_rate`, `max_publish_burst`; the aggregator `--unthrottled`);
+  (`BrokerLimits.max_publish_rate`, `max_publish_burst`; the aggregator, user `server`,
+  is exempt: `--unthrottled`);
   past it the broker stops reading that login's connections.
   `tf::test_a_flooding_login_does_not_delay_the_round`.
 * **Deliveries in turn per sender** at the aggregator, one each; a sender's queue holds at

@@ -27,7 +27,6 @@ from .broker.topics import AclEntry, TopicAcl
 from .errors import TransportError
 from .link import LinkLost
 from .mqtt import BrokerSettings, parse_broker_url, probe
-from .topics import SERVER_USER
 
 AclTable = Mapping[str, AclEntry]
 
@@ -58,8 +57,6 @@ def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable, port: int
                 [sys.executable, "-m", "transport.broker", "--port", str(port), "--users-file",
                  str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
                  "--parties", str(len(users)), "--log-level", "WARNING",
-                 # the aggregator publishes for every site: no per-login publish rate
-                 "--unthrottled", SERVER_USER,
                  # SIGKILLed, this process cannot stop the broker: it stops by itself and
                  # removes the folder with the users and ACL files (transport.lifeline).
                  "--parent-pid", str(os.getpid()), "--remove-if-orphaned", tmp],

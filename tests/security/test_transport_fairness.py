@@ -321,7 +321,7 @@ async def _flood(client: RawClient, topic: str) -> None:
 @threat(attack="Flood from one login", adversary="malicious client",
         controls="a valid login, in the round (a second connection under its own name) or "
                  "outside it, sending 100,000 tiny publishes on topics its ACL allows while "
-                 "a round runs with 4 s stage deadlines",
+                 "a round runs with 6 s stage deadlines",
         protocol="the broker throttles each login's publish rate (max_publish_rate); the "
                  "server takes deliveries in turn per sender, drops a sender's messages "
                  "unread past waste_budget per stage and stops waiting for it: every "
@@ -346,7 +346,7 @@ def test_a_flooding_login_does_not_delay_the_round(evil: int) -> None:
                 return await run_round(
                     MqttNetwork(settings), CONFIG, inputs, round_name=topics.round_name,
                     on_stage=stages.append,
-                    timeouts=Timeouts(stage=4.0, retry=1.0, answer=3.0, give_up=30.0))
+                    timeouts=Timeouts(stage=6.0, retry=1.0, answer=3.0, give_up=30.0))
             finally:
                 flood.cancel()
                 await asyncio.gather(flood, return_exceptions=True)

@@ -39,7 +39,8 @@ class BrokerLimits:
     ``max_publish_burst``, bound what one login can make the broker and its subscribers
     process: over it, the broker stops reading that user's connections until it is back
     under (TCP back-pressure on the flooder alone; ``EmbeddedBroker(unthrottled=)`` exempts
-    the aggregator, which publishes for every site).
+    the aggregator, which publishes for every site; ``python -m transport.broker`` exempts
+    user ``server`` unless ``--unthrottled`` names others).
     """
 
     max_payload: int = DEFAULT_MAX_PAYLOAD
