@@ -78,3 +78,10 @@ def test_model_size_benchmark_runs_its_rows_at_a_tiny_size() -> None:
         results.append((row, got, 0.01))
     text = bench.table(results, bench.REPO)
     assert text.count("| yes |") == 2 and "x |" in text
+
+
+def test_flood_benchmark_runs_a_round_with_and_without_a_flood() -> None:
+    bench = _load("bench_flood")
+    for flood, where in ((0, "out"), (3000, "out")):
+        got = bench.run_row(bench.REPO, 3, 100, flood, where, 120.0)
+        assert got["completed"] and got["included"] == 3, got

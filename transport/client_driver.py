@@ -129,6 +129,7 @@ class ClientDriver:
         self._grant: Grant | None = None
         self._chunks: Iterator[MaskedChunk] | None = None
         self._inflight: dict[bytes, bytes] = {}  # digest -> wire bytes, in sending order
+        self._sent_order: dict[bytes, int] = {}  # digest of each chunk sent -> its place
         self._produced = False  # the last chunk is out (or the stream cannot go on)
 
     @property
@@ -269,6 +270,14 @@ class ClientDriver:
 
     async def _on_receipt(self, receipt: Receipt, loop: asyncio.AbstractEventLoop) -> None:
         chunk = self._inflight.pop(receipt.digest, None)
+        if chunk is not None and receipt.ok:
+            # the server accepts a stream's chunks in order only: this one's acceptance
+            # confirms every chunk sent before it (their receipts were lost), which are
+            # therefore never re-sent, let alone refused
+            for earlier in list(self._inflight):
+                if self._sent_order[earlier] > self._sent_order[receipt.digest]:
+                    break
+                del self._inflight[earlier]
         whole_upload = (receipt.digest == UPLOAD_RECEIPT and not receipt.ok
                         and self._upload is not None)
         if chunk is None and not whole_upload and (
@@ -332,6 +341,7 @@ class ClientDriver:
             raw = encode(chunk)
             digest = message_id(raw)
             self._inflight[digest] = raw
+            self._sent_order[digest] = len(self._sent_order)
             self.outcome.bytes_sent[label] = self.outcome.bytes_sent.get(label, 0) + len(raw)
             if chunk.last:
                 self._current = (Stage.MASKED_INPUT, raw, digest)
