@@ -478,12 +478,13 @@ class Client:
             decode_share(plaintext[8 + SHARE_BYTES:])
             received[PAIR * i:PAIR * i + PAIR] = plaintext[8:]
         keys = self._mask_keys(state, order)
-        proof = self._input_proof(keys)
+        proof = self._input_proof(keys, state.adverts[me])
         self._state = Masked(state, frozenset(senders), received,
                               {p: PAIR * i for i, p in enumerate(order)})
         return MaskedStream(self, keys, peers_digest(senders), state.key_set, proof)
 
-    def _input_proof(self, keys: list[tuple[bytearray, bool]]) -> InputProof | None:
+    def _input_proof(self, keys: list[tuple[bytearray, bool]], advertisement: bytes
+                     ) -> InputProof | None:
         """With ``norm_bound``: the proof that the vector this client masks is within the
         bound, its commitment blinded by what its mask keys carry (docs/protocol.md 10)."""
         cfg = self.config
@@ -492,7 +493,7 @@ class Client:
         from .validation import NormStatement, blinding, prove
 
         statement = NormStatement(self.session_id, self.client_id, cfg.dim, cfg.bits,
-                                  cfg.norm_bound)
+                                  cfg.norm_bound, advertisement)
         blind = blinding((bytes(key), added) for key, added in keys)
         return InputProof(self.session_id, self.client_id,
                           prove(statement, self._secrets.input, blind))

@@ -472,7 +472,8 @@ class Server:
         upload = self._uploads.get(cid)
         if cid in self._inbox or (upload is not None and upload.next):
             raise self._reject(cid, "the input proof must come before the masked input")
-        statement = NormStatement(self.session_id, cid, cfg.dim, cfg.bits, cfg.norm_bound)
+        statement = NormStatement(self.session_id, cid, cfg.dim, cfg.bits, cfg.norm_bound,
+                                  self._advert_digests[cid])
         try:
             self._commitments[cid] = verify(statement, msg.proof)
         except InvalidProof as exc:

@@ -112,6 +112,7 @@ def vector_generators(label: bytes, count: int) -> list[Point]:
     have = _prefix_cache(label)
     ark = _ark()
     for i in range(len(have), count):
-        have.append(ark.G1Point.hash_to_curve(GENERATOR_TAG,
-                                              label + b"|" + i.to_bytes(8, "big")))
+        # arkworks' order is (msg, dst): the label and index are the message
+        have.append(ark.G1Point.hash_to_curve(label + b"|" + i.to_bytes(8, "big"),
+                                              GENERATOR_TAG))
     return have[:count]

@@ -58,7 +58,9 @@ class InvalidProof(SecAggError, ValueError):
 
 @dataclass(frozen=True)
 class NormStatement:
-    """What one proof is about: this round (``session_id``), this client, the masked
+    """What one proof is about: this round (``session_id``, and ``advertisement``: the
+    digest of the client's advertisement of fresh keys, so a session id reused with the
+    same context still never accepts another round's proof), this client, the masked
     vector's shape, and the bound B on the L2 norm of its centred integers."""
 
     session_id: bytes
@@ -66,6 +68,7 @@ class NormStatement:
     dim: int
     bits: int
     bound: int
+    advertisement: bytes = bytes(32)
 
     @property
     def projection_bound(self) -> int:
@@ -83,7 +86,7 @@ class NormStatement:
         return self.projection_bound + self.noise_range
 
     def header(self) -> bytes:
-        return (DOMAIN + self.session_id + STAGE_LABEL
+        return (DOMAIN + self.session_id + self.advertisement + STAGE_LABEL
                 + struct.pack(">IQBHHH", self.client_id, self.dim, self.bits, LAMBDA,
                               SLACK, SIGMA)
                 + self.bound.to_bytes(16, "big"))
@@ -218,8 +221,19 @@ def prove(statement: NormStatement, values: np.ndarray, blind: int) -> bytes:
     if norm2 > st.bound * st.bound:
         raise ValueError(f"the input's L2 norm is sqrt({norm2}) > norm_bound={st.bound}: "
                          "clip it to the bound before masking")
-    q = four_square_slack(st.bound * st.bound - norm2)
-    v = x + q
+    return prove_relation(st, x + four_square_slack(st.bound * st.bound - norm2), blind)
+
+
+def prove_relation(statement: NormStatement, witness: Sequence[int], blind: int) -> bytes:
+    """The Sigma-protocol of section 10.1 for the witness (x || q) (d + SLACK integers,
+    taken mod r), whatever it is: ``prove`` is the honest front door that checks the bound
+    and computes q. A witness that does not satisfy the relation gives a proof that does
+    not verify (the soundness tests forge with it)."""
+    st = statement
+    if len(witness) != st.dim + SLACK:
+        raise ValueError(f"the witness has {len(witness)} elements; need dim + {SLACK}")
+    v = [int(a) for a in witness]
+    x, q = v[:st.dim], v[st.dim:]
     g, gq, k, h, g0 = _generators(st.dim)
     y = [secrets.randbelow(st.noise_range) for _ in range(LAMBDA)]
     r_d = _rand()
@@ -229,7 +243,10 @@ def prove(statement: NormStatement, values: np.ndarray, blind: int) -> bytes:
     seed = _seed(header, c_bytes, d_bytes)
     half = ORDER // 2
     z = [(p - ORDER if p > half else p) + yi for p, yi in zip(project(seed, v), y, strict=True)]
-    z_bytes = b"".join(zi.to_bytes(Z_BYTES, "little", signed=True) for zi in z)
+    # a cheater's z may not fit: it is cut to its low bytes (and fails the check anyway)
+    width = 8 * Z_BYTES - 1
+    z_bytes = b"".join((((zi + (1 << width)) % (1 << (width + 1))) - (1 << width))
+                       .to_bytes(Z_BYTES, "little", signed=True) for zi in z)
     rho = [_rand() for _ in v]
     rho_y = [_rand() for _ in range(LAMBDA)]
     alpha_c, alpha_d, tau1, tau0 = _rand(), _rand(), _rand(), _rand()
