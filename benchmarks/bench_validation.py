@@ -115,7 +115,7 @@ def markdown(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], sites: in
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [MARK_BEGIN, "",
              f"`python benchmarks/bench_validation.py` (load average {load:.1f} on "
-             f"{os.cpu_count()} cores at the start of the table; bits = {BITS}, bound = "
+             f"{os.cpu_count()} cores when the table was written; bits = {BITS}, bound = "
              f"2^{BITS - 2} / {sites}):", "",
              "| d | setup (once per process) | prove, per site | verify, per site | sum check, "
              "per round | proof | upload vs masked input | prove per coordinate | "

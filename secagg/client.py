@@ -155,7 +155,7 @@ def _reencode(message: object, stage: Stage, client_id: int | None = None) -> by
                             stage=stage, client_id=client_id) from None
 
 
-_Signable = TypeVar("_Signable", ShareKeys, UnmaskingShares)
+_Signable = TypeVar("_Signable", ShareKeys, UnmaskingShares, InputProof)
 
 
 class Client:
@@ -478,13 +478,13 @@ class Client:
             decode_share(plaintext[8 + SHARE_BYTES:])
             received[PAIR * i:PAIR * i + PAIR] = plaintext[8:]
         keys = self._mask_keys(state, order)
-        proof = self._input_proof(keys, state.adverts[me])
+        proof = self._input_proof(keys, state.adverts[me], state.key_set)
         self._state = Masked(state, frozenset(senders), received,
                               {p: PAIR * i for i, p in enumerate(order)})
         return MaskedStream(self, keys, peers_digest(senders), state.key_set, proof)
 
-    def _input_proof(self, keys: list[tuple[bytearray, bool]], advertisement: bytes
-                     ) -> InputProof | None:
+    def _input_proof(self, keys: list[tuple[bytearray, bool]], advertisement: bytes,
+                     key_set: bytes) -> InputProof | None:
         """With ``norm_bound``: the proof that the vector this client masks is within the
         bound, its commitment blinded by what its mask keys carry (docs/protocol.md 10)."""
         cfg = self.config
@@ -495,8 +495,8 @@ class Client:
         statement = NormStatement(self.session_id, self.client_id, cfg.dim, cfg.bits,
                                   cfg.norm_bound, advertisement)
         blind = blinding((bytes(key), added) for key, added in keys)
-        return InputProof(self.session_id, self.client_id,
-                          prove(statement, self._secrets.input, blind))
+        return self._signed(InputProof(self.session_id, self.client_id,
+                                       prove(statement, self._secrets.input, blind)), key_set)
 
     def _mask_keys(self, state: Shared, peers: list[int]) -> list[tuple[bytearray, bool]]:
         """The AES keys of y = x + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv),

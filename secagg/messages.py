@@ -132,11 +132,13 @@ class InputProof:
     """Stage masked_input, before the masked input, in a round with ``norm_bound``: the
     client's commitment to the vector it masks and the zero-knowledge proof that its L2
     norm is within the bound (docs/protocol.md section 10; layout
-    ``secagg.validation.norm``)."""
+    ``secagg.validation.norm``), signed in malicious mode (docs/protocol.md 5.7), so that
+    nobody but the client can get it refused and named."""
 
     session_id: bytes
     client_id: int
     proof: bytes
+    signature: bytes = b""
     stage = Stage.MASKED_INPUT
 
 
@@ -486,7 +488,8 @@ MESSAGE_KINDS: Mapping[MessageKind, KindSpec] = MappingProxyType({spec.kind: spe
         _Bits("bits", "bits"), _Dim("dim", "dim"), _Offset("offset", "chunk offset"),
         _ChunkVector("masked", "masked chunk"), _Bytes("peers_digest", "peers digest", 32),
         _Signature("signature", "signature"))),
-    KindSpec(MessageKind.INPUT_PROOF, InputProof, True, (_Blob("proof", "input proof"),)),
+    KindSpec(MessageKind.INPUT_PROOF, InputProof, True, (
+        _Blob("proof", "input proof"), _Signature("signature", "signature"))),
     KindSpec(MessageKind.CONSISTENCY_SIGNATURE, ConsistencySignature, True, (
         _Bytes("signature", "signature", SIGNATURE_BYTES),)),
     KindSpec(MessageKind.UNMASKING_SHARES, UnmaskingShares, True, (

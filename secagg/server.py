@@ -472,6 +472,7 @@ class Server:
         upload = self._uploads.get(cid)
         if cid in self._inbox or (upload is not None and upload.next):
             raise self._reject(cid, "the input proof must come before the masked input")
+        self._check_signature(cid, msg)  # a forged proof must not get the client named
         statement = NormStatement(self.session_id, cid, cfg.dim, cfg.bits, cfg.norm_bound,
                                   self._advert_digests[cid])
         try:
@@ -585,7 +586,8 @@ class Server:
         self._sum[:] = vector
         return vector
 
-    def _check_signature(self, cid: int, msg: ShareKeys | UnmaskingShares) -> None:
+    def _check_signature(self, cid: int, msg: ShareKeys | UnmaskingShares | InputProof
+                         ) -> None:
         if self.config.malicious:
             try:
                 verify_signature(self._verify_keys.get(cid, b""), msg.signature,

@@ -23,6 +23,7 @@ from secagg import Client, Config, Server, Stage, crypto, messages, shamir
 from secagg.crypto import KeyPair, Masker, SigningKey
 from secagg.graph import Graph, _keystream_permutation, harary_neighbors
 from secagg.messages import (
+    InputProof,
     KeyEntry,
     MaskedInput,
     ShareKeys,
@@ -251,7 +252,7 @@ def test_transcript_table() -> None:
     rows = _table("transcripts")
     assert {(r[0], int(r[1])) for r in rows} == {
         ("advertise", 0), ("survivors", 3), ("share-keys", 1), ("masked-input", 2),
-        ("unmasking", 4)}
+        ("unmasking", 4), ("input-proof", 2)}
     keys = {7: KeyEntry(b"\x01" * 32, b"\x02" * 32, b"\x03" * 32),
             2: KeyEntry(b"\x04" * 32, b"\x05" * 32, b"\x06" * 32)}
     ks = _key_set(SID, keys)
@@ -268,6 +269,9 @@ def test_transcript_table() -> None:
     assert client_message_transcript(unmask, ks) == _transcript(
         b"unmasking", SID, 4, 7, b"s" + _u32(1) + _u32(3) + b"\x07" * 33 + b"k" + _u32(1)
         + b"\x09" * 33 + _u32(4) + b"\x08" * 33, ks)
+    proof = InputProof(SID, 7, b"\x0a" * 40)
+    assert client_message_transcript(proof, ks) == _transcript(
+        b"input-proof", SID, 2, 7, b"\x0a" * 40, ks)
     assert peers_digest([9, 2]) == hashlib.sha256(
         b"secagg/v1|peers|" + _u32(2) + _u32(9)).digest()
     entry = KeyEntry(b"\x01" * 32, b"\x02" * 32, b"\x03" * 32)

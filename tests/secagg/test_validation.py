@@ -547,3 +547,27 @@ def _two_squares(p: int) -> tuple[int, int]:
         a, b = b, a % b
     c = math.isqrt(p - b * b)
     return b, c
+
+
+def test_malicious_mode_a_proof_forged_under_an_honest_id_is_rejected_not_named() -> None:
+    """In malicious mode the proof is signed: bytes injected under client 2's id (a broker
+    or network attacker) are rejected without naming it, and its own proof then counts."""
+    config = Config(4, dim=16, bits=BITS, norm_bound=4000, security="malicious")
+    inputs = small_inputs(4, 16, 4000)
+
+    def injected(cid: int, parties: LocalRound, stream: MaskedStream) -> tuple[None, bool]:
+        server, proof = parties.server, stream.proof
+        assert proof is not None and len(proof.signature) == 64
+        for forged in (InputProof(proof.session_id, cid, b"\x00" * len(proof.proof)),
+                       InputProof(proof.session_id, cid, b"\x00" * len(proof.proof),
+                                  proof.signature)):
+            with pytest.raises(ProtocolError, match="signature") as caught:
+                server.receive(cid, encode(forged))
+            assert not isinstance(caught.value, InputRefused)
+        assert cid not in server.refused
+        return None, True
+
+    parties, refusals = run_round(config, inputs, {2: injected})
+    result = parties.server.result
+    assert refusals == {} and result is not None and result.refused == {}
+    assert np.array_equal(result.total, plain_sum(inputs, {1, 2, 3, 4}))
