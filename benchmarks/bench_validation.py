@@ -114,9 +114,10 @@ def extrapolate(row: dict[str, Any], dim: int) -> dict[str, Any]:
 def markdown(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], sites: int) -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [MARK_BEGIN, "",
-             f"`python benchmarks/bench_validation.py` (load average {load:.1f} on "
-             f"{os.cpu_count()} cores when the table was written; bits = {BITS}, bound = "
-             f"2^{BITS - 2} / {sites}):", "",
+             f"`python benchmarks/bench_validation.py`: bits = {BITS}, bound = "
+             f"2^{BITS - 2} / {sites}; load average {load:.1f} on {os.cpu_count()} cores "
+             f"when the table was written (a shared machine: both sides of each ratio come "
+             f"from the same run).", "",
              "| d | setup (once per process) | prove, per site | verify, per site | sum check, "
              "per round | proof | upload vs masked input | prove per coordinate | "
              "vs ACORN's 320 us |",
