@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from secagg import Config, ProtocolError, Stage, simulate
 from secagg.client import MaskedStream
 from secagg.errors import InputMismatch, InputRefused, ProtocolAbort
-from secagg.messages import InputProof, MessageKind, decode, encode
+from secagg.messages import SCHEDULE, InputProof, MessageKind, decode, encode
 from secagg.simulate import LocalRound
 from secagg.stage import round_stages
 from secagg.validation import (
@@ -216,6 +216,27 @@ def test_wrap_around_that_fits_the_encoding_is_refused_by_the_bound_on_z() -> No
         verify(statement, norm.prove_relation(statement, witness, 1))
 
 
+@given(excess=st.floats(1.0001, 1e4), seed=st.integers(0, 2**16),
+       slack=st.sampled_from(["zeros", "greedy of the excess", "random", "bound-sized"]))
+@settings(max_examples=25, deadline=None)
+def test_property_no_over_bound_witness_verifies(excess: float, seed: int, slack: str) -> None:
+    """Whatever slack a cheater picks for a vector over the bound (norm = excess x B), the
+    relation ||x||^2 + ||q||^2 = B^2 cannot hold over the integers, and mod r it holds only
+    with a huge q: the proof never verifies."""
+    rng = np.random.default_rng(seed)
+    x = [int(v) for v in vector_with_norm(rng, 12, BOUND * excess)]
+    norm2 = sum(v * v for v in x)
+    if norm2 <= BOUND * BOUND:
+        return  # rounding brought it within the bound: not a cheat
+    q = {"zeros": [0] * norm.SLACK,
+         "greedy of the excess": norm.four_square_slack(norm2 - BOUND * BOUND),
+         "random": [int(v) for v in rng.integers(-BOUND, BOUND, norm.SLACK)],
+         "bound-sized": [BOUND] + [0] * (norm.SLACK - 1)}[slack]
+    statement = NormStatement(SID, 3, 12, BITS, BOUND)
+    with pytest.raises(InvalidProof):
+        verify(statement, norm.prove_relation(statement, x + q, 1))
+
+
 def test_replayed_proof_of_another_client_round_or_bound_is_refused() -> None:
     statement = NormStatement(SID, 3, DIM, BITS, BOUND)
     proof = prove(statement, honest(), 1)
@@ -308,7 +329,9 @@ def run_round(config: Config, inputs: Mapping[int, np.ndarray],
                 if isinstance(reply, MaskedStream):
                     proof, send = (tamper[cid](cid, parties, reply) if tamper and cid in tamper
                                    else (None, True))
-                    assert reply.proof is not None
+                    # the schedule's data: this stage's validation message comes first
+                    assert type(reply.proof) is SCHEDULE[stage].validation
+                    assert reply.proof is not None and reply.proof.stage is stage
                     message = reply.proof if proof is None else InputProof(
                         reply.proof.session_id, cid, proof)
                     try:
