@@ -113,7 +113,8 @@ CLIENT_ACCEPTS: Mapping[tuple[Stage, bool], type] = {
 
 
 def check_input(vector: object, config: Config, who: str = "input") -> np.ndarray:
-    """A validated copy of a client's input as the protocol's working dtype."""
+    """A validated copy of a client's input as the protocol's working dtype (within the
+    round's ``norm_bound``, when it has one)."""
     arr = np.asarray(vector)
     if arr.ndim != 1 or arr.shape[0] != config.dim:
         raise ValueError(f"{who} has shape {arr.shape}; it must be a vector of length "
@@ -125,10 +126,13 @@ def check_input(vector: object, config: Config, who: str = "input") -> np.ndarra
                      or int(arr.max()) >= config.modulus):
         raise ValueError(f"{who} has values outside [0, 2**{config.bits}); reduce them "
                          f"mod 2**bits or raise bits")
-    return arr.astype(dtype_for_bits(config.bits), copy=True)
+    out = arr.astype(dtype_for_bits(config.bits), copy=True)
+    if config.norm_bound is not None:
+        _check_norm(out, config, who)
+    return out
 
 
-def _check_norm(vector: np.ndarray, config: Config) -> None:
+def _check_norm(vector: np.ndarray, config: Config, who: str) -> None:
     """An honest client's input must be within the round's norm bound: clipping is the
     caller's job (the bound is public, docs/protocol.md 10)."""
     from .validation import available
@@ -142,7 +146,7 @@ def _check_norm(vector: np.ndarray, config: Config) -> None:
     assert bound is not None
     norm2 = sum(v * v for v in centered(vector, config.bits))
     if norm2 > bound * bound:
-        raise ValueError(f"input has L2 norm sqrt({norm2}) > norm_bound={bound} (as centred "
+        raise ValueError(f"{who} has L2 norm sqrt({norm2}) > norm_bound={bound} (as centred "
                          f"integers mod 2**{config.bits}): clip it to the bound")
 
 
@@ -182,8 +186,6 @@ class Client:
             clamp(buffer)  # canonical form: the same key, one-to-one with its public key
         seed = bytearray(os.urandom(32))
         self._secrets = Secrets(encryption, masking, seed, check_input(input_vector, config))
-        if config.norm_bound is not None:
-            _check_norm(self._secrets.input, config)
         self._wipeable: list[bytearray | np.ndarray] = [encryption, masking, seed,
                                                         self._secrets.input]
         self._advertisement = self._build_advertisement()

@@ -138,6 +138,15 @@ def test_norm_bound_round_is_validated_and_exact(tmp_path: Path,
         capsys.readouterr().out)
 
 
+def test_norm_bound_refuses_inputs_over_the_bound_before_the_round(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("py_arkworks_bls12381")
+    write_inputs(tmp_path / "in", [1, 2, 3], dim=8, bits=32)  # uniform: far over any bound
+    assert cli("--inputs", str(tmp_path / "in"), "--norm-bound", "1000") == 2
+    err = capsys.readouterr().err
+    assert "--inputs" in err and "--norm-bound 1000" in err and "clip it" in err
+
+
 def test_streamed_inputs_and_one_line_reasons(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     """secagg simulate streams masked inputs through the drivers (chunks counted by the

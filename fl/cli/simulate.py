@@ -394,7 +394,8 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 source.load(cid, config)
             except ValueError as exc:
-                raise UsageError(f"--inputs: {exc}") from None
+                raise UsageError(f"--inputs: {exc}".replace("norm_bound=", "--norm-bound ")
+                                  ) from None
     for path in (args.output, args.report):
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"{path}: its directory does not exist")
