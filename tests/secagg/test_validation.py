@@ -594,3 +594,15 @@ def test_malicious_mode_a_proof_forged_under_an_honest_id_is_rejected_not_named(
     result = parties.server.result
     assert refusals == {} and result is not None and result.refused == {}
     assert np.array_equal(result.total, plain_sum(inputs, {1, 2, 3, 4}))
+
+
+def test_secagg_plus_round_with_validation_and_a_dropout() -> None:
+    """A sparse graph: each client's blinding carries only its neighbours' pairwise keys,
+    and the server's sum check still balances with a client dropped at masked_input."""
+    config = Config(8, dim=10, bits=BITS, neighbors=6, unchecked_graph=True,
+                    norm_bound=20_000)
+    assert config.neighbors == 6  # a sparse graph, not the complete one
+    inputs = small_inputs(8, 10, 20_000, seed=9)
+    result = simulate(config, inputs, {5: Stage.MASKED_INPUT}, seed=9)
+    assert result.refused == {} and result.included == frozenset({1, 2, 3, 4, 6, 7, 8})
+    assert np.array_equal(result.total, plain_sum(inputs, result.included))
