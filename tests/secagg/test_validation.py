@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,6 +87,13 @@ def test_transcript_and_layout_vectors() -> None:
         + (1000).to_bytes(16, "big").hex())
     assert proof_size(10) == 3 * 48 + 4 * 32 + 256 * 17 + (10 + 8 + 256) * 32 == 13392
     assert statement.z_max == (math.isqrt(17) * 1000 + 1000) * ((1 << 64) + 1)
+    # the figures docs/protocol.md section 10 states
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text("utf-8")
+    assert "`proof_size(d)` = 4,624 + 32·(d + 264) bytes" in doc
+    assert all(proof_size(d) == 4624 + 32 * (d + 264) for d in (1, 10, 10**6))
+    assert "all 256 rows pass with probability below 2^−149" in doc
+    assert (1 - 85 / 256) ** norm.LAMBDA < 2.0 ** -149
+    assert "distance at most 256·2^−64 = 2^−56" in doc and norm.SIGMA == 64
     # the projection of (1, 2, 3) with the all-zero seed: the first two rows
     r = group.ORDER
     assert norm.project(bytes(64), [1, 2, 3])[:2] == [r - 5, r - 1]
