@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import re
 import struct
 from pathlib import Path
@@ -412,8 +413,13 @@ def test_size_limits_stated() -> None:
     server = Server(cfg)
     assert "`4096 + 416·n`" in TEXT
     assert client.max_message_bytes() == 4096 + 416 * 7
-    assert "`1024 + dim·w/8 + 128·n`" in TEXT
+    assert "`1024 + max(dim·w/8, proof) + 128·n`" in TEXT
     assert server.max_message_bytes() == 1024 + 10 * 4 + 128 * 7
+    if importlib.util.find_spec("py_arkworks_bls12381") is not None:
+        from secagg.validation import proof_size
+
+        bounded = Server(Config(num_clients=7, dim=10, bits=20, norm_bound=100))
+        assert bounded.max_message_bytes() == 1024 + proof_size(10) + 128 * 7
 
 
 def test_share_ciphertexts_on_the_wire_have_the_stated_size() -> None:
