@@ -182,6 +182,13 @@ Holds (each row in section 4 is a test):
   (every header checked against the round's limits before allocation: an 8 MiB hostile
   message costs under 3x its size); objects are encoded and decoded, so they get the same
   validation as bytes; every message kind in every stage is tested.
+* **Input validation (`norm_bound`, docs/protocol.md 10).** Every site proves in zero
+  knowledge that the vector it masks has L2 norm at most B (discrete log in BLS12-381 G1,
+  random oracle for Fiat-Shamir), bound to the session, the site and its fresh keys: a
+  scaled update, a wrapped or malformed proof, or a proof replayed from another site or
+  round is refused, left out of the sum and named; honest sites are never named; a site
+  that masks another vector than it proved is caught when the commitments do not open to
+  the sum.
 * **Gradient leakage.** Exact inversion of a linear layer and DLG on a small MLP succeed
   on a plaintext update and fail on what the server receives (the masked vector).
 
@@ -209,7 +216,13 @@ Does not hold (shown by strict-xfail tests, so a change in behaviour turns the s
   dropouts and corruptions that depend on the graph): honest survivors held together only
   by corrupt ones can be split without any client seeing it.
 * **Client authentication in semi-honest mode** is the transport's job.
-* **Side channels, denial of service, input validation**: not addressed by the protocol
+* **Input validation without `norm_bound`, and within it.** Without the bound (the
+  default) a site can scale its update and replace the aggregate (model replacement). With
+  it, an update within the bound is accepted whatever its direction: a stealthy backdoor of
+  norm <= B is bounded, not prevented (robust aggregation or DP noise must do the rest). A
+  site that proves one vector and masks another makes the round release nothing, and is not
+  named (ACORN-detect: one site can abort a validated round).
+* **Side channels, denial of service**: not addressed by the protocol
   (docs/protocol.md 9.2). At the transport, what one site login can do to other parties is
   bounded (client ids bound to usernames, per-user caps and deadlines in the embedded
   broker, per-site reassembly quotas at the aggregator: docs/deployment.md sections 6 and 9,
@@ -384,8 +397,9 @@ THREATS: list[tuple[str, str, str]] = [
      "AEAD; semi-honest mode relies on the transport for authentication and integrity"),
     ("malicious client",
      "its own messages, flooding",
-     "cannot learn others' inputs beyond the sum; can shift the sum by any value (no input "
-     "validation) and can abort rounds (denial of service is not prevented)"),
+     "cannot learn others' inputs beyond the sum; can shift the sum by any value unless the "
+     "round has norm_bound (then by at most the bound, or it is refused and named), and can "
+     "abort rounds (denial of service is not prevented)"),
     ("coordinator choosing roster, config and context",
      "the session id and the SecAgg+ graph",
      "only if the context carries randomness it cannot choose (grinding, section 4)"),
@@ -406,7 +420,8 @@ def render(cases: list[Case], code: int, seconds: float) -> str:
     rows: OrderedDict[str, list[Case]] = OrderedDict()
     unclassified = [c for c in cases if "threat.attack" not in c.props]
     order = ["test_malicious_server", "test_collusion_and_output", "test_malicious_clients",
-             "test_protocol_replay", "test_protocol_findings", "test_parsing_robustness",
+             "test_input_validation", "test_protocol_replay", "test_protocol_findings",
+             "test_parsing_robustness",
              "test_claims_protocol",
              "test_transport_broker", "test_broker_login_throttle", "test_transport_reassembly",
              "test_gradient_leakage",

@@ -322,11 +322,19 @@ class ClientDriver:
             return
         if self._produced:
             return
+        label = Stage.MASKED_INPUT.label
         if self._chunks is None:
             self._chunks = (upload.chunks(grant.chunk_elements)
                             if isinstance(upload, MaskedStream)
                             else split_masked_input(upload, grant.chunk_elements))
-        label = Stage.MASKED_INPUT.label
+            if isinstance(upload, MaskedStream) and upload.proof is not None:
+                # norm_bound: the input proof goes first (docs/protocol.md 10.3)
+                raw = encode(upload.proof)
+                digest = message_id(raw)
+                self._inflight[digest] = raw
+                self.outcome.bytes_sent[label] = (self.outcome.bytes_sent.get(label, 0)
+                                                  + len(raw))
+                await self._publish_raw(raw, digest)
         while len(self._inflight) < grant.window and not self._produced:
             try:
                 async with _compute_turn():
