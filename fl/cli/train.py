@@ -430,9 +430,10 @@ def _torch_missing() -> bool:
     import importlib.util
 
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("opacus") is None:
-        print("secagg train: this needs torch and opacus: install the extra with "
-              "`pip install 'secagg[torch]'` (use constraints.txt to get the CPU build)",
-              file=sys.stderr)
+        from dp.errors import TORCH_EXTRA_INSTALL
+
+        print(f"secagg train: this needs torch and opacus: install the extra with "
+              f"{TORCH_EXTRA_INSTALL}", file=sys.stderr)
         return True
     return False
 
