@@ -57,3 +57,20 @@ def test_budget_says_one_line_without_a_library_warning() -> None:
                    "--rounds", "3000")
     line = _one_line_error(done, "epsilon")
     assert "raise epsilon" in line
+
+
+@pytest.mark.parametrize(("argv", "meant"), [
+    (["train", "--sites", "3", "--rounds", "1", "--data", "visits.csv"], "--csv PATH"),
+    (["train", "--sites", "3", "--rounds", "1", "--data=visits.csv"], "--csv PATH"),
+    (["simulate", "--client", "3"], "--clients"),
+    (["budget", "--epsilon", "4", "--delta", "1e-5", "--sample-rate", "0.1", "--rounds", "3",
+      "--acc", "prv"], "--accountant"),
+])
+def test_an_abbreviated_or_unknown_option_is_refused_naming_the_one_meant(
+        argv: list[str], meant: str) -> None:
+    """Options are never abbreviated (``--data visits.csv`` once became ``--dataset`` and
+    failed on the value): an unknown option is refused before any work, with the option
+    the user most likely meant (``--data`` -> ``--csv``, a prefix -> the full option)."""
+    line = _one_line_error(_secagg(*argv), argv[-2].split("=")[0] if "=" not in argv[-1]
+                           else "--data")
+    assert "unrecognized arguments" in line and f"did you mean {meant}" in line
