@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -438,12 +439,30 @@ def _torch_missing() -> bool:
     return False
 
 
+VACUOUS_EPSILON = 20.0
+"""Above this ``--epsilon`` the guarantee is empty in practice: DP bounds by ``e**epsilon``
+how much one patient's records can change the odds of anything the run releases, and
+``e**20`` is about 5e8."""
+
+
+def _warn_vacuous_epsilon(args: argparse.Namespace) -> None:
+    epsilon = getattr(args, "epsilon", None)
+    if epsilon is not None and epsilon > VACUOUS_EPSILON:
+        print(f"secagg train: warning: --epsilon {epsilon:g} protects nothing: differential "
+              f"privacy bounds by e^epsilon (here above e^{VACUOUS_EPSILON:g}, about "
+              f"{math.exp(VACUOUS_EPSILON):.0e}) how much one patient's records can change "
+              "what the run releases, and the noise it buys is negligible; pick epsilon "
+              "of a few units (e.g. 1-8), or --dp none for an exact sum said as such",
+              file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     """``secagg train``. Errors go to the command line's one error path (fl/cli/app.py): a
     ``ValueError`` (bad options, data, checkpoint, policy) exits 2, a runtime failure (a
     round that kept aborting, a lost broker) exits 1, each in one line."""
     if _torch_missing():
         return 2
+    _warn_vacuous_epsilon(args)
     if args.role != "all" and not (args.plan and args.role == "coordinator"):
         return run_remote(args)
     settings = settings_from_args(args)
