@@ -175,10 +175,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"digits, cox for survival (default {d.model}; tcga-brca: cox)")
     c.add_argument("--alpha", type=float, default=d.alpha,
                    help=f"Dirichlet non-IID concentration (default {d.alpha})")
-    c.add_argument("--clip-norm", type=float, default=d.clip_norm, metavar="C",
-                   help=f"DP: per-patient L2 clip norm (default {d.clip_norm})")
-    c.add_argument("--sample-rate", type=float, default=d.sample_rate,
-                   help=f"DP: patient sampling rate per step (default {d.sample_rate})")
+    c.add_argument("--clip-norm", type=float, default=None, metavar="C",
+                   help=f"DP: per-patient L2 clip norm (default {d.clip_norm}; tcga-brca "
+                        "with --dp distributed: 1.0)")
+    c.add_argument("--sample-rate", type=float, default=None,
+                   help=f"DP: patient sampling rate per step (default {d.sample_rate}; "
+                        "tcga-brca with --dp distributed: 0.5)")
     c.add_argument("--noise-multiplier", type=float, metavar="Z",
                    help="DP: fix the noise instead of calibrating it to --epsilon/--rounds "
                         "(epsilon is still accounted and reported)")
@@ -249,10 +251,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="feature scaling: secure sum of statistics, none, or auto (default; "
                         "tcga-brca: none, as FLamby)")
     # Strategies and the dataset presets (fl/strategies.py, fl.settings.dataset_defaults).
-    c.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
-                   help="fedavg (default), fedprox, scaffold (control variates in the same "
-                        "secure sum), or a server optimizer on the secure sum: fedadam, "
-                        "fedyogi, fedadagrad (Reddi et al. 2021)")
+    c.add_argument("--strategy", choices=STRATEGIES, default=None,
+                   help="fedavg (default; tcga-brca with --dp distributed: fedadam), "
+                        "fedprox, scaffold (control variates in the same secure sum), or a "
+                        "server optimizer on the secure sum: fedadam, fedyogi, fedadagrad "
+                        "(Reddi et al. 2021)")
     c.add_argument("--local-steps", type=int, default=None, metavar="K",
                    help="local minibatch updates per round instead of --local-epochs passes "
                         "(tcga-brca: 100, FLamby's protocol)")
@@ -265,14 +268,16 @@ SITE_POLICY_FLAGS = ("policy", "ledger", "min_noise_multiplier", "min_threshold"
 
 
 PRESET_OPTIONS = ("lr", "server_lr", "batch_size", "fedprox_mu", "model", "scaling",
-                  "local_steps")
-"""Options a dataset preset fills when not given (``--dataset tcga-brca``: FLamby's)."""
+                  "local_steps", "strategy", "sample_rate", "clip_norm")
+"""Options a dataset preset fills when not given (``--dataset tcga-brca``: FLamby's; with
+``--dp distributed`` the DP protocol docs/results.md measures)."""
 
 
 def preset_options(args: argparse.Namespace) -> dict[str, Any]:
     """The values of :data:`PRESET_OPTIONS`: given, else the dataset's, else the default."""
     d = TrainSettings()
-    preset = dataset_defaults(args.dataset if args.csv is None else "", args.strategy)
+    preset = dataset_defaults(args.dataset if args.csv is None else "", args.strategy,
+                              args.dp or "none")
     out = {name: getattr(args, name) if getattr(args, name) is not None
            else preset.get(name, getattr(d, name)) for name in PRESET_OPTIONS}
     if args.site_weights is not None and args.role != "all":
@@ -310,8 +315,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         delta=args.delta, drop_rate=args.drop_rate, max_attempts=args.max_attempts,
         unit=args.unit if args.role != "site" else "patient",  # a site's: its policy
         broker=args.broker, seed=args.seed, local_epochs=args.local_epochs,
-        alpha=args.alpha, strategy=args.strategy, **options,
-        clip_norm=args.clip_norm, sample_rate=args.sample_rate,
+        alpha=args.alpha, **options,
         noise_multiplier=args.noise_multiplier if args.role != "site" else None,
         cohort=args.cohort,
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
