@@ -15,10 +15,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import sys
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from ..errors import FLError
@@ -218,3 +220,29 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached a command that runs :func:`stop_signals` (``signum``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Stopped` while the block runs, even in a process
+    started in the background (where the shell leaves SIGINT ignored and Python then does
+    not raise ``KeyboardInterrupt``); the previous handlers come back after."""
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

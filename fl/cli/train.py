@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from fl.cli._common import (
+    Stopped,
     UsageError,
     emit_json,
     nonnegative_int,
     parse_sites,
     progress_log,
     setup_logging,
+    stop_signals,
 )
 from fl.data import DATASETS
 from fl.settings import (
@@ -463,7 +465,21 @@ def _warn_vacuous_epsilon(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """``secagg train``. Errors go to the command line's one error path (fl/cli/app.py): a
     ``ValueError`` (bad options, data, checkpoint, policy) exits 2, a runtime failure (a
-    round that kept aborting, a lost broker) exits 1, each in one line."""
+    round that kept aborting, a lost broker) exits 1, each in one line; SIGINT or SIGTERM
+    (also in a process started in the background) stops it with one line and exit
+    128 + the signal, as ``secagg simulate``."""
+    import signal
+
+    try:
+        with stop_signals():
+            return _run(args)
+    except Stopped as stopped:
+        print(f"secagg train: interrupted by {signal.Signals(stopped.signum).name}",
+              file=sys.stderr)
+        return 128 + stopped.signum
+
+
+def _run(args: argparse.Namespace) -> int:
     if _torch_missing():
         return 2
     _warn_vacuous_epsilon(args)
@@ -489,13 +505,28 @@ def run_remote(args: argparse.Namespace) -> int:
     from transport.topics import SERVER_USER, site_name
 
     user = site_name(args.site_id) if args.role == "site" else SERVER_USER
-    network = MqttNetwork(broker_settings(args, user))
+    broker = broker_settings(args, user)
+    _probe_broker(broker, user, args.connect_timeout)
+    network = MqttNetwork(broker)
     tag = f"site {args.site_id}" if args.role == "site" else "coordinator"
     log = progress_log(args, tag)
     setup_logging(args, tag)
     if args.role == "site":
         return _run_site(args, settings, ids, network, log)
     return _run_coordinator(args, settings, ids, network, log)
+
+
+def _probe_broker(broker: Any, user: str, timeout: float) -> None:
+    """Fail in seconds, with the cause, when nothing accepts connections at ``--broker``'s
+    address (a wrong host or port), instead of after the connection's retries."""
+    from transport import LinkLost
+    from transport.mqtt import probe
+
+    try:
+        probe(broker, timeout=min(5.0, timeout))
+    except LinkLost as exc:
+        raise LinkLost(f"{user}: {exc} (check --broker's host and port; is the broker "
+                       "running? `secagg broker` runs one)") from None
 
 
 def _remote_settings(args: argparse.Namespace) -> tuple[TrainSettings, tuple[int, ...]]:
