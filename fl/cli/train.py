@@ -357,6 +357,21 @@ def site_policy_from_args(args: argparse.Namespace) -> Any:
     return replace(policy, **changes)
 
 
+def describe_policy(policy: Any) -> str:
+    """The site's policy for its operator's log: each field as words, lists joined, an
+    unset limit as "no limit" (``policy.json`` holds the same fields as JSON)."""
+    parts = []
+    for name, value in policy.to_json().items():
+        if isinstance(value, list):
+            shown = ", ".join(str(v) for v in value)
+        elif value is None:
+            shown = "no limit"
+        else:
+            shown = f"{value:g}" if isinstance(value, float) else str(value)
+        parts.append(f"{name.replace('_', ' ')} {shown}")
+    return "; ".join(parts)
+
+
 def default_ledger(site_id: int, data: Any) -> str:
     """``$XDG_STATE_HOME/secagg/ledger-site-<id>-<data fingerprint>.json``: one ledger per
     site and data set, outside any working tree. Nothing the coordinator chooses (broker
@@ -604,7 +619,7 @@ def _run_site(args: argparse.Namespace, settings: TrainSettings, ids: tuple[int,
     except (PrivacyError, OSError) as exc:
         raise UsageError(f"site privacy ledger/policy: {exc}") from None
     try:
-        log(f"privacy policy {guard.ledger.policy.to_json()}; ledger {ledger} "
+        log(f"privacy policy: {describe_policy(guard.ledger.policy)}; ledger {ledger} "
             f"({guard.ledger.releases} releases, epsilon {guard.ledger.epsilon:.4g})")
         if guard.ledger.policy.unit == "patient-idp":
             _site_idp(args, data, guard, log)
