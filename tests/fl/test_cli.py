@@ -120,7 +120,7 @@ def test_config_file_json_quiet_progress_and_saved_model(
     report = json.loads(out)  # stdout is exactly one JSON object
     assert len(report["rounds"]) == 2  # the flag overrode the file's rounds = 1
     assert report["settings"]["model"] == "mlp" and report["settings"]["sites"] == 2
-    assert "round   1/2" in err and "left]" in err and "elapsed" in err
+    assert "round   1/2" in err and "elapsed" in err  # (the estimate: from round 2 of 3 on)
     model = make_model("mlp", 30, 2)
     model.load_state_dict(torch.load(model_path))  # one line of plain torch
     checkpointed = make_model("mlp", 30, 2)  # a checkpoint's model loads the same way
@@ -174,3 +174,21 @@ def test_train_started_in_the_background_stops_on_sigint_and_sigterm(
     assert proc.returncode == 128 + signum, err
     assert err.strip().splitlines()[-1] == (
         f"secagg train: interrupted by {signal.Signals(signum).name}")
+
+
+def test_the_time_left_is_not_extrapolated_from_the_start_up(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first round carries the run's start-up: ``secagg train`` shows no estimate after
+    it, and the estimate after later rounds is their pace (60 s of start-up and 10 s
+    rounds: 80 s left after round 2 of 10, not 280 s)."""
+    import fl.progress
+
+    assert main(["train", "--sites", "3", "--rounds", "3", "--broker", "memory"]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "round   " in ln]
+    assert "left" not in lines[0] and "left" in lines[1], lines
+    clock = iter([0.0, 70.0, 80.0, 90.0])
+    monkeypatch.setattr(fl.progress.time, "monotonic", lambda: next(clock))
+    progress = fl.progress.Progress(10)
+    assert progress(1) == "elapsed 1m10s"
+    assert progress(2) == "elapsed 1m20s, about 1m20s left"
+    assert progress(3) == "elapsed 1m30s, about 1m10s left"
