@@ -43,11 +43,32 @@ BOTH = ["embedded", pytest.param("mosquitto", marks=pytest.mark.skipif(
     not mosquitto_available(), reason="mosquitto is not installed"))]
 
 
-def run(scenario: Callable[[], Awaitable[None]], timeout: float = 20.0) -> None:
+def run(scenario: Callable[[], Awaitable[None]], timeout: float = 20.0,
+        cleanup: float = 15.0) -> None:
+    """Run ``scenario`` on a new event loop; past ``timeout`` it is cancelled and gets at
+    most ``cleanup`` more seconds to end (its broker's stop takes up to about 11 s), then
+    the loop is closed with whatever is left cancelled: a scenario, its broker and its
+    attackers never outlive the test, however loaded the host."""
     async def bounded() -> None:
-        await asyncio.wait_for(scenario(), timeout)
+        task = asyncio.ensure_future(scenario())
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if task in done:
+            task.result()
+            return
+        task.cancel()
+        await asyncio.wait({task}, timeout=cleanup)
+        raise TimeoutError(f"the scenario ran past its {timeout} s bound")
 
-    asyncio.run(bounded())
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(bounded())
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.wait(left, timeout=cleanup))
+        loop.close()
 
 
 @contextlib.asynccontextmanager
