@@ -436,3 +436,18 @@ def test_a_hundred_clients_logging_in_at_once_all_get_in(tmp_path: Path) -> None
     report = json.loads(rep.read_text())
     assert report["correct"] is True
     assert len(report["included"]) == 100
+
+
+def test_requested_drops_are_not_warned_about() -> None:
+    """The clients ``--drop-rate`` asked to drop leave as told: the server's "client N
+    dropped" line is INFO for them, not a WARNING on the terminal."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+
+    quiet = subprocess.run(
+        [sys.executable, "-m", "fl.cli", "simulate", "--clients", "10", "--drop-rate", "0.3",
+         "--drop-stage", "masked_input", "--seed", "1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=100, check=False)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "dropped: masked_input 3" in quiet.stdout  # (each left while streaming its input)
+    assert "server: client" not in quiet.stderr, quiet.stderr

@@ -363,6 +363,24 @@ def _timeouts(config: Config, processes: int) -> Any:
                           colocated=colocated)
 
 
+class _RequestedDrops(logging.Filter):
+    """The server's "client N dropped" / "client N aborted" WARNING is news only for a drop
+    nobody asked for: for the clients ``--drop-rate`` scheduled it is lowered to INFO."""
+
+    def __init__(self, requested: set[int]) -> None:
+        super().__init__()
+        self.requested = requested
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if (record.levelno == logging.WARNING and message.startswith("server: client %d ")
+                and isinstance(record.args, tuple) and record.args
+                and record.args[0] in self.requested):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+        return True
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -408,6 +426,9 @@ def _run(args: argparse.Namespace) -> int:
                     f"{config.threshold}, {config.security}; {len(drops)} scheduled to drop"
                     + (" (killed)" if args.kill else ""))
     interrupted: Interrupted | None = None
+    requested = _RequestedDrops(set(drops))
+    driver_log = logging.getLogger("transport.server_driver")
+    driver_log.addFilter(requested)
     try:
         with StopSignals() as signals:
             outcome = asyncio.run(_run_interruptible(spec, progress, signals))
@@ -417,6 +438,8 @@ def _run(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).debug("simulation failed", exc_info=True)
         print(f"secagg simulate: error: {_one_line(exc)}", file=sys.stderr)
         return 1
+    finally:
+        driver_log.removeFilter(requested)
     if interrupted is not None:
         # The run's leftovers (e.g. aiomqtt futures of connections the stop cut) are
         # collected while logging is still off: their "exception was never retrieved" is

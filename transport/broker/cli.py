@@ -23,7 +23,7 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..topics import SERVER_USER
@@ -164,7 +164,8 @@ def _watch_parent(args: argparse.Namespace, loop: asyncio.AbstractEventLoop,
     lifeline.watch_parent(args.parent_pid, orphaned)
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace,
+                 on_listening: Callable[[int], None] | None = None) -> None:
     context = None
     if args.certfile:
         context = tls_context(args.certfile, args.keyfile, args.cafile,
@@ -190,6 +191,8 @@ async def _serve(args: argparse.Namespace) -> None:
     try:
         if args.port_file:
             write_port_file(args.port_file, broker.port)
+        if on_listening is not None:
+            on_listening(broker.port)
         await stop.wait()
     finally:
         await broker.stop()
@@ -221,8 +224,11 @@ def _hash_password(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Process entry point; returns the exit status."""
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG,
+         on_listening: Callable[[int], None] | None = None) -> int:
+    """Process entry point; returns the exit status. ``prog``: the command the user typed
+    (named in errors); ``on_listening``: called with the bound port once the broker
+    listens."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["hash-password"]:
         return _hash_password(argv[1:])
@@ -237,12 +243,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(_serve(args))
+        asyncio.run(_serve(args, on_listening))
     except BrokerConfigError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    except (BrokerStartError, BrokerError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+    except BrokerStartError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, OSError):  # the address: say it in this command's options
+            print(f"{prog}: error: cannot listen on {args.host}:{args.port}: "
+                  f"{cause.strerror or cause}; pick another port ({prog} --port N, or "
+                  "--port 0 for a free one)", file=sys.stderr)
+        else:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokerError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
