@@ -60,6 +60,14 @@ def _label(kind: str, round_number: int) -> str:
     return f"round {round_number}" if kind == "train" else "feature scaling"
 
 
+FETCH_INTERVAL = 2.0
+"""Seconds between two answers to one site's fetches (its :class:`Fetch` is repeated while
+nothing arrives; see :class:`fl.remote.blob.FetchPacer`)."""
+MAX_ANSWERING = 2
+"""Fetch answers in flight at once: what the coordinator queues for fetches is at most this
+many blobs."""
+
+
 class NotEnoughSites(FLError, RuntimeError):
     """Fewer than ``threshold`` cohort sites were ready: the round was not started."""
 
@@ -105,7 +113,10 @@ class CoordinatorChannel:
         self._round: Topics | None = None
         self._blob = b""
         self._digest = b""
-        self._broadcast_at = -1e9
+        self._answered: dict[int, float] = {}  # site -> when its last Fetch was answered
+        self._answering: set[int] = set()  # sites whose answer is being published
+        self.blob_answers = 0
+        """Fetches answered (each with one blob, to the one site that asked)."""
         self._control: bytes | None = None
         self._party: PartyLink | None = None
         self._stack = contextlib.AsyncExitStack()
@@ -160,7 +171,7 @@ class CoordinatorChannel:
                 if self._control is not None:
                     self._spawn(party.publish(self.topics.control, self._control, retain=True))
                 if self._blob:
-                    self._spawn(self._broadcast(force=True))
+                    self._spawn(self._broadcast())
             elif isinstance(event, Delivery) and event.payload:
                 try:
                     self._on_delivery(event)
@@ -200,7 +211,7 @@ class CoordinatorChannel:
                 self._party.to_round(Delivery(will.topic, will.payload))
         elif isinstance(message, Fetch):
             if message.blob == self._digest and self._blob:
-                self._spawn(self._broadcast())
+                self._answer_fetch(cid, now)
         elif isinstance(message, Decline) and message.key == self._key:
             self.log(f"site {cid} declined {_label(message.kind, message.round)}: "
                      f"{message.reason}")
@@ -211,15 +222,40 @@ class CoordinatorChannel:
             self.offline.discard(cid)
         self.changed.set()
 
-    async def _broadcast(self, force: bool = False) -> None:
-        """The current blob to every site at once, chunked (at most twice a second)."""
-        loop = asyncio.get_running_loop()
-        if not force and loop.time() - self._broadcast_at < 0.5:
-            return
-        self._broadcast_at = loop.time()
+    async def _broadcast(self) -> None:
+        """The current blob to every site at once, chunked: once a round, and again after
+        a reconnection (nothing survives a broker restart)."""
         assert self._party is not None
         for data in frame(self._blob, self.max_payload):
             await self._party.publish(self.topics.model, data)
+
+    def _answer_fetch(self, cid: int, now: float) -> None:
+        """Site ``cid`` missed (part of) the blob: send it to ``cid`` alone, never to the
+        others (a site on a slow link once made every fetch a blob for every site). At most
+        one answer per site in flight and one per ``FETCH_INTERVAL`` seconds, and at most
+        ``MAX_ANSWERING`` answers in flight at once: what is queued for fetches is bounded
+        by ``MAX_ANSWERING`` blobs, however many sites ask how often; an unanswered site
+        asks again later (:class:`fl.remote.blob.FetchPacer`)."""
+        if (cid in self._answering or len(self._answering) >= MAX_ANSWERING
+                or now - self._answered.get(cid, -1e9) < FETCH_INTERVAL):
+            logger.debug("coordinator: site %d's fetch not answered now (one is under way "
+                         "or was just sent)", cid)
+            return
+        self._answering.add(cid)
+        self._answered[cid] = now
+        self.blob_answers += 1
+        self._spawn(self._send_blob(cid, self._blob))
+
+    async def _send_blob(self, cid: int, blob: bytes) -> None:
+        assert self._party is not None
+        try:
+            for data in frame(blob, self.max_payload):
+                if blob is not self._blob:  # the round moved on
+                    return
+                await self._party.publish(self.topics.model_to(cid), data)
+        finally:
+            self._answering.discard(cid)
+            self._answered[cid] = asyncio.get_running_loop().time()
 
     async def _wait(self, deadline: float) -> None:
         self.changed.clear()
@@ -260,7 +296,7 @@ class CoordinatorChannel:
             try:
                 await view.subscribe(topics.server_filter)
                 await self._publish_control(framed(ann))
-                await self._broadcast(force=True)
+                await self._broadcast()
                 deadline = loop.time() + ready_timeout
                 while loop.time() < deadline and self.lost is None:
                     if all(c in self.readies or c in self.offline or c in self.declines
