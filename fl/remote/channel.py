@@ -25,6 +25,7 @@ from fl.remote.link import PartyLink, connect_party
 from fl.remote.messages import (
     SITE_KINDS,
     Announce,
+    CoordinatorOffline,
     Decline,
     Done,
     FedTopics,
@@ -264,6 +265,20 @@ class CoordinatorChannel:
                                    max(0.0, deadline - asyncio.get_running_loop().time()))
 
     # -- the coordinator's requests ------------------------------------------------------
+    async def wait_online(self, sites: Sequence[int], timeout: float, *,
+                          least: float = 1.0) -> None:
+        """Before a retry: wait ``timeout`` seconds, or less once every one of ``sites`` is
+        online (its Hello heard, no last will since) and ``least`` seconds have passed, so a
+        retry neither races sites that are restarting nor waits for ones that are back."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + timeout
+        while loop.time() < deadline and self.lost is None:
+            if loop.time() - start >= least and all(
+                    c in self.hellos and c not in self.offline for c in sites):
+                return
+            await self._wait(min(deadline, max(loop.time() + 0.05, start + least)))
+
     async def wait_for_sites(self, timeout: float, enough: int) -> dict[int, Hello]:
         """Hellos until every site said one, or ``timeout`` (then at least ``enough``)."""
         loop = asyncio.get_running_loop()
@@ -336,7 +351,28 @@ class CoordinatorChannel:
                            {c: sum(v.values()) for c, v in driver.bytes_received.items()},
                            loop.time() - started)
 
-    async def finish(self, rounds: int, reason: str) -> None:
-        """Tell the sites the run is over (retained: a site that reconnects learns it too)."""
+    async def finish(self, rounds: int, reason: str, *, linger: float = 10.0) -> None:
+        """Tell the sites the run is over, only when it is (retained: a site reconnecting
+        learns it too), wait up to ``linger`` seconds for the online sites to sign off,
+        then clear the retained message: nothing of this run outlives it (a site started
+        later for the next run would read an old Done and exit)."""
         self._blob = b""
         await self._publish_control(framed(Done(self.run_id, rounds, reason)))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + linger
+        while (set(self.hellos) - self.offline and self.lost is None
+               and loop.time() < deadline):
+            await self._wait(deadline)
+        await self._clear_control()
+
+    async def pause(self, reason: str) -> None:
+        """The run stopped without finishing (a failure, a full checkpoint disk): the sites
+        are told the coordinator is away, never that the run is over, and wait for its
+        ``--resume`` (or a new run) within their ``--idle-timeout``."""
+        self._blob = b""
+        await self._publish_control(framed(CoordinatorOffline(reason[:1000])))
+
+    async def _clear_control(self) -> None:
+        assert self._party is not None
+        self._control = None
+        await self._party.publish(self.topics.control, b"", retain=True)
