@@ -78,3 +78,15 @@ def test_model_size_benchmark_runs_its_rows_at_a_tiny_size() -> None:
         results.append((row, got, 0.01))
     text = bench.table(results, bench.REPO)
     assert text.count("| yes |") == 2 and "x |" in text
+
+
+@pytest.mark.slow
+def test_slow_link_benchmark_counts_bytes_per_site() -> None:
+    import io
+
+    bench = _load("bench_slow_link")
+    out = io.StringIO()
+    result = bench.run(features=40, classes=3, sites=3, slow=100e3, rounds=1, out=out)
+    assert result["included"] == [[1, 2, 3]]
+    assert set(result["blobs_per_round"]) == {1, 2, 3}
+    assert "blobs)" in out.getvalue()

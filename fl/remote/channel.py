@@ -105,6 +105,8 @@ class CoordinatorChannel:
         self.max_payload = max_payload
         self.run_id = os.urandom(16)
         self.hellos: dict[int, Hello] = {}
+        self.invalid: dict[int, str] = {}
+        """Site -> why its latest unreadable message was refused (said if it never joins)."""
         self.offline: set[int] = set()
         self.readies: dict[int, Ready] = {}
         self.declines: dict[int, str] = {}
@@ -190,16 +192,21 @@ class CoordinatorChannel:
             logger.warning("coordinator: site %d is not in --sites; message dropped", cid)
             return
         now = asyncio.get_running_loop().time()
-        got = self._reassembler.feed((cid, kind), event.payload, now)
-        if got is None:
-            return
-        message = decode_site_message(got.payload, kind, cid, self.max_input_bytes)
+        try:
+            got = self._reassembler.feed((cid, kind), event.payload, now)
+            if got is None:
+                return
+            message = decode_site_message(got.payload, kind, cid, self.max_input_bytes)
+        except (WireError, FrameError) as exc:
+            self.invalid[cid] = f"its {kind} message was refused: {exc}"
+            raise
         if isinstance(message, Hello):
             if self.features is not None and message.features != self.features:
                 self.log(f"site {cid}: its columns differ from the federation's; ignored")
                 return
             if cid not in self.hellos or cid in self.offline:
                 self.log(f"site {cid} is online")
+            self.invalid.pop(cid, None)
             self.hellos[cid] = message
             self.offline.discard(cid)
         elif isinstance(message, SiteOffline):
@@ -288,8 +295,12 @@ class CoordinatorChannel:
                 raise TransportError(str(self.lost))
             await self._wait(deadline)
         if len(self.hellos) < enough:
+            missing = sorted(self.site_ids - set(self.hellos))
+            why = "; ".join(f"site {c}: " + self.invalid.get(
+                c, "nothing heard (is it running, with this --federation and broker?)")
+                for c in missing[:10])
             raise NotEnoughSites(f"only {len(self.hellos)} of {len(self.site_ids)} sites "
-                                 f"came online within {timeout:.0f} s; need {enough}")
+                                 f"came online within {timeout:.0f} s; need {enough} ({why})")
         return dict(self.hellos)
 
     async def run_round(self, *, kind: str, round_number: int, attempt: int, blob: bytes,

@@ -181,8 +181,10 @@ class SiteProcess:
 
     async def _hello(self) -> None:
         assert self._party is not None
-        await self._party.publish(self.topics.upstream(self.site_id, HELLO), framed(
-            Hello(self.site_id, self.data.schema.features, self._run)))
+        # chunked like any message: 20,000 column names are over a broker's packet limit
+        await publish_framed(self._party, self.topics.upstream(self.site_id, HELLO),
+                             encode_message(Hello(self.site_id, self.data.schema.features,
+                                                  self._run)), self.options.max_payload)
 
     # -- receiving ----------------------------------------------------------------------
     async def _listen(self, party: PartyLink) -> None:

@@ -2,7 +2,8 @@
 
 It runs its own event loop in a thread of the test process, listens on a loopback port and
 forwards every connection to the broker, counting the bytes each way. ``rate`` throttles
-what the party receives (bytes per second, broker -> party, as a slow hospital link);
+what the party receives (bytes per second, broker -> party, as a slow hospital link),
+``up_rate`` what it sends;
 ``reset()`` cuts every open connection (a network partition the party reconnects after).
 """
 
@@ -20,9 +21,10 @@ class LinkProxy:
     ``proxy.port``; ``proxy.down`` is what it received, ``proxy.up`` what it sent."""
 
     def __init__(self, broker_port: int, *, rate: float | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 up_rate: float | None = None, host: str = "127.0.0.1") -> None:
         self.broker = (host, broker_port)
         self.rate = rate
+        self.up_rate = up_rate
         self.down = 0
         self.up = 0
         self.connections = 0
@@ -84,9 +86,10 @@ class LinkProxy:
                 data = await reader.read(16384)
                 if not data:
                     break
-                if direction == "down" and self.rate:
+                rate = self.rate if direction == "down" else self.up_rate
+                if rate:
                     sent += len(data)
-                    ahead = sent / self.rate - (time.monotonic() - started)
+                    ahead = sent / rate - (time.monotonic() - started)
                     if ahead > 0:
                         await asyncio.sleep(ahead)
                 writer.write(data)
