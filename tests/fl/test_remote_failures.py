@@ -51,7 +51,8 @@ def test_a_full_checkpoint_disk_resumes_without_restarting_sites(tmp_path: Path)
             ckpt.write_text("not a directory")  # every later write of the checkpoint fails
             code = coordinator.wait(120)
             assert code == 1, coordinator.log  # a runtime failure, not a usage error (2)
-            assert "cannot write the checkpoint" in coordinator.log, coordinator.log
+            (error,) = [line for line in coordinator.lines if "secagg train: error" in line]
+            assert "checkpoint" in error and "--resume" in error, coordinator.log
             first = json.loads(report.read_text())
             assert [r["round"] for r in first["rounds"]] == [1, 2, 3], first["rounds"]
             assert "checkpoint" in first["failed"]
