@@ -13,6 +13,11 @@ bytes received per round and that in blobs. Before issue 30's fix a site asked f
 again every second while it was still arriving, and each ask re-sent it to every site (the
 issue measured 226 MB received for 24 MB of blobs at 2 MB/s); now each site should
 receive about one blob per round.
+
+Measured (2 shared cores, load average ~25-30): 2,000,100 parameters, 16.1 MB blob, 5 sites,
+site 5 at 2 MB/s: 1.00 blob per site per round (238 s); with ``--features 5000`` (500,100
+parameters, 4.0 MB blob) 1.00 (160 s), and on the code before the fix 1.50 for every site
+(233 s; the 2,000,100-parameter run did not finish two rounds within 900 s).
 """
 
 from __future__ import annotations
