@@ -65,6 +65,17 @@ class AggregateMismatch(FLError, RuntimeError):
     """The secure aggregate differs from the plaintext sum of the included inputs."""
 
 
+STALLED = 1e-6
+"""A round whose step is at most this share of the model's norm did not move it (a zero sum
+decodes to the fixed-point encoding's rounding, ~1e-6 in norm for 6,000 parameters): the log
+says so (``step_norm`` in every round's report row), never silently."""
+STALLED_TEXT = ("the sites' summed update is (nearly) zero. Verified aggregates mean it was "
+                "not lost on the way: the sites' local training fits their data exactly (with "
+                "far more parameters than records a softmax saturates in float32 and its "
+                "gradient becomes exactly 0), so rounds repeat the same model; lower --lr or "
+                "--local-epochs, or use fewer features")
+
+
 class RoundFailed(FLError, RuntimeError):
     """A round aborted ``max_attempts`` times in a row (too many dropouts)."""
 
@@ -275,8 +286,13 @@ class Coordinator:
             units = (count if self.weight_units is None
                      else self.weight_units * self.plan.sample_rate)
             adapt_clip(self.clipper, outcome.total, len(outcome.included), units)
-        vector = self.strategy.step(self.layout.to_vector(self.model), update)
+        before = self.layout.to_vector(self.model)
+        vector = self.strategy.step(before, update)
         self.layout.load(self.model, vector)
+        moved = float(np.linalg.norm(vector - before))
+        if moved <= STALLED * max(float(np.linalg.norm(before)), 1.0):
+            self.log(f"warning: round {r} did not move the model (its step has norm "
+                     f"{moved:.3g}): {STALLED_TEXT}")
         for cid in outcome.included:  # SCAFFOLD: only an included site's c_k moved c
             if self.controls.get(cid) is not None:
                 self.sites[cid].commit_control(self.controls[cid])
@@ -288,7 +304,8 @@ class Coordinator:
                "included": sorted(outcome.included),
                "dropped": {str(c): st for c, st in sorted(outcome.dropped.items())},
                "attempts": done.attempts, "aggregate_correct": correct,
-               "count": count, "clip_norm": clip, "seconds": time.perf_counter() - started,
+               "count": count, "clip_norm": clip, "step_norm": moved,
+               "seconds": time.perf_counter() - started,
                "bytes_per_site": (int(np.median(list(outcome.bytes_sent.values())))
                                   if outcome.bytes_sent else 0),
                "release": release_record(self.plan, r, sorted(outcome.included), event,

@@ -141,6 +141,10 @@ class _Upload:
     next: int = 0  # the element offset the next chunk must start at
     running: object = None  # malicious mode: SHA-256 of the stream so far
     last_raw: bytes = b""  # the latest accepted chunk (its redelivery is a no-op)
+    held: dict[int, tuple[MaskedChunk, bytes]] = field(default_factory=dict)
+    """Chunks that arrived ahead of ``next`` (offset -> chunk), on the grant's chunk grid:
+    taken in order once the gap is filled (a broker restart re-delivers a cut chunk after
+    its successor). Each offset once, so they never hold more than one input."""
 
 
 @dataclass(frozen=True)
@@ -508,15 +512,20 @@ class Server:
             raise self._reject(cid, "masked input has the wrong length")
         last = offset + count == cfg.dim
         upload = self._uploads.get(cid)
+        ahead = False
         if offset or not last:
             if upload is None:
                 raise self._reject(cid, f"no upload slot is granted to this client: a "
                                         f"streamed masked input waits for the server's "
                                         f"grant ({self.upload_slots} at a time)")
-            if offset != upload.next:
+            # ahead of the stream on the grant's chunk grid: held (below), not refused
+            ahead = (offset > upload.next and upload.chunk is not None
+                     and offset % upload.chunk == 0)
+            if offset != upload.next and not ahead:
                 raise self._reject(cid, f"a chunk at element {offset}, but the stream is "
                                         f"at element {upload.next} (chunks come in order, "
-                                        f"each once)")
+                                        f"each once; one ahead on the grant's chunk grid "
+                                        f"waits for the gap)")
             if upload.chunk is not None and (count > upload.chunk if last
                                              else count != upload.chunk):
                 raise self._reject(cid, f"a chunk of {count} elements; the grant is for "
@@ -531,10 +540,35 @@ class Server:
         if not constant_time_equal(msg.peers_digest, peers_digest(self._forwarded[cid])):
             raise self._reject(cid, "the client masked with other peers than the server "
                                     "forwarded (the ciphertext list was altered)")
+        if cfg.malicious and msg.signature and not last:
+            raise self._reject(cid, "a signature on a chunk that is not the last")
+        if not cfg.malicious and msg.signature:
+            raise self._reject(cid, "a signature in a semi-honest round")
+        if ahead:
+            assert upload is not None and isinstance(msg, MaskedChunk)
+            held = upload.held.get(offset)
+            if held is not None:
+                if held[1] == raw:
+                    return False  # a redelivery of a held chunk
+                raise self._reject(cid, f"a second, different chunk at element {offset}")
+            upload.held[offset] = (msg, raw)
+            return True
+        accepted = self._accept_chunk(cid, upload, msg, raw, offset, vector, last)
+        while upload is not None and not last and upload.next in upload.held:
+            msg, raw = upload.held.pop(upload.next)
+            vector = msg.vector()
+            last = msg.offset + vector.shape[0] == cfg.dim
+            self._accept_chunk(cid, upload, msg, raw, msg.offset, vector, last)
+        return accepted
+
+    def _accept_chunk(self, cid: int, upload: _Upload | None, msg: MaskedInput | MaskedChunk,
+                      raw: bytes, offset: int, vector: np.ndarray, last: bool) -> bool:
+        """The chunk at the stream's offset, checked by :meth:`_take_masked`: the running
+        digest and, on the last, the signature; then into the pending buffer (the sum)."""
+        cfg = self.config
+        count = vector.shape[0]
         running = None
         if cfg.malicious:
-            if msg.signature and not last:
-                raise self._reject(cid, "a signature on a chunk that is not the last")
             running = (upload.running.copy()  # type: ignore[attr-defined]
                        if upload is not None and upload.running is not None
                        else masked_input_hash(cfg.bits, cfg.dim, msg.peers_digest))
@@ -549,8 +583,6 @@ class Server:
                     raise self._reject(cid, f"the masked_input signature is invalid (another "
                                             f"round's, or its chunks were altered, spliced, "
                                             f"reordered or cut): {exc}") from None
-        elif msg.signature:
-            raise self._reject(cid, "a signature in a semi-honest round")
         # accepted: from here on nothing can fail
         if offset == 0 and last:
             self._add_to_sum(vector)

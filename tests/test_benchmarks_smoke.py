@@ -104,3 +104,15 @@ def test_validation_benchmark_runs_its_rows_at_a_tiny_size(tmp_path: Path) -> No
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     assert "4,000 (extrapolated)" in text and "| 30 |" in text
+
+
+@pytest.mark.slow
+def test_slow_link_benchmark_counts_bytes_per_site() -> None:
+    import io
+
+    bench = _load("bench_slow_link")
+    out = io.StringIO()
+    result = bench.run(features=40, classes=3, sites=3, slow=100e3, rounds=1, out=out)
+    assert result["included"] == [[1, 2, 3]]
+    assert set(result["blobs_per_round"]) == {1, 2, 3}
+    assert "blobs)" in out.getvalue()

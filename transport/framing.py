@@ -232,6 +232,8 @@ class Reassembler:
             return None  # a duplicate chunk (QoS 1 redelivery or re-publish)
         cost = chunk_charge(len(data))
         if self._charged[owner] + cost > self.max_sender_bytes:
+            self._release_dead(owner, key, cost)
+        if self._charged[owner] + cost > self.max_sender_bytes:
             self._discard(key)
             raise FrameError(f"the sender's reassembly quota ({self.max_sender_bytes} bytes) "
                              "is used up")
@@ -267,6 +269,19 @@ class Reassembler:
         self._charged[owner] = self._charged.get(owner, 0) + PARTIAL_OVERHEAD
         self._charged_total += PARTIAL_OVERHEAD
         return partial
+
+    def _release_dead(self, owner: Hashable, keep: tuple[Hashable, bytes], cost: int) -> None:
+        """Dead frames release their quota: before refusing a frame over ``owner``'s quota,
+        drop ``owner``'s other incomplete messages, oldest first, until it fits. A message
+        cut off (a broker restart, a reset link) never completes, and its sender re-sends
+        it whole, so its frames would otherwise hold the quota until ``ttl`` and refuse the
+        re-sent message (issue 30). Only the sender's own messages go, as with
+        ``max_partial``."""
+        for other in list(self._by_quota.get(owner, ())):
+            if self._charged[owner] + cost <= self.max_sender_bytes:
+                return
+            if other != keep:
+                self._discard(other)
 
     def _discard(self, key: tuple[Hashable, bytes]) -> None:
         entry = self._partial.pop(key, None)

@@ -159,7 +159,16 @@ async def _discard(client: aiomqtt.Client) -> None:
             paho._sock_close()  # type: ignore[union-attr]
 
 
-def _fail_fast_before_connack(client: aiomqtt.Client) -> None:
+CLOSED_FIRST = ("the broker closed the connection before accepting it (at a TLS port: a "
+                "missing or untrusted client certificate, or mqtt:// instead of mqtts://)")
+CLOSED_AGAIN = ("the connection was closed before the broker accepted it, by the network "
+                "between or a restarting broker (the broker accepted these settings before)")
+"""Why a connection closes before its CONNACK, by what failed (issue 30: a network partition
+was reported as a certificate problem): before this link's first connection, its settings
+may be wrong; after it, they are not."""
+
+
+def _fail_fast_before_connack(client: aiomqtt.Client, reason: str = CLOSED_FIRST) -> None:
     """Make a connection the broker closes before its CONNACK fail the attempt at once.
 
     aiomqtt ignores a disconnection that comes before the CONNACK (its ``_on_disconnect``
@@ -176,9 +185,7 @@ def _fail_fast_before_connack(client: aiomqtt.Client) -> None:
         connected = client._connected
         if not connected.done():
             connected.add_done_callback(retrieve_outcome)
-            connected.set_exception(aiomqtt.MqttError(
-                "the broker closed the connection before accepting it (at a TLS port: a "
-                "missing or untrusted client certificate, or mqtt:// instead of mqtts://)"))
+            connected.set_exception(aiomqtt.MqttError(reason))
 
     def on_disconnect(*args: Any, **kwargs: Any) -> None:
         loop.call_soon_threadsafe(fail)  # paho may call this from aiomqtt's connect thread
@@ -206,6 +213,7 @@ class MqttLink:
         self._pump: asyncio.Task[None] | None = None
         self._closing = False
         self._attempts = 0
+        self._connected_once = False  # the broker accepted these settings once
         self._ssl: ssl.SSLContext | None = None
         tls = settings.tls_for(username)
         if tls is not None:
@@ -229,7 +237,7 @@ class MqttLink:
             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         # The server publishes to every site at once; many pending QoS 1 publishes are normal.
         client.pending_calls_threshold = 1 << 30
-        _fail_fast_before_connack(client)
+        _fail_fast_before_connack(client, CLOSED_AGAIN if self._connected_once else CLOSED_FIRST)
         return client
 
     async def _connect(self, deadline: float) -> aiomqtt.Client:
@@ -256,6 +264,7 @@ class MqttLink:
                 # __aexit__ that a stop may cut short; a cut connection is no news.
                 client._disconnected.add_done_callback(retrieve_outcome)
                 await self._renew(client)
+                self._connected_once = True
                 return client
             except aiomqtt.MqttError as exc:
                 last.append(exc)

@@ -661,7 +661,7 @@ def _site_idp(args: argparse.Namespace, data: Any, guard: Any, log: Any) -> None
 def _run_coordinator(args: argparse.Namespace, settings: TrainSettings,
                      ids: tuple[int, ...], network: Any, log: Any) -> int:
     """``--role coordinator``: announces the rounds and runs the server side."""
-    from fl.remote.coordinator import RemoteOptions, train_coordinator
+    from fl.remote.coordinator import RemoteOptions, RunFailed, train_coordinator
     from fl.site.identity import load_peer_keys
 
     labels = tuple(v.strip() for v in args.labels.split(",")) if args.labels else None
@@ -671,7 +671,18 @@ def _run_coordinator(args: argparse.Namespace, settings: TrainSettings,
                             ready_timeout=args.ready_timeout, stage_timeout=args.stage_timeout,
                             max_units=args.max_units, insecure_verify=args.insecure_verify,
                             peer_keys=peer_keys)
-    return _finish(args, settings, train_coordinator(settings, options, network, log=log))
+    try:
+        report = train_coordinator(settings, options, network, log=log)
+    except RunFailed as exc:
+        # Whatever ended the run, the completed rounds' report and model are written
+        # (the sites were not sent home); then the one-line error, exit 1.
+        try:
+            _finish(args, settings, exc.report)
+        except (OSError, ValueError) as unwritten:  # e.g. the same full disk
+            print(f"secagg train: the completed rounds' report or model could not be "
+                  f"written: {unwritten}", file=sys.stderr)
+        raise
+    return _finish(args, settings, report)
 
 
 def check_output_paths(args: argparse.Namespace) -> None:

@@ -12,6 +12,8 @@ One training round (the messages are in :mod:`fl.remote.messages`)::
     coordinator (fl.remote.coordinator)           site k (fl.remote.site), in the cohort
     Announce(open, cohort, blob sha256) ------->  (retained)
     Blob (task, model, scaler), chunked ------->  verify sha256, compute its input
+                                          <-----  Fetch, only when none of it arrives
+    the blob again, to that site alone ------->
                                           <-----  Ready
     (every cohort site ready or offline, or --ready-timeout)
     Announce(go, roster = ready sites) -------->  Client(roster, context = f(blob sha256))

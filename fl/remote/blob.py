@@ -88,3 +88,39 @@ def _floats(raw: Any, what: str, size: int | None = None) -> F64:
 
 def blob_digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
+
+
+class FetchPacer:
+    """When a site asks the coordinator for the round's blob again (:class:`Fetch`).
+
+    Only once no frame of any blob has arrived for ``delay`` seconds (a site on a slow link
+    whose blob is still coming in never asks), and ``delay`` doubles with every ask up to
+    ``cap``: a site that keeps missing the blob costs the coordinator one blob every
+    ``cap`` seconds, not one a second. The coordinator answers the asker alone
+    (:meth:`fl.remote.messages.FedTopics.model_to`)."""
+
+    def __init__(self, first: float = 2.0, cap: float = 30.0) -> None:
+        self.first, self.cap = first, cap
+        self.delay = first
+        self.asked_at = self.heard_at = 0.0
+        self.asks = 0
+
+    def start(self, now: float) -> None:
+        """A new blob is awaited: the first ask comes ``first`` seconds after silence."""
+        self.delay, self.asked_at = self.first, now
+
+    def heard(self, now: float) -> None:
+        """A frame of a blob arrived (the broadcast or an answer is still coming in)."""
+        self.heard_at = now
+
+    def due(self, now: float) -> bool:
+        """Whether to ask now; counts the ask and backs off when it is."""
+        if now - max(self.asked_at, self.heard_at) < self.delay:
+            return False
+        self.asked_at, self.delay = now, min(self.cap, 2 * self.delay)
+        self.asks += 1
+        return True
+
+    def wait(self, now: float) -> float:
+        """Seconds until :meth:`due` could next be true (at least a tenth of a second)."""
+        return max(0.1, max(self.asked_at, self.heard_at) + self.delay - now)

@@ -25,6 +25,7 @@ from fl.remote.link import PartyLink, connect_party
 from fl.remote.messages import (
     SITE_KINDS,
     Announce,
+    CoordinatorOffline,
     Decline,
     Done,
     FedTopics,
@@ -58,6 +59,14 @@ Log = Callable[[str], None]
 
 def _label(kind: str, round_number: int) -> str:
     return f"round {round_number}" if kind == "train" else "feature scaling"
+
+
+FETCH_INTERVAL = 2.0
+"""Seconds between two answers to one site's fetches (its :class:`Fetch` is repeated while
+nothing arrives; see :class:`fl.remote.blob.FetchPacer`)."""
+MAX_ANSWERING = 2
+"""Fetch answers in flight at once: what the coordinator queues for fetches is at most this
+many blobs."""
 
 
 class NotEnoughSites(FLError, RuntimeError):
@@ -96,6 +105,8 @@ class CoordinatorChannel:
         self.max_payload = max_payload
         self.run_id = os.urandom(16)
         self.hellos: dict[int, Hello] = {}
+        self.invalid: dict[int, str] = {}
+        """Site -> why its latest unreadable message was refused (said if it never joins)."""
         self.offline: set[int] = set()
         self.readies: dict[int, Ready] = {}
         self.declines: dict[int, str] = {}
@@ -105,7 +116,10 @@ class CoordinatorChannel:
         self._round: Topics | None = None
         self._blob = b""
         self._digest = b""
-        self._broadcast_at = -1e9
+        self._answered: dict[int, float] = {}  # site -> when its last Fetch was answered
+        self._answering: set[int] = set()  # sites whose answer is being published
+        self.blob_answers = 0
+        """Fetches answered (each with one blob, to the one site that asked)."""
         self._control: bytes | None = None
         self._party: PartyLink | None = None
         self._stack = contextlib.AsyncExitStack()
@@ -160,7 +174,7 @@ class CoordinatorChannel:
                 if self._control is not None:
                     self._spawn(party.publish(self.topics.control, self._control, retain=True))
                 if self._blob:
-                    self._spawn(self._broadcast(force=True))
+                    self._spawn(self._broadcast())
             elif isinstance(event, Delivery) and event.payload:
                 try:
                     self._on_delivery(event)
@@ -178,16 +192,21 @@ class CoordinatorChannel:
             logger.warning("coordinator: site %d is not in --sites; message dropped", cid)
             return
         now = asyncio.get_running_loop().time()
-        got = self._reassembler.feed((cid, kind), event.payload, now)
-        if got is None:
-            return
-        message = decode_site_message(got.payload, kind, cid, self.max_input_bytes)
+        try:
+            got = self._reassembler.feed((cid, kind), event.payload, now)
+            if got is None:
+                return
+            message = decode_site_message(got.payload, kind, cid, self.max_input_bytes)
+        except (WireError, FrameError) as exc:
+            self.invalid[cid] = f"its {kind} message was refused: {exc}"
+            raise
         if isinstance(message, Hello):
             if self.features is not None and message.features != self.features:
                 self.log(f"site {cid}: its columns differ from the federation's; ignored")
                 return
             if cid not in self.hellos or cid in self.offline:
                 self.log(f"site {cid} is online")
+            self.invalid.pop(cid, None)
             self.hellos[cid] = message
             self.offline.discard(cid)
         elif isinstance(message, SiteOffline):
@@ -200,7 +219,7 @@ class CoordinatorChannel:
                 self._party.to_round(Delivery(will.topic, will.payload))
         elif isinstance(message, Fetch):
             if message.blob == self._digest and self._blob:
-                self._spawn(self._broadcast())
+                self._answer_fetch(cid, now)
         elif isinstance(message, Decline) and message.key == self._key:
             self.log(f"site {cid} declined {_label(message.kind, message.round)}: "
                      f"{message.reason}")
@@ -211,15 +230,40 @@ class CoordinatorChannel:
             self.offline.discard(cid)
         self.changed.set()
 
-    async def _broadcast(self, force: bool = False) -> None:
-        """The current blob to every site at once, chunked (at most twice a second)."""
-        loop = asyncio.get_running_loop()
-        if not force and loop.time() - self._broadcast_at < 0.5:
-            return
-        self._broadcast_at = loop.time()
+    async def _broadcast(self) -> None:
+        """The current blob to every site at once, chunked: once a round, and again after
+        a reconnection (nothing survives a broker restart)."""
         assert self._party is not None
         for data in frame(self._blob, self.max_payload):
             await self._party.publish(self.topics.model, data)
+
+    def _answer_fetch(self, cid: int, now: float) -> None:
+        """Site ``cid`` missed (part of) the blob: send it to ``cid`` alone, never to the
+        others (a site on a slow link once made every fetch a blob for every site). At most
+        one answer per site in flight and one per ``FETCH_INTERVAL`` seconds, and at most
+        ``MAX_ANSWERING`` answers in flight at once: what is queued for fetches is bounded
+        by ``MAX_ANSWERING`` blobs, however many sites ask how often; an unanswered site
+        asks again later (:class:`fl.remote.blob.FetchPacer`)."""
+        if (cid in self._answering or len(self._answering) >= MAX_ANSWERING
+                or now - self._answered.get(cid, -1e9) < FETCH_INTERVAL):
+            logger.debug("coordinator: site %d's fetch not answered now (one is under way "
+                         "or was just sent)", cid)
+            return
+        self._answering.add(cid)
+        self._answered[cid] = now
+        self.blob_answers += 1
+        self._spawn(self._send_blob(cid, self._blob))
+
+    async def _send_blob(self, cid: int, blob: bytes) -> None:
+        assert self._party is not None
+        try:
+            for data in frame(blob, self.max_payload):
+                if blob is not self._blob:  # the round moved on
+                    return
+                await self._party.publish(self.topics.model_to(cid), data)
+        finally:
+            self._answering.discard(cid)
+            self._answered[cid] = asyncio.get_running_loop().time()
 
     async def _wait(self, deadline: float) -> None:
         self.changed.clear()
@@ -228,6 +272,20 @@ class CoordinatorChannel:
                                    max(0.0, deadline - asyncio.get_running_loop().time()))
 
     # -- the coordinator's requests ------------------------------------------------------
+    async def wait_online(self, sites: Sequence[int], timeout: float, *,
+                          least: float = 1.0) -> None:
+        """Before a retry: wait ``timeout`` seconds, or less once every one of ``sites`` is
+        online (its Hello heard, no last will since) and ``least`` seconds have passed, so a
+        retry neither races sites that are restarting nor waits for ones that are back."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + timeout
+        while loop.time() < deadline and self.lost is None:
+            if loop.time() - start >= least and all(
+                    c in self.hellos and c not in self.offline for c in sites):
+                return
+            await self._wait(min(deadline, max(loop.time() + 0.05, start + least)))
+
     async def wait_for_sites(self, timeout: float, enough: int) -> dict[int, Hello]:
         """Hellos until every site said one, or ``timeout`` (then at least ``enough``)."""
         loop = asyncio.get_running_loop()
@@ -237,8 +295,12 @@ class CoordinatorChannel:
                 raise TransportError(str(self.lost))
             await self._wait(deadline)
         if len(self.hellos) < enough:
+            missing = sorted(self.site_ids - set(self.hellos))
+            why = "; ".join(f"site {c}: " + self.invalid.get(
+                c, "nothing heard (is it running, with this --federation and broker?)")
+                for c in missing[:10])
             raise NotEnoughSites(f"only {len(self.hellos)} of {len(self.site_ids)} sites "
-                                 f"came online within {timeout:.0f} s; need {enough}")
+                                 f"came online within {timeout:.0f} s; need {enough} ({why})")
         return dict(self.hellos)
 
     async def run_round(self, *, kind: str, round_number: int, attempt: int, blob: bytes,
@@ -260,7 +322,7 @@ class CoordinatorChannel:
             try:
                 await view.subscribe(topics.server_filter)
                 await self._publish_control(framed(ann))
-                await self._broadcast(force=True)
+                await self._broadcast()
                 deadline = loop.time() + ready_timeout
                 while loop.time() < deadline and self.lost is None:
                     if all(c in self.readies or c in self.offline or c in self.declines
@@ -300,7 +362,28 @@ class CoordinatorChannel:
                            {c: sum(v.values()) for c, v in driver.bytes_received.items()},
                            loop.time() - started)
 
-    async def finish(self, rounds: int, reason: str) -> None:
-        """Tell the sites the run is over (retained: a site that reconnects learns it too)."""
+    async def finish(self, rounds: int, reason: str, *, linger: float = 10.0) -> None:
+        """Tell the sites the run is over, only when it is (retained: a site reconnecting
+        learns it too), wait up to ``linger`` seconds for the online sites to sign off,
+        then clear the retained message: nothing of this run outlives it (a site started
+        later for the next run would read an old Done and exit)."""
         self._blob = b""
         await self._publish_control(framed(Done(self.run_id, rounds, reason)))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + linger
+        while (set(self.hellos) - self.offline and self.lost is None
+               and loop.time() < deadline):
+            await self._wait(deadline)
+        await self._clear_control()
+
+    async def pause(self, reason: str) -> None:
+        """The run stopped without finishing (a failure, a full checkpoint disk): the sites
+        are told the coordinator is away, never that the run is over, and wait for its
+        ``--resume`` (or a new run) within their ``--idle-timeout``."""
+        self._blob = b""
+        await self._publish_control(framed(CoordinatorOffline(reason[:1000])))
+
+    async def _clear_control(self) -> None:
+        assert self._party is not None
+        self._control = None
+        await self._party.publish(self.topics.control, b"", retain=True)

@@ -25,6 +25,7 @@ from fl.aggregation import AggregateOutcome
 from fl.contribution import RoundTask, decoder, round_task, scaler_from_sum
 from fl.coordinator import Aggregated, Coordinator, RoundFailed
 from fl.data import Table, csv_schema, load_csv
+from fl.errors import FLError
 from fl.federation import (
     load_checkpoint,
     load_split,
@@ -52,6 +53,29 @@ from transport.errors import TransportError
 from transport.link import Network
 
 Log = Callable[[str], None]
+
+
+RETRY_FIRST_PAUSE = 2.0
+RETRY_MAX_PAUSE = 60.0
+"""A failed attempt is retried after a pause that doubles from the first to the most
+(2, 4, 8, 16 s with the default five attempts), ended early once every cohort site is online
+again: sites that are restarting come back before the attempts run out."""
+
+
+class RunFailed(FLError, RuntimeError):
+    """The run stopped on a failure after ``report["rounds"]`` completed rounds: the
+    caller writes that report and model (``fl/cli/train.py``) and exits 1. The sites were
+    not told the run is over: the coordinator resumes it with ``--resume``. A checkpoint
+    that cannot be written (a full disk) is one of these, not a usage error."""
+
+    def __init__(self, failure: Exception, report: dict[str, Any]) -> None:
+        done = len(report["rounds"])
+        written = (f"the report and model of the {done} completed rounds are written; "
+                   if done else "")
+        super().__init__(f"{failure} ({written}the sites were not sent home: restart the "
+                         "coordinator, with --resume to continue its --checkpoint)")
+        self.failure = failure
+        self.report = report
 
 
 @dataclass
@@ -94,7 +118,13 @@ async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, 
         except (ProtocolAbort, NotEnoughSites, TransportError) as exc:
             if channel.lost is not None:
                 raise TransportError(f"lost the broker: {channel.lost}") from None
-            log(f"{label}: attempt {attempt + 1} did not complete ({exc}); retrying")
+            if attempt + 1 < attempts:
+                pause = min(RETRY_MAX_PAUSE, RETRY_FIRST_PAUSE * 2 ** attempt)
+                log(f"{label}: attempt {attempt + 1} did not complete ({exc}); retrying "
+                    f"within {pause:.0f} s, once every cohort site is online")
+                await channel.wait_online(cohort, pause)
+            else:
+                log(f"{label}: attempt {attempt + 1} did not complete ({exc})")
             continue
         return done, attempt + 1
     raise RoundFailed(f"{label} failed {attempts} times: too few sites are online or they "
@@ -331,19 +361,32 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
             say(f"resumed from {settings.checkpoint} after round {saved.round}")
         if released is not None:  # the feature statistics' release is on the budget
             released.attach(coordinator)
+        failure: Exception | None = None
         try:
             await asyncio.to_thread(coordinator.run)
+        except Exception as exc:  # the rounds so far are reported below, then it is raised
+            failure = exc
         finally:
             coordinator.stopping.set()  # a cancelled run: its worker thread stops waiting
-            reason = coordinator.stopped or (
-                f"{coordinator.round} rounds" if coordinator.round >= settings.rounds
-                else "the coordinator stopped")
+            finished = failure is None and (coordinator.stopped is not None
+                                            or coordinator.round >= settings.rounds)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(channel.finish(coordinator.round, reason), 30)
+                if finished:  # only a run that is over sends the sites home
+                    await asyncio.wait_for(channel.finish(
+                        coordinator.round, coordinator.stopped
+                        or f"{coordinator.round} rounds"), 30)
+                else:  # they wait for this run's --resume (or a new run)
+                    await asyncio.wait_for(channel.pause(
+                        "the coordinator stopped after round "
+                        f"{coordinator.round}" + (f" ({failure})" if failure else "")), 30)
     if coordinator.stopped is None and coordinator.round >= settings.rounds:
         say(f"done: {coordinator.round} rounds")
     out = report(settings, plan, threshold, dim, coordinator, model,
                  in_features=len(schema.features), labels=schema.labels)
     out["role"] = "coordinator"
     out["site_ids"] = list(ids)
-    return fl_idp.remote_report(out) if settings.unit == "patient-idp" else out
+    out = fl_idp.remote_report(out) if settings.unit == "patient-idp" else out
+    if failure is not None:
+        out["failed"] = str(failure)
+        raise RunFailed(failure, out) from failure
+    return out

@@ -12,7 +12,9 @@ topic                                   writer        carries
 ``secagg/<fed>/control``                coordinator   :class:`Waiting`, :class:`Announce`,
                                                       :class:`Done` (retained), its last will
 ``secagg/<fed>-model/control``          coordinator   the round's blob (:mod:`fl.remote.blob`),
-                                                      framed and chunked
+                                                      framed and chunked, once to every site
+``secagg/<fed>-model/client/site-<id>/  coordinator   the blob again, to site <id> alone (its
+blob``                                                :class:`Fetch`)
 ``secagg/<fed>/server/<kind>/site-<id>``  site <id>   :class:`Hello`, :class:`Fetch`,
                                                       :class:`Ready`, :class:`Decline`,
                                                       its last will
@@ -76,6 +78,15 @@ class FedTopics:
     @property
     def model(self) -> str:
         return Topics(self.federation + "-model").control
+
+    def model_to(self, site_id: int) -> str:
+        """Where the coordinator answers site ``site_id``'s :class:`Fetch`: the blob to that
+        site alone (a topic the transport's ACL lets only that site read)."""
+        return Topics(self.federation + "-model").downstream(site_id, "blob")
+
+    def model_filter(self, site_id: int) -> str:
+        """What site ``site_id`` subscribes to for the answers to its fetches."""
+        return Topics(self.federation + "-model").client_filter(site_id)
 
     def upstream(self, site_id: int, kind: str) -> str:
         return self.fed.upstream(site_id, kind)
@@ -149,7 +160,9 @@ class Hello:
 
 @dataclass(frozen=True)
 class Fetch:
-    """A site missed the broadcast of blob ``blob``: please broadcast it again."""
+    """A site missed (part of) the broadcast of blob ``blob``: please send it again, to this
+    site alone (:meth:`FedTopics.model_to`; :class:`fl.remote.blob.FetchPacer` says when a
+    site asks)."""
 
     blob: bytes
 

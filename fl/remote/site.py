@@ -21,7 +21,7 @@ from typing import Any
 from dp.errors import LedgerWriteError, PrivacyError
 from fl.codec import EncodingOverflow
 from fl.contribution import TaskError
-from fl.remote.blob import Blob, blob_digest
+from fl.remote.blob import Blob, FetchPacer, blob_digest
 from fl.remote.inputs import SiteData, site_input
 from fl.remote.link import PartyLink, connect_party
 from fl.remote.messages import (
@@ -108,6 +108,7 @@ class SiteProcess:
         self.done: Done | None = None
         self.runs: set[bytes] = set()
         self.blobs: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self.fetch = FetchPacer()
         self.changed = asyncio.Event()
         self.heard_at = 0.0
         self.rounds = 0
@@ -126,6 +127,7 @@ class SiteProcess:
             self._party = party
             await party.subscribe(self.topics.control)
             await party.subscribe(self.topics.model)
+            await party.subscribe(self.topics.model_filter(self.site_id))  # fetch answers
             listener = asyncio.create_task(self._listen(party), name="fl-site-listen")
             try:
                 await self._hello()
@@ -181,8 +183,10 @@ class SiteProcess:
 
     async def _hello(self) -> None:
         assert self._party is not None
-        await self._party.publish(self.topics.upstream(self.site_id, HELLO), framed(
-            Hello(self.site_id, self.data.schema.features, self._run)))
+        # chunked like any message: 20,000 column names are over a broker's packet limit
+        await publish_framed(self._party, self.topics.upstream(self.site_id, HELLO),
+                             encode_message(Hello(self.site_id, self.data.schema.features,
+                                                  self._run)), self.options.max_payload)
 
     # -- receiving ----------------------------------------------------------------------
     async def _listen(self, party: PartyLink) -> None:
@@ -203,7 +207,8 @@ class SiteProcess:
 
     async def _on_delivery(self, event: Delivery) -> None:
         now = asyncio.get_running_loop().time()
-        if event.topic == self.topics.model:
+        if event.topic in (self.topics.model, self.topics.model_to(self.site_id)):
+            self.fetch.heard(now)
             got = self._model.feed("model", event.payload, now)
             if got is not None:
                 self.blobs[got.digest] = got.payload
@@ -247,20 +252,20 @@ class SiteProcess:
             current is not None and current.key != ann.key)
 
     async def _blob(self, ann: Announce) -> bytes | None:
-        """The announced blob (verified by its SHA-256), asking for a re-broadcast if the
-        broadcast was missed; None if the round moved on or it never came."""
+        """The announced blob (verified by its SHA-256), asking for it again (to this site
+        alone, paced by :class:`fl.remote.blob.FetchPacer`) while none of it arrives; None
+        if the round moved on or it never came."""
         assert self._party is not None
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.options.round_timeout
-        asked = loop.time()
+        self.fetch.start(loop.time())
         while ann.blob not in self.blobs:
             if self._superseded(ann) or loop.time() > give_up:
                 return None
-            if loop.time() - asked >= 1.0:
+            if self.fetch.due(loop.time()):
                 await self._party.publish(self.topics.upstream(self.site_id, FETCH),
                                           framed(Fetch(ann.blob)))
-                asked = loop.time()
-            await self._changed(1.0)
+            await self._changed(self.fetch.wait(loop.time()))
         data = self.blobs[ann.blob]
         if len(data) != ann.size or blob_digest(data) != ann.blob:
             raise WireError("the blob does not match its announcement")

@@ -253,3 +253,45 @@ def test_unmasking_window_by_window_is_exact(bits: int, monkeypatch: pytest.Monk
                       seed=2, chunk_bytes=7 * dtype_for_bits(bits).itemsize)
     assert result.included == {1, 2, 4, 5}
     assert result.total.tolist() == _exact(inputs, result.included, bits)
+
+
+@pytest.mark.parametrize("security", ["semi-honest", "malicious"])
+def test_a_chunk_ahead_of_the_stream_waits_for_the_gap(security: str) -> None:
+    """A broker restart cuts chunk 1 of a stream and delivers chunk 2 first (the sender
+    re-sends chunk 1 when it reconnects). On the grant's chunk grid the chunk ahead is held,
+    not refused: the stream completes in order and the sum is exact (issue 30: a refusal
+    excluded every streaming site from the round's first attempt)."""
+    config = Config(num_clients=4, threshold=3, dim=48, bits=32, security=security)
+    server, clients, streams, inputs = _masked_round(config, seed=21)
+    server.grant_uploads(chunk_elements=12)
+    chunks = {cid: [encode(c) for c in s.chunks(12)] for cid, s in streams.items()}
+    order = [0, 2, 3]
+    assert [server.receive(1, chunks[1][i]) for i in order] == [True, True, True]
+    assert server.receive(1, chunks[1][3]) is False  # a held chunk again: a no-op
+    assert 1 not in server.received and 1 in server.uploading
+    assert server.receive(1, chunks[1][1]) is True  # the gap: the held chunks follow it
+    assert 1 in server.received and 1 not in server.uploading
+    for cid in (2, 3, 4):
+        for raw in chunks[cid]:
+            server.receive(cid, raw)
+    result = _finish(server, clients)
+    assert result.included == {1, 2, 3, 4}  # type: ignore[attr-defined]
+    assert result.total.tolist() == _exact(inputs, result.included, 32)  # type: ignore[attr-defined]
+
+
+def test_chunks_ahead_are_held_only_on_the_grid_and_once() -> None:
+    """What is held stays bounded by one input: only offsets on the granted chunk grid
+    (never overlapping), each once; without a chunk grid nothing is held."""
+    config = Config(num_clients=3, threshold=2, dim=40, bits=32)
+    server, _, streams, _ = _masked_round(config, seed=22)
+    server.grant_uploads(chunk_elements=10)
+    chunks = list(streams[1].chunks(10))
+    with pytest.raises(ProtocolError, match="chunk grid"):
+        server.receive(1, _relabel(chunks[2], offset=25))  # ahead, off the grid
+    assert server.receive(1, encode(chunks[2])) is True
+    with pytest.raises(ProtocolError, match="second, different chunk at element 20"):
+        server.receive(1, _relabel(chunks[2], masked=bytes(chunks[3].masked)))
+    server2, _, streams2, _ = _masked_round(config, seed=23)
+    server2.grant_uploads()  # no chunk grid
+    with pytest.raises(ProtocolError, match="the stream is at element 0"):
+        server2.receive(1, encode(list(streams2[1].chunks(10))[1]))

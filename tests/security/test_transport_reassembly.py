@@ -140,7 +140,9 @@ def test_one_sender_cannot_use_up_another_senders_room() -> None:
             reassembler.feed("attacker", raw_frame(0, 1000, 1000, b"x", digest), 0.0)
         except FrameError:
             refused += 1
-    assert refused > 0
+    # its quota holds: a frame over it is refused or, since dead frames release their
+    # quota (issue 30), drops the attacker's own oldest messages, never anyone else's
+    assert refused > 0 or reassembler.buffered_bytes < 20_000
     assert reassembler.charged_bytes <= 256 << 10  # tiny chunks pay their real cost
     assert reassembler.charged_bytes >= reassembler.buffered_bytes * (1 + CHUNK_OVERHEAD) // 2
     honest = bytes(range(256)) * 500

@@ -94,3 +94,37 @@ def test_a_link_that_gave_up_answers_at_once() -> None:
     gave_up, publish_took, sent = asyncio.run(scenario())
     assert gave_up < 2.0 + 1.5
     assert publish_took < 0.5 and sent is False
+
+
+def test_a_partition_after_connecting_is_not_called_a_certificate_problem() -> None:
+    """A link that was connected loses its path to the broker (a proxy between them now
+    closes every connection before the broker answers): the error names the network or a
+    restarting broker, not a client certificate or mqtt:// instead of mqtts:// (issue 30:
+    a partition was reported as a TLS problem), since these settings were accepted before."""
+    from tests.fl.proxy import LinkProxy
+
+    users = {USER: secrets.token_hex(8)}
+    dead = socket.create_server(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()
+
+    async def scenario() -> str:
+        broker = EmbeddedBroker(users=users, acl=ACL)
+        await broker.start()
+        try:
+            with LinkProxy(broker.port) as proxy:
+                settings = BrokerSettings(port=proxy.port, passwords=users,
+                                          connect_timeout=5.0, reconnect_timeout=2.0)
+                async with MqttNetwork(settings).connect(USER) as link:
+                    await link.subscribe("secagg/x/#")
+                    proxy.broker = ("127.0.0.1", dead_port)  # the path to the broker is cut
+                    proxy.reset()
+                    with pytest.raises(LinkLost) as lost:
+                        while True:
+                            await link.receive(10.0)
+                    return str(lost.value)
+        finally:
+            await broker.stop()
+
+    text = asyncio.run(scenario())
+    assert "network" in text and "certificate" not in text, text
