@@ -56,6 +56,9 @@ class TrainSettings:
     verify: bool = True
     accountant: str = "rdp"
     max_units: int | None = None
+    expected_batch: float | None = None
+    """``--expected-batch B`` (site DP): the operator's declared expected units per DP-SGD
+    step, public; the noised sum is divided by it. None: the sum (lr per unit)."""
     adaptive_clip: float | None = None
     clip_count_stddev: float | None = None
     scaler_file: str | None = None
@@ -145,6 +148,14 @@ class TrainSettings:
                             "--epsilon, below it, with --site-weights")
         if self.clip_count_stddev is not None and not self.clip_count_stddev > 0:
             problems.append(f"--clip-count-stddev {self.clip_count_stddev}: need > 0")
+        if self.expected_batch is not None and not (math.isfinite(self.expected_batch)
+                                                    and self.expected_batch > 0):
+            problems.append(f"--expected-batch {self.expected_batch}: need a positive number")
+        if (self.dp == "site" and self.adaptive_clip is not None
+                and self.expected_batch is None):
+            problems.append("--adaptive-clip with --dp site divides the noised clip count by "
+                            "the declared expected batch: add --expected-batch B (patients "
+                            "per step per site, a public figure)")
         if self.max_units is not None and self.max_units < 1:
             problems.append(f"--max-units {self.max_units}: need at least 1")
         if self.scaler_file is not None and self.scaling == "secure":

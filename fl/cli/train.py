@@ -178,6 +178,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"DP: per-patient L2 clip norm (default {d.clip_norm})")
     c.add_argument("--sample-rate", type=float, default=d.sample_rate,
                    help=f"DP: patient sampling rate per step (default {d.sample_rate})")
+    c.add_argument("--expected-batch", type=float, metavar="B",
+                   help="--dp site: the patients a site samples per step on average, as the "
+                        "operator declares it (public; the noised sum is divided by it). "
+                        "Default: no division (the sum; the learning rate is per patient). "
+                        "Never computed from a site's records")
     c.add_argument("--noise-multiplier", type=float, metavar="Z",
                    help="DP: fix the noise instead of calibrating it to --epsilon/--rounds "
                         "(epsilon is still accounted and reported)")
@@ -315,6 +320,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         cohort=args.cohort,
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
         max_units=args.max_units, adaptive_clip=args.adaptive_clip, scaler_file=args.scaler,
+        expected_batch=args.expected_batch,
         clip_count_stddev=args.clip_count_stddev, site_weights=args.site_weights,
         min_site_weight=args.min_site_weight, max_site_weight=args.max_site_weight,
         weights_epsilon=args.weights_epsilon,

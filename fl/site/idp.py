@@ -85,7 +85,8 @@ class SiteIdp:
         return cls(groups, plan, GroupLedger(plan))
 
     def update(self, site: Site, model: torch.nn.Module, layout: ParameterLayout, *,
-               steps: int, lr: float, round_number: int | None = None) -> np.ndarray:
+               steps: int, lr: float, round_number: int | None = None,
+               expected_batch: float | None = None) -> np.ndarray:
         """``w_local - w_global`` after ``steps`` steps; refuses (``BudgetExceeded``) a round
         that would take any of this site's groups past its target.
 
@@ -107,7 +108,7 @@ class SiteIdp:
         optimizer = torch.optim.SGD([p for p in local.parameters() if p.requires_grad], lr=lr)
         engine = IdpSgd(local, optimizer, TensorDataset(site.x, site.y),
                         loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"), plan=self.plan,
-                        record_group=self.groups.record_group)
+                        record_group=self.groups.record_group, expected_batch=expected_batch)
         with warnings.catch_warnings():  # inputs need no grad; Opacus' hook warns about it
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(steps):
