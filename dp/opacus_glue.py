@@ -30,7 +30,8 @@ sampled units whose norm is within the clip, centred (``b - 1/2``), adds Gaussia
 fraction divides by the declared ``expected_batch``, which adaptive clipping therefore
 needs. The count and the update use the same sample; together they are one Gaussian
 mechanism whose noise multiplier is
-:attr:`dp.budget.GaussianRound.effective_noise_multiplier` (Thm. 1), which is what the event of :meth:`SitePrivacyEngine.round_event` accounts.
+:attr:`dp.budget.GaussianRound.effective_noise_multiplier` (Thm. 1), which is what the event
+of :meth:`SitePrivacyEngine.round_event` accounts.
 
 Needs torch and opacus (the ``torch`` extra).
 """
