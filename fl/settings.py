@@ -65,7 +65,10 @@ class TrainSettings:
     budget_column: str | None = None
     max_records_per_patient: int | None = None
     """``--unit patient-idp``: a patient's first K records are kept, the rest never sampled
-    (its rate group is then at most K records; dp.idp.group_patients)."""
+    (the declared record classes are accounted_records(1..K); None: dp.idp.DEFAULT_MAX_RECORDS)."""
+    budget_classes: tuple[float, ...] | None = None
+    """``--budget-classes E1,E2,...`` (with ``--budget-column``): the declared target classes;
+    a patient's budget is rounded down to one (dp.idp.IdpClasses)."""
     feature_bounds: str | None = None
     """``--feature-bounds FILE``: public per-feature ranges for the noised scaler
     (:mod:`fl.site.private_scaler`)."""
@@ -188,6 +191,10 @@ class TrainSettings:
                             "count >= 1, with --unit patient-idp")
         if self.budget_column is not None and (self.unit != "patient-idp" or self.csv is None):
             problems.append("--budget-column goes with --unit patient-idp and --csv")
+        if self.budget_classes is not None and (
+                self.budget_column is None
+                or not all(math.isfinite(e) and e > 0 for e in self.budget_classes)):
+            problems.append("--budget-classes: positive epsilons, with --budget-column")
         if not 0 <= self.drop_rate < 1:
             problems.append(f"--drop-rate {self.drop_rate}: need a fraction in [0, 1)")
         if self.local_epochs < 1:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,17 @@ from fl.settings import (
 )
 
 ROLES = ("all", "coordinator", "site")
+
+
+def _epsilons(text: str) -> tuple[float, ...]:
+    """``--budget-classes``: comma-separated positive epsilons."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers, e.g. 1,3") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every class a positive epsilon")
+    return values
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -139,11 +151,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="--unit patient-idp with --csv (--role all or site): column with "
                         "each patient's own epsilon (at most --epsilon); read by the site, "
                         "never sent")
+    r.add_argument("--budget-classes", type=_epsilons, metavar="E1,E2,...",
+                   help="--budget-column: the declared target classes (public); a patient's "
+                        "budget is rounded down to one, below them all it is never sampled")
     r.add_argument("--max-records-per-patient", type=int, metavar="K",
                    help="--unit patient-idp (--role all or site): keep each patient's first K "
-                        "records and never sample the rest, so no rate group is larger "
-                        "than K records (the cut-off of Kaiser et al.); the records dropped "
-                        "are counted in the report and on the terminal")
+                        "records and never sample the rest (the cut-off of Kaiser et al.); "
+                        "the declared record classes are 1..K, planned whatever the table "
+                        "holds (default 8); the records dropped are counted in the report "
+                        "and on the terminal")
     c.add_argument("--drop-rate", type=float, default=d.drop_rate, metavar="P",
                    help="probability a site drops out of a round, at a random stage")
     c.add_argument("--max-attempts", type=int, default=d.max_attempts, metavar="N",
@@ -325,6 +341,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         min_site_weight=args.min_site_weight, max_site_weight=args.max_site_weight,
         weights_epsilon=args.weights_epsilon,
         budget_column=args.budget_column if args.role != "site" else None,
+        budget_classes=args.budget_classes if args.role != "site" else None,
         max_records_per_patient=(args.max_records_per_patient if args.role != "site"
                                  else None),
         feature_bounds=args.feature_bounds, scaler_epsilon=args.scaler_epsilon,
@@ -583,7 +600,8 @@ def _site_idp(args: argparse.Namespace, data: Any, guard: Any, log: Any) -> None
     policy = guard.ledger.policy
     data.idp = SitePatients(args.site_id, data.table(data.schema.labels),
                             epsilon=policy.epsilon, delta=policy.delta,
-                            max_records=args.max_records_per_patient)
+                            max_records=args.max_records_per_patient,
+                            budget_classes=args.budget_classes)
     log(f"patient-idp: {len(data.idp.groups.sizes)} rate groups from this site's table "
         "(records per patient" + (", --budget-column" if args.budget_column else "")
         + "); each is charged on its own")
