@@ -51,7 +51,7 @@ def _engine_parameters(patients: int, q: float, **options: Any) -> tuple[Any, ..
 
 def _boundary(q: float, n: int) -> int:
     """The patient count nearest ``n`` at which round(q N) steps up (a rounding boundary)."""
-    return max(1, int(round((round(q * n) + 0.5) / q)))
+    return max(1, round((round(q * n) + 0.5) / q))
 
 
 @SLOW
