@@ -415,6 +415,17 @@ def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
         for r, e in enumerate(eps, 1):
             if r <= 3 or r > len(eps) - 3 or r % max(1, len(eps) // 10) == 0:
                 print(f"  after round {r:4d}: epsilon {e:.4f}")
+    if plan.get("sources"):
+        by: dict[str, list[str]] = {}
+        for name, source in plan["sources"].items():
+            if name == "noised":
+                print(f"  noised releases: {source}")
+                continue
+            by.setdefault(source.split(" ")[0], []).append(name)
+        for kind in ("operator", "public", "noised", "site-local"):
+            if by.get(kind):
+                print(f"  {kind}{' (declared)' if kind == 'operator' else ''}: "
+                      + ", ".join(by[kind]))
     for warning in plan["warnings"]:
         print(f"  warning: {warning}")
     return 0
@@ -646,6 +657,60 @@ def _save_model(path: str, report: dict[str, Any]) -> None:
     save_model(path, model, info)
 
 
+def _source(settings: TrainSettings, name: str) -> str:
+    """Where a release's parameter comes from: the operator's flag, a public computation
+    from declared figures, or a noised release; never the records."""
+    declared = {"sample_rate": "--sample-rate", "steps": "--site-steps/--local-epochs",
+                "calibration_threshold": "the secagg threshold (--cohort, --sites)",
+                "max_site_weight": "--max-site-weight", "expected_batch": "--expected-batch",
+                "count_stddev": "--clip-count-stddev (or 10 x the noise multiplier)"}
+    if name == "noise_multiplier" or name == "per_site_noise_stddev":
+        return ("operator (--noise-multiplier)" if settings.noise_multiplier is not None
+                else "public (calibrated to --epsilon, --delta, --rounds, --sample-rate)")
+    if name == "clip_norm":
+        return ("noised (adaptive clip: post-processing of the noised clip counts)"
+                if settings.adaptive_clip is not None else "operator (--clip-norm)")
+    if name == "bits":
+        return "public (from --max-units, never a site's count)"
+    return f"operator ({declared[name]})" if name in declared else "public"
+
+
+#: The two neighbour relations a run's epsilons can be stated under, side by side.
+EPSILON_UNITS = {
+    "patient": {"unit": "patient", "relation": "add/remove one patient with all its records "
+                "(--unit record: one record; patient-idp: each rate group's own figure)",
+                "who": "the coordinator's accountant, composed over every release"},
+    "site": {"unit": "site (a whole node)", "relation": "add/remove one site",
+             "who": "not accounted by secagg train: no release bounds a whole site's "
+                    "contribution (Flower's client-level DistributedDP does, docs/flower.md)"},
+}
+
+
+def add_sources(settings: TrainSettings, report: dict[str, Any]) -> None:
+    """Per release, every parameter it used with its source, and the run's epsilons with
+    their unit and neighbour relation side by side (docs/privacy.md, "Every parameter and its
+    source")."""
+    names = ("noise_multiplier", "sample_rate", "steps", "count_stddev",
+             "per_site_noise_stddev", "calibration_threshold", "max_site_weight", "clip_norm")
+    clips = {r["round"]: r.get("clip_norm") for r in report.get("rounds") or []}
+    for release in report.get("releases") or []:
+        release["parameters"] = {k: {"value": release[k], "source": _source(settings, k)}
+                                 for k in names if release.get(k) is not None}
+        if release.get("round", 0) >= 1 and "clip_norm" not in release["parameters"]:
+            clip = clips.get(release["round"]) or settings.clip_norm
+            release["parameters"]["clip_norm"] = {"value": clip,
+                                                  "source": _source(settings, "clip_norm")}
+        if release.get("mode") == "site" and settings.unit != "patient-idp":
+            release["parameters"]["expected_batch"] = {
+                "value": settings.expected_batch,
+                "source": ("operator (--expected-batch)" if settings.expected_batch
+                           else "public (none: the noised sum is not divided)")}
+    last = next((r["epsilon"] for r in reversed(report.get("rounds") or [])
+                 if r.get("epsilon") is not None), None)
+    report["epsilons"] = [{**EPSILON_UNITS["patient"], "epsilon": last, "delta": settings.delta},
+                          {**EPSILON_UNITS["site"], "epsilon": None, "delta": None}]
+
+
 def _finish(args: argparse.Namespace, settings: TrainSettings, report: dict[str, Any]) -> int:
     """Write the report, model and plot, print the summary (the same for every role)."""
     if args.save_model is not None and report["rounds"]:
@@ -654,6 +719,7 @@ def _finish(args: argparse.Namespace, settings: TrainSettings, report: dict[str,
                                     f"in {args.save_model}.json)")
     report.pop("model", None)
     report["command"] = "train"
+    add_sources(settings, report)
     if report["stopped"]:
         print(f"secagg train: stopped: {report['stopped']}", file=sys.stderr)
     if args.json:

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dp.idp import DEFAULT_MAX_RECORDS, GroupLedger, IdpClasses, group_patients, plan_idp
+from dp.idp import (
+    DEFAULT_MAX_RECORDS,
+    PLAN_SOURCES,
+    GroupLedger,
+    IdpClasses,
+    group_patients,
+    plan_idp,
+)
 
 if TYPE_CHECKING:
     from dp.idp import IdpPlan, PatientGroups
@@ -320,4 +327,4 @@ def plan_summary(settings: TrainSettings, sites: dict[int, Site], out: dict[str,
                epsilon_after=eps, epsilon_final=eps[-1],
                rounds_run=settings.rounds, rounds_affordable=settings.rounds,
                idp={str(cid): s.idp.plan.report() for cid, s in sites.items()
-                    if s.idp is not None})
+                    if s.idp is not None}, sources=PLAN_SOURCES)
