@@ -134,7 +134,9 @@ def noise_multiplier_for(
             # Opacus' search probes noise far above the answer, where the best order is the
             # largest of ORDERS; at the answer it is inside them for epsilon above ~0.05
             # (order 256's conversion term at delta 1e-5 is log(1/delta)/255 = 0.045)
-            warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+            # (high epsilon puts it at the smallest: rdp_optimal_order says so in words)
+            warnings.filterwarnings("ignore", message="Optimal order is the (largest|smallest) "
+                                                      "alpha")
             z = float(get_noise_multiplier(
                 target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
                 steps=steps, accountant=accountant, epsilon_tolerance=epsilon * 1e-3,
@@ -206,13 +208,27 @@ def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 
 # --- RDP -> (epsilon, delta) -------------------------------------------------------------
-def rdp_to_epsilon(rdp: F64, delta: float, orders: Sequence[float] = ORDERS) -> float:
-    """CKS 2020 Prop. 12: ``eps = rdp + log1p(-1/a) - (log delta + log a) / (a - 1)``."""
+def _conversion(rdp: F64, delta: float, orders: Sequence[float]) -> tuple[F64, F64]:
+    """CKS 2020 Prop. 12 at every order: ``(orders, eps)``, a non-finite eps as inf."""
     a = np.asarray(orders, dtype=np.float64)
     r = np.asarray(rdp, dtype=np.float64)
     eps = r + np.log1p(-1.0 / a) - (math.log(delta) + np.log(a)) / (a - 1.0)
-    eps = eps[np.isfinite(eps)]
-    return float(max(0.0, eps.min())) if eps.size else math.inf
+    return a, np.where(np.isfinite(eps), eps, np.inf)
+
+
+def rdp_optimal_order(rdp: F64, delta: float, orders: Sequence[float] = ORDERS) -> float:
+    """The Renyi order at which :func:`rdp_to_epsilon`'s conversion is tightest. At the
+    smallest or the largest of ``orders`` the true optimum lies outside them, so the epsilon
+    is an upper bound looser than it could be (Opacus warns "Optimal order is the smallest
+    alpha"; the commands say it in words)."""
+    a, eps = _conversion(rdp, delta, orders)
+    return float(a[int(np.argmin(eps))])
+
+
+def rdp_to_epsilon(rdp: F64, delta: float, orders: Sequence[float] = ORDERS) -> float:
+    """CKS 2020 Prop. 12: ``eps = rdp + log1p(-1/a) - (log delta + log a) / (a - 1)``."""
+    eps = _conversion(rdp, delta, orders)[1].min()
+    return float(max(0.0, eps)) if math.isfinite(eps) else math.inf
 
 
 # --- integer mechanisms, from the papers ---------------------------------------------

@@ -32,6 +32,15 @@ class TooFewSurvivors(PrivacyError):
     """Fewer sites were summed than the noise was calibrated for: the noise is below target."""
 
 
+TORCH_EXTRA_INSTALL = (
+    "pip install -e '.[torch]' -c constraints.txt --extra-index-url "
+    "https://download.pytorch.org/whl/cpu (in a clone of the secagg repository: secagg is "
+    "not on PyPI; PyTorch's CPU index gives torch's CPU build, constraints.txt only pins "
+    "the versions)")
+"""The one install hint for the ``torch`` extra (torch and opacus), quoted by every command
+that needs it."""
+
+
 class MissingExtra(PrivacyError, ImportError):
     """A part of :mod:`dp` needs the optional ``torch`` extra (torch, opacus)."""
 
@@ -42,5 +51,5 @@ def require_opacus() -> None:
         import opacus  # noqa: F401
     except ImportError as exc:  # pragma: no cover - exercised only on a core install
         raise MissingExtra(
-            "this needs opacus and torch: install the extra with `pip install secagg[torch]`"
+            f"this needs opacus and torch: install the extra with {TORCH_EXTRA_INSTALL}"
         ) from exc

@@ -74,6 +74,10 @@ class Proposal:
     patients: str = ""
     """``unit="patient-idp"``: which patient is in which group
     (:meth:`dp.idp.PatientGroups.digest`)."""
+    requested_noise_multiplier: float | None = None
+    """Set when ``noise_multiplier`` is the site's own share only (the coordinator alone
+    named the roster, :func:`fl.site.core.lone_share`): the multiplier the round asked for,
+    which refusals quote beside the share."""
 
     @classmethod
     def site_idp(cls, plan: Any, *, steps: int, secagg_threshold: int, label: str = "",
@@ -267,8 +271,15 @@ class SitePolicy:
                                 "(or has no valid privacy bound)")
         private = p.unit == "patient-idp"  # noise, rates and clip from the site's own plan
         if p.noise_multiplier < self.min_noise_multiplier:
+            share = "" if p.requested_noise_multiplier is None else (
+                f" (this site's own share of the round's noise multiplier "
+                f"{p.requested_noise_multiplier:.4g}: without an authenticated roster the "
+                "coordinator could fill the round with sites that add no noise, so a site "
+                "counts only its own share; an authenticated roster (enrolled signing "
+                "keys: --peer-keys, or NVFlare's security='malicious' with verify_keys) "
+                "counts the others')")
             raise PolicyRefused("min_noise_multiplier", f"noise multiplier "
-                                f"{p.noise_multiplier:.4g} < this site's floor "
+                                f"{p.noise_multiplier:.4g}{share} < this site's floor "
                                 f"{self.min_noise_multiplier:g}", private=private)
         if p.calibration_threshold is not None:
             if p.calibration_threshold < self.min_threshold:

@@ -306,20 +306,41 @@ every strategy there: SGD at the sites, batch 8, 100 local updates, 5 rounds, 6 
 beta1 0.9, beta2 0.999, tau 1e-8."""
 
 
-def dataset_defaults(dataset: str, strategy: str = "fedavg") -> dict[str, Any]:
-    """The options a dataset brings when the user does not give them: FLamby's protocol
-    for ``tcga-brca`` (:data:`FLAMBY_TCGA_BRCA`), nothing for the others."""
+TCGA_BRCA_DISTRIBUTED_DP: dict[str, Any] = {
+    "strategy": "fedadam", "server_lr": 0.02, "rounds": 40, "sample_rate": 0.5,
+    "clip_norm": 1.0}
+"""The distributed-DP protocol docs/results.md measures on Fed-TCGA-BRCA (with the
+discrete-time model, whose loss is a sum of per-patient terms: the Cox partial likelihood
+admits no patient-level DP): FedAdam on the noised secure sum, server lr 0.02, 40 rounds,
+patient sample rate 0.5, clip 1.0 (``scripts/tcga_brca.py`` runs it)."""
+
+
+def dataset_defaults(dataset: str, strategy: str | None = None,
+                     dp: str = "none") -> dict[str, Any]:
+    """The options a dataset brings when the user does not give them: for ``tcga-brca``
+    FLamby's protocol (:data:`FLAMBY_TCGA_BRCA`; ``strategy`` None: FedAvg) and, with
+    ``dp="distributed"``, the documented DP protocol on the discrete-time model
+    (:data:`TCGA_BRCA_DISTRIBUTED_DP`; ``strategy`` None: its FedAdam); nothing for the
+    others."""
     if dataset != "tcga-brca":
-        return {}
+        return {} if strategy is None else {"strategy": strategy}
+    private = dp == "distributed"
+    if strategy is None:
+        strategy = TCGA_BRCA_DISTRIBUTED_DP["strategy"] if private else "fedavg"
     if strategy not in FLAMBY_TCGA_BRCA:
         raise ValueError(f"--strategy {strategy}: use one of {', '.join(STRATEGIES)}")
-    return {"sites": 6, "rounds": 5, "batch_size": 8, "local_steps": 100, "model": "cox",
-            "scaling": "none", "server_lr": 1.0, "fedprox_mu": 0.0, "strategy": strategy,
-            **FLAMBY_TCGA_BRCA[strategy]}
+    preset = {"sites": 6, "rounds": 5, "batch_size": 8, "local_steps": 100, "model": "cox",
+              "scaling": "none", "server_lr": 1.0, "fedprox_mu": 0.0, "strategy": strategy,
+              **FLAMBY_TCGA_BRCA[strategy]}
+    if private:
+        dp_preset = {k: v for k, v in TCGA_BRCA_DISTRIBUTED_DP.items()
+                     if k != "strategy" and (k != "server_lr" or strategy == "fedadam")}
+        preset |= {"model": "discrete-time", **dp_preset}
+    return preset
 
 
 def tcga_brca_settings(strategy: str = "fedavg", **options: Any) -> TrainSettings:
     """Settings of a Fed-TCGA-BRCA run with FLamby's protocol for ``strategy``; ``options``
     (any :class:`TrainSettings` field) override it."""
     return TrainSettings(**{"dataset": "tcga-brca",
-                            **dataset_defaults("tcga-brca", strategy), **options})
+                            **dataset_defaults("tcga-brca", strategy), **options})  # FLamby's

@@ -35,19 +35,29 @@ import torch
 
 from fl.federation import train
 from fl.models import make_model
-from fl.settings import FLAMBY_TCGA_BRCA, tcga_brca_settings
+from fl.settings import FLAMBY_TCGA_BRCA, TCGA_BRCA_DISTRIBUTED_DP, tcga_brca_settings
 from fl.survival import CENTERS, evaluate_cox, targets, tcga_brca, train_single_centric
 
 START, END = "<!-- section: tcga-brca -->", "<!-- end section: tcga-brca -->"
 STRATEGY_NAMES = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD",
                   "fedadam": "FedAdam", "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad"}
-FLAMBY = {  # FLamby's tcga_seed*.csv, seeds 42-46: mean, sd, min, max (pooled test C-index)
-    "Pooled training": (0.704, 0.102, 0.552, 0.796),
-    "FedAvg": (0.735, 0.157, 0.423, 0.829), "FedProx": (0.717, 0.145, 0.428, 0.808),
-    "SCAFFOLD": (0.700, 0.031, 0.658, 0.751), "FedAdam": (0.842, 0.015, 0.821, 0.862),
-    "FedYogi": (0.842, 0.015, 0.821, 0.862), "FedAdagrad": (0.834, 0.007, 0.824, 0.844),
-    "Local (best center)": (0.728, 0.043, 0.645, 0.762),
+FLAMBY_SEEDS = {  # FLamby's pooled-test C-index per seed 42-46 (results_benchmark_fed_tcga_brca/
+    # tcga_seed4{2..6}.csv, owkin/FLamby 4f6e940, 2022-08-19), to 4 decimals
+    "Pooled training": (0.7963, 0.7799, 0.6095, 0.7824, 0.5524),
+    "FedAvg": (0.8026, 0.4227, 0.8081, 0.8289, 0.8143),
+    "FedProx": (0.7758, 0.4278, 0.7963, 0.8084, 0.7751),
+    "SCAFFOLD": (0.6971, 0.6579, 0.7513, 0.7092, 0.6821),
+    "FedAdam": (0.8381, 0.8209, 0.856, 0.8619, 0.8337),
+    "FedYogi": (0.8385, 0.8209, 0.856, 0.8615, 0.8337),
+    "FedAdagrad": (0.8311, 0.837, 0.8242, 0.8322, 0.8443),
+    "Local (best center)": (0.756, 0.6447, 0.7495, 0.7256, 0.7619),  # its center 1
 }
+
+
+def flamby(name: str) -> tuple[float, float, float, float]:
+    """FLamby's mean, sample sd, min and max for ``name``: the statistics this script gives
+    its own runs (:func:`stats`), so both sides of the table are alike."""
+    return stats(list(FLAMBY_SEEDS[name]))
 
 
 def single_centric(seeds: list[int]) -> dict[str, list[float]]:
@@ -96,8 +106,7 @@ def more_seeds(seeds: list[int]) -> dict[str, list[float]]:
     return out
 
 
-DP_DISTRIBUTED = {"strategy": "fedadam", "server_lr": 0.02, "rounds": 40, "sample_rate": 0.5,
-                  "clip_norm": 1.0}
+DP_DISTRIBUTED = TCGA_BRCA_DISTRIBUTED_DP  # what `--dataset tcga-brca --dp distributed` runs
 DP_SITE = {"strategy": "fedadam", "server_lr": 0.02, "rounds": 20, "sample_rate": 0.2,
            "site_steps": 5, "lr": 0.5, "clip_norm": 1.0}
 
@@ -324,22 +333,79 @@ def component_effects(raw: dict[str, Any]) -> list[str]:
 def splice_ablation(out: Path, block: list[str]) -> None:
     """Replace the DP-FedAvg+ subsection of ``out`` (or put it before the section's
     closing lines): ``--only ablation`` regenerates these rows only."""
-    text = out.read_text(encoding="utf-8")
-    body = "\n".join(block)
     stale = ("\n* Not measured yet: the private DP-FedAvg+ (private adaptive clipping and "
              "heterogeneity-aware site weights from DP releases) and its ablation.")
-    text = text.replace(stale, "")  # what the full run wrote before these rows existed
-    if ABLATION_START in text and ABLATION_END in text:
-        head, rest = text.split(ABLATION_START, 1)
-        text = head + body + rest.split(ABLATION_END, 1)[1]
+    _splice(out, block, ABLATION_START, ABLATION_END,
+            "\nPer-seed values are in the JSON written by `--json`", stale)
+
+
+def _splice(out: Path, block: list[str], start: str, end: str, anchor: str,
+            stale: str = "") -> None:
+    """Replace the subsection between ``start`` and ``end`` of ``out`` by ``block`` (or
+    put it before ``anchor``), dropping the ``stale`` text an earlier run wrote."""
+    text = out.read_text(encoding="utf-8")
+    body = "\n".join(block)
+    if stale:
+        text = text.replace(stale, "")
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + body + rest.split(end, 1)[1]
     else:
-        anchor = "\nPer-seed values are in the JSON written by `--json`"
         if anchor not in text:
             raise SystemExit(f"{out}: no Fed-TCGA-BRCA section to put the rows in; run the "
                              "whole script first")
         head, rest = text.split(anchor, 1)
         text = head.rstrip("\n") + "\n\n" + body + "\n" + anchor + rest
     out.write_text(text, encoding="utf-8")
+
+
+FLAMBY_RUN_START = "<!-- flamby seeds -->"
+FLAMBY_RUN_END = "<!-- end flamby seeds -->"
+FLAMBY_RUN_PENDING = ("\n* Not measured yet: these rows on FLamby's own seed numbers 42-46 "
+                      "(`python scripts/tcga_brca.py --only flamby-seeds` puts them here).")
+
+
+def flamby_seeds_raw(seeds: list[int], broker: str) -> dict[str, Any]:
+    """The main table's rows again on FLamby's own seeds (the seed draws the initial
+    weights and the batch order, so these are not FLamby's runs, only its seed numbers)."""
+    print(f"FLamby's seeds {seeds}: single-centric", file=sys.stderr)
+    single = single_centric(seeds)
+    print(f"FLamby's seeds {seeds}: federated", file=sys.stderr)
+    return {"flamby_run_seeds": seeds, "flamby_run_single": single,
+            "flamby_run_federated": {n: r["c_index"]
+                                     for n, r in federated(seeds, broker).items()}}
+
+
+def flamby_seeds_block(raw: dict[str, Any]) -> list[str]:
+    """The subsection of the rows run on FLamby's seeds, beside FLamby's."""
+    seeds = raw["flamby_run_seeds"]
+    single = dict(raw["flamby_run_single"])
+    best = max((n for n in single if n.startswith("Local ")),
+               key=lambda n: statistics.fmean(single[n]))
+    rows = {"Pooled training": single["Pooled training"],
+            f"Local (best center: {best[6:]})": single[best],
+            **raw["flamby_run_federated"]}
+    lines = [FLAMBY_RUN_START, "", f"The same protocol on FLamby's seed numbers "
+             f"({', '.join(map(str, seeds))}; `python scripts/tcga_brca.py --only "
+             "flamby-seeds`), beside FLamby's own runs of those seeds (sample sd on both "
+             "sides):", "",
+             "| method | mean | sd | min | max | FLamby mean | sd | min | max |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, values in rows.items():
+        ref = "Local (best center)" if name.startswith("Local") else name
+        ours = " | ".join(f"{v:.3f}" for v in stats(values))
+        theirs = " | ".join(f"{v:.3f}" for v in flamby(ref))
+        label = name if name in ("Pooled training",) or name.startswith("Local") \
+            else f"{name} (secure aggregation)"
+        lines.append(f"| {label} | {ours} | {theirs} |")
+    return [*lines, "", FLAMBY_RUN_END]
+
+
+def splice_flamby_seeds(out: Path, block: list[str]) -> None:
+    """Replace the FLamby-seeds subsection of ``out`` (or put it before "Reading the
+    table"): ``--only flamby-seeds`` regenerates these rows only."""
+    _splice(out, block, FLAMBY_RUN_START, FLAMBY_RUN_END, "\nReading the table:",
+            FLAMBY_RUN_PENDING)
 
 
 def stats(values: list[float]) -> tuple[float, float, float, float]:
@@ -394,7 +460,7 @@ def render(raw: dict[str, Any]) -> str:
     single["Local (best center)"] = locals_[best]
     for name, values in single.items():
         mean, sd, lo, hi = stats(values)
-        ref = FLAMBY.get(name)
+        ref = flamby(name) if name in FLAMBY_SEEDS else None
         ref_cells = ("| " + " | ".join(f"{v:.3f}" for v in ref) + " |") if ref else \
             "| | | | |"
         label = f"Local (best center: {best[6:]})" if name == "Local (best center)" else name
@@ -402,11 +468,13 @@ def render(raw: dict[str, Any]) -> str:
                      " - | - |")
     for name, row in raw["federated"].items():
         mean, sd, lo, hi = stats(row["c_index"])
-        ref = FLAMBY[name]
+        ref = flamby(name)
         lines.append(f"| {name} (secure aggregation) | {mean:.3f} | {sd:.3f} | {lo:.3f} | "
                      f"{hi:.3f} | " + " | ".join(f"{v:.3f}" for v in ref)
                      + f" | {statistics.median(row['seconds']):.2f} | "
                      f"{int(statistics.median(row['bytes'])):,} |")
+    if raw.get("flamby_run_seeds"):
+        lines += ["", *flamby_seeds_block(raw)]
     fed = raw["federated"]
     adam = fed["FedAdam"]
     worst = min(range(len(seeds)), key=lambda i: adam["c_index"][i])
@@ -415,11 +483,14 @@ def render(raw: dict[str, Any]) -> str:
     lines += ["", "Reading the table:", "",
               f"* Over these seeds FedAdagrad is the steadiest strategy (mean "
               f"{stats(fed['FedAdagrad']['c_index'])[0]:.3f}, sd "
-              f"{stats(fed['FedAdagrad']['c_index'])[1]:.3f}; FLamby 0.834, sd 0.007). FedAdam "
-              f"and FedYogi reach FLamby's level (0.842) on {good} of {len(seeds)} seeds "
+              f"{stats(fed['FedAdagrad']['c_index'])[1]:.3f}; FLamby "
+              f"{flamby('FedAdagrad')[0]:.3f}, sd {flamby('FedAdagrad')[1]:.3f}). FedAdam "
+              f"and FedYogi reach FLamby's level ({flamby('FedAdam')[0]:.3f}) on {good} of "
+              f"{len(seeds)} seeds "
               f"(best {max(adam['c_index']):.3f}) but not on every seed (worst: seed "
               f"{seeds[worst]}, {adam['c_index'][worst]:.3f}), so their mean is lower and their "
-              "spread far wider than FLamby's sd 0.015. Why: with m and v starting at zero, "
+              f"spread far wider than FLamby's sd {flamby('FedAdam')[1]:.3f}. Why: with m and "
+              "v starting at zero, "
               "the first server step is sign-like (m / sqrt(v) = 0.1 / sqrt(0.001) = 3.16 per "
               "coordinate, times server lr 0.1: 0.32 on every coefficient, the coefficient of "
               "age in years included, which FLamby leaves unscaled), so the pooled-test "
@@ -432,18 +503,30 @@ def render(raw: dict[str, Any]) -> str:
               "and the batch order are drawn from them), and the seed decides much: FedAvg and "
               "FedProx at lr 0.1 on the unscaled features (age in years beside 0/1 indicators, "
               "as FLamby gives them) take large steps, so one seed can land far from another. "
-              "That is FLamby's finding too (their sd 0.157 and 0.145); with 5 seeds a mean "
+              f"That is FLamby's finding too (their sd {flamby('FedAvg')[1]:.3f} and "
+              f"{flamby('FedProx')[1]:.3f}); with 5 seeds a mean "
               "moves by about sd / sqrt(5), so differences within one or two such standard "
               "errors are not evidence of a different protocol.",
               "* SCAFFOLD here is the algorithm of Karimireddy et al. 2020 (option II control "
-              "variates, their deltas in the same secure sum as the model's), not FLamby's "
-              "variant (its correction is the change of the site's last local model, divided by "
-              "the number of updates, and applied with the client lr 0.01); the two differ, so "
-              "SCAFFOLD's row is not expected to match FLamby's exactly.",
+              "variates, their deltas in the same secure sum as the model's). FLamby writes "
+              "its correction differently (the change of the site's last local model divided "
+              "by the number of updates and the client lr 0.01), but with server lr 1, every "
+              "site in every round and sample-count weights, as here, the two are the same "
+              "update algebraically (an exact replica of FLamby's code, run beside this one, "
+              "matched it every round): SCAFFOLD's row differs from FLamby's by the seeds.",
+              "* Two departures from FLamby's local training, both documented here rather "
+              "than removed: each round's 100 local updates draw a fresh shuffle of the "
+              "site's patients (FLamby's loader continues its epoch from the last round), "
+              "and tied event times are handled as Breslow's (`fl.survival.cox_loss`, checked "
+              "against lifelines) where FLamby's loss breaks ties by the order within the "
+              "batch. Both change the seeds' paths, not the model or the protocol.",
               "* Pooled training and the centers alone follow FLamby's single-centric baseline "
               "(Adam, lr 0.1, 30 epochs, batch 8, no learning-rate schedule); pooled training "
-              "varies with the seed as FLamby's does (their sd 0.102). FLamby reports only its "
-              "best center; ours is the center with the best mean over the seeds.",
+              f"varies with the seed as FLamby's does (their sd "
+              f"{flamby('Pooled training')[1]:.3f}). FLamby's best center (by its mean) is "
+              "its center 1; ours is the center with the best mean over the seeds. Every sd "
+              "in the table is the sample standard deviation (n - 1), FLamby's computed from "
+              "its five per-seed values as ours.",
               "* Seconds per round include the 6 sites' local training (100 Cox steps each, "
               "one after another in this process) and one secure aggregation over the broker; "
               "bytes per site are what a site's MQTT client sent in a round (median). A "
@@ -464,7 +547,8 @@ def render(raw: dict[str, Any]) -> str:
                          f"{sum(v >= 0.82 for v in values)} of {len(values)} |")
         lines += ["", "Over more seeds the ranking is FLamby's (the server optimizers well "
                   "above FedAvg, whose spread stays wide), with means a few points below "
-                  "FLamby's five-seed means and wider spreads: FLamby's 0.015 and 0.007 "
+                  f"FLamby's five-seed means and wider spreads: FLamby's "
+                  f"{flamby('FedAdam')[1]:.3f} and {flamby('FedAdagrad')[1]:.3f} "
                   "standard deviations over five seeds understate how much one run of this "
                   "protocol depends on its seed."]
     if raw.get("private"):
@@ -499,7 +583,11 @@ def private_section(raw: dict[str, Any]) -> list[str]:
            f"clip {DP_SITE['clip_norm']}), server lr {DP_SITE['server_lr']}. No DP: FLamby's "
            "FedAdam protocol on the discrete-time rows. Seeds "
            f"{', '.join(map(str, seeds))}; secure aggregation simulated in process "
-           "(`secagg.simulate`, the protocol's reference driver).", "",
+           "(`secagg.simulate`, the protocol's reference driver). The distributed rows' "
+           "settings are the preset of `secagg train --dataset tcga-brca --dp distributed "
+           "--epsilon E` (`fl.settings.TCGA_BRCA_DISTRIBUTED_DP`; "
+           "`tests/fl/test_cli_train.py::test_tcga_brca_with_distributed_dp_runs_the_"
+           "documented_dp_protocol`).", "",
            "| run | mean C-index | sd | min | max | epsilon spent (max) | noise |",
            "|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
@@ -546,8 +634,8 @@ def plot(raw: dict[str, Any], path: Path) -> None:
     ax.boxplot(values, showmeans=True)
     for i, name in enumerate(names, 1):
         key = name.replace(" (SA)", "")
-        if key in FLAMBY:
-            ax.plot([i - 0.3, i + 0.3], [FLAMBY[key][0]] * 2, color="tab:red", lw=2)
+        if key in FLAMBY_SEEDS:
+            ax.plot([i - 0.3, i + 0.3], [flamby(key)[0]] * 2, color="tab:red", lw=2)
     ax.set_xticks(range(1, len(names) + 1), names, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("pooled-test C-index")
     ax.set_title(f"Fed-TCGA-BRCA, seeds {raw['seeds']}: ours (boxes; SA = secure "
@@ -597,8 +685,10 @@ def main() -> None:
     ap.add_argument("--ablation-seeds", default="1,2,3,4,5",
                     help="seeds of the private DP-FedAvg+ ablation (empty: skip it)")
     ap.add_argument("--ablation-epsilons", help="its budgets (default: --epsilons)")
-    ap.add_argument("--only", choices=("ablation",),
+    ap.add_argument("--only", choices=("ablation", "flamby-seeds"),
                     help="run only these rows and put them into the existing section")
+    ap.add_argument("--flamby-seeds", default="42,43,44,45,46",
+                    help="FLamby's seed numbers, for the rows run on them (empty: skip)")
     ap.add_argument("--json")
     ap.add_argument("--from-json", help="render from a saved --json instead of running")
     args = ap.parse_args()
@@ -608,6 +698,13 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(raw, indent=1))
         splice_ablation(Path(args.out), ablation_section(raw))
         print(f"wrote the DP-FedAvg+ rows into {args.out}", file=sys.stderr)
+        return
+    if args.only == "flamby-seeds":
+        raw = flamby_seeds_raw([int(v) for v in args.flamby_seeds.split(",")], args.broker)
+        if args.json:
+            Path(args.json).write_text(json.dumps(raw, indent=1))
+        splice_flamby_seeds(Path(args.out), flamby_seeds_block(raw))
+        print(f"wrote the FLamby-seeds rows into {args.out}", file=sys.stderr)
         return
     if args.from_json:
         raw = json.loads(Path(args.from_json).read_text())
@@ -631,6 +728,9 @@ def main() -> None:
                                      [float(v) for v in args.epsilons.split(",")])
         if args.ablation_seeds:
             raw.update(ablation_raw(args))
+        if args.flamby_seeds:
+            raw.update(flamby_seeds_raw([int(v) for v in args.flamby_seeds.split(",")],
+                                        args.broker))
         if args.json:
             Path(args.json).write_text(json.dumps(raw, indent=1))
     write_section(Path(args.out), render(raw))

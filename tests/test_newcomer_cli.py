@@ -57,3 +57,33 @@ def test_budget_says_one_line_without_a_library_warning() -> None:
                    "--rounds", "3000")
     line = _one_line_error(done, "epsilon")
     assert "raise epsilon" in line
+
+
+@pytest.mark.parametrize(("argv", "meant"), [
+    (["train", "--sites", "3", "--rounds", "1", "--data", "visits.csv"], "--csv PATH"),
+    (["train", "--sites", "3", "--rounds", "1", "--data=visits.csv"], "--csv PATH"),
+    (["simulate", "--client", "3"], "--clients"),
+    (["budget", "--epsilon", "4", "--delta", "1e-5", "--sample-rate", "0.1", "--rounds", "3",
+      "--acc", "prv"], "--accountant"),
+])
+def test_an_abbreviated_or_unknown_option_is_refused_naming_the_one_meant(
+        argv: list[str], meant: str) -> None:
+    """Options are never abbreviated (``--data visits.csv`` once became ``--dataset`` and
+    failed on the value): an unknown option is refused before any work, with the option
+    the user most likely meant (``--data`` -> ``--csv``, a prefix -> the full option)."""
+    line = _one_line_error(_secagg(*argv), argv[-2].split("=")[0] if "=" not in argv[-1]
+                           else "--data")
+    assert "unrecognized arguments" in line and f"did you mean {meant}" in line
+
+
+def test_an_epsilon_that_protects_nothing_is_said_to() -> None:
+    """``--epsilon 1e9`` plans (per-site noise about 1e-4) but says, before the plan, that
+    such a bound protects nothing; an ordinary budget says nothing of the kind."""
+    pytest.importorskip("torch")
+    plan = ["train", "--sites", "3", "--rounds", "2", "--dp", "distributed", "--delta",
+            "1e-5", "--plan", "--epsilon"]
+    huge = _secagg(*plan, "1e9")
+    assert huge.returncode == 0, huge.stderr
+    assert "warning: --epsilon 1e+09 protects nothing" in huge.stderr
+    usual = _secagg(*plan, "4")
+    assert usual.returncode == 0 and "protects nothing" not in usual.stderr

@@ -15,10 +15,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import sys
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from ..errors import FLError
@@ -31,9 +33,45 @@ class UsageError(FLError, ValueError):
     """A bad option, option combination or input file: exit 2, no traceback."""
 
 
+SUGGEST = {
+    "--data": "--csv PATH (your own table) or --dataset NAME (a built-in one)",
+    "--data-file": "--csv PATH (your own table)",
+    "--file": "--csv PATH (your own table)",
+}
+"""Options users reach for that the commands do not have, and the ones they mean."""
+
+
+def unknown_options(tokens: list[str], parser: argparse.ArgumentParser) -> str:
+    """The message for ``tokens`` ``parser`` did not recognise: each unknown option with the
+    option it most likely meant (:data:`SUGGEST`, then close spellings)."""
+    import difflib
+
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for token in tokens:
+        name = token.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        meant = SUGGEST.get(name)
+        if meant is not None and meant.split()[0] not in known:
+            meant = None  # another command's option
+        close = [o for o in known if o.startswith(name)] or difflib.get_close_matches(
+            name, known, n=2, cutoff=0.75)
+        if meant or close:
+            hints.append(f"{name}: did you mean {meant or ' or '.join(close)}?")
+    return (f"unrecognized arguments: {' '.join(tokens)}"
+            + (f" ({'; '.join(hints)})" if hints else ""))
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with the CLI's one error path: a bad option is one line on stderr naming
-    the option and what to change (no usage dump), exit 2."""
+    the option and what to change (no usage dump), exit 2. Options are never abbreviated
+    (``--data`` is not ``--dataset``): an unknown one is an error that names the likely
+    option (:func:`unknown_options`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr,
@@ -147,13 +185,31 @@ def verbosity(args: argparse.Namespace) -> int:
     return int(getattr(args, "verbosity", 0) or 0)
 
 
+class CurrentStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not to the stream
+    that was ``sys.stderr`` when logging was set up: a command run in-process (a notebook,
+    a test capturing its output) leaves no handler on a stream that was closed since."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
 def setup_logging(args: argparse.Namespace, tag: str) -> None:
     level = {1: logging.DEBUG, 0: logging.WARNING, -1: logging.ERROR}[
         max(-1, min(1, verbosity(args)))]
     if getattr(args, "log_level", None) == "info":
         level = logging.INFO
-    logging.basicConfig(level=level, stream=sys.stderr, force=True,
-                        format=f"[{tag}] %(levelname)s %(name)s: %(message)s")
+    handler = CurrentStderrHandler()
+    handler.setFormatter(logging.Formatter(f"[{tag}] %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     if verbosity(args) < 1:  # paho's connection chatter repeats what the error says
         logging.getLogger("mqtt").setLevel(logging.ERROR)
 
@@ -182,3 +238,29 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached a command that runs :func:`stop_signals` (``signum``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Stopped` while the block runs, even in a process
+    started in the background (where the shell leaves SIGINT ignored and Python then does
+    not raise ``KeyboardInterrupt``); the previous handlers come back after."""
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -24,6 +24,7 @@ from fl.cli._common import (
     UsageError,
     add_common_options,
     error,
+    unknown_options,
     verbosity,
 )
 
@@ -171,7 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens = _expand_config(tokens, parser)
     except UsageError as exc:
         return error(command, exc, USAGE)
-    args = parser.parse_args(tokens)
+    args, unknown = parser.parse_known_args(tokens)
+    if unknown:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(unknown_options(unknown, sub.choices[args.command]))
     module = importlib.import_module(f"fl.cli.{args.command}")
     try:
         return int(module.run(args))

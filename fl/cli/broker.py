@@ -49,17 +49,25 @@ def run(args: argparse.Namespace) -> int:
 
     ids = parse_sites(args.sites, "coordinator")
     files = write_federation(args.dir, ids)
-    port = "PORT" if args.port == 0 else str(args.port)
     print(f"credentials in {files.directory} (users.json, acl.json; Mosquitto: "
           f"{files.mosquitto_passwords.name}, {files.mosquitto_acl.name})")
-    for user, path in files.passwords.items():
-        print(f"  {user:>10}: --broker mqtt://{user}@{args.host}:{port} --password-file {path}")
+
+    def commands(port: str) -> None:
+        for user, path in files.passwords.items():
+            print(f"  {user:>10}: --broker mqtt://{user}@{args.host}:{port} "
+                  f"--password-file {path}")
+
     if args.write_only:
+        commands("PORT" if args.port == 0 else str(args.port))
         return 0
-    print(f"embedded broker on {args.host}:{port} (Ctrl-C stops it)", flush=True)
+
+    def listening(port: int) -> None:  # only now: a port in use is an error, not this
+        commands(str(port))
+        print(f"embedded broker on {args.host}:{port} (Ctrl-C stops it)", flush=True)
+
     argv = ["--host", args.host, "--port", str(args.port), "--users-file", str(files.users),
             "--acl-file", str(files.acl), "--parties", str(len(files.passwords)),
             "--log-level", "WARNING"]
     if args.port_file:
         argv += ["--port-file", args.port_file]
-    return broker_main(argv)
+    return broker_main(argv, prog="secagg broker", on_listening=listening)

@@ -65,6 +65,25 @@ def _validate(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _order_at_the_edge(z: float, q: float, rounds: int, delta: float, accountant: str
+                       ) -> str | None:
+    """In words, what Opacus' "Optimal order is the smallest alpha" warning means, when the
+    RDP accountant's best order is the smallest or largest it tries; else None."""
+    from dp.accounting import ORDERS, gaussian_rdp, rdp_optimal_order
+
+    if accountant != "rdp" or rounds < 1:
+        return None
+    order = rdp_optimal_order(gaussian_rdp(z, q, rounds), delta)
+    if order not in (ORDERS[0], ORDERS[-1]):
+        return None
+    where = ("smallest" if order == ORDERS[0] else "largest")
+    why = ("so large an epsilon protects little" if order == ORDERS[0]
+           else "so small an epsilon needs much noise")
+    return (f"note: the RDP accountant's tightest Renyi order here is the {where} it tries "
+            f"({order:g}): {why}, and the epsilon above is an upper bound, looser than "
+            "it could be")
+
+
 def run(args: argparse.Namespace) -> int:
     problem = _validate(args)
     if problem:
@@ -101,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"({MECHANISM}; for a training run's own plan, any --dp mode, use "
               "`secagg train ... --plan`)")
+        edge = _order_at_the_edge(z, args.sample_rate, rounds, args.delta, args.accountant)
+        if edge:
+            print(edge)
     if rounds == 0:
         print("secagg budget: not even one round fits; raise --noise-multiplier or --epsilon, "
               "or lower --sample-rate", file=sys.stderr)

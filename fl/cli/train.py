@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from fl.cli._common import (
+    Stopped,
     UsageError,
     emit_json,
     nonnegative_int,
     parse_sites,
     progress_log,
     setup_logging,
+    stop_signals,
 )
 from fl.data import DATASETS
 from fl.settings import (
@@ -190,10 +192,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"digits, cox for survival (default {d.model}; tcga-brca: cox)")
     c.add_argument("--alpha", type=float, default=d.alpha,
                    help=f"Dirichlet non-IID concentration (default {d.alpha})")
-    c.add_argument("--clip-norm", type=float, default=d.clip_norm, metavar="C",
-                   help=f"DP: per-patient L2 clip norm (default {d.clip_norm})")
-    c.add_argument("--sample-rate", type=float, default=d.sample_rate,
-                   help=f"DP: patient sampling rate per step (default {d.sample_rate})")
+    c.add_argument("--clip-norm", type=float, default=None, metavar="C",
+                   help=f"DP: per-patient L2 clip norm (default {d.clip_norm}; tcga-brca "
+                        "with --dp distributed: 1.0)")
+    c.add_argument("--sample-rate", type=float, default=None,
+                   help=f"DP: patient sampling rate per step (default {d.sample_rate}; "
+                        "tcga-brca with --dp distributed: 0.5)")
     c.add_argument("--expected-batch", type=float, metavar="B",
                    help="--dp site: the patients a site samples per step on average, as the "
                         "operator declares it (public; the noised sum is divided by it). "
@@ -269,10 +273,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="feature scaling: secure sum of statistics, none, or auto (default; "
                         "tcga-brca: none, as FLamby)")
     # Strategies and the dataset presets (fl/strategies.py, fl.settings.dataset_defaults).
-    c.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
-                   help="fedavg (default), fedprox, scaffold (control variates in the same "
-                        "secure sum), or a server optimizer on the secure sum: fedadam, "
-                        "fedyogi, fedadagrad (Reddi et al. 2021)")
+    c.add_argument("--strategy", choices=STRATEGIES, default=None,
+                   help="fedavg (default; tcga-brca with --dp distributed: fedadam), "
+                        "fedprox, scaffold (control variates in the same secure sum), or a "
+                        "server optimizer on the secure sum: fedadam, fedyogi, fedadagrad "
+                        "(Reddi et al. 2021)")
     c.add_argument("--local-steps", type=int, default=None, metavar="K",
                    help="local minibatch updates per round instead of --local-epochs passes "
                         "(tcga-brca: 100, FLamby's protocol)")
@@ -285,14 +290,16 @@ SITE_POLICY_FLAGS = ("policy", "ledger", "min_noise_multiplier", "min_threshold"
 
 
 PRESET_OPTIONS = ("lr", "server_lr", "batch_size", "fedprox_mu", "model", "scaling",
-                  "local_steps")
-"""Options a dataset preset fills when not given (``--dataset tcga-brca``: FLamby's)."""
+                  "local_steps", "strategy", "sample_rate", "clip_norm")
+"""Options a dataset preset fills when not given (``--dataset tcga-brca``: FLamby's; with
+``--dp distributed`` the DP protocol docs/results.md measures)."""
 
 
 def preset_options(args: argparse.Namespace) -> dict[str, Any]:
     """The values of :data:`PRESET_OPTIONS`: given, else the dataset's, else the default."""
     d = TrainSettings()
-    preset = dataset_defaults(args.dataset if args.csv is None else "", args.strategy)
+    preset = dataset_defaults(args.dataset if args.csv is None else "", args.strategy,
+                              args.dp or "none")
     out = {name: getattr(args, name) if getattr(args, name) is not None
            else preset.get(name, getattr(d, name)) for name in PRESET_OPTIONS}
     if args.site_weights is not None and args.role != "all":
@@ -330,8 +337,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         delta=args.delta, drop_rate=args.drop_rate, max_attempts=args.max_attempts,
         unit=args.unit if args.role != "site" else "patient",  # a site's: its policy
         broker=args.broker, seed=args.seed, local_epochs=args.local_epochs,
-        alpha=args.alpha, strategy=args.strategy, **options,
-        clip_norm=args.clip_norm, sample_rate=args.sample_rate,
+        alpha=args.alpha, **options,
         noise_multiplier=args.noise_multiplier if args.role != "site" else None,
         cohort=args.cohort,
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
@@ -371,6 +377,21 @@ def site_policy_from_args(args: argparse.Namespace) -> Any:
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
     return replace(policy, **changes)
+
+
+def describe_policy(policy: Any) -> str:
+    """The site's policy for its operator's log: each field as words, lists joined, an
+    unset limit as "no limit" (``policy.json`` holds the same fields as JSON)."""
+    parts = []
+    for name, value in policy.to_json().items():
+        if isinstance(value, list):
+            shown = ", ".join(str(v) for v in value)
+        elif value is None:
+            shown = "no limit"
+        else:
+            shown = f"{value:g}" if isinstance(value, float) else str(value)
+        parts.append(f"{name.replace('_', ' ')} {shown}")
+    return "; ".join(parts)
 
 
 def default_ledger(site_id: int, data: Any) -> str:
@@ -464,19 +485,52 @@ def _torch_missing() -> bool:
     import importlib.util
 
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("opacus") is None:
-        print("secagg train: this needs torch and opacus: install the extra with "
-              "`pip install 'secagg[torch]'` (use constraints.txt to get the CPU build)",
-              file=sys.stderr)
+        from dp.errors import TORCH_EXTRA_INSTALL
+
+        print(f"secagg train: this needs torch and opacus: install the extra with "
+              f"{TORCH_EXTRA_INSTALL}", file=sys.stderr)
         return True
     return False
+
+
+VACUOUS_EPSILON = 20.0
+"""Above this ``--epsilon`` the guarantee is empty in practice: DP bounds by ``e**epsilon``
+how much one patient's records can change the odds of anything the run releases, and
+``e**20`` is about 5e8."""
+
+
+def _warn_vacuous_epsilon(args: argparse.Namespace) -> None:
+    epsilon = getattr(args, "epsilon", None)
+    if epsilon is not None and epsilon > VACUOUS_EPSILON:
+        print(f"secagg train: warning: --epsilon {epsilon:g} protects nothing: differential "
+              f"privacy bounds by e^epsilon (here above e^{VACUOUS_EPSILON:g}, about "
+              f"{math.exp(VACUOUS_EPSILON):.0e}) how much one patient's records can change "
+              "what the run releases, and the noise it buys is negligible; pick epsilon "
+              "of a few units (e.g. 1-8), or --dp none for an exact sum said as such",
+              file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
     """``secagg train``. Errors go to the command line's one error path (fl/cli/app.py): a
     ``ValueError`` (bad options, data, checkpoint, policy) exits 2, a runtime failure (a
-    round that kept aborting, a lost broker) exits 1, each in one line."""
+    round that kept aborting, a lost broker) exits 1, each in one line; SIGINT or SIGTERM
+    (also in a process started in the background) stops it with one line and exit
+    128 + the signal, as ``secagg simulate``."""
+    import signal
+
+    try:
+        with stop_signals():
+            return _run(args)
+    except Stopped as stopped:
+        print(f"secagg train: interrupted by {signal.Signals(stopped.signum).name}",
+              file=sys.stderr)
+        return 128 + stopped.signum
+
+
+def _run(args: argparse.Namespace) -> int:
     if _torch_missing():
         return 2
+    _warn_vacuous_epsilon(args)
     if args.role != "all" and not (args.plan and args.role == "coordinator"):
         return run_remote(args)
     settings = settings_from_args(args)
@@ -499,13 +553,28 @@ def run_remote(args: argparse.Namespace) -> int:
     from transport.topics import SERVER_USER, site_name
 
     user = site_name(args.site_id) if args.role == "site" else SERVER_USER
-    network = MqttNetwork(broker_settings(args, user))
+    broker = broker_settings(args, user)
+    _probe_broker(broker, user, args.connect_timeout)
+    network = MqttNetwork(broker)
     tag = f"site {args.site_id}" if args.role == "site" else "coordinator"
     log = progress_log(args, tag)
     setup_logging(args, tag)
     if args.role == "site":
         return _run_site(args, settings, ids, network, log)
     return _run_coordinator(args, settings, ids, network, log)
+
+
+def _probe_broker(broker: Any, user: str, timeout: float) -> None:
+    """Fail in seconds, with the cause, when nothing accepts connections at ``--broker``'s
+    address (a wrong host or port), instead of after the connection's retries."""
+    from transport import LinkLost
+    from transport.mqtt import probe
+
+    try:
+        probe(broker, timeout=min(5.0, timeout))
+    except LinkLost as exc:
+        raise LinkLost(f"{user}: {exc} (check --broker's host and port; is the broker "
+                       "running? `secagg broker` runs one)") from None
 
 
 def _remote_settings(args: argparse.Namespace) -> tuple[TrainSettings, tuple[int, ...]]:
@@ -583,7 +652,7 @@ def _run_site(args: argparse.Namespace, settings: TrainSettings, ids: tuple[int,
     except (PrivacyError, OSError) as exc:
         raise UsageError(f"site privacy ledger/policy: {exc}") from None
     try:
-        log(f"privacy policy {guard.ledger.policy.to_json()}; ledger {ledger} "
+        log(f"privacy policy: {describe_policy(guard.ledger.policy)}; ledger {ledger} "
             f"({guard.ledger.releases} releases, epsilon {guard.ledger.epsilon:.4g})")
         if guard.ledger.policy.unit == "patient-idp":
             _site_idp(args, data, guard, log)

@@ -1,4 +1,4 @@
-"""Secure aggregation for Flower apps (flwr 1.41, Message API): ``pip install secagg[flower]``.
+"""Secure aggregation for Flower apps (flwr 1.42, Message API): ``pip install -e ".[flower]"``.
 
 Two lines change in a Flower app (docs/flower.md)::
 
@@ -17,8 +17,9 @@ from __future__ import annotations
 import importlib.util
 
 if importlib.util.find_spec("flwr") is None:  # pragma: no cover - exercised on a core install
-    raise ImportError("fl.flower needs Flower: pip install 'secagg[flower]' "
-                      "(flwr[simulation]==1.41.0, pinned in constraints.txt)")
+    raise ImportError("fl.flower needs Flower: pip install -e '.[flower]' -c constraints.txt "
+                      "in a clone of the secagg repository (secagg is not on PyPI; "
+                      "flwr[simulation]==1.42.0, pinned in constraints.txt)")
 
 from fl.flower.client import NodeOptions, RoundStateError, make_secagg_mod, secagg_mod
 from fl.flower.rounds import RoundReport

@@ -1,5 +1,5 @@
 """Secure aggregation and distributed DP for NVIDIA FLARE jobs (nvflare 2.9):
-``pip install 'secagg[nvflare]'`` (docs/nvflare.md).
+``pip install -e '.[nvflare]' -c constraints.txt`` (docs/nvflare.md).
 
 * :class:`fl.nvflare.server.SecureFedAvg`: a ``ModelController`` workflow (the API NVFlare
   2.9 recommends for new algorithm code) that runs each round's secure-aggregation stages
@@ -21,8 +21,9 @@ try:  # a real NVFlare (not a namespace package of a folder named nvflare on sys
 except ImportError:
     _found = False
 if not _found:  # pragma: no cover - exercised on a core install
-    raise ImportError("fl.nvflare needs NVIDIA FLARE: pip install 'secagg[nvflare]' "
-                      "(nvflare==2.9.0, pinned in constraints.txt)")
+    raise ImportError("fl.nvflare needs NVIDIA FLARE: pip install -e '.[nvflare]' -c "
+                      "constraints.txt in a clone of the secagg repository (secagg is not on "
+                      "PyPI; nvflare==2.9.0, pinned in constraints.txt)")
 
 from fl.nvflare.client import SecAggExecutor, SiteConfig
 from fl.nvflare.common import NVFlareSecAggError

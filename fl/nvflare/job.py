@@ -13,8 +13,12 @@ secure sum.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from nvflare.apis.event_type import EventType
+from nvflare.apis.fl_component import FLComponent
+from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.job_config.script_runner import ScriptRunner
 
@@ -23,6 +27,59 @@ from fl.nvflare.common import STAGE_TASK
 
 TRAINER_ID = "secagg_trainer"
 """The component id of the executor that runs the user's script."""
+
+
+SCRIPT_LOGGERS = ("nvflare.client.in_process.api.InProcessClientAPI",
+                  "nvflare.app_common.executors.task_script_runner.TaskScriptRunner")
+"""NVFlare's loggers of an in-process training script that ended with an error."""
+
+
+class _ScriptFailureRecords(logging.Filter):
+    """NVFlare logs an in-process script that raised as "fire abort event" and "ask to abort
+    job" at ERROR, though only this site's script ends: the site drops out of the round
+    (and, its script gone, of every later one) and the job goes on with the other sites.
+    Those two records are replaced by one WARNING that says so; the traceback stays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.script_failed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message == "fire abort event":
+            return False
+        if not message.startswith("ask to abort job"):
+            return True
+        if "Traceback" in message:
+            self.script_failed = True
+            record.msg = ("this site's training script ended with an error (the traceback "
+                          "above): the site drops out of this round and, NVFlare not "
+                          "restarting an in-process script, of the job's later rounds; the "
+                          "job goes on with the other sites")
+        elif self.script_failed:  # the train tasks that follow, failed for the same reason
+            record.msg = ("this site's training script has ended (the error above): the "
+                          "site drops out of this round too; the job goes on")
+        else:
+            return True  # the job itself is being aborted
+        record.levelno, record.levelname, record.args = logging.WARNING, "WARNING", ()
+        return True
+
+
+class ScriptFailureLog(FLComponent):
+    """The site's log of a failed in-process training script, as it is
+    (:class:`_ScriptFailureRecords`), from the job's start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._filter = _ScriptFailureRecords()
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == EventType.START_RUN:
+            for name in SCRIPT_LOGGERS:
+                logging.getLogger(name).addFilter(self._filter)
+        elif event_type == EventType.END_RUN:
+            for name in SCRIPT_LOGGERS:
+                logging.getLogger(name).removeFilter(self._filter)
 
 
 class _TrainerAsComponent:
@@ -55,4 +112,5 @@ class SecureScriptRunner(ScriptRunner):
         executor = self._executor or SecAggExecutor(trainer_id=TRAINER_ID,
                                                     train_task_name=self._train_task_name)
         job.add_executor(executor, tasks=[self._train_task_name, STAGE_TASK], ctx=ctx)
+        job.add_component("secagg_script_failure_log", ScriptFailureLog(), ctx)
         return {}

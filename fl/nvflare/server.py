@@ -18,14 +18,19 @@ pseudo-gradient: post-processing of the released sum, so it reveals nothing more
 
 :attr:`SecureFedAvg.reports` holds one :class:`fl.flower.rounds.RoundReport`-like
 :class:`RoundReport` per round (included and dropped sites with the stage, seconds per
-stage, bytes per site); each is logged and, with ``report_path``, appended to that file as
-one JSON line.
+stage, bytes per site) in the server's job process; each is logged and appended as one
+JSON line to ``report_path`` (default ``secure_rounds.jsonl`` in the job's run directory,
+where a job script finds it). A dropped site is logged at WARNING; a stage that waits logs
+which sites it waits for. The saved model carries NVFlare's ``current_round``; a job in
+which no round completes saves the initial model with a note.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -63,6 +68,34 @@ from secagg import (
     encode,
 )
 from transport.deadlines import round_timeouts
+
+DEFAULT_TRAIN_TIMEOUT = 600.0
+"""Seconds the train stage waits for a site (a dead site costs a round this much, not
+NVFlare's hour); a job whose local training takes longer sets ``train_timeout``."""
+DEFAULT_REPORT_PATH = "secure_rounds.jsonl"
+"""Where the round reports go: a relative path is in the server's run directory of the job
+(``<workspace>/<job id>/``, the folder NVFlare keeps for the job; in the simulator
+``<workspace>/server/simulate_job/``)."""
+NO_ROUND_NOTE = "secagg_note"
+"""Model metadata key: why the model saved is the initial one (no secure round completed)."""
+NOT_WITH_A_SECURE_SUM = {
+    "aggregator": "the server sees only the secure sum, and the aggregate is the weighted "
+                  "average decoded from it (strategy= picks a server optimiser)",
+    "aggregation_weights": "each site's weight is its own securely summed "
+                           "NUM_STEPS_CURRENT_ROUND; a weight per site name would need the "
+                           "server to see each site's update",
+    "exclude_vars": "every array is in the masked vector; leave a variable out of the model "
+                    "the script sends",
+    "stop_cond": "early stopping is not implemented here; set num_rounds",
+    "patience": "early stopping is not implemented here; set num_rounds",
+    "enable_tensor_disk_offload": "the sites' replies are masked vectors summed as they "
+                                  "arrive, there are no tensors to offload",
+    "fedprox_mu": "put FedProx's proximal term in the training script",
+    "save_filename": "the model is saved by the job's persistor (job.to_server(PTModel(...)) "
+                     "or NPModelPersistor())",
+}
+"""NVFlare ``FedAvg`` arguments that a secure sum cannot honour, with the reason; accepted at
+their defaults so a FedAvg job's arguments carry over."""
 
 
 @dataclass
@@ -103,18 +136,25 @@ class RoundReport:
 class SecureFedAvg(ModelController):
     """FedAvg whose every round is one secure sum (module docstring).
 
-    ``num_rounds``, ``min_clients`` (sites sampled per round, all when 0); protocol:
+    NVFlare ``FedAvg``'s names: ``num_rounds``, ``num_clients`` (sites sampled per round;
+    ``min_clients`` is the same setting, all sites when 0), ``start_round``, ``task_name``
+    (the train task), ``model`` (an initial model instead of the persistor's),
+    ``memory_gc_rounds``, ``persistor_id``; FedAvg's other arguments only at their defaults
+    (:data:`NOT_WITH_A_SECURE_SUM` says why). Protocol:
     ``neighbors`` (``"auto"``: SecAgg+'s (k, t) for ``dropout_rate``/``corrupt_rate``,
     None: SecAgg on the complete graph), ``threshold``, ``security`` (``"semi-honest"`` or
     ``"malicious"``, which needs ``verify_keys``: site name -> hex Ed25519 verify key),
     ``bits``/``frac_bits`` (fixed point); ``metrics``: train metrics averaged securely;
     ``stage_timeout`` (seconds per stage for the network, plus the modelled work),
-    ``train_timeout`` (the train stage). ``dp``: client-level distributed DP, a dict of
-    :class:`fl.round_setup.DistributedDP`'s fields (``clip_norm``, ``epsilon``, ``delta``,
-    ``sample_rate``, ``rounds``, ``noise_multiplier``, ``granularity_bits``); with an
-    ``epsilon`` a round that would overshoot the budget is not run. ``report_path``: a
-    JSON-lines file of the round reports. ``task_request_interval``: seconds a site with no
-    task waits before it asks again (:meth:`add_to_fed_job` sets it for the server).
+    ``train_timeout`` (the train stage, :data:`DEFAULT_TRAIN_TIMEOUT`),
+    ``progress_interval`` (seconds between "waiting for" log lines of a stage). ``dp``:
+    client-level distributed DP, a dict of :class:`fl.round_setup.DistributedDP`'s fields
+    (``clip_norm``, ``epsilon``, ``delta``, ``sample_rate``, ``rounds``,
+    ``noise_multiplier``, ``granularity_bits``); with an ``epsilon`` a round that would
+    overshoot the budget is not run. ``report_path``: a JSON-lines file of the round
+    reports, relative to the job's run directory on the server (:data:`DEFAULT_REPORT_PATH`;
+    "" writes none). ``task_request_interval``: seconds a site with no task waits before it
+    asks again (:meth:`add_to_fed_job` sets it for the server).
     ``strategy``: the server's step from the secure aggregate, ``"fedavg"`` (the weighted
     average, moved by ``server_lr``) or a server optimiser of :mod:`fl.strategies`
     (``"fedadam"``, ``"fedyogi"``, ``"fedadagrad"``: Reddi et al. 2021 with ``server_lr``,
@@ -122,18 +162,36 @@ class SecureFedAvg(ModelController):
     across the job's rounds."""
 
     def __init__(self, *, num_rounds: int = 1, min_clients: int = 0,
+                 num_clients: int | None = None, start_round: int = 0,
+                 task_name: str = AppConstants.TASK_TRAIN, model: Any = None,
+                 memory_gc_rounds: int = 0,
                  neighbors: int | str | None = "auto", threshold: int | None = None,
                  dropout_rate: float = 0.1, corrupt_rate: float = 0.1,
                  security: str = "semi-honest", bits: int = 64, frac_bits: int = 24,
                  metrics: list[str] | None = None, dp: dict[str, Any] | None = None,
-                 stage_timeout: float = 60.0, train_timeout: float = 3600.0,
-                 verify_keys: dict[str, str] | None = None, report_path: str = "",
+                 stage_timeout: float = 60.0, train_timeout: float = DEFAULT_TRAIN_TIMEOUT,
+                 verify_keys: dict[str, str] | None = None,
+                 report_path: str = DEFAULT_REPORT_PATH,
                  task_request_interval: float = 0.1, strategy: str = "fedavg",
                  server_lr: float = 1.0, server_beta1: float | None = None,
                  server_beta2: float | None = None, server_tau: float | None = None,
-                 persistor_id: str = AppConstants.DEFAULT_PERSISTOR_ID) -> None:
+                 persistor_id: str = AppConstants.DEFAULT_PERSISTOR_ID,
+                 progress_interval: float = 30.0, **fedavg_only: Any) -> None:
         super().__init__(persistor_id=persistor_id, ignore_result_error=True,
                          task_check_period=0.05)
+        for name, value in fedavg_only.items():
+            if name not in NOT_WITH_A_SECURE_SUM:
+                raise TypeError(f"SecureFedAvg got an unexpected keyword argument {name!r}")
+            if value not in (None, False, {}, "", 0, "FL_global_model.pt"):
+                raise ValueError(f"FedAvg's {name}={value!r} is not available with a secure "
+                                 f"sum: {NOT_WITH_A_SECURE_SUM[name]}")
+        if num_clients is not None:
+            if min_clients not in (0, num_clients):
+                raise ValueError(f"num_clients={num_clients} (NVFlare's name) and min_clients="
+                                 f"{min_clients} are the same setting: pass one")
+            min_clients = num_clients
+        if start_round < 0 or memory_gc_rounds < 0:
+            raise ValueError("start_round and memory_gc_rounds are >= 0")
         if security not in ("semi-honest", "malicious"):
             raise ValueError(f"security={security!r}: use 'semi-honest' or 'malicious'")
         if security == "malicious" and not verify_keys:
@@ -157,6 +215,12 @@ class SecureFedAvg(ModelController):
             raise ValueError("stage_timeout and train_timeout are seconds (> 0)")
         self.num_rounds = num_rounds
         self.min_clients = min_clients
+        self.num_clients = num_clients
+        self.start_round = start_round
+        self.task_name = self.train_task_name = task_name
+        self.model = model
+        self.memory_gc_rounds = memory_gc_rounds
+        self.progress_interval = progress_interval
         self.neighbors = neighbors
         self.threshold = threshold
         self.dropout_rate = dropout_rate
@@ -199,15 +263,22 @@ class SecureFedAvg(ModelController):
     # --- the workflow ------------------------------------------------------------------------
 
     def run(self) -> None:
-        model = self.load_model()
+        if self.model is not None:  # NVFlare's FedAvg(model=...): instead of the persistor's
+            given = self.model
+            model = given if isinstance(given, FLModel) else FLModel(params=dict(given))
+        else:
+            model = self.load_model()
         if model is None:
             return
         params = {k: np.asarray(v) for k, v in (model.params or {}).items()}
-        for r in range(self.num_rounds):
+        saved = False
+        for r in range(self.start_round, self.start_round + self.num_rounds):
             if self.abort_signal.triggered:
                 return
             sites = sorted(self.sample_clients(self.min_clients or None))
             report = self.secure_round(r, params, sites)
+            if self.memory_gc_rounds and (r - self.start_round + 1) % self.memory_gc_rounds == 0:
+                gc.collect()
             if report.total is None:
                 self._publish(report)
                 continue
@@ -220,10 +291,23 @@ class SecureFedAvg(ModelController):
             if self.optimizer is None:
                 self.optimizer = ServerStrategy(self.strategy, sent.size, **self.optimizer_args)
             params = ArrayLayout.of(params).unflatten(self.optimizer.step(sent, aggregate - sent))
-            out = FLModel(params_type=ParamsType.FULL, params=params, metrics=report.metrics,
-                          current_round=r, total_rounds=self.num_rounds,
-                          meta={FLMetaKey.NUM_STEPS_CURRENT_ROUND: weight})
-            self.save_model(out)
+            self.save_model(self._model(params, r, report.metrics,
+                                        {FLMetaKey.NUM_STEPS_CURRENT_ROUND: weight}))
+            saved = True
+        if not saved:
+            note = (f"no secure round of {self.num_rounds} completed: the model saved is the "
+                    f"initial model, unchanged (the round reports say why)")
+            self.warning(note)
+            self.save_model(self._model(params, None, {}, {NO_ROUND_NOTE: note}))
+
+    def _model(self, params: dict[str, np.ndarray], server_round: int | None,
+               metrics: dict[str, float], meta: dict[str, Any]) -> FLModel:
+        """The model to save, its metadata as NVFlare's FedAvg writes it (``current_round``:
+        the round that made it, None for the initial model; ``total_rounds``)."""
+        return FLModel(params_type=ParamsType.FULL, params=params, metrics=metrics,
+                       current_round=server_round, total_rounds=self.num_rounds,
+                       meta={FLMetaKey.CURRENT_ROUND: server_round,
+                             FLMetaKey.TOTAL_ROUNDS: self.num_rounds, **meta})
 
     def secure_round(self, server_round: int, params: dict[str, np.ndarray],
                      sites: list[str]) -> RoundReport:
@@ -295,32 +379,36 @@ class SecureFedAvg(ModelController):
                 report.epsilon = self.budget.spent[0]
         return report
 
-    train_task_name = AppConstants.TASK_TRAIN
-
     def _exchange(self, server: Server, setup: RoundSetup, report: RoundReport, stage: Stage,
                   out: dict[str, Shareable], timeout: float, task_name: str) -> None:
         """Send each site its task of ``stage`` and wait until every one is answered or the
         deadline passed; each answer goes to the secagg server as it arrives."""
         started = time.perf_counter()
 
+        answered: set[str] = set()
+
         def received(client_task: ClientTask, fl_ctx: FLContext) -> None:
             name = client_task.client.name
+            answered.add(name)
             result = client_task.result
             client_task.result = None
             if result is None or result.get_return_code(ReturnCode.OK) != ReturnCode.OK:
-                self.info(f"site {name} dropped in {stage.label}: "
-                          f"{None if result is None else result.get_return_code()}")
+                self.warning(f"site {name} dropped in {stage.label} of round "
+                             f"{report.server_round}: its task failed ("
+                             f"{None if result is None else result.get_return_code()})")
                 return
             payload = result.get(PAYLOAD)
             if not isinstance(payload, bytes):
-                self.info(f"site {name}'s {stage.label} answer carries no payload")
+                self.warning(f"site {name} dropped in {stage.label} of round "
+                             f"{report.server_round}: its answer carries no payload")
                 return
             with self._lock:
                 report.bytes_up[name] = report.bytes_up.get(name, 0) + len(payload)
                 try:
                     server.receive(setup.client_id(site_id(name)), payload)
                 except (ValueError, ProtocolError) as exc:
-                    self.info(f"site {name}'s {stage.label} answer rejected: {exc}")
+                    self.warning(f"site {name} dropped in {stage.label} of round "
+                                 f"{report.server_round}: its answer was rejected: {exc}")
 
         tasks = []
         for name, data in out.items():
@@ -328,12 +416,23 @@ class SecureFedAvg(ModelController):
                         result_received_cb=received)
             self.broadcast(task=task, fl_ctx=self.fl_ctx, targets=[name], min_responses=1)
             tasks.append(task)
+        next_progress = started + self.progress_interval
         while any(t.completion_status is None for t in tasks):
             if self.abort_signal is not None and self.abort_signal.triggered:
                 for t in tasks:
                     self.cancel_task(t, TaskCompletionStatus.ABORTED, self.fl_ctx)
                 raise ProtocolAbort("the job was aborted")
+            now = time.perf_counter()
+            if now >= next_progress:
+                waiting = sorted(set(out) - answered)
+                self.info(f"round {report.server_round}, {stage.label}: waiting for "
+                          f"{', '.join(waiting)} ({now - started:.0f} s of the stage's "
+                          f"{timeout:.0f} s deadline; {len(answered)} of {len(out)} answered)")
+                next_progress = now + self.progress_interval
             time.sleep(0.02)
+        for name in sorted(set(out) - answered):
+            self.warning(f"site {name} dropped in {stage.label} of round {report.server_round}: "
+                         f"no answer within the stage's {timeout:.0f} s deadline")
         report.seconds[stage.label] = round(time.perf_counter() - started, 4)
 
     def _publish(self, report: RoundReport) -> None:
@@ -348,7 +447,8 @@ class SecureFedAvg(ModelController):
                       f"dropped {report.dropped}, seconds {report.seconds}, bytes up "
                       f"{report.bytes_up}")
         if self.report_path:
-            with open(self.report_path, "a", encoding="utf-8") as f:
+            path = os.path.join(self.get_run_dir(), self.report_path)  # absolute: kept
+            with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(report.to_json()) + "\n")
 
     # --- the round's parameters ----------------------------------------------------------------

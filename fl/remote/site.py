@@ -153,7 +153,9 @@ class SiteProcess:
             if self.done is not None and self.done.run in self.runs:
                 self.log(f"the coordinator finished after {self.done.rounds} rounds"
                          + (f" ({self.done.reason})" if self.done.reason else "")
-                         + f"; this site took part in {self.rounds} aggregations")
+                         + f"; this site took part in {self.rounds} secure aggregations "
+                         "(the training rounds it joined, plus one for the feature "
+                         "statistics when the run scales features by a secure sum)")
                 return 0
             ann = self.announce
             if ann is not None and ann.key not in handled:

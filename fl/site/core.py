@@ -100,7 +100,8 @@ def lone_share(task: Any, proposal: Proposal) -> Proposal:
                                  label=proposal.label,
                                  count_stddev=None if count is None else
                                  count / math.sqrt(task.params.threshold))
-    return replace(proposal, noise_multiplier=alone.noise_multiplier, event=alone.event)
+    return replace(proposal, noise_multiplier=alone.noise_multiplier, event=alone.event,
+                   requested_noise_multiplier=proposal.noise_multiplier)
 
 
 class SiteCore:

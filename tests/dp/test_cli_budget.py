@@ -81,3 +81,23 @@ def test_subprocess_entry_point() -> None:
     bad = subprocess.run([sys.executable, "-m", "fl.cli", "budget", *COMMON, "--rounds", "0"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--rounds" in bad.stderr
+
+
+def test_a_budget_whose_best_order_is_the_smallest_says_so_in_words_not_opacus_warning(
+        ) -> None:
+    """At epsilon 1000 Opacus' search ends where the best Renyi order is the smallest of
+    the orders: the command prints no "Optimal order is the smallest alpha" warning, but a
+    note that says what it means; an ordinary budget prints neither."""
+    def budget_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-W", "default", "-m", "fl.cli", "budget",
+                               "--delta", "1e-5", *argv],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    huge = budget_cli("--epsilon", "1000", "--sample-rate", "0.5", "--rounds", "1")
+    assert huge.returncode == 0, huge.stderr
+    assert "Optimal order" not in huge.stderr + huge.stdout
+    assert "Warning" not in huge.stderr
+    assert "tightest Renyi order here is the smallest it tries (1.1)" in huge.stdout
+    usual = budget_cli("--epsilon", "4", "--sample-rate", "0.1", "--rounds", "10")
+    assert usual.returncode == 0 and "Renyi order" not in usual.stdout
+    assert "Optimal order" not in usual.stderr

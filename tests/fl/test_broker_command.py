@@ -87,8 +87,55 @@ def test_the_one_machine_try_out_trains_through_it(tmp_path: Path) -> None:
         assert coordinator.wait(150) == 0, coordinator.log
         rounds = json.loads(report.read_text())["rounds"]
         assert len(rounds) == 2 and all(sorted(r["included"]) == [1, 2] for r in rounds)
+        site = parties[1]
+        assert site.wait(60) == 0, site.log
+        # the site's log says its policy in words (not a Python dict) and what it summed
+        assert "privacy policy: modes none; " in site.log and "{'modes'" not in site.log
+        assert "secure aggregations (the training rounds it joined, plus one for the " \
+               "feature statistics" in site.log
     finally:
         for party in parties:
             party.kill()
         broker.terminate()
         broker.wait(10)
+
+
+def test_port_0_prints_the_real_port_and_a_busy_port_names_this_commands_option(
+        tmp_path: Path) -> None:
+    """``--port 0``: every printed ``--broker`` URL carries the port the broker bound (the
+    one in ``--port-file``), printed once it listens. A port in use: one error line naming
+    ``secagg broker --port``, and nothing said the broker runs."""
+    import socket
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    port_file = tmp_path / "port"
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "fl.cli", "broker", "--sites", "2", "--dir", str(tmp_path / "a"),
+         "--port", "0", "--port-file", str(port_file)], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert broker.stdout is not None
+        lines = []
+        while not lines or not lines[-1].startswith("embedded broker on"):
+            line = broker.stdout.readline()
+            assert line, broker.stderr.read() if broker.stderr else ""
+            lines.append(line.rstrip("\n"))
+        port = port_file.read_text().strip()
+        urls = [line for line in lines if "--broker" in line]
+        assert len(urls) == 3 and all(f"@127.0.0.1:{port} " in u for u in urls), lines
+        assert "PORT" not in "\n".join(lines) and lines[-1].endswith(f"127.0.0.1:{port} "
+                                                                     "(Ctrl-C stops it)")
+    finally:
+        broker.terminate()
+        broker.wait(timeout=30)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = subprocess.run(
+            [sys.executable, "-m", "fl.cli", "broker", "--sites", "2", "--dir",
+             str(tmp_path / "b"), "--port", str(taken.getsockname()[1])], cwd=REPO, env=env,
+            capture_output=True, text=True, timeout=60)
+    assert busy.returncode == 1
+    assert busy.stderr.startswith("secagg broker: error: cannot listen on 127.0.0.1:")
+    assert "secagg broker --port" in busy.stderr and "port=0" not in busy.stderr
+    assert "transport.broker" not in busy.stderr and "embedded broker on" not in busy.stdout

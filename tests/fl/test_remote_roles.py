@@ -80,7 +80,8 @@ def test_remote_roles_train_with_one_connection_per_party(monkeypatch: Any) -> N
         assert row["accuracy"] > 0.85  # chance is ~0.63 on this split
     # Feature scaling and two rounds, each one secagg session, over a single link per party.
     assert network.connections == {"server": 1, "site-1": 1, "site-2": 1, "site-3": 1}
-    assert "took part in 3 aggregations" in text
+    assert "took part in 3 secure aggregations (the training rounds it joined, plus one for " \
+           "the feature statistics" in text
     # every masked input came through the streaming path: granted slots, chunks
     assert len(drivers) == 3 and all(d.chunks >= 3 for d in drivers)
 

@@ -22,7 +22,8 @@ if not _have_flwr():
     collect_ignore_glob = ["*.py"]
 
     def pytest_report_header() -> str:
-        return "tests/flower not collected: flwr is not installed (pip install 'secagg[flower]')"
+        return ("tests/flower not collected: flwr is not installed "
+                "(pip install -e '.[flower]' -c constraints.txt)")
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """The adapter on Flower's real transport: a SuperLink and three SuperNodes as separate
-processes on 127.0.0.1 (``--insecure``, the closest flwr 1.41 offers offline), the app
+processes on 127.0.0.1 (``--insecure``, the closest flwr 1.42 offers offline), the app
 submitted with ``flwr run``; every ClientApp runs in its own process, so the node's round
 state crosses messages only through ``Context.state``. One node drops before its masked
 input; the round completes and the aggregate equals the plaintext sum of the others. The

@@ -1,4 +1,4 @@
-"""Side by side with Flower's own SecAgg+ (flwr 1.41's legacy ``SecAggPlusWorkflow`` and
+"""Side by side with Flower's own SecAgg+ (flwr 1.42's legacy ``SecAggPlusWorkflow`` and
 ``secaggplus_mod``), docs/architecture.md section 8:
 
 * one node drops before its masked input: Flower's round aborts (it insists on shares of a

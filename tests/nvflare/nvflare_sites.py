@@ -17,11 +17,15 @@ from typing import Any
 import numpy as np
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.shareable import make_reply
+from nvflare.app_common.np.np_model_persistor import NPModelPersistor
 
-from fl.nvflare.client import SecAggExecutor
+from fl.nvflare.client import DIR_ENV, SecAggExecutor
 from fl.nvflare.common import SETUP_HEADER, STAGE_TASK
+from fl.nvflare.job import SecureScriptRunner
 from fl.nvflare.server import SecureFedAvg
 from fl.round_setup import RoundSetup
+
+HERE = Path(__file__).resolve().parent
 
 PLAN_ENV = "SECAGG_TEST_PLAN"
 """A JSON file: {"record": dir, "zero_round": round, "drops": {site: {round: [stage label,
@@ -112,3 +116,43 @@ def poc_project(folder: Path, clients: list[str], use_he: bool = False) -> str:
     server["fed_learn_port"], server["admin_port"] = ports
     poc.save_project_config(config, str(folder / "project.yml"))
     return str(folder / "project.yml")
+
+
+class MetaPersistor(NPModelPersistor):
+    """NVFlare's numpy persistor that also keeps the saved model's metadata, as a persistor
+    of a framework model does (``<result root>/models/saved_meta.jsonl``, one line per save)."""
+
+    def save_model(self, model_learnable: Any, fl_ctx: Any) -> None:
+        super().save_model(model_learnable, fl_ctx)
+        folder = Path(fl_ctx.get_engine().get_workspace().get_result_root(
+            fl_ctx.get_job_id())) / self.model_dir
+        with open(folder / "saved_meta.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(model_learnable.get("meta") or {}) + "\n")
+
+
+def run_job(tmp: Path, monkeypatch: Any, server: Any, sites: dict[str, dict],
+            drops: dict[str, dict[str, list[Any]]], zero_round: int = -1,
+            script: str = "train_script.py", persistor: Any = None) -> Path:
+    """Run a job of ``server`` on the simulator: ``sites``: site name -> its policy JSON,
+    ``drops`` the plan's, ``script`` the training script here; returns the workspace."""
+    from nvflare.fuel.utils.constants import FrameworkType
+    from nvflare.job_config.api import FedJob
+
+    record = tmp / "record"
+    record.mkdir()
+    (tmp / "plan.json").write_text(json.dumps({"record": str(record), "drops": drops,
+                                               "zero_round": zero_round}))
+    monkeypatch.setenv(PLAN_ENV, str(tmp / "plan.json"))
+    monkeypatch.setenv(DIR_ENV, str(tmp / "sites"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(HERE.parents[1]), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    for name, policy in sites.items():
+        (tmp / "sites" / name).mkdir(parents=True, exist_ok=True)
+        (tmp / "sites" / name / "policy.json").write_text(json.dumps(policy))
+    job = FedJob(name="secure", min_clients=len(sites))
+    job.to_server(server)
+    job.to_server(persistor or NPModelPersistor(), id="persistor")
+    job.to_clients(SecureScriptRunner(str(HERE / script), framework=FrameworkType.NUMPY,
+                                      executor=RecordingExecutor()))
+    job.simulator_run(str(tmp / "ws"), clients=sorted(sites), threads=len(sites))
+    return tmp / "ws"

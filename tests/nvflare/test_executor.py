@@ -130,3 +130,19 @@ def test_the_nvflare_site_holds_the_same_dp_rules_as_the_flower_node(
         effective_noise_multiplier(own.replace_one()))
     assert charge.noise_multiplier == pytest.approx(effective_noise_multiplier(own) / 2,
                                                     rel=0.05)
+
+
+def test_the_policy_fields_table_in_the_docs_is_the_dataclass() -> None:
+    """docs/nvflare.md's table of policy.json fields names every SitePolicy field, and only
+    those (an operator writes policy.json from it)."""
+    import dataclasses
+    import re
+
+    from dp.policy import SitePolicy
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "nvflare.md").read_text()
+    table = doc[doc.index("| `policy.json` field |"):]
+    table = table[:table.index("\n\n")]
+    named = {name for row in table.splitlines()[2:]
+             for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert named == {f.name for f in dataclasses.fields(SitePolicy)}

@@ -7,7 +7,6 @@ and the saved model against its decode."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,22 +20,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from nvflare.app_common.np.np_model_persistor import NPModelPersistor  # noqa: E402
-from nvflare.fuel.utils.constants import FrameworkType  # noqa: E402
-from nvflare.job_config.api import FedJob  # noqa: E402
 from nvflare_sites import (  # noqa: E402
-    PLAN_ENV,
-    RecordingExecutor,
     ZeroNoiseFedAvg,
     inputs,
     plain_sum,
+    run_job,
 )
 
 from dp.ledger import Ledger  # noqa: E402
 from dp.policy import SitePolicy  # noqa: E402
 from fl.codec import FixedPointCodec, decode_weighted  # noqa: E402
-from fl.nvflare.client import DIR_ENV  # noqa: E402
-from fl.nvflare.job import SecureScriptRunner  # noqa: E402
 from fl.nvflare.server import SecureFedAvg  # noqa: E402
 from secagg import SigningKey  # noqa: E402
 
@@ -44,41 +37,27 @@ from secagg import SigningKey  # noqa: E402
 def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, server: Any, sites: dict[str, dict],
          drops: dict[str, dict[str, list[Any]]], zero_round: int = -1
          ) -> list[dict[str, Any]]:
-    """Run a job of ``server`` on the simulator; ``sites``: site name -> its policy JSON;
-    returns the round reports."""
-    record = tmp / "record"
-    record.mkdir()
-    (tmp / "plan.json").write_text(json.dumps({"record": str(record), "drops": drops,
-                                                   "zero_round": zero_round}))
-    monkeypatch.setenv(PLAN_ENV, str(tmp / "plan.json"))
-    monkeypatch.setenv(DIR_ENV, str(tmp / "sites"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    for name, policy in sites.items():
-        (tmp / "sites" / name).mkdir(parents=True, exist_ok=True)
-        (tmp / "sites" / name / "policy.json").write_text(json.dumps(policy))
-    job = FedJob(name="secure", min_clients=len(sites))
-    job.to_server(server)
-    job.to_server(NPModelPersistor(), id="persistor")
-    job.to_clients(SecureScriptRunner(str(HERE / "train_script.py"),
-                                      framework=FrameworkType.NUMPY,
-                                      executor=RecordingExecutor()))
-    job.simulator_run(str(tmp / "ws"), clients=sorted(sites), threads=len(sites))
+    """Run a job of ``server`` on the simulator (nvflare_sites.run_job); the round reports."""
+    run_job(tmp, monkeypatch, server, sites, drops, zero_round)
     return [json.loads(line) for line in Path(server.report_path).read_text().splitlines()]
 
 
+STAGE = 5.0  # seconds: the stage deadline of the drop test below
 
 
 def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     exact = {"modes": ["none", "distributed"]}
     sites = {f"site-{i}": exact for i in range(1, 5)} | {"site-5": {}}  # site-5: DP only
-    server = SecureFedAvg(num_rounds=3, neighbors=None, stage_timeout=1.0,
+    # The stage deadline is what drops site-1 in round 2, so it must be long enough that an
+    # honest site on a loaded host never misses it (1 s failed under a CPU hog on two
+    # cores), and site-1 stalls three times as long so its late answer cannot be taken.
+    server = SecureFedAvg(num_rounds=3, neighbors=None, stage_timeout=STAGE,
                           train_timeout=60, report_path=str(tmp_path / "reports.jsonl"))
     reports = _run(tmp_path, monkeypatch, server, sites, {
         "site-2": {"0": ["advertise_keys", "fail"]},  # its training fails
         "site-3": {"1": ["masked_input", "fail"]},  # after sharing its keys: mask recovered
-        "site-1": {"2": ["unmasking", "stall", 4]},  # silent past the deadline
+        "site-1": {"2": ["unmasking", "stall", 3 * STAGE]},  # silent past the deadline
     })
     assert [r["server_round"] for r in reports] == [0, 1, 2]
     expected_drops = [{"site-2": "advertise_keys", "site-5": "advertise_keys"},
@@ -94,7 +73,7 @@ def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
         assert set(report["seconds"]) == {"advertise_keys", "share_keys", "masked_input",
                                           "unmasking"}
         assert all(report["bytes_up"][s] > 0 for s in included)
-    assert reports[2]["seconds"]["unmasking"] >= 1.0  # waited out site-1's deadline
+    assert reports[2]["seconds"]["unmasking"] >= STAGE  # waited out site-1's deadline
     # no input of the refusing site was ever computed, and its ledger has no charge
     assert not list((tmp_path / "record").glob("site-5-*"))
     with Ledger.open(tmp_path / "sites" / "site-5" / "ledger.json", SitePolicy()) as ledger:

@@ -23,9 +23,10 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..topics import SERVER_USER
 from .auth import DEFAULT_LOG2_N, hash_password, is_password_hash
 from .broker import LOOPBACK_HOSTS, EmbeddedBroker
 from .config import DEFAULT_MAX_PAYLOAD, BrokerLimits
@@ -126,6 +127,10 @@ def _parser() -> argparse.ArgumentParser:
                              "server): login and connection places for all of them, even "
                              "from one address when --host is loopback (at most 65536; "
                              "BrokerLimits.for_parties; default: the fixed limits)")
+    parser.add_argument("--unthrottled", action="append", metavar="USER",
+                        help="a user with no PUBLISH rate limit (repeatable; default: "
+                             f"{SERVER_USER}, the aggregator, which publishes for every "
+                             "site; every other user has BrokerLimits.max_publish_rate)")
     parser.add_argument("--parent-pid", type=int, metavar="PID",
                         help="stop when process PID (the one that started this broker) is "
                              "gone, even if it was SIGKILLed")
@@ -159,7 +164,8 @@ def _watch_parent(args: argparse.Namespace, loop: asyncio.AbstractEventLoop,
     lifeline.watch_parent(args.parent_pid, orphaned)
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace,
+                 on_listening: Callable[[int], None] | None = None) -> None:
     context = None
     if args.certfile:
         context = tls_context(args.certfile, args.keyfile, args.cafile,
@@ -172,6 +178,7 @@ async def _serve(args: argparse.Namespace) -> None:
         allow_plaintext=args.allow_plaintext, max_payload=args.max_payload,
         limits=None if args.parties is None else BrokerLimits().for_parties(
             args.parties, one_address=args.host in LOOPBACK_HOSTS),
+        unthrottled=args.unthrottled or [SERVER_USER],
     )
     await broker.start()
     stop = asyncio.Event()
@@ -184,6 +191,8 @@ async def _serve(args: argparse.Namespace) -> None:
     try:
         if args.port_file:
             write_port_file(args.port_file, broker.port)
+        if on_listening is not None:
+            on_listening(broker.port)
         await stop.wait()
     finally:
         await broker.stop()
@@ -215,8 +224,11 @@ def _hash_password(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Process entry point; returns the exit status."""
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG,
+         on_listening: Callable[[int], None] | None = None) -> int:
+    """Process entry point; returns the exit status. ``prog``: the command the user typed
+    (named in errors); ``on_listening``: called with the bound port once the broker
+    listens."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["hash-password"]:
         return _hash_password(argv[1:])
@@ -231,12 +243,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(_serve(args))
+        asyncio.run(_serve(args, on_listening))
     except BrokerConfigError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    except (BrokerStartError, BrokerError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+    except BrokerStartError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, OSError):  # the address: say it in this command's options
+            print(f"{prog}: error: cannot listen on {args.host}:{args.port}: "
+                  f"{cause.strerror or cause}; pick another port ({prog} --port N, or "
+                  "--port 0 for a free one)", file=sys.stderr)
+        else:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokerError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

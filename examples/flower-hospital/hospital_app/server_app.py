@@ -29,14 +29,18 @@ def main(grid: Grid, context: Context) -> None:
                                  metrics=() if privacy else ("train_loss",))
 
     def central_evaluation(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        # Flower evaluates after each round's aggregation (and once before round 1): the
+        # round's secure report is complete here, so its summary is printed as it ends.
+        for report in strategy.reports:
+            if report.server_round == server_round:
+                print(f"round {report.server_round}: {len(report.included)} hospitals "
+                      f"summed, dropped {report.dropped or 'none'}, secure round "
+                      f"{sum(report.seconds.values()):.2f} s"
+                      + (f", epsilon {report.epsilon:.2f}" if report.epsilon is not None
+                         else ""), flush=True)
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, accuracy = task.evaluate(model, test)
         return MetricRecord({"loss": loss, "accuracy": accuracy})
 
     strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=rounds,
                    evaluate_fn=central_evaluation)
-    for report in strategy.reports:
-        print(f"round {report.server_round}: {len(report.included)} hospitals summed, "
-              f"dropped {report.dropped or 'none'}, secure round "
-              f"{sum(report.seconds.values()):.2f} s"
-              + (f", epsilon {report.epsilon:.2f}" if report.epsilon is not None else ""))

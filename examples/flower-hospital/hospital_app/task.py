@@ -48,7 +48,7 @@ def train(model: torch.nn.Module, table: Table, *, epochs: int, lr: float, batch
             loss = loss_fn(model(x[batch]), y[batch])
             loss.backward()
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(loss.detach().item())
         last = float(np.mean(losses))
     return last
 
