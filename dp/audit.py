@@ -17,6 +17,17 @@ events with dp-accounting's own RDP or PLD accountant.
   inside ``PoissonSampledDpEvent``. dp-accounting 0.6 composes a ``ZCDpEvent`` but refuses to
   subsample one (it amplifies only Gaussians), so for ``q < 1`` these rounds are recomputed
   here with Zhu & Wang's bound, and an auditor checks them with :mod:`dp.accounting`.
+* Patient-idp (a rate group's steps, in a ``--role all`` report or a site role's ledger):
+  ``SelfComposed(MixtureOfGaussians(z, m, Binomial(k, q)), steps)``
+  (:func:`dp.accounting.group_gaussian_event`); dp-accounting's PLD composes it.
+
+:func:`recompute_epsilon` with ``accountant="auto"`` recomputes any of these: dp-accounting's
+PLD where it can (a Poisson-sampled adaptive-clipping step is first rewritten as the one
+Gaussian it is: two Gaussian queries on the same sample, noise multipliers ``z_u`` and
+``2 sigma_b``, are exactly one Gaussian of noise multiplier ``(z_u^-2 + (2 sigma_b)^-2)^-1/2``),
+then its RDP accountant (zCDP composes there at q = 1), and otherwise (Poisson-subsampled
+zCDP) this module's Zhu-Wang routine, which is checked against a numerical integration of
+the subsampled Gaussian's Renyi divergence (``tests/dp/test_audit_every_mode.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +36,14 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from dp.accounting import ORDERS, ddg_tau, integer_rdp, rdp_to_epsilon
+from dp.accounting import (
+    ORDERS,
+    PLD_INTERVAL,
+    ddg_tau,
+    group_gaussian_event,
+    integer_rdp,
+    rdp_to_epsilon,
+)
 from dp.budget import Event, GaussianRound, RdpRound
 from dp.errors import MissingExtra, PrivacyConfigError
 
@@ -67,6 +85,10 @@ def event_json(event: Event) -> dict[str, Any]:
                 "sampling_probability": event.sample_rate, "event": inner}
         return {"class_name": "SelfComposedDpEvent", "event": step, "count": event.steps}
     spec = dict(event.spec)
+    if event.label == "idp" and {"records", "sample_rate", "noise_multiplier",
+                                 "steps"} <= set(spec):
+        return group_gaussian_event(float(spec["noise_multiplier"]), float(spec["sample_rate"]),
+                                    int(spec["records"]), int(spec["steps"]))
     if event.label not in ("dgauss", "skellam") or "sigma" not in spec:
         return {"class_name": "UnsupportedDpEvent", "label": event.label}
     n, dim = int(spec["threshold"]), int(spec["dim"])
@@ -108,19 +130,26 @@ def to_dp_event(data: dict[str, Any]) -> Any:
 
 def recompute_epsilon(data: dict[str, Any], delta: float, accountant: str = "rdp") -> float:
     """Epsilon of the DpEvent ``data`` by dp-accounting's own accountant (``rdp`` or
-    ``pld``), independently of this package's accounting; ``"zhu-wang"``: from the event
+    ``pld``; ``"auto"``: the first of PLD, RDP and Zhu-Wang that composes it, see
+    :func:`recompute`), independently of this package's accounting; ``"zhu-wang"``: from the event
     description alone, for what dp-accounting cannot compose (a Poisson-subsampled zCDP
     round): each zCDP release's RDP curve ``xi + rho * a``, Gaussians' ``a / (2 z^2)``,
     subsampled with Zhu & Wang's bound at integer orders, composed and converted."""
     if accountant == "zhu-wang":
         return rdp_to_epsilon(_event_rdp(data), delta)
+    if accountant == "auto":
+        return recompute(data, delta)[0]
     import dp_accounting
 
-    event = to_dp_event(data)
+    event = to_dp_event(data if accountant == "rdp" else gaussian_equivalent(data))
     if accountant == "rdp":
         acc: Any = dp_accounting.rdp.RdpAccountant(list(ORDERS))
     elif accountant == "pld":
-        acc = dp_accounting.pld.PLDAccountant()
+        # a patient's mixture of Gaussians at dp-accounting's default 1e-4 grid takes minutes;
+        # the package's own grid (pessimistic: still an upper bound) takes seconds
+        mixture = "MixtureOfGaussiansDpEvent" in repr(data)
+        acc = (dp_accounting.pld.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
+               if mixture else dp_accounting.pld.PLDAccountant())
     else:
         raise PrivacyConfigError(f"accountant must be 'rdp', 'pld' or 'zhu-wang', got "
                                  f"{accountant!r}")
@@ -183,3 +212,34 @@ def _rdp_curve(data: dict[str, Any]) -> Any:
         parts = [_rdp_curve(e) for e in data["events"]]
         return lambda a: sum(p(a) for p in parts)
     raise PrivacyConfigError(f"no RDP curve for a {name} inside a subsampled event")
+
+
+def gaussian_equivalent(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with every composition of Gaussians on one sample (adaptive clipping's update
+    and clip count) replaced by the single Gaussian it equals: noise multipliers z_i on the
+    same data are one Gaussian of ``(sum z_i^-2)^-1/2`` (the privacy loss of independent
+    Gaussian queries adds as one of their stacked sensitivity). Exact, so PLD composes it."""
+    name = data.get("class_name")
+    if name == "ComposedDpEvent":
+        parts = [gaussian_equivalent(e) for e in data["events"]]
+        if parts and all(p.get("class_name") == "GaussianDpEvent" for p in parts):
+            inverse = sum(float(p["noise_multiplier"]) ** -2 for p in parts)
+            return {"class_name": "GaussianDpEvent", "noise_multiplier": inverse ** -0.5}
+        return {**data, "events": parts}
+    if "event" in data:
+        return {**data, "event": gaussian_equivalent(data["event"])}
+    return data
+
+
+def recompute(data: dict[str, Any], delta: float) -> tuple[float, str]:
+    """``(epsilon, accountant)``: the event recomputed by dp-accounting's PLD if it composes
+    it (after :func:`gaussian_equivalent`), else its RDP accountant, else the Zhu-Wang
+    routine from the event description (a Poisson-subsampled zCDP release)."""
+    import dp_accounting
+
+    event = to_dp_event(gaussian_equivalent(data))
+    if dp_accounting.pld.PLDAccountant().supports(event):
+        return recompute_epsilon(data, delta, "pld"), "pld"
+    if dp_accounting.rdp.RdpAccountant(list(ORDERS)).supports(to_dp_event(data)):
+        return recompute_epsilon(data, delta, "rdp"), "rdp"
+    return recompute_epsilon(data, delta, "zhu-wang"), "zhu-wang"

@@ -31,7 +31,15 @@ A patient's guarantee is accounted by ``bound``:
   then approximate-DP group privacy for k records, ``(k eps_r, k e^((k-1) eps_r) delta_r)``
   (what the paper's implementation uses; looser).
 
-The number of records per patient is treated as public (docs/patient_privacy.md section 1).
+**Every parameter is public.** The rate groups are the operator's *declared classes*
+(:class:`IdpClasses`: the records-per-patient cut K, hence the record classes
+``accounted_records(1..K)``, and the target classes), never the sizes found in the table; the
+planner weighs the classes by declared, public weights (default: the one-record classes), never
+by how many patients each holds. A patient's own count only picks its class (which changes no
+other patient's rate, noise or clip); a target between two classes is rounded down. So adding
+or removing a patient, even one with 92 records, leaves the noise multiplier, every class's
+rate and clip unchanged (``tests/dp/test_public_parameters.py``). The patients per class stay
+at the site (its report and ledger), never in a mechanism parameter.
 This module needs no torch; the training step is :mod:`dp.idp_engine`.
 """
 
@@ -69,6 +77,10 @@ Z_RANGE = (0.3, 500.0)
 #: Patients with up to this many records are grouped by their exact count; above it by
 #: :func:`accounted_records`.
 EXACT_RECORDS = 16
+#: The records-per-patient cut K when the operator declares none (``--max-records-per-patient``):
+#: a patient's first K records are used, the rest never sampled; the record classes are
+#: ``accounted_records(1..K)``.
+DEFAULT_MAX_RECORDS = 8
 #: The smallest per-record rate the planner gives a group: a group that cannot meet its
 #: target at this rate is infeasible at that noise.
 MIN_RATE = 1e-6
@@ -157,6 +169,15 @@ class IdpPlan:
     delta: float
     max_records: int | None
     groups: tuple[RateGroup, ...]
+    weights: tuple[float, ...] = ()
+    """The public class weights the plan's mean rate is taken over (one per group)."""
+
+    @property
+    def planned_mean_rate(self) -> float:
+        """The mean per-record rate over the public class weights: ``sample_rate`` for
+        ``method="sampling"`` (unless the noise cap left it out of reach)."""
+        w = self.weights or tuple(1.0 for _ in self.groups)
+        return sum(x * g.sample_rate for x, g in zip(w, self.groups, strict=True)) / sum(w)
 
     @property
     def records(self) -> int:
@@ -164,8 +185,11 @@ class IdpPlan:
 
     @property
     def mean_sample_rate(self) -> float:
-        """Record-weighted mean rate (plain DP-SGD's rate for ``method="sampling"``)."""
-        return sum(g.sample_rate * g.records * g.patients for g in self.groups) / self.records
+        """Record-weighted mean rate over the site's own patients (a site-local figure for
+        its report; the planner's mean is over the declared class weights)."""
+        records = self.records
+        return (sum(g.sample_rate * g.records * g.patients for g in self.groups) / records
+                if records else 0.0)
 
     @property
     def expected_batch_size(self) -> float:
@@ -215,8 +239,30 @@ class IdpPlan:
         return {"method": self.method, "bound": self.bound,
                 "noise_multiplier": self.noise_multiplier, "clip_norm": self.clip_norm,
                 "steps": self.steps, "delta": self.delta, "max_records": self.max_records,
+                "planned_mean_rate": self.planned_mean_rate, "weights": list(self.weights),
                 "mean_sample_rate": self.mean_sample_rate,
-                "groups": [g.as_dict() for g in self.groups]}
+                "groups": [g.as_dict() for g in self.groups], "sources": PLAN_SOURCES}
+
+
+#: Where every figure of a patient-idp plan comes from (``secagg train --plan``, reports):
+#: ``operator`` (declared), ``public`` (computed from declared figures only), ``site-local``
+#: (from the site's records; stays at the site, reaches no mechanism).
+PLAN_SOURCES = {
+    "max_records": "operator (--max-records-per-patient: the declared record classes)",
+    "targets": "operator (--epsilon, or --budget-classes with a budget column)",
+    "weights": "public (declared class weights: the one-record classes)",
+    "sample_rate": "operator (--sample-rate: the one-record classes' per-record rate)",
+    "clip_norm": "operator (--clip-norm)", "steps": "operator (--rounds x steps per round)",
+    "delta": "operator (--delta)",
+    "noise_multiplier": "public (planned from the declared classes and weights)",
+    "groups.sample_rate": "public (planned from the declared classes and weights)",
+    "groups.clip_norm": "public (planned from the declared classes and weights)",
+    "groups.epsilon": "public (the accountant at the planned rate and noise)",
+    "groups.patients": "site-local (the site's own count; in no mechanism parameter)",
+    "mean_sample_rate": "site-local (record-weighted over the site's own patients)",
+    "noised": "none: no patient-idp figure is released through a noised channel; the counts "
+              "are used by no mechanism",
+}
 
 
 @dataclass(frozen=True)
@@ -229,7 +275,11 @@ class PatientGroups:
     record_group: npt.NDArray[np.int64]
     """Group index of every record; -1 for a record beyond the cut-off (never used)."""
     sizes: tuple[tuple[int, float, int], ...]
-    """``(records, target_epsilon, patients)`` per group, in group-index order."""
+    """``(records, target_epsilon, patients)`` per group, in group-index order. With declared
+    classes the groups are every declared class (a class may hold no patient); the patient
+    counts stay at the site (reports), the planner never reads them."""
+    excluded_patients: int = 0
+    """Patients whose target is below the smallest declared target class (never sampled)."""
 
     @property
     def dropped_records(self) -> int:
@@ -258,14 +308,74 @@ def accounted_records(records: int) -> int:
     return -(-records // step) * step
 
 
+@dataclass(frozen=True)
+class IdpClasses:
+    """The operator's declared rate classes: public, fixed before the data is read.
+
+    ``max_records``: the cut K (a patient's first K records are used); the record classes are
+    ``accounted_records(1..K)``. ``targets``: the target-epsilon classes (a patient's budget
+    is rounded down to the largest class at or below it; below the smallest class a patient
+    is never sampled). ``weights``: one public weight per class (in :meth:`classes` order) for
+    the planner's mean rate; default: 1 on each one-record class, 0 elsewhere (so
+    ``sample_rate`` is the rate of a patient with one record)."""
+
+    max_records: int = DEFAULT_MAX_RECORDS
+    targets: tuple[float, ...] = ()
+    weights: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_records, int) or self.max_records < 1:
+            raise PrivacyConfigError(f"max_records must be an integer >= 1, got "
+                                     f"{self.max_records}")
+        if not self.targets or not all(math.isfinite(t) and t > 0 for t in self.targets):
+            raise PrivacyConfigError(f"declare at least one positive target class, got "
+                                     f"{list(self.targets)}")
+        if self.weights is not None and (len(self.weights) != len(self.classes())
+                                         or min(self.weights) < 0 or sum(self.weights) <= 0):
+            raise PrivacyConfigError(f"need {len(self.classes())} non-negative class weights "
+                                     "(one per declared class), not all zero")
+
+    def record_classes(self) -> list[int]:
+        return sorted({accounted_records(k) for k in range(1, self.max_records + 1)})
+
+    def classes(self) -> list[tuple[int, float]]:
+        """Every declared ``(records, target)`` class, in group-index order."""
+        return [(k, t) for t in sorted(set(self.targets)) for k in self.record_classes()]
+
+    def class_weights(self) -> list[float]:
+        if self.weights is not None:
+            return list(self.weights)
+        return [1.0 if k == 1 else 0.0 for k, _ in self.classes()]
+
+    def target_class(self, target: float) -> float | None:
+        """The largest declared target at or below ``target`` (None: below them all)."""
+        below = [t for t in self.targets if t <= target * (1 + 1e-12)]
+        return max(below) if below else None
+
+    def report(self) -> dict[str, Any]:
+        return {"max_records": self.max_records, "targets": sorted(set(self.targets)),
+                "record_classes": self.record_classes(), "weights": self.class_weights()}
+
+
 def group_patients(patient_ids: Sequence[Hashable], target_epsilon: float | Sequence[float],
-                   max_records: int | None = None) -> PatientGroups:
+                   max_records: int | None = None, classes: IdpClasses | None = None
+                   ) -> PatientGroups:
     """Rate groups by (kept records, target). ``target_epsilon`` is one number or one per
     *record* (a budget column: it must be the same for all records of a patient).
+
+    With ``classes`` (what every run uses) the groups are the declared classes, whatever the
+    table holds, and ``max_records`` is the classes' cut. Without, the groups are the
+    (records, target) pairs found in the table: for experiments only, since then the set of
+    groups, hence the plan, depends on the records.
 
     With ``max_records`` a patient keeps the first ``max_records`` of its records (in table
     order); the rest are never sampled.
     """
+    if classes is not None:
+        if max_records is not None and max_records != classes.max_records:
+            raise PrivacyConfigError(f"max_records {max_records} differs from the declared "
+                                     f"classes' cut {classes.max_records}")
+        max_records = classes.max_records
     n = len(patient_ids)
     if n == 0:
         raise PrivacyConfigError("no records")
@@ -295,15 +405,22 @@ def group_patients(patient_ids: Sequence[Hashable], target_epsilon: float | Sequ
         if max_records is None or seen[p] < max_records:
             kept[i] = True
             seen[p] += 1
-    labels = list(zip([accounted_records(int(k)) for k in seen.tolist()], first.tolist(),
-                      strict=True))
-    order = sorted(set(labels), key=lambda t: (t[1], t[0]))
+    labels: list[tuple[int, float | None]] = list(zip(
+        [accounted_records(int(k)) for k in seen.tolist()],
+        [classes.target_class(t) if classes is not None else t for t in first.tolist()],
+        strict=True))
+    if classes is not None:
+        order = classes.classes()
+    else:
+        order = sorted({(k, t) for k, t in labels if t is not None}, key=lambda g: (g[1], g[0]))
     index = {t: i for i, t in enumerate(order)}
-    group_of_patient = np.array([index[t] for t in labels], dtype=np.int64)
+    group_of_patient = np.array([index.get(t, -1) for t in labels], dtype=np.int64)
     counts = Counter(labels)
-    record_group = np.where(kept, group_of_patient[patient_of], -1)
+    record_group = np.where(kept & (group_of_patient[patient_of] >= 0),
+                            group_of_patient[patient_of], -1)
     return PatientGroups(keys, group_of_patient, record_group,
-                         tuple((k, e, counts[(k, e)]) for k, e in order))
+                         tuple((k, e, counts[(k, e)]) for k, e in order),
+                         int(np.count_nonzero(group_of_patient < 0)))
 
 
 def _largest(fits: Callable[[float], float], lo: float, hi: float, rel: float = 1e-4) -> float:
@@ -338,14 +455,17 @@ def _largest(fits: Callable[[float], float], lo: float, hi: float, rel: float = 
 
 def plan_idp(groups: PatientGroups, *, delta: float, sample_rate: float, steps: int,
              clip_norm: float = 1.0, method: str = "sampling", bound: str = "rdp",
-             max_records: int | None = None, noise_multiplier: float | None = None
-             ) -> IdpPlan:
+             max_records: int | None = None, noise_multiplier: float | None = None,
+             weights: Sequence[float] | None = None) -> IdpPlan:
     """Rates and clips per group so that every patient's epsilon is at most its target.
 
-    ``sample_rate`` is plain DP-SGD's per-record rate: the record-weighted mean rate of the
-    plan (``method="sampling"``) or every record's rate (the other methods). The noise
-    multiplier is found here unless given. ``max_records`` only labels the plan; the cut-off
-    itself is applied by :func:`group_patients`.
+    Reads only the groups' classes ``(records, target)`` and the public ``weights`` (one per
+    group; default 1 on the one-record groups: :meth:`IdpClasses.class_weights`), never how
+    many patients a group holds. ``sample_rate`` is plain DP-SGD's per-record rate: the
+    weighted mean rate of the plan (``method="sampling"``; by default the rate of a patient
+    with one record) or every record's rate (the other methods). The noise multiplier is found
+    here unless given. ``max_records`` only labels the plan; the cut-off itself is applied by
+    :func:`group_patients`.
     """
     if method not in METHODS:
         raise PrivacyConfigError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -357,7 +477,14 @@ def plan_idp(groups: PatientGroups, *, delta: float, sample_rate: float, steps: 
     if not clip_norm > 0:
         raise PrivacyConfigError(f"clip norm must be > 0, got {clip_norm}")
     sizes = groups.sizes
-    weight = np.array([k * n for k, _, n in sizes], dtype=np.float64)
+    if weights is None:
+        weights = [1.0 if k == 1 else 0.0 for k, _, _ in sizes]
+        if not any(weights):
+            weights = [1.0 / k for k, _, _ in sizes]  # no one-record class: each class alike
+    weight = np.asarray(weights, dtype=np.float64)
+    if weight.shape != (len(sizes),) or weight.min() < 0 or not weight.sum() > 0:
+        raise PrivacyConfigError(f"need {len(sizes)} non-negative public class weights, not "
+                                 "all zero")
 
     def eps(z: float, q: float, k: int, target: float) -> float:
         return patient_epsilon(z, q, k, steps, delta, bound, target)
@@ -393,7 +520,7 @@ def plan_idp(groups: PatientGroups, *, delta: float, sample_rate: float, steps: 
                                      f"> their target {t:g}; raise the noise multiplier")
         out.append(RateGroup(k, t, n, q, c, e))
     return IdpPlan(method, bound, float(noise_multiplier), clip_norm, steps, delta,
-                   max_records, tuple(out))
+                   max_records, tuple(out), tuple(float(w) for w in weight))
 
 
 def _largest_log(fits: Callable[[float], float], lo: float, hi: float,

@@ -5,7 +5,9 @@ source, :mod:`dp.randomness`); Opacus' ``GradSampleModule`` computes per-record 
 each is clipped to its group's clip norm here, then Opacus' ``DPOptimizer`` (whose own clip,
 at the largest group clip, is then a no-op) adds Gaussian noise of stddev ``z * C`` drawn
 from the same cryptographic source as the coins (as in site mode:
-:class:`dp.opacus_glue.SecureNoiseOptimizer`) and divides by the plan's expected batch size.
+:class:`dp.opacus_glue.SecureNoiseOptimizer`) and divides by the operator's declared expected
+batch (``expected_batch``, public) or not at all (the sum): never by the plan's record counts,
+which are the site's own.
 A :class:`dp.idp.GroupLedger` (one budget per rate group, at the group's target; shared
 across rounds) refuses a round that would take any group past its target before it runs.
 
@@ -38,8 +40,8 @@ class IdpSgd:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  dataset: Dataset[tuple[torch.Tensor, torch.Tensor]], *, loss_fn: LossFn,
                  plan: IdpPlan, record_group: npt.NDArray[np.int64],
-                 source: RandomSource | None = None, ledger: GroupLedger | None = None
-                 ) -> None:
+                 source: RandomSource | None = None, ledger: GroupLedger | None = None,
+                 expected_batch: float | None = None) -> None:
         groups = np.asarray(record_group, dtype=np.int64)
         if groups.shape != (len(dataset),):  # type: ignore[arg-type]
             raise PrivacyConfigError(f"need one group per record ({len(dataset)}), got "  # type: ignore[arg-type]
@@ -57,12 +59,16 @@ class IdpSgd:
         self.source: RandomSource = source or SystemRandom()
         self.module = GradSampleModule(model, loss_reduction="sum")
         top = max(g.clip_norm for g in plan.groups)
+        if expected_batch is not None and not expected_batch > 0:
+            raise PrivacyConfigError(f"expected_batch must be > 0 (the declared records per "
+                                     f"step), got {expected_batch}")
+        self.normaliser = 1.0 if expected_batch is None else float(expected_batch)
         # The noise from the engine's source (the kernel CSPRNG by default), as in site mode
         # (dp.opacus_glue.SecureNoiseOptimizer), never torch's Mersenne Twister.
         self.optimizer = SecureNoiseOptimizer(
             optimizer, noise_multiplier=plan.noise_multiplier * plan.clip_norm / top,
-            max_grad_norm=top, expected_batch_size=max(1, round(plan.expected_batch_size)),
-            loss_reduction="mean")
+            max_grad_norm=top, expected_batch_size=self.normaliser,
+            loss_reduction="sum" if expected_batch is None else "mean")
         self.optimizer.noise_source = self.source
         self.ledger = ledger or GroupLedger(plan)
         if self.ledger.plan is not plan:

@@ -15,12 +15,23 @@ of Opacus' ``secure_mode`` against floating-point attacks) instead of torch's Me
 Twister; it costs 32 bytes of ``os.urandom`` per parameter per step (about 1 ms per 10^5
 parameters here), affordable for every model this package trains.
 
+The normaliser is public: the noised sum of clipped unit gradients is divided by
+``expected_batch``, the operator's *declared* expected number of units per step (a public
+parameter, ``--expected-batch``), or not divided at all (``expected_batch=None``: the sum; the
+learning rate is then per unit). It is never computed from the site's records: Opacus' own
+convention, ``sample_rate * len(dataset)``, makes the update's noise scale ``z C / round(q N)``
+a function of the patient count N, so two neighbouring sites (42 and 43 patients at q = 0.2:
+8 and 9) get different noise and the accounted epsilon no longer holds
+(``tests/dp/test_public_parameters.py``).
+
 Adaptive clipping (``target_quantile``; Andrew et al. 2021): every step also counts the
 sampled units whose norm is within the clip, centred (``b - 1/2``), adds Gaussian noise
-``count_stddev`` and moves the clip geometrically toward the target quantile. The count and
-the update use the same sample; together they are one Gaussian mechanism whose noise
-multiplier is :attr:`dp.budget.GaussianRound.effective_noise_multiplier` (Thm. 1), which is
-what the event of :meth:`SitePrivacyEngine.round_event` accounts.
+``count_stddev`` and moves the clip geometrically toward the target quantile; the noisy
+fraction divides by the declared ``expected_batch``, which adaptive clipping therefore
+needs. The count and the update use the same sample; together they are one Gaussian
+mechanism whose noise multiplier is
+:attr:`dp.budget.GaussianRound.effective_noise_multiplier` (Thm. 1), which is what the event
+of :meth:`SitePrivacyEngine.round_event` accounts.
 
 Needs torch and opacus (the ``torch`` extra).
 """
@@ -84,6 +95,7 @@ class SitePrivacyEngine:
         target_quantile: float | None = None,
         count_stddev: float | None = None,
         clip_learning_rate: float = 0.2,
+        expected_batch: float | None = None,
     ) -> None:
         if not noise_multiplier > 0 or not max_grad_norm > 0:
             raise PrivacyConfigError("noise_multiplier and max_grad_norm must be > 0")
@@ -104,20 +116,42 @@ class SitePrivacyEngine:
             raise PrivacyConfigError(f"target_quantile must be in (0, 1), got {target_quantile}")
         if count_stddev is not None and not count_stddev > 0:
             raise PrivacyConfigError(f"count_stddev must be > 0, got {count_stddev}")
+        if expected_batch is not None and not (math.isfinite(expected_batch)
+                                               and expected_batch > 0):
+            raise PrivacyConfigError(f"expected_batch must be a positive number (the declared "
+                                     f"units per step), got {expected_batch}")
+        if target_quantile is not None and expected_batch is None:
+            raise PrivacyConfigError(
+                "adaptive clipping in site mode divides the noised clip count by the declared "
+                "expected batch: pass expected_batch (--expected-batch B, a public figure, "
+                "never the site's own count)")
         self.target_quantile = target_quantile
         self.count_stddev = count_stddev
         self.clip_learning_rate = clip_learning_rate
         generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "big") >> 1)
         cls = SecureNoiseOptimizer if secure_noise else DPOptimizer
-        self.expected_units = max(1, round(sample_rate * self.index.num_units))
+        self.expected_batch = expected_batch
         self.optimizer = cls(
             optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-            expected_batch_size=self.expected_units, loss_reduction="mean",
+            expected_batch_size=self.normaliser,
+            loss_reduction="mean" if expected_batch is not None else "sum",
             generator=generator,
         )
         if isinstance(self.optimizer, SecureNoiseOptimizer):
             self.optimizer.noise_source = self.source
         self.accountant = RDPAccountant()
+
+    @property
+    def normaliser(self) -> float:
+        """What the noised sum is divided by: the declared expected batch, or 1 (the sum).
+        A public figure: never read from the records."""
+        return 1.0 if self.expected_batch is None else float(self.expected_batch)
+
+    @property
+    def noise_stddev(self) -> float:
+        """Stddev of the noise on each coordinate of one step's update (before the learning
+        rate): ``z C / normaliser``."""
+        return self.noise_multiplier * self.clip_norm / self.normaliser
 
     def round_event(self, steps: int) -> GaussianRound:
         return GaussianRound(self.noise_multiplier, self.sample_rate, steps, self.count_stddev)
@@ -140,7 +174,7 @@ class SitePrivacyEngine:
         else:
             centred = 0.0
         noisy = centred + float(secure_normal(self.source, 1)[0]) * self.count_stddev
-        fraction = noisy / self.expected_units + 0.5
+        fraction = noisy / self.normaliser + 0.5
         self.optimizer.max_grad_norm = clip * math.exp(
             -self.clip_learning_rate * (fraction - self.target_quantile))
 

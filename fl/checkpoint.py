@@ -273,6 +273,7 @@ def load(directory: str | Path) -> Checkpoint | None:
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume with settings that change the data, model or privacy accounting."""
+    current = json.loads(json.dumps(current))  # as saved: tuples are lists
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}"
              for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
     if diffs:

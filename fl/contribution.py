@@ -79,7 +79,8 @@ class Trainer(Protocol):
 
     def site_dp_update(self, model: torch.nn.Module, layout: ParameterLayout, *,
                        noise_multiplier: float, clip_norm: float, sample_rate: float,
-                       steps: int, lr: float, unit: str = "patient") -> F64: ...
+                       steps: int, lr: float, unit: str = "patient",
+                       expected_batch: float | None = None) -> F64: ...
 
     def unit_gradients(self, model: torch.nn.Module, *, sample_rate: float,
                        unit: str = "patient") -> F64: ...
@@ -111,6 +112,9 @@ class RoundTask:
     count_stddev: float | None = None
     """Site DP with private adaptive clipping (Andrew et al. 2021): the clip's target
     quantile and the noise of the clip count (accounted jointly, dp.budget.GaussianRound)."""
+    expected_batch: float | None = None
+    """Site DP: the operator's declared expected units per DP-SGD step, the public figure
+    the noised sum is divided by (None: the sum); never a site's own count."""
     strategy: str = "fedavg"
     """``scaffold``: the site also returns its control variate's delta (fl/strategies.py)."""
     local_steps: int | None = None
@@ -206,6 +210,8 @@ class RoundTask:
             sample_rate=_float(body, "sample_rate", 0, 1, low_open=True),
             steps=_int(body, "steps", 1, 1 << 20), params=params, max_units=max_units,
             plan_steps=plan_steps,
+            expected_batch=(_float(body, "expected_batch", 0, 1 << 40, low_open=True)
+                            if body.get("expected_batch") is not None else None),
             strategy=_str(body, "strategy", STRATEGIES) if "strategy" in body else "fedavg",
             local_steps=(_int(body, "local_steps", 1, 1 << 24)
                          if body.get("local_steps") is not None else None),
@@ -228,7 +234,7 @@ def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: i
         return replace(task, noise_multiplier=plan.noise_multiplier,
                         clip_norm=plan.clip_norm, sample_rate=plan.sample_rate,
                         steps=plan.steps, target_quantile=plan.target_quantile,
-                        count_stddev=plan.count_stddev,
+                        count_stddev=plan.count_stddev, expected_batch=s.expected_batch,
                         plan_steps=s.rounds * plan.steps if s.unit == "patient-idp" else None)
     if isinstance(plan, DistributedPlan):
         return replace(task, params=plan.codec(s.seed, round_number, clip_norm).params,
@@ -277,6 +283,7 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
         delta = trainer.site_dp_update(
             model, layout, noise_multiplier=task.noise_multiplier, clip_norm=task.clip_norm,
             sample_rate=task.sample_rate, steps=task.steps, lr=task.lr, unit=task.unit,
+            expected_batch=task.expected_batch,
             **({} if task.count_stddev is None else {
                 "target_quantile": task.target_quantile, "count_stddev": task.count_stddev}),
             **({"round_number": task.round} if task.unit == "patient-idp" else {}))

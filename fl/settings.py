@@ -56,13 +56,19 @@ class TrainSettings:
     verify: bool = True
     accountant: str = "rdp"
     max_units: int | None = None
+    expected_batch: float | None = None
+    """``--expected-batch B`` (site DP): the operator's declared expected units per DP-SGD
+    step, public; the noised sum is divided by it. None: the sum (lr per unit)."""
     adaptive_clip: float | None = None
     clip_count_stddev: float | None = None
     scaler_file: str | None = None
     budget_column: str | None = None
     max_records_per_patient: int | None = None
     """``--unit patient-idp``: a patient's first K records are kept, the rest never sampled
-    (its rate group is then at most K records; dp.idp.group_patients)."""
+    (the declared record classes are accounted_records(1..K); None: dp.idp.DEFAULT_MAX_RECORDS)."""
+    budget_classes: tuple[float, ...] | None = None
+    """``--budget-classes E1,E2,...`` (with ``--budget-column``): the declared target classes;
+    a patient's budget is rounded down to one (dp.idp.IdpClasses)."""
     feature_bounds: str | None = None
     """``--feature-bounds FILE``: public per-feature ranges for the noised scaler
     (:mod:`fl.site.private_scaler`)."""
@@ -145,6 +151,14 @@ class TrainSettings:
                             "--epsilon, below it, with --site-weights")
         if self.clip_count_stddev is not None and not self.clip_count_stddev > 0:
             problems.append(f"--clip-count-stddev {self.clip_count_stddev}: need > 0")
+        if self.expected_batch is not None and not (math.isfinite(self.expected_batch)
+                                                    and self.expected_batch > 0):
+            problems.append(f"--expected-batch {self.expected_batch}: need a positive number")
+        if (self.dp == "site" and self.adaptive_clip is not None
+                and self.expected_batch is None):
+            problems.append("--adaptive-clip with --dp site divides the noised clip count by "
+                            "the declared expected batch: add --expected-batch B (patients "
+                            "per step per site, a public figure)")
         if self.max_units is not None and self.max_units < 1:
             problems.append(f"--max-units {self.max_units}: need at least 1")
         if self.scaler_file is not None and self.scaling == "secure":
@@ -177,6 +191,10 @@ class TrainSettings:
                             "count >= 1, with --unit patient-idp")
         if self.budget_column is not None and (self.unit != "patient-idp" or self.csv is None):
             problems.append("--budget-column goes with --unit patient-idp and --csv")
+        if self.budget_classes is not None and (
+                self.budget_column is None
+                or not all(math.isfinite(e) and e > 0 for e in self.budget_classes)):
+            problems.append("--budget-classes: positive epsilons, with --budget-column")
         if not 0 <= self.drop_rate < 1:
             problems.append(f"--drop-rate {self.drop_rate}: need a fraction in [0, 1)")
         if self.local_epochs < 1:

@@ -441,9 +441,15 @@ def render(runs: list[dict[str, Any]], plot_name: str) -> str:
         "* **Individual sampling rates** (Kaiser et al., strategy 1; `method=\"sampling\"`): "
         "patients are grouped by (records k after the cut-off, target epsilon); each group g "
         "gets its own per-record rate q_g, the largest whose patient-level epsilon is at most "
-        "the target, with one z for everyone chosen so that the record-weighted mean of the "
-        "q_g equals q (the same expected batch as plain DP-SGD; the sampling-with-constant-"
-        "batch-size idea of Boenisch et al. 2023). Patients with fewer records get higher "
+        "the target, with one z for everyone chosen so that the mean of the q_g over public "
+        "class weights equals q (by default the weight is on the one-record classes: q is "
+        "the rate of a patient with one record). The groups are the operator's declared "
+        "classes (`dp.idp.IdpClasses`: the cut K, default 8, and the target classes), "
+        "planned whatever the table holds, and the planner never reads how many patients a "
+        "class holds, so the plan is the same for neighbouring tables (docs/privacy.md, "
+        "\"Every parameter and its source\"; earlier versions weighed the groups by their "
+        "record counts, which made z a function of one patient). Patients with fewer "
+        "records get higher "
         "rates. The planner (`dp.idp.plan_idp`) takes the smallest z at which the groups' "
         "largest rates reach the mean q *and* every group is feasible (some rate >= 1e-6 "
         "meets its target); when feasibility needs more noise than the mean, the largest "
@@ -461,7 +467,8 @@ def render(runs: list[dict[str, Any]], plot_name: str) -> str:
         "site) and the terminal says how many.",
         "* **Individual clip norms** (strategy 2; `method=\"clipping\"`): every record at rate "
         "q; group g's records are clipped to c_g, the largest that meets the target; z is "
-        "chosen so that the record-weighted mean clip equals C (the noise stays z C).",
+        "chosen so that the mean clip over the public class weights equals C (the noise "
+        "stays z C).",
         "* **Individual budgets** (Boenisch, Muehl, Rinberg, Ibrahim, Dziedzic, \"Have it "
         "your way: individualized privacy assignment for DP-SGD\", NeurIPS 2023): the same "
         "construction with a target per patient.",
@@ -604,11 +611,13 @@ def render(runs: list[dict[str, Any]], plot_name: str) -> str:
         "",
         "    secagg train --dp site --unit patient-idp --epsilon 3 --delta 1e-5 \\",
         "        --csv visits.csv --patient-column pid --label-column outcome \\",
-        "        --budget-column consent_epsilon --sample-rate 0.05 --rounds 20",
+        "        --budget-column consent_epsilon --budget-classes 1,2,3 --sample-rate 0.05 "
+        "--rounds 20",
         "",
         "Each site plans its own rate groups from its own table for `rounds x steps` steps "
         "(mean record rate `--sample-rate`), each patient's target being its "
-        "`--budget-column` value (at most `--epsilon`) or `--epsilon`. The coordinator stops "
+        "`--budget-column` value (at most `--epsilon`, rounded down to a declared "
+        "`--budget-classes` class) or `--epsilon`. The coordinator stops "
         "before a round that would take any group at any site past its target; the per-round "
         "`epsilon` is the largest of any group, and the JSON report's `idp` section lists "
         "every site's groups (records, target, patients, rate, clip, planned and spent "
@@ -626,7 +635,8 @@ def render(runs: list[dict[str, Any]], plot_name: str) -> str:
         "        --patient-column pid --label-column outcome --labels no,yes --broker mqtts://...",
         "    secagg train --role site --site-id 2 --dp site --unit patient-idp --epsilon 3 \\",
         "        --delta 1e-5 --csv visits.csv --patient-column pid --label-column outcome \\",
-        "        --budget-column consent_epsilon --ledger /var/lib/secagg/ledger.json \\",
+        "        --budget-column consent_epsilon --budget-classes 1,2,3 \\",
+        "        --ledger /var/lib/secagg/ledger.json \\",
         "        --broker mqtts://...",
         "",
         "* The unit is the site operator's: `--unit patient-idp` on the site is its policy's "

@@ -47,6 +47,17 @@ from fl.settings import (
 ROLES = ("all", "coordinator", "site")
 
 
+def _epsilons(text: str) -> tuple[float, ...]:
+    """``--budget-classes``: comma-separated positive epsilons."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers, e.g. 1,3") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every class a positive epsilon")
+    return values
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "train", help="federated training across simulated hospitals with secure aggregation",
@@ -142,11 +153,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="--unit patient-idp with --csv (--role all or site): column with "
                         "each patient's own epsilon (at most --epsilon); read by the site, "
                         "never sent")
+    r.add_argument("--budget-classes", type=_epsilons, metavar="E1,E2,...",
+                   help="--budget-column: the declared target classes (public); a patient's "
+                        "budget is rounded down to one, below them all it is never sampled")
     r.add_argument("--max-records-per-patient", type=int, metavar="K",
                    help="--unit patient-idp (--role all or site): keep each patient's first K "
-                        "records and never sample the rest, so no rate group is larger "
-                        "than K records (the cut-off of Kaiser et al.); the records dropped "
-                        "are counted in the report and on the terminal")
+                        "records and never sample the rest (the cut-off of Kaiser et al.); "
+                        "the declared record classes are 1..K, planned whatever the table "
+                        "holds (default 8); the records dropped are counted in the report "
+                        "and on the terminal")
     c.add_argument("--drop-rate", type=float, default=d.drop_rate, metavar="P",
                    help="probability a site drops out of a round, at a random stage")
     c.add_argument("--max-attempts", type=int, default=d.max_attempts, metavar="N",
@@ -183,6 +198,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--sample-rate", type=float, default=None,
                    help=f"DP: patient sampling rate per step (default {d.sample_rate}; "
                         "tcga-brca with --dp distributed: 0.5)")
+    c.add_argument("--expected-batch", type=float, metavar="B",
+                   help="--dp site: the patients a site samples per step on average, as the "
+                        "operator declares it (public; the noised sum is divided by it). "
+                        "Default: no division (the sum; the learning rate is per patient). "
+                        "Never computed from a site's records")
     c.add_argument("--noise-multiplier", type=float, metavar="Z",
                    help="DP: fix the noise instead of calibrating it to --epsilon/--rounds "
                         "(epsilon is still accounted and reported)")
@@ -322,10 +342,12 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         cohort=args.cohort,
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
         max_units=args.max_units, adaptive_clip=args.adaptive_clip, scaler_file=args.scaler,
+        expected_batch=args.expected_batch,
         clip_count_stddev=args.clip_count_stddev, site_weights=args.site_weights,
         min_site_weight=args.min_site_weight, max_site_weight=args.max_site_weight,
         weights_epsilon=args.weights_epsilon,
         budget_column=args.budget_column if args.role != "site" else None,
+        budget_classes=args.budget_classes if args.role != "site" else None,
         max_records_per_patient=(args.max_records_per_patient if args.role != "site"
                                  else None),
         feature_bounds=args.feature_bounds, scaler_epsilon=args.scaler_epsilon,
@@ -414,6 +436,17 @@ def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
         for r, e in enumerate(eps, 1):
             if r <= 3 or r > len(eps) - 3 or r % max(1, len(eps) // 10) == 0:
                 print(f"  after round {r:4d}: epsilon {e:.4f}")
+    if plan.get("sources"):
+        by: dict[str, list[str]] = {}
+        for name, source in plan["sources"].items():
+            if name == "noised":
+                print(f"  noised releases: {source}")
+                continue
+            by.setdefault(source.split(" ")[0], []).append(name)
+        for kind in ("operator", "public", "noised", "site-local"):
+            if by.get(kind):
+                print(f"  {kind}{' (declared)' if kind == 'operator' else ''}: "
+                      + ", ".join(by[kind]))
     for warning in plan["warnings"]:
         print(f"  warning: {warning}")
     return 0
@@ -647,7 +680,8 @@ def _site_idp(args: argparse.Namespace, data: Any, guard: Any, log: Any) -> None
     policy = guard.ledger.policy
     data.idp = SitePatients(args.site_id, data.table(data.schema.labels),
                             epsilon=policy.epsilon, delta=policy.delta,
-                            max_records=args.max_records_per_patient)
+                            max_records=args.max_records_per_patient,
+                            budget_classes=args.budget_classes)
     log(f"patient-idp: {len(data.idp.groups.sizes)} rate groups from this site's table "
         "(records per patient" + (", --budget-column" if args.budget_column else "")
         + "); each is charged on its own")
@@ -703,6 +737,60 @@ def _save_model(path: str, report: dict[str, Any]) -> None:
     save_model(path, model, info)
 
 
+def _source(settings: TrainSettings, name: str) -> str:
+    """Where a release's parameter comes from: the operator's flag, a public computation
+    from declared figures, or a noised release; never the records."""
+    declared = {"sample_rate": "--sample-rate", "steps": "--site-steps/--local-epochs",
+                "calibration_threshold": "the secagg threshold (--cohort, --sites)",
+                "max_site_weight": "--max-site-weight", "expected_batch": "--expected-batch",
+                "count_stddev": "--clip-count-stddev (or 10 x the noise multiplier)"}
+    if name == "noise_multiplier" or name == "per_site_noise_stddev":
+        return ("operator (--noise-multiplier)" if settings.noise_multiplier is not None
+                else "public (calibrated to --epsilon, --delta, --rounds, --sample-rate)")
+    if name == "clip_norm":
+        return ("noised (adaptive clip: post-processing of the noised clip counts)"
+                if settings.adaptive_clip is not None else "operator (--clip-norm)")
+    if name == "bits":
+        return "public (from --max-units, never a site's count)"
+    return f"operator ({declared[name]})" if name in declared else "public"
+
+
+#: The two neighbour relations a run's epsilons can be stated under, side by side.
+EPSILON_UNITS = {
+    "patient": {"unit": "patient", "relation": "add/remove one patient with all its records "
+                "(--unit record: one record; patient-idp: each rate group's own figure)",
+                "who": "the coordinator's accountant, composed over every release"},
+    "site": {"unit": "site (a whole node)", "relation": "add/remove one site",
+             "who": "not accounted by secagg train: no release bounds a whole site's "
+                    "contribution (Flower's client-level DistributedDP does, docs/flower.md)"},
+}
+
+
+def add_sources(settings: TrainSettings, report: dict[str, Any]) -> None:
+    """Per release, every parameter it used with its source, and the run's epsilons with
+    their unit and neighbour relation side by side (docs/privacy.md, "Every parameter and its
+    source")."""
+    names = ("noise_multiplier", "sample_rate", "steps", "count_stddev",
+             "per_site_noise_stddev", "calibration_threshold", "max_site_weight", "clip_norm")
+    clips = {r["round"]: r.get("clip_norm") for r in report.get("rounds") or []}
+    for release in report.get("releases") or []:
+        release["parameters"] = {k: {"value": release[k], "source": _source(settings, k)}
+                                 for k in names if release.get(k) is not None}
+        if release.get("round", 0) >= 1 and "clip_norm" not in release["parameters"]:
+            clip = clips.get(release["round"]) or settings.clip_norm
+            release["parameters"]["clip_norm"] = {"value": clip,
+                                                  "source": _source(settings, "clip_norm")}
+        if release.get("mode") == "site" and settings.unit != "patient-idp":
+            release["parameters"]["expected_batch"] = {
+                "value": settings.expected_batch,
+                "source": ("operator (--expected-batch)" if settings.expected_batch
+                           else "public (none: the noised sum is not divided)")}
+    last = next((r["epsilon"] for r in reversed(report.get("rounds") or [])
+                 if r.get("epsilon") is not None), None)
+    report["epsilons"] = [{**EPSILON_UNITS["patient"], "epsilon": last, "delta": settings.delta},
+                          {**EPSILON_UNITS["site"], "epsilon": None, "delta": None}]
+
+
 def _finish(args: argparse.Namespace, settings: TrainSettings, report: dict[str, Any]) -> int:
     """Write the report, model and plot, print the summary (the same for every role)."""
     if args.save_model is not None and report["rounds"]:
@@ -711,6 +799,7 @@ def _finish(args: argparse.Namespace, settings: TrainSettings, report: dict[str,
                                     f"in {args.save_model}.json)")
     report.pop("model", None)
     report["command"] = "train"
+    add_sources(settings, report)
     if report["stopped"]:
         print(f"secagg train: stopped: {report['stopped']}", file=sys.stderr)
     if args.json:

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dp.idp import GroupLedger, group_patients, plan_idp
+from dp.idp import (
+    DEFAULT_MAX_RECORDS,
+    PLAN_SOURCES,
+    GroupLedger,
+    IdpClasses,
+    group_patients,
+    plan_idp,
+)
 
 if TYPE_CHECKING:
     from dp.idp import IdpPlan, PatientGroups
@@ -42,23 +49,45 @@ if TYPE_CHECKING:
     from fl.vector import ParameterLayout
 
 
+def declared_classes(epsilon: float | None, max_records: int | None,
+                     budget_classes: tuple[float, ...] | None, budget_column: bool
+                     ) -> IdpClasses:
+    """The operator's declared rate classes (public, fixed before the table is read): the
+    cut ``--max-records-per-patient`` (default :data:`dp.idp.DEFAULT_MAX_RECORDS`) and the
+    target classes: ``--budget-classes`` with a budget column, else ``--epsilon``."""
+    if budget_classes:
+        targets = tuple(budget_classes)
+        if epsilon is not None and max(targets) > epsilon:
+            raise ValueError(f"--budget-classes has a class {max(targets):g} above --epsilon "
+                             f"{epsilon:g} (the largest budget allowed)")
+    elif budget_column:
+        raise ValueError("--budget-column needs the declared target classes, "
+                         "--budget-classes E1,E2,... (public; a patient's budget is rounded "
+                         "down to a class): the classes must not be read from the column")
+    elif epsilon is not None:
+        targets = (epsilon,)
+    else:
+        raise ValueError("--unit patient-idp needs --epsilon (every patient's budget) "
+                         "or --budget-column COL with --budget-classes")
+    return IdpClasses(max_records=max_records or DEFAULT_MAX_RECORDS, targets=targets)
+
+
 def site_groups(site_id: int, table: Table, epsilon: float | None,
-                max_records: int | None = None) -> PatientGroups:
-    """A site's rate groups: each patient's target is its ``--budget-column`` value (at most
-    ``epsilon``) or ``epsilon``; with ``max_records`` (``--max-records-per-patient``) a
-    patient keeps its first K records."""
+                max_records: int | None = None,
+                budget_classes: tuple[float, ...] | None = None) -> PatientGroups:
+    """A site's rate groups: the declared classes (:func:`declared_classes`); each patient's
+    target is its ``--budget-column`` value (at most ``epsilon``) rounded down to a class,
+    or ``epsilon``; a patient keeps its first K records (``--max-records-per-patient``)."""
+    classes = declared_classes(epsilon, max_records, budget_classes, table.budgets is not None)
     if table.budgets is not None:
         if epsilon is not None and float(table.budgets.max()) > epsilon:
             raise ValueError(f"site {site_id}: --budget-column has a budget "
                              f"{float(table.budgets.max()):g} above --epsilon "
                              f"{epsilon:g} (the largest budget allowed)")
         targets: Any = table.budgets
-    elif epsilon is not None:
-        targets = epsilon
     else:
-        raise ValueError("--unit patient-idp needs --epsilon (every patient's budget) "
-                         "or --budget-column COL")
-    return group_patients(table.patient_ids.tolist(), targets, max_records)
+        targets = classes.targets[0]
+    return group_patients(table.patient_ids.tolist(), targets, classes=classes)
 
 
 class SiteIdp:
@@ -77,15 +106,16 @@ class SiteIdp:
     def for_site(cls, site: Site, settings: TrainSettings) -> SiteIdp:
         """``--role all``: plan the site's groups for the whole run."""
         groups = site_groups(site.site_id, site.table, settings.epsilon,
-                             settings.max_records_per_patient)
+                             settings.max_records_per_patient, settings.budget_classes)
         plan = plan_idp(groups, delta=settings.delta, sample_rate=settings.sample_rate,
                         steps=settings.rounds * settings.steps_per_round,
                         clip_norm=settings.clip_norm, bound=settings.accountant,
-                        max_records=settings.max_records_per_patient)
+                        max_records=settings.max_records_per_patient or DEFAULT_MAX_RECORDS)
         return cls(groups, plan, GroupLedger(plan))
 
     def update(self, site: Site, model: torch.nn.Module, layout: ParameterLayout, *,
-               steps: int, lr: float, round_number: int | None = None) -> np.ndarray:
+               steps: int, lr: float, round_number: int | None = None,
+               expected_batch: float | None = None) -> np.ndarray:
         """``w_local - w_global`` after ``steps`` steps; refuses (``BudgetExceeded``) a round
         that would take any of this site's groups past its target.
 
@@ -107,7 +137,7 @@ class SiteIdp:
         optimizer = torch.optim.SGD([p for p in local.parameters() if p.requires_grad], lr=lr)
         engine = IdpSgd(local, optimizer, TensorDataset(site.x, site.y),
                         loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"), plan=self.plan,
-                        record_group=self.groups.record_group)
+                        record_group=self.groups.record_group, expected_batch=expected_batch)
         with warnings.catch_warnings():  # inputs need no grad; Opacus' hook warns about it
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(steps):
@@ -127,12 +157,13 @@ class SitePatients:
     groups from its own table, computed once (the budget column is read here and never
     sent), and its plan for a proposed round, recomputed only when the coordinator proposes
     other parameters. ``epsilon``/``delta``: the site operator's budget; ``max_records``:
-    its ``--max-records-per-patient``. Its ledger composes each group's RDP, so the site
-    role plans with the RDP accountant."""
+    its ``--max-records-per-patient``; ``budget_classes``: its declared target classes.
+    Its ledger composes each group's RDP, so the site role plans with the RDP accountant."""
 
     def __init__(self, site_id: int, table: Table, *, epsilon: float | None,
-                 delta: float, max_records: int | None = None) -> None:
-        self.groups = site_groups(site_id, table, epsilon, max_records)
+                 delta: float, max_records: int | None = None,
+                 budget_classes: tuple[float, ...] | None = None) -> None:
+        self.groups = site_groups(site_id, table, epsilon, max_records, budget_classes)
         self.delta = delta
         self.max_records = max_records
         self._plans: dict[tuple[float, int, float], IdpPlan] = {}
@@ -147,7 +178,7 @@ class SitePatients:
             self._plans = {key: plan_idp(self.groups, delta=self.delta,
                                          sample_rate=task.sample_rate,
                                          steps=task.plan_steps, clip_norm=task.clip_norm,
-                                         max_records=self.max_records)}
+                                         max_records=self.max_records or DEFAULT_MAX_RECORDS)}
         return SiteIdp(self.groups, self._plans[key], None)
 
 
@@ -296,4 +327,4 @@ def plan_summary(settings: TrainSettings, sites: dict[int, Site], out: dict[str,
                epsilon_after=eps, epsilon_final=eps[-1],
                rounds_run=settings.rounds, rounds_affordable=settings.rounds,
                idp={str(cid): s.idp.plan.report() for cid, s in sites.items()
-                    if s.idp is not None})
+                    if s.idp is not None}, sources=PLAN_SOURCES)

@@ -159,9 +159,11 @@ class Site:
                        steps: int, lr: float, unit: str = "patient",
                        target_quantile: float | None = None,
                        count_stddev: float | None = None,
-                       round_number: int | None = None) -> F64:
+                       round_number: int | None = None,
+                       expected_batch: float | None = None) -> F64:
         """``w_local - w_global`` after ``steps`` DP-SGD steps (Poisson-sampled patients);
-        with ``target_quantile``/``count_stddev``, private adaptive clipping per step.
+        with ``target_quantile``/``count_stddev``, private adaptive clipping per step. The
+        noised sum is divided by ``expected_batch`` (declared, public) or not at all.
         ``unit="patient-idp"``: this site's own rates and noise (:mod:`fl.site.idp`) instead."""
         from torch.utils.data import TensorDataset
 
@@ -170,7 +172,7 @@ class Site:
                 raise ValueError(f"site {self.site_id}: --unit patient-idp needs the site's "
                                  "plan (fl.site.idp.configure)")
             return self.idp.update(self, model, layout, steps=steps, lr=lr,
-                                   round_number=round_number)
+                                   round_number=round_number, expected_batch=expected_batch)
 
         from dp.opacus_glue import SitePrivacyEngine
 
@@ -182,7 +184,8 @@ class Site:
             loss_fn=self.dp_loss(),
             noise_multiplier=noise_multiplier, max_grad_norm=clip_norm,
             sample_rate=sample_rate, patient_ids=self.patient_ids.tolist(), unit=unit,
-            target_quantile=target_quantile, count_stddev=count_stddev)
+            target_quantile=target_quantile, count_stddev=count_stddev,
+            expected_batch=expected_batch)
         with warnings.catch_warnings():  # inputs need no grad; Opacus' hook warns about it
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(steps):

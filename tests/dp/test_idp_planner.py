@@ -28,7 +28,7 @@ def _check_plan(plan, sample_rate: float) -> None:
         assert g.sample_rate > 0
         again = plan.group_epsilon(g, plan.steps)
         assert again == pytest.approx(g.epsilon) and again <= g.target_epsilon * (1 + 1e-9)
-    assert plan.mean_sample_rate == pytest.approx(sample_rate, rel=1e-9)
+    assert plan.planned_mean_rate == pytest.approx(sample_rate, rel=1e-9)
 
 
 def test_issue_19_counts_are_planned_not_refused() -> None:
@@ -49,13 +49,13 @@ def test_the_noise_is_the_smallest_that_reaches_the_mean() -> None:
     # 2 % less noise: the groups' largest rates no longer reach the mean rate
     low = plan_idp(g, delta=1e-5, sample_rate=1.0, steps=40,
                    noise_multiplier=plan.noise_multiplier / 1.02)
-    assert low.mean_sample_rate < 0.1
+    assert low.planned_mean_rate < 0.1
 
 
 def test_fixed_noise_gets_the_highest_reachable_mean_or_the_noise_to_raise_to() -> None:
     g = group_patients(_ids({1: 30, 4: 10}), 1.0)
     plan = plan_idp(g, delta=1e-5, sample_rate=0.9, steps=20, noise_multiplier=2.0)
-    assert plan.mean_sample_rate < 0.9  # out of reach: every group at its largest rate
+    assert plan.planned_mean_rate < 0.9  # out of reach: every group at its largest rate
     assert all(x.epsilon > 0.98 * x.target_epsilon for x in plan.groups)
     with pytest.raises(PrivacyConfigError, match="raise it to at least") as err:
         plan_idp(g, delta=1e-7, sample_rate=0.1, steps=20000, noise_multiplier=0.3)

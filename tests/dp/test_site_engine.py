@@ -55,7 +55,8 @@ def test_site_noise_comes_from_the_cryptographic_source_by_default() -> None:
 
 def test_adaptive_clipping_moves_the_clip_to_the_quantile_and_is_accounted_jointly() -> None:
     engine = _engine(3, torch_seed=0, max_grad_norm=50.0, target_quantile=0.5,
-                     count_stddev=1.0, clip_learning_rate=0.5)
+                     count_stddev=1.0, clip_learning_rate=0.5,
+                     expected_batch=18.0)  # declared: 60 patients x 0.3
     _params_after(engine, 40)
     assert engine.clip_norm < 10.0  # started far above every patient's gradient norm
     event = engine.round_event(40)

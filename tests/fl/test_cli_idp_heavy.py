@@ -56,7 +56,7 @@ def test_cutoff_report_and_events_per_group(tmp_path: Path) -> None:
     for cid, site in report["idp"].items():
         assert site["accountant"] == "rdp" and site["max_records"] == 6
         assert max(g["records"] for g in site["groups"]) <= 6
-        assert site["mean_sample_rate"] == pytest.approx(0.02, rel=1e-6)
+        assert site["planned_mean_rate"] == pytest.approx(0.02, rel=1e-6)
         for g in site["groups"]:
             assert g["sample_rate"] > 0 and g["epsilon_spent"] <= g["target_epsilon"]
             event = report["dp_events"][cid][g["key"]]
@@ -68,9 +68,10 @@ def test_cutoff_report_and_events_per_group(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # ~1 min
 def test_heavy_tail_without_cutoff_trains_every_group(tmp_path: Path) -> None:
-    """1 to 40 records per patient, no cut-off: planned and trained (refused before)."""
+    """1 to 40 records per patient, a cut-off above them all (declared classes 1..40):
+    planned and trained (refused before)."""
     _heavy_table(tmp_path / "t.csv", 200, 40)
-    done, report = _train(tmp_path)
+    done, report = _train(tmp_path, "--max-records-per-patient", "40")
     assert "Optimal order" not in done.stderr
     counts = {g["records"] for site in report["idp"].values() for g in site["groups"]}
     assert max(counts) >= 20 and len(report["rounds"]) == 2

@@ -39,7 +39,8 @@ def test_sites_plan_charge_and_cap_their_own_rate_groups(tmp_path: Path) -> None
     tables = {cid: _table(tmp_path / f"site-{cid}.csv", patients=80, seed=cid) for cid in (1, 2)}
     rows = [line.split(",") for line in tables[2].read_text().splitlines()]
     tables[2].write_text("\n".join(",".join(r[:4] + r[5:]) for r in rows) + "\n")  # no budgets
-    own = {1: ["--epsilon", "3", "--budget-column", "budget"], 2: ["--epsilon", "2"]}
+    own = {1: ["--epsilon", "3", "--budget-column", "budget", "--budget-classes", "1,3"],
+           2: ["--epsilon", "2"]}
     targets = {1: {1.0, 3.0}, 2: {2.0}}
     report = tmp_path / "report.json"
     with federation_broker() as urls:
@@ -104,7 +105,8 @@ def _guard(tmp_path: Path, unit: str) -> tuple[SiteData, Any]:
     policy = SitePolicy(modes=("site",), unit=unit, epsilon=3.0, delta=1e-4)
     guard = open_site_core(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
     if unit == "patient-idp":
-        data.idp = SitePatients(1, data.table(data.schema.labels), epsilon=3.0, delta=1e-4)
+        data.idp = SitePatients(1, data.table(data.schema.labels), epsilon=3.0, delta=1e-4,
+                                budget_classes=(1.0, 3.0))
     return data, guard
 
 
@@ -162,7 +164,8 @@ def test_the_site_ledger_caps_every_group_whatever_the_coordinator_proposes(
     # Another table (patients regrouped) cannot go on with this ledger's group spending.
     other = SiteData(1, csv=str(_table(tmp_path / "other.csv", patients=44)),
                      patient_column="pid", label_column="label", budget_column="budget")
-    regrouped = SitePatients(1, other.table(other.schema.labels), epsilon=3.0, delta=1e-4)
+    regrouped = SitePatients(1, other.table(other.schema.labels), epsilon=3.0, delta=1e-4,
+                                budget_classes=(1.0, 3.0))
     with pytest.raises(PolicyRefused, match="grouped differently"):
         guard.admit(_idp_task(3), secagg_threshold=2, label="round 3",
                     idp=regrouped.for_task(_idp_task(3)))
@@ -195,7 +198,8 @@ def test_a_refusal_tells_the_coordinator_the_rule_not_the_sites_private_plan(
         path.write_text("\n".join(rows) + "\n", encoding="utf-8")
         data = SiteData(1, csv=str(path), patient_column="pid", label_column="label",
                         budget_column="budget")
-        data.idp = SitePatients(1, data.table(data.schema.labels), epsilon=3.0, delta=1e-4)
+        data.idp = SitePatients(1, data.table(data.schema.labels), epsilon=3.0, delta=1e-4,
+                                budget_classes=(1.0, 3.0))
         policy = SitePolicy(modes=("site",), unit="patient-idp", epsilon=3.0, delta=1e-4,
                             **ceiling)
         guard = open_site_core(policy=policy, ledger_path=str(tmp_path / f"l-{share}.json"))

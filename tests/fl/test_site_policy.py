@@ -167,7 +167,8 @@ def test_adaptive_clipping_run_and_its_audit_trail_recompute_independently() -> 
     audit = pytest.importorskip("dp.audit")
     settings = TrainSettings(sites=3, rounds=2, dataset="ehr", ehr_patients=150, dp="site",
                              noise_multiplier=1.2, site_steps=5, sample_rate=0.1,
-                             adaptive_clip=0.5, clip_count_stddev=3.0, broker="inprocess")
+                             adaptive_clip=0.5, clip_count_stddev=3.0, broker="inprocess",
+                             expected_batch=5.0)
     report = train(settings)
     releases = report["releases"]
     assert [r["round"] for r in releases] == [1, 2]

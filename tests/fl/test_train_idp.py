@@ -54,7 +54,8 @@ def test_train_reports_every_group_within_its_budget(tmp_path: Path) -> None:
     csv = _table(tmp_path / "t.csv")
     settings = TrainSettings(sites=2, rounds=2, csv=str(csv), patient_column="pid",
                              label_column="label", dp="site", epsilon=3.0, delta=1e-4,
-                             unit="patient-idp", budget_column="budget", sample_rate=0.34,
+                             unit="patient-idp", budget_column="budget",
+                             budget_classes=(1.0, 3.0), sample_rate=0.34,
                              broker="memory", scaling="none", alpha=100.0)
     report = train(settings)
     assert "individual privacy assignment" in report["privacy"]
@@ -62,11 +63,11 @@ def test_train_reports_every_group_within_its_budget(tmp_path: Path) -> None:
     worst = 0.0
     for site in report["idp"].values():
         assert site["steps"] == 2 * settings.steps_per_round
-        assert site["mean_sample_rate"] == pytest.approx(0.34, rel=3e-3)
+        assert site["planned_mean_rate"] == pytest.approx(0.34, rel=3e-3)
         targets = {g["target_epsilon"] for g in site["groups"]}
         assert targets == {1.0, 3.0}
         for g in site["groups"]:
-            assert 0 < g["sample_rate"] <= 1 and g["patients"] >= 1
+            assert 0 < g["sample_rate"] <= 1 and g["patients"] >= 0  # declared classes
             assert g["epsilon_spent"] <= g["target_epsilon"] * (1 + 1e-9)
             assert g["epsilon_spent"] == pytest.approx(g["epsilon"])  # all planned steps ran
             worst = max(worst, g["epsilon_spent"])
@@ -88,7 +89,8 @@ def test_the_budget_column_is_a_sites_own(capsys: pytest.CaptureFixture[str]) ->
     code = main(["train", "--role", "coordinator", "--sites", "2", "--rounds", "1", "--dp",
                  "site", "--epsilon", "2", "--unit", "patient-idp", "--csv", "t.csv",
                  "--patient-column", "pid", "--label-column", "label",
-                 "--budget-column", "budget", "--broker", "mqtt://127.0.0.1:1"])
+                 "--budget-column", "budget", "--budget-classes", "1,3",
+                 "--broker", "mqtt://127.0.0.1:1"])
     assert code == 2 and "never by the coordinator" in capsys.readouterr().err
     code = main(["train", "--role", "site", "--site-id", "1", "--sites", "2", "--dp", "site",
                  "--unit", "patient-idp", "--budget-column", "budget",
@@ -111,7 +113,9 @@ def test_site_charges_each_round_once(tmp_path: Path) -> None:
     table = load_csv(_table(tmp_path / "t.csv", patients=30), patient_column="pid",
                      label_column="label", budget_column="budget")
     settings = TrainSettings(rounds=1, dp="site", epsilon=3.0, delta=1e-4, unit="patient-idp",
-                             sample_rate=0.5)
+                             sample_rate=0.5, csv="t.csv", patient_column="pid",
+                             label_column="label", budget_column="budget",
+                             budget_classes=(1.0, 3.0))
     site = Site(1, table)
     site.idp = SiteIdp.for_site(site, settings)
     model = make_model("logreg", 3, 2)
@@ -133,7 +137,8 @@ def test_plan_shows_the_groups_not_patient_units(tmp_path: Path) -> None:
     settings = TrainSettings(sites=2, rounds=3, csv=str(_table(tmp_path / "t.csv")),
                              patient_column="pid", label_column="label", dp="site",
                              epsilon=3.0, delta=1e-4, unit="patient-idp",
-                             budget_column="budget", sample_rate=0.34, scaling="none")
+                             budget_column="budget",
+                             budget_classes=(1.0, 3.0), sample_rate=0.34, scaling="none")
     out = privacy_plan(settings)
     assert "individual privacy assignment" in out["description"]
     eps = out["epsilon_after"]
@@ -158,7 +163,8 @@ def test_resume_accounts_every_group_as_an_uninterrupted_run(tmp_path: Path) -> 
     settings = TrainSettings(sites=2, rounds=3, csv=str(_table(tmp_path / "t.csv", 60)),
                              patient_column="pid", label_column="label", dp="site",
                              noise_multiplier=2.0, delta=1e-4, unit="patient-idp",
-                             budget_column="budget", sample_rate=0.34, broker="memory",
+                             budget_column="budget",
+                             budget_classes=(1.0, 3.0), sample_rate=0.34, broker="memory",
                              scaling="none", alpha=100.0)
 
     def groups(report: dict) -> list[float]:
