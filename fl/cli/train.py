@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -554,13 +555,14 @@ def run_remote(args: argparse.Namespace) -> int:
 
     user = site_name(args.site_id) if args.role == "site" else SERVER_USER
     broker = broker_settings(args, user)
-    _probe_broker(broker, user, args.connect_timeout)
     network = MqttNetwork(broker)
     tag = f"site {args.site_id}" if args.role == "site" else "coordinator"
     log = progress_log(args, tag)
     setup_logging(args, tag)
-    if args.role == "site":
-        return _run_site(args, settings, ids, network, log)
+    if args.role == "site":  # the site's own configuration is checked before the network
+        return _run_site(args, settings, ids, network, log,
+                         probe=lambda: _probe_broker(broker, user, args.connect_timeout))
+    _probe_broker(broker, user, args.connect_timeout)
     return _run_coordinator(args, settings, ids, network, log)
 
 
@@ -634,8 +636,9 @@ def _site_data(args: argparse.Namespace, settings: TrainSettings, ids: tuple[int
 
 
 def _run_site(args: argparse.Namespace, settings: TrainSettings, ids: tuple[int, ...],
-              network: Any, log: Any) -> int:
-    """``--role site``: the hospital's own process, wrapped around its site core."""
+              network: Any, log: Any, probe: Callable[[], None]) -> int:
+    """``--role site``: the hospital's own process, wrapped around its site core; ``probe``
+    checks the broker once the site's own configuration has been checked."""
     import asyncio
 
     from dp.errors import PrivacyError
@@ -667,6 +670,7 @@ def _run_site(args: argparse.Namespace, settings: TrainSettings, ids: tuple[int,
         else:
             log("no --peer-keys: the roster is the coordinator's word, so a distributed "
                 "round is charged as if this site's noise share were the only noise")
+        probe()
         site = SiteProcess(data, network, options, log)  # refuses e.g. --insecure-verify
         return int(asyncio.run(site.run()))
     finally:
