@@ -271,6 +271,11 @@ documented non-guarantees are strict xfails in section 4.
     server's round nonce, which every `Server` draws and a malicious-mode client must have
     bound before it advertises (a host can no longer forget it; the strict xfail passes as
     `test_replay_advertise_keys_is_rejected_and_the_real_client_takes_part`).
+    *Nonce reuse by a host* (issue 27) - **fixed.** `Server(nonce=)` took any 32 bytes, so a
+    host that passed one again let an old signed advertisement verify; it now takes only a
+    `secagg.RoundNonce` (drawn from `os.urandom` when made, taken by one `Server`, never
+    made from bytes, copied or pickled), so every round's nonce is fresh
+    (`test_a_host_cannot_reuse_a_nonce_so_a_replayed_signed_advert_never_verifies`).
 17. *Rollback of a restored client* (lead's review) - **guarded.** A host restoring an
     older snapshot lost the one-share-per-peer record; `Client.restore(min_stage=)` refuses
     it (`test_rollback_to_an_earlier_snapshot_is_refused_with_the_hosts_stage_record`);
