@@ -5,10 +5,11 @@
 Charges one distributed-DP proposal ``--charges`` times into a new ledger (each charge checks
 the policy and the budget, appends its record and fsyncs, as on a site) and prints, for the
 first and the last 100 charges, the wall time and CPU time per charge and the bytes the
-ledger file grew per charge. A charge that costs the same at 10,000 as at 100 has a flat
-CPU column (wall time includes the disk's fsync). ``--source DIR`` imports ``dp`` from
-another checkout (e.g. ``git worktree add /tmp/before main~1``) to measure it the same way;
-format 1 rewrote every past charge, so keep ``--charges`` near 1,000 there.
+process wrote per charge (``wchar`` of ``/proc/self/io``; elsewhere the file's growth). A
+charge that costs the same at 10,000 as at 100 has flat CPU and bytes columns (wall time
+includes the disk's fsync). ``--source DIR`` imports ``dp`` from another checkout (e.g.
+``git archive main dp | tar -x -C /tmp/before``) to measure it the same way; format 1
+rewrote every past charge, so keep ``--charges`` near 300 there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+def _written(path: Path) -> int:
+    """Bytes this process has passed to write calls (Linux), else ``path``'s size."""
+    io = Path("/proc/self/io")
+    if io.exists():
+        for line in io.read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    return path.stat().st_size if path.exists() else 0
 
 
 def measure(charges: int, window: int = 100) -> list[dict[str, float]]:
@@ -37,11 +48,11 @@ def measure(charges: int, window: int = 100) -> list[dict[str, float]]:
         samples: list[tuple[float, float, int]] = []
         with Ledger.open(path, policy) as ledger:
             for n in range(1, charges + 1):
-                size = path.stat().st_size if path.exists() else 0
+                size = _written(path)
                 wall, cpu = time.perf_counter(), time.process_time()
                 ledger.charge(proposal)
                 samples.append((time.perf_counter() - wall, time.process_time() - cpu,
-                                path.stat().st_size - size))
+                                _written(path) - size))
                 if n in (window, charges):
                     last = samples[-window:]
                     rows.append({"at": n, "wall_ms": 1e3 * statistics.median(s[0] for s in last),
@@ -66,7 +77,8 @@ def main() -> None:
     print(f"dp from {Path(dp.__file__).parent}, {args.charges} charges, "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
     rows = measure(args.charges)
-    print("| charges so far | wall per charge (median) | CPU per charge | bytes per charge |")
+    print("| charges so far | wall per charge (median) | CPU per charge | bytes written per "
+          "charge |")
     print("|---|---|---|---|")
     for row in rows[:-1]:
         print(f"| {row['at']:,} | {row['wall_ms']:.2f} ms | {row['cpu_ms']:.2f} ms "

@@ -58,6 +58,7 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, server: Any, sites: dict[st
         (tmp / "sites" / name).mkdir(parents=True, exist_ok=True)
         (tmp / "sites" / name / "policy.json").write_text(json.dumps(policy))
     job = FedJob(name="secure", min_clients=len(sites))
+    job.set_app_packages(["nvflare_sites"])  # the sites' own test harness, never shipped
     job.to_server(server)
     job.to_server(NPModelPersistor(), id="persistor")
     job.to_clients(SecureScriptRunner(str(HERE / "train_script.py"),
