@@ -68,10 +68,10 @@ def measure(charges: int, window: int = 100) -> list[dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--charges", type=int, default=10_000)
-    parser.add_argument("--source", type=Path, help="import dp from this checkout")
+    parser.add_argument("--source", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="import dp from this checkout (default: this script's)")
     args = parser.parse_args()
-    if args.source is not None:
-        sys.path.insert(0, str(args.source.resolve()))
+    sys.path.insert(0, str(args.source.resolve()))
     import dp
 
     print(f"dp from {Path(dp.__file__).parent}, {args.charges} charges, "

@@ -78,3 +78,12 @@ def test_model_size_benchmark_runs_its_rows_at_a_tiny_size() -> None:
         results.append((row, got, 0.01))
     text = bench.table(results, bench.REPO)
     assert text.count("| yes |") == 2 and "x |" in text
+
+
+def test_ledger_benchmark_reports_cost_per_charge() -> None:
+    pytest.importorskip("opacus")
+    bench = _load("bench_ledger")
+    first, last, size = bench.measure(charges=20, window=10)
+    assert (first["at"], last["at"]) == (10, 20)
+    assert all(row["cpu_ms"] > 0 and row["bytes"] > 0 for row in (first, last))
+    assert size["file_mb"] > 0
