@@ -72,8 +72,7 @@ def embedded_process(max_payload: int) -> Iterator[tuple[int, int]]:
 
 @contextmanager
 def mosquitto_process(max_payload: int) -> Iterator[tuple[int, int]]:
-    del max_payload  # the generated config allows the MQTT maximum
-    with MosquittoBroker(users=USERS) as broker:
+    with MosquittoBroker(users=USERS, max_payload=max_payload) as broker:
         yield broker.port, broker.pid
 
 

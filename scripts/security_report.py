@@ -182,6 +182,13 @@ Holds (each row in section 4 is a test):
   (every header checked against the round's limits before allocation: an 8 MiB hostile
   message costs under 3x its size); objects are encoded and decoded, so they get the same
   validation as bytes; every message kind in every stage is tested.
+* **Input validation (`norm_bound`, docs/protocol.md 10).** Every site proves in zero
+  knowledge that the vector it masks has L2 norm at most B (discrete log in BLS12-381 G1,
+  random oracle for Fiat-Shamir), bound to the session, the site and its fresh keys: a
+  scaled update, a wrapped or malformed proof, or a proof replayed from another site or
+  round is refused, left out of the sum and named; honest sites are never named; a site
+  that masks another vector than it proved is caught when the commitments do not open to
+  the sum.
 * **Gradient leakage.** Exact inversion of a linear layer and DLG on a small MLP succeed
   on a plaintext update and fail on what the server receives (the masked vector).
 
@@ -209,12 +216,83 @@ Does not hold (shown by strict-xfail tests, so a change in behaviour turns the s
   dropouts and corruptions that depend on the graph): honest survivors held together only
   by corrupt ones can be split without any client seeing it.
 * **Client authentication in semi-honest mode** is the transport's job.
-* **Side channels, denial of service, input validation**: not addressed by the protocol
+* **Input validation without `norm_bound`, and within it.** Without the bound (the
+  default) a site can scale its update and replace the aggregate (model replacement). With
+  it, an update within the bound is accepted whatever its direction: a stealthy backdoor of
+  norm <= B is bounded, not prevented (robust aggregation or DP noise must do the rest). A
+  site that proves one vector and masks another makes the round release nothing, and is not
+  named (ACORN-detect: one site can abort a validated round).
+* **Side channels, denial of service**: not addressed by the protocol
   (docs/protocol.md 9.2). At the transport, what one site login can do to other parties is
   bounded (client ids bound to usernames, per-user caps and deadlines in the embedded
   broker, per-site reassembly quotas at the aggregator: docs/deployment.md sections 6 and 9,
-  the "transport" rows below); a site can still abort its own participation or send a
-  wrong input.
+  the "transport" rows below, and section 2.1); a site can still abort its own
+  participation or send a wrong input.
+
+### 2.1 Bounds per login: what one hostile login can cost the others
+
+A site with a valid login (in the round or not) must not delay, drop or bloat anyone
+else's round. Each bound below is enforced where stated and has a test in
+`tests/security/test_transport_fairness.py` (`tf`) or `test_transport_broker.py` (`tb`)
+that fails on the code before it (commit `b1c034d`).
+
+* **PUBLISH rate per login** (embedded broker): 1,000/s in bursts of 2,000
+  (`BrokerLimits.max_publish_rate`, `max_publish_burst`; the aggregator, user `server`,
+  is exempt: `--unthrottled`);
+  past it the broker stops reading that login's connections.
+  `tf::test_a_flooding_login_does_not_delay_the_round`.
+* **Deliveries in turn per sender** at the aggregator, one each; a sender's queue holds at
+  most what an honest sender has in flight: its reassembly quota + 2 x window x chunk
+  (`ServerDriver.queue_bound`). Same test.
+* **Waste budget per sender and stage**: 32 + 2 x window x ceil(longest stage deadline /
+  retry) messages that change nothing (refused, malformed, duplicates, queue overflow;
+  128 at the defaults, `ServerDriver.waste_budget`); past it the sender's messages are
+  dropped unread, with no receipt, and the stage stops waiting for it. Same test.
+* **Slow subscribers**: a publisher waits for one over its queue limit (16 MiB) only if it
+  is the publisher's only destination and other publishers feed it; a subscriber must
+  drain below its limit within 10 s of going over it and is disconnected at once past
+  twice the limit (`BrokerLimits.max_queued_bytes`, `slow_consumer_timeout`).
+  `tf::test_a_slow_reader_cannot_hold_the_servers_connection`,
+  `tb::test_reconnecting_a_stuck_subscriber_stalls_publishers_only_once`.
+* **Lost receipts**: an accepted chunk sent again is confirmed again (a digest per
+  accepted chunk while `masked_input` is open, about 150 B each: `ServerDriver._seen`); a
+  later chunk's receipt confirms the earlier ones at the client.
+  `tf::test_lost_chunk_receipts_do_not_drop_honest_sites`,
+  `tf::test_an_accepted_chunk_sent_again_is_confirmed_again`.
+* **Memory charged at its cost**: each buffered chunk its frame + 480 B, each message
+  1 KiB (`transport.framing.chunk_charge`), at least what tracemalloc measures and at most
+  1.5 x. `tf::test_buffered_chunks_are_charged_what_they_cost`.
+* **Mosquitto as `transport.mosquitto` configures it**: packets up to max_payload + 1 KiB,
+  256 MiB queued per client, a 2 GiB heap (retained messages included) (`render_config`).
+  `tf::test_mosquitto_refuses_packets_above_the_largest_frame`.
+* **Credentials**: an existing password is kept only in a private file (no group or other
+  bits, this user's) and if strong (>= 16 characters, >= 96 bits by length x log2 distinct
+  characters) (`transport.credentials`).
+  `tf::test_weak_or_exposed_existing_passwords_are_refused`.
+
+What these bounds mean for a round: `python benchmarks/bench_flood.py` (5 sites,
+d = 10^5, the embedded broker in its own process, default 60 s stages, 100,000 tiny
+publishes from one login, half junk, half framed garbage), and the same with
+`--source` a copy of the code before (`git archive b1c034d`), on the shared 2-core
+development machine (2026-11-28):
+
+| flooding login | round s, with the bounds | without (b1c034d) |
+|---|---|---|
+| none | 0.4, 5 sites | 0.4, 5 sites |
+| outside the round | 0.4, 5 sites (50,000 publishes written) | 39.3, 5 sites |
+| in the round | 1.2, the 4 honest sites | 68.0, aborted at share_keys |
+
+So a flooding login outside the round costs the round nothing measurable, and one in the
+round loses its own place: past its waste budget its messages are dropped unread and the
+stage stops waiting for it (`tf::test_a_flooding_login_does_not_delay_the_round` asserts
+that no stage reaches its deadline); the stated bound on the delay is the time the
+aggregator needs to read and drop one budget of the flooder's messages per stage plus, at
+the broker, at most 2,000 packets of burst. Not bounded: on Mosquitto (2.0 has no
+per-login rate and no per-user retained cap), a login can publish as fast as Mosquitto
+reads it and park retained messages up to `memory_limit`; the aggregator's per-sender
+queues and waste budget still bound what each message costs it, but its MQTT client
+(paho) reads one packet per event-loop turn, so the honest sites' messages wait behind the
+flood already in the aggregator's socket.
 
 ## 3. Findings of this review
 
@@ -335,8 +413,9 @@ THREATS: list[tuple[str, str, str]] = [
      "AEAD; semi-honest mode relies on the transport for authentication and integrity"),
     ("malicious client",
      "its own messages, flooding",
-     "cannot learn others' inputs beyond the sum; can shift the sum by any value (no input "
-     "validation) and can abort rounds (denial of service is not prevented)"),
+     "cannot learn others' inputs beyond the sum; can shift the sum by any value unless the "
+     "round has norm_bound (then by at most the bound, or it is refused and named), and can "
+     "abort rounds (denial of service is not prevented)"),
     ("coordinator choosing roster, config and context",
      "the session id and the SecAgg+ graph",
      "only if the context carries randomness it cannot choose (grinding, section 4)"),
@@ -357,7 +436,8 @@ def render(cases: list[Case], code: int, seconds: float) -> str:
     rows: OrderedDict[str, list[Case]] = OrderedDict()
     unclassified = [c for c in cases if "threat.attack" not in c.props]
     order = ["test_malicious_server", "test_collusion_and_output", "test_malicious_clients",
-             "test_protocol_replay", "test_protocol_findings", "test_parsing_robustness",
+             "test_input_validation", "test_protocol_replay", "test_protocol_findings",
+             "test_parsing_robustness",
              "test_claims_protocol",
              "test_transport_broker", "test_broker_login_throttle", "test_transport_reassembly",
              "test_gradient_leakage",

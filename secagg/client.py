@@ -71,6 +71,7 @@ from .messages import (
     Ciphertexts,
     ClientMessage,
     ConsistencySignature,
+    InputProof,
     KeyEntry,
     KeyList,
     MaskedChunk,
@@ -112,7 +113,8 @@ CLIENT_ACCEPTS: Mapping[tuple[Stage, bool], type] = {
 
 
 def check_input(vector: object, config: Config, who: str = "input") -> np.ndarray:
-    """A validated copy of a client's input as the protocol's working dtype."""
+    """A validated copy of a client's input as the protocol's working dtype (within the
+    round's ``norm_bound``, when it has one)."""
     arr = np.asarray(vector)
     if arr.ndim != 1 or arr.shape[0] != config.dim:
         raise ValueError(f"{who} has shape {arr.shape}; it must be a vector of length "
@@ -124,7 +126,28 @@ def check_input(vector: object, config: Config, who: str = "input") -> np.ndarra
                      or int(arr.max()) >= config.modulus):
         raise ValueError(f"{who} has values outside [0, 2**{config.bits}); reduce them "
                          f"mod 2**bits or raise bits")
-    return arr.astype(dtype_for_bits(config.bits), copy=True)
+    out = arr.astype(dtype_for_bits(config.bits), copy=True)
+    if config.norm_bound is not None:
+        _check_norm(out, config, who)
+    return out
+
+
+def _check_norm(vector: np.ndarray, config: Config, who: str) -> None:
+    """An honest client's input must be within the round's norm bound: clipping is the
+    caller's job (the bound is public, docs/protocol.md 10)."""
+    from .validation import available
+    from .validation.group import ValidationUnavailable
+    from .validation.norm import centered
+
+    if not available():
+        raise ValidationUnavailable("norm_bound needs the group library: pip install "
+                                    "'secagg[validation]' (py-arkworks-bls12381)")
+    bound = config.norm_bound
+    assert bound is not None
+    norm2 = sum(v * v for v in centered(vector, config.bits))
+    if norm2 > bound * bound:
+        raise ValueError(f"{who} has L2 norm sqrt({norm2}) > norm_bound={bound} (as centred "
+                         f"integers mod 2**{config.bits}): clip it to the bound")
 
 
 def _reencode(message: object, stage: Stage, client_id: int | None = None) -> bytes:
@@ -136,7 +159,7 @@ def _reencode(message: object, stage: Stage, client_id: int | None = None) -> by
                             stage=stage, client_id=client_id) from None
 
 
-_Signable = TypeVar("_Signable", ShareKeys, UnmaskingShares)
+_Signable = TypeVar("_Signable", ShareKeys, UnmaskingShares, InputProof)
 
 
 class Client:
@@ -457,9 +480,25 @@ class Client:
             decode_share(plaintext[8 + SHARE_BYTES:])
             received[PAIR * i:PAIR * i + PAIR] = plaintext[8:]
         keys = self._mask_keys(state, order)
+        proof = self._input_proof(keys, state.adverts[me], state.key_set)
         self._state = Masked(state, frozenset(senders), received,
                               {p: PAIR * i for i, p in enumerate(order)})
-        return MaskedStream(self, keys, peers_digest(senders), state.key_set)
+        return MaskedStream(self, keys, peers_digest(senders), state.key_set, proof)
+
+    def _input_proof(self, keys: list[tuple[bytearray, bool]], advertisement: bytes,
+                     key_set: bytes) -> InputProof | None:
+        """With ``norm_bound``: the proof that the vector this client masks is within the
+        bound, its commitment blinded by what its mask keys carry (docs/protocol.md 10)."""
+        cfg = self.config
+        if cfg.norm_bound is None:
+            return None
+        from .validation import NormStatement, blinding, prove
+
+        statement = NormStatement(self.session_id, self.client_id, cfg.dim, cfg.bits,
+                                  cfg.norm_bound, advertisement)
+        blind = blinding((bytes(key), added) for key, added in keys)
+        return self._signed(InputProof(self.session_id, self.client_id,
+                                       prove(statement, self._secrets.input, blind)), key_set)
 
     def _mask_keys(self, state: Shared, peers: list[int]) -> list[tuple[bytearray, bool]]:
         """The AES keys of y = x + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv),
@@ -626,8 +665,11 @@ class MaskedStream:
     signed over the running SHA-256 of the whole stream (docs/protocol.md 5.7, 6.3)."""
 
     def __init__(self, client: Client, keys: list[tuple[bytearray, bool]],
-                 peers: bytes, key_set: bytes) -> None:
+                 peers: bytes, key_set: bytes, proof: InputProof | None = None) -> None:
         self._client = client
+        self.proof = proof
+        """With ``norm_bound``: the ``InputProof`` a transport sends before the masked
+        input (docs/protocol.md 10); ``None`` otherwise."""
         self._keys = keys
         self.peers_digest = peers
         self._key_set = key_set

@@ -52,6 +52,10 @@ class Config:
     for, with dropouts and corruptions independent of the graph (docs/protocol.md 4.6).
     ``unchecked_graph=True`` accepts a sparse graph without them and gives up the guarantee
     that the honest survivors stay connected (the server may learn sums of parts).
+    ``norm_bound=B`` (opt-in, the ``validation`` extra) makes every client prove in zero
+    knowledge that the vector it masks, read as centred integers mod 2**bits, has L2 norm
+    at most B; a client whose proof fails is left out of the sum and named
+    (docs/protocol.md section 10).
     """
 
     num_clients: int
@@ -63,6 +67,7 @@ class Config:
     dropout_rate: float | None = None
     corrupt_rate: float | None = None
     unchecked_graph: bool = False
+    norm_bound: int | None = None
     _holders: int = field(init=False, repr=False, compare=False, default=0)
     _shape_tag: bytes = field(init=False, repr=False, compare=False, default=b"")
 
@@ -128,6 +133,10 @@ class Config:
                 "them (secagg.secagg_plus_parameters(num_clients, dropout_rate, corrupt_rate) "
                 "gives neighbors and threshold), or pass unchecked_graph=True to give up that "
                 "guarantee (the server may then learn the sums of parts of the federation)")
+        if self.norm_bound is not None:
+            from .validation.norm import check_parameters
+
+            check_parameters(n, self.dim, self.bits, self.norm_bound)
         if self.dropout_rate is not None or self.corrupt_rate is not None:
             rates = (self.dropout_rate or 0.0, self.corrupt_rate or 0.0)
             if k is not None:
@@ -149,9 +158,13 @@ class Config:
         return 1 << self.bits
 
     def encode(self) -> bytes:
-        """Canonical bytes of everything that must match across parties."""
-        return struct.pack(">IIQBIB", self.num_clients, self.threshold, self.dim,
-                           self.bits, self.neighbors or 0, int(self.malicious))
+        """Canonical bytes of everything that must match across parties (the norm bound,
+        when set, is appended: rounds without one keep their encoding)."""
+        fixed = struct.pack(">IIQBIB", self.num_clients, self.threshold, self.dim,
+                            self.bits, self.neighbors or 0, int(self.malicious))
+        if self.norm_bound is None:
+            return fixed
+        return fixed + b"|norm_bound|" + self.norm_bound.to_bytes(16, "big")
 
     @property
     def shape_tag(self) -> bytes:

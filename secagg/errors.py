@@ -13,7 +13,8 @@
 protocol failure. ``CryptoError`` (a key, ciphertext or signature failed validation),
 ``ShamirError`` (bad sharing parameters or shares) and ``ProtocolError`` share one root,
 ``SecAggError``: ``except SecAggError`` catches everything the package raises on bad input
-(bad configuration is ``ValueError``).
+(bad configuration is ``ValueError``). ``InputRefused`` (a ``ProtocolError``) and
+``InputMismatch`` (a ``ProtocolAbort``) are input validation's (docs/protocol.md 10).
 """
 
 from __future__ import annotations
@@ -52,3 +53,16 @@ class ShamirError(SecAggError, ValueError):
 class StaleSnapshot(ProtocolError):
     """``Client.restore`` refused a snapshot: another session (config, roster or context),
     another client, a wrong key, or bytes that are corrupted or truncated."""
+
+
+class InputRefused(ProtocolError):
+    """A client's input-validation proof failed (docs/protocol.md section 10): its masked
+    input is left out of the sum and the client is named (``client_id``,
+    ``AggregateResult.refused``)."""
+
+
+class InputMismatch(ProtocolAbort):
+    """After unmasking, the included clients' commitments do not open to the sum: some
+    included client masked another vector than the one it proved. Nothing is released, and
+    nobody is named: the server cannot tell which client lied without seeing an update
+    (docs/protocol.md 10.4, docs/security.md)."""

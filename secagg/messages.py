@@ -128,6 +128,21 @@ class MaskedChunk:
 
 
 @dataclass(frozen=True)
+class InputProof:
+    """Stage masked_input, before the masked input, in a round with ``norm_bound``: the
+    client's commitment to the vector it masks and the zero-knowledge proof that its L2
+    norm is within the bound (docs/protocol.md section 10; layout
+    ``secagg.validation.norm``), signed in malicious mode (docs/protocol.md 5.7), so that
+    nobody but the client can get it refused and named."""
+
+    session_id: bytes
+    client_id: int
+    proof: bytes
+    signature: bytes = b""
+    stage = Stage.MASKED_INPUT
+
+
+@dataclass(frozen=True)
 class ConsistencySignature:
     """Stage consistency_check (malicious): the client's signature over the survivor list."""
 
@@ -217,12 +232,12 @@ class UnmaskRequest:
 
 
 ClientMessage = (AdvertiseKeys | ShareKeys | MaskedInput | MaskedChunk | ConsistencySignature
-                 | UnmaskingShares)
+                 | UnmaskingShares | InputProof)
 ServerMessage = KeyList | Ciphertexts | SurvivorList | UnmaskRequest
 Message = ClientMessage | ServerMessage
 
 class MessageKind(enum.IntEnum):
-    """The ``kind`` element of the envelope (docs/protocol.md section 6.1): 1-6 are client
+    """The ``kind`` element of the envelope (docs/protocol.md section 6.1): 1-7 are client
     messages, 11-14 server messages. ``MESSAGE_KINDS`` maps each kind to its class, side and
     fields; ``encode`` and ``decode`` both read that one table."""
 
@@ -232,6 +247,7 @@ class MessageKind(enum.IntEnum):
     CONSISTENCY_SIGNATURE = 4
     UNMASKING_SHARES = 5
     MASKED_CHUNK = 6
+    INPUT_PROOF = 7
     KEY_LIST = 11
     CIPHERTEXTS = 12
     SURVIVOR_LIST = 13
@@ -329,6 +345,14 @@ class _KeyEntries(_Field):
         return keys
 
 
+class _Blob(_Field):
+    """bin of any length (bounded by the message's own ``max_bytes``): its owner checks
+    the exact length (an input proof's depends on the round)."""
+
+    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+        return r.bin(self.what)
+
+
 class _Bits(_Field):
     def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
         bits = r.uint(self.what)
@@ -415,6 +439,8 @@ class StageStep:
     client: type
     answer: type | None
     malicious_answer: type | None
+    validation: type | None = None
+    """The message a client sends before ``client`` in a round with ``norm_bound``."""
 
     def answer_in(self, malicious: bool) -> type | None:
         return self.malicious_answer if malicious else self.answer
@@ -423,7 +449,7 @@ class StageStep:
 SCHEDULE: Mapping[Stage, StageStep] = MappingProxyType({step.stage: step for step in (
     StageStep(Stage.ADVERTISE_KEYS, AdvertiseKeys, KeyList, KeyList),
     StageStep(Stage.SHARE_KEYS, ShareKeys, Ciphertexts, Ciphertexts),
-    StageStep(Stage.MASKED_INPUT, MaskedInput, UnmaskRequest, SurvivorList),
+    StageStep(Stage.MASKED_INPUT, MaskedInput, UnmaskRequest, SurvivorList, InputProof),
     StageStep(Stage.CONSISTENCY_CHECK, ConsistencySignature, None, UnmaskRequest),
     StageStep(Stage.UNMASKING, UnmaskingShares, None, None),
 )})
@@ -462,6 +488,8 @@ MESSAGE_KINDS: Mapping[MessageKind, KindSpec] = MappingProxyType({spec.kind: spe
         _Bits("bits", "bits"), _Dim("dim", "dim"), _Offset("offset", "chunk offset"),
         _ChunkVector("masked", "masked chunk"), _Bytes("peers_digest", "peers digest", 32),
         _Signature("signature", "signature"))),
+    KindSpec(MessageKind.INPUT_PROOF, InputProof, True, (
+        _Blob("proof", "input proof"), _Signature("signature", "signature"))),
     KindSpec(MessageKind.CONSISTENCY_SIGNATURE, ConsistencySignature, True, (
         _Bytes("signature", "signature", SIGNATURE_BYTES),)),
     KindSpec(MessageKind.UNMASKING_SHARES, UnmaskingShares, True, (

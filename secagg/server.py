@@ -33,13 +33,14 @@ from .crypto import (
     sha256,
     verify_signature,
 )
-from .errors import ProtocolAbort, ProtocolError
+from .errors import InputMismatch, InputRefused, ProtocolAbort, ProtocolError
 from .messages import (
     CLIENT_KINDS,
     AdvertiseKeys,
     Ciphertexts,
     ClientMessage,
     ConsistencySignature,
+    InputProof,
     KeyEntry,
     KeyList,
     MaskedChunk,
@@ -154,6 +155,8 @@ class AggregateResult:
     named only when attributable (docs/protocol.md section 8, step 5).
     ``unattributable``: ids of clients whose secret was reconstructed and verified although
     its shares were inconsistent beyond what can be attributed to anyone.
+    ``refused``: id -> why, for clients whose input-validation proof failed (``norm_bound``,
+    docs/protocol.md section 10): left out of the sum, named; an honest client never is.
     """
 
     total: np.ndarray
@@ -161,6 +164,7 @@ class AggregateResult:
     dropped: Mapping[int, Stage] = field(default_factory=dict)
     corrupt_shares: Mapping[int, frozenset[int]] = field(default_factory=dict)
     unattributable: frozenset[int] = frozenset()
+    refused: Mapping[int, str] = field(default_factory=dict)
 
 
 class RoundNonce:
@@ -278,6 +282,19 @@ class Server:
         self._suspects: set[int] = set()
         self._unattributable: set[int] = set()
         self.aborted: ProtocolAbort | None = None
+        # input validation (docs/protocol.md 10): each verified client's input commitment,
+        # the digest of its proof message, and who was refused and why
+        self._commitments: dict[int, object] = {}
+        self._proof_digests: dict[int, bytes] = {}
+        self.refused: dict[int, str] = {}
+        self._blinding = 0
+        if config.norm_bound is not None:
+            from .validation import available
+            from .validation.group import ValidationUnavailable
+
+            if not available():
+                raise ValidationUnavailable("norm_bound needs the group library: pip install "
+                                            "'secagg[validation]' (py-arkworks-bls12381)")
 
     # --- state ----------------------------------------------------------------------------
 
@@ -301,7 +318,12 @@ class Server:
 
     def max_message_bytes(self) -> int:
         """An upper bound on a valid client message this round (for transports)."""
-        return 1024 + self._vector_bytes + len(self.roster) * 128
+        proof = 0
+        if self.config.norm_bound is not None:
+            from .validation import proof_size
+
+            proof = proof_size(self.config.dim)
+        return 1024 + max(self._vector_bytes, proof) + len(self.roster) * 128
 
     # --- receiving ------------------------------------------------------------------------
 
@@ -325,7 +347,7 @@ class Server:
         if isinstance(message, (bytes, bytearray, memoryview)):
             raw = bytes(message)
         elif isinstance(message, (AdvertiseKeys, ShareKeys, MaskedInput, MaskedChunk,
-                                  ConsistencySignature, UnmaskingShares)):
+                                  ConsistencySignature, UnmaskingShares, InputProof)):
             try:  # objects get exactly the validation wire bytes get
                 raw = encode(message)
             except Exception as exc:  # a hand-built object with wrong field types
@@ -340,7 +362,7 @@ class Server:
         except ProtocolError as exc:
             raise self._reject(client_id, str(exc)) from None
         assert isinstance(msg, (AdvertiseKeys, ShareKeys, MaskedInput, MaskedChunk,
-                                ConsistencySignature, UnmaskingShares))
+                                ConsistencySignature, UnmaskingShares, InputProof))
         if client_id not in self._members:
             raise self._reject(client_id, "the sender is not in the roster")
         if msg.client_id != client_id:
@@ -348,6 +370,8 @@ class Server:
                                           f"{msg.client_id}")
         if msg.session_id != self.session_id:
             raise self._reject(client_id, "the message belongs to another session")
+        if isinstance(msg, InputProof):
+            return self._take_proof(client_id, msg, raw)
         accepted = self._accepted_digest.get(client_id)
         previous = self._previous_digest.get(client_id)
         digest = sha256(raw) if accepted is not None or previous is not None else b""
@@ -472,11 +496,56 @@ class Server:
         self.rejected.append((client_id, reason))
         return True
 
+    def _take_proof(self, cid: int, msg: InputProof, raw: bytes) -> bool:
+        """Stage masked_input, before the masked input: verify the client's input proof
+        (docs/protocol.md 10.3). A failed proof refuses the client: named in ``refused``,
+        dropped at masked_input, its masked input never counts."""
+        from .validation import InvalidProof, NormStatement, verify
+
+        cfg = self.config
+        if cfg.norm_bound is None:
+            raise self._reject(cid, "an input proof in a round without norm_bound")
+        digest = sha256(raw)
+        if self._proof_digests.get(cid) == digest:
+            return False  # redelivery
+        if self.result is not None:
+            raise self._reject(cid, "the round has finished")
+        if self._stage is not Stage.MASKED_INPUT:
+            raise self._reject(cid, "a masked_input message is out of stage")
+        if cid not in self._expected:
+            raise self._reject(cid, "the client is not part of this stage (it dropped, was "
+                                    "refused or was not sent the previous message)")
+        if cid in self._proof_digests:
+            raise self._reject(cid, "a second, different input proof")
+        upload = self._uploads.get(cid)
+        if cid in self._inbox or (upload is not None and upload.next):
+            raise self._reject(cid, "the input proof must come before the masked input")
+        self._check_signature(cid, msg)  # a forged proof must not get the client named
+        statement = NormStatement(self.session_id, cid, cfg.dim, cfg.bits, cfg.norm_bound,
+                                  self._advert_digests[cid])
+        try:
+            self._commitments[cid] = verify(statement, msg.proof)
+        except InvalidProof as exc:
+            reason = f"input proof refused (norm_bound={cfg.norm_bound}): {exc}"
+            self.refused[cid] = reason
+            self._expected.discard(cid)
+            self._uploads.pop(cid, None)
+            self.dropped.setdefault(cid, Stage.MASKED_INPUT)
+            self.rejected.append((cid, reason))
+            raise InputRefused(f"client {cid} refused in masked_input: {reason}",
+                               stage=self._stage, client_id=cid) from None
+        self._proof_digests[cid] = digest
+        return True
+
     def _take_masked(self, cid: int, msg: MaskedInput | MaskedChunk, raw: bytes) -> bool:
         """One chunk of a masked input (a ``MaskedInput`` is the chunk [0, dim)): checked
         whole before anything changes, then held pending, and added to the sum only when
         the sender's last chunk completes it."""
         cfg = self.config
+        if cfg.norm_bound is not None and cid not in self._commitments:
+            raise self._reject(cid, f"no verified input proof before the masked input "
+                                    f"(the round has norm_bound={cfg.norm_bound}: "
+                                    f"docs/protocol.md 10)")
         if msg.bits != cfg.bits or msg.dim != cfg.dim:
             raise self._reject(cid, f"masked input has bits={msg.bits}, dim={msg.dim}; "
                                     f"the round uses bits={cfg.bits}, dim={cfg.dim}")
@@ -565,7 +634,8 @@ class Server:
         self._sum[:] = vector
         return vector
 
-    def _check_signature(self, cid: int, msg: ShareKeys | UnmaskingShares) -> None:
+    def _check_signature(self, cid: int, msg: ShareKeys | UnmaskingShares | InputProof
+                         ) -> None:
         if self.config.malicious:
             try:
                 verify_signature(self._verify_keys.get(cid, b""), msg.signature,
@@ -751,12 +821,30 @@ class Server:
             private_keys[owner] = KeyPair.from_private_bytes(
                 self._reconstruct(owner, shares, key_ok, corrupt))
         total = self._unmask(seeds, private_keys)
+        if self.config.norm_bound is not None:
+            self._check_commitments(total, survivors)
         self.result = AggregateResult(
             total=total, included=frozenset(survivors), dropped=dict(self.dropped),
             corrupt_shares={h: frozenset(o) for h, o in corrupt.items()},
-            unattributable=frozenset(self._unattributable))
+            unattributable=frozenset(self._unattributable), refused=dict(self.refused))
         self._open(Stage.UNMASKING, ())
         return {}
+
+    def _check_commitments(self, total: np.ndarray, survivors: frozenset[int]) -> None:
+        """docs/protocol.md 10.4: the survivors' commitments must open to the unmasked sum
+        with the blinding the removed masks carried; otherwise someone masked another
+        vector than it proved, and nothing is released."""
+        from .validation import check_sum
+
+        if not check_sum([self._commitments[u] for u in sorted(survivors)], total,
+                         self.config.bits, self._blinding):
+            error = InputMismatch(
+                "server aborted the round in unmasking: the included clients' input "
+                "commitments do not open to the unmasked sum, so at least one of "
+                f"{sorted(survivors)} masked another vector than the one it proved; the "
+                "sum is not released (docs/protocol.md 10.4)", stage=self._stage)
+            self.aborted = error
+            raise error
 
     def _reconstruct(self, owner: int, shares: dict[int, int],
                      check: Callable[[bytes], bool], corrupt: dict[int, set[int]]) -> bytes:
@@ -799,6 +887,10 @@ class Server:
                                          for batch in batches]]
         else:
             keys = [derive_mask_keys(header, batch) for batch in batches]
+        if cfg.norm_bound is not None:
+            from .validation import blinding
+
+            self._blinding = blinding(k for batch in keys for k in batch)
         window = max(1, UNMASK_WINDOW_BYTES // total.dtype.itemsize)
         for start in range(0, cfg.dim, window):  # window by window: bounded memory
             count = min(window, cfg.dim - start)

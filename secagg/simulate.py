@@ -36,6 +36,7 @@ class SimulationResult:
     client_aborts: Mapping[int, str] = field(default_factory=dict)
     corrupt_shares: Mapping[int, frozenset[int]] = field(default_factory=dict)
     unattributable: frozenset[int] = frozenset()
+    refused: Mapping[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ def _stream(server: Server, cid: int, stream: MaskedStream, aborts: dict[int, st
     server (its upload slot granted first, released when it completes); the bytes sent."""
     server.grant_uploads([cid])
     sent = 0
+    if stream.proof is not None:  # norm_bound: the input proof precedes the masked input
+        data = encode(stream.proof)
+        sent += len(data)
+        if not _deliver(server, cid, data, aborts):
+            return sent  # refused: its masked input would not count
     elements = max(1, chunk_bytes * stream.dim // max(1, stream.nbytes))
     for chunk in stream.chunks(elements):
         data = encode(chunk)
@@ -200,4 +206,4 @@ def simulate(config: Config, inputs: Mapping[int, object],
     return SimulationResult(total=result.total, included=result.included, dropped=dropped,
                             seconds=seconds, bytes_sent=sent, bytes_received=received,
                             client_aborts=aborts, corrupt_shares=result.corrupt_shares,
-                            unattributable=result.unattributable)
+                            unattributable=result.unattributable, refused=result.refused)

@@ -28,12 +28,12 @@ from collections.abc import Iterable, Mapping
 from functools import lru_cache
 
 from .crypto import PROTOCOL, pair_label, sha256, u32
-from .messages import KeyEntry, MaskedInput, ShareKeys, UnmaskingShares
+from .messages import InputProof, KeyEntry, MaskedInput, ShareKeys, UnmaskingShares
 from .stage import Stage
 
 _NO_BINDING = b""
 SIGNED_TAGS: dict[type, bytes] = {ShareKeys: b"share-keys", MaskedInput: b"masked-input",
-                                  UnmaskingShares: b"unmasking"}
+                                  UnmaskingShares: b"unmasking", InputProof: b"input-proof"}
 
 
 def transcript(tag: bytes, session_id: bytes, stage: Stage, signer: int, payload_digest: bytes,
@@ -87,7 +87,7 @@ def survivors_transcript(session_id: bytes, signer: int, survivors: Iterable[int
                       sha256(payload), signer_advertisement)
 
 
-def payload_digest(message: ShareKeys | MaskedInput | UnmaskingShares) -> bytes:
+def payload_digest(message: ShareKeys | MaskedInput | UnmaskingShares | InputProof) -> bytes:
     """SHA-256 of the bytes a client signs for its share_keys, masked_input and unmasking
     messages, built from the fields (never a re-encoding) and hashed in one pass without
     joining the masked vector to anything (section 5.7)."""
@@ -99,6 +99,8 @@ def payload_digest(message: ShareKeys | MaskedInput | UnmaskingShares) -> bytes:
     elif isinstance(message, MaskedInput):
         h = masked_input_hash(message.bits, message.dim, message.peers_digest)
         h.update(message.masked)
+    elif isinstance(message, InputProof):
+        h.update(message.proof)
     else:
         h.update(b"s" + struct.pack(">I", len(message.self_mask_shares)))
         for owner, share in message.self_mask_shares.items():
@@ -121,8 +123,8 @@ def masked_input_hash(bits: int, dim: int, peers_digest: bytes) -> hashlib._Hash
     return h
 
 
-def client_message_transcript(message: ShareKeys | MaskedInput | UnmaskingShares,
-                              key_set: bytes, digest: bytes | None = None) -> bytes:
+def client_message_transcript(message: ShareKeys | MaskedInput | UnmaskingShares
+                              | InputProof, key_set: bytes, digest: bytes | None = None) -> bytes:
     """The transcript a client signs for ``message``; ``key_set`` is the digest of the key
     list it received (``key_set_digest``)."""
     return transcript(SIGNED_TAGS[type(message)], message.session_id, message.stage,

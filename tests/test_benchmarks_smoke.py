@@ -80,6 +80,32 @@ def test_model_size_benchmark_runs_its_rows_at_a_tiny_size() -> None:
     assert text.count("| yes |") == 2 and "x |" in text
 
 
+def test_flood_benchmark_runs_a_round_with_and_without_a_flood() -> None:
+    bench = _load("bench_flood")
+    for flood, where in ((0, "out"), (3000, "out")):
+        got = bench.run_row(bench.REPO, 3, 100, flood, where, 120.0)
+        assert got["completed"] and got["included"] == 3, got
+
+
+def test_validation_benchmark_runs_its_rows_at_a_tiny_size(tmp_path: Path) -> None:
+    """benchmarks/bench_validation.py: a site row, an extrapolated row and a round row at
+    tiny d, and the docs table it writes between its markers."""
+    pytest.importorskip("py_arkworks_bls12381")
+    bench = _load("bench_validation")
+    row = bench.bench_site(40, sites=3)
+    assert row["prove_s"] > 0 and row["proof_bytes"] > row["masked_bytes"]
+    far = bench.extrapolate(row, 4000)
+    assert far["extrapolated"] and far["prove_s"] == pytest.approx(row["prove_s"] * 100)
+    rnd = bench.bench_round(30, sites=3)  # asserts the two rounds' sums are equal
+    assert rnd["validated_upload"] > rnd["plain_upload"]
+    doc = tmp_path / "perf.md"
+    doc.write_text(f"before\n{bench.MARK_BEGIN}\nold\n{bench.MARK_END}\nafter\n")
+    bench.write_docs(bench.markdown([row, far], [rnd], 3), doc)
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    assert "4,000 (extrapolated)" in text and "| 30 |" in text
+
+
 def test_ledger_benchmark_reports_cost_per_charge() -> None:
     pytest.importorskip("opacus")
     bench = _load("bench_ledger")

@@ -116,6 +116,37 @@ def test_random_inputs_malicious_with_sigkill(tmp_path: Path) -> None:
     assert np.array_equal(np.load(out), plaintext_sum(inputs, report["included"], 20))
 
 
+def test_norm_bound_round_is_validated_and_exact(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """--norm-bound: every site proves its (random, in-bound) input; the aggregate is the
+    exact sum, nobody is refused, and the proof travels in masked_input."""
+    pytest.importorskip("py_arkworks_bls12381")
+    rep, out = tmp_path / "r.json", tmp_path / "s.npy"
+    rc = cli("--clients", "4", "--dim", "64", "--norm-bound", "50000", "--seed", "5",
+             "--drop-rate", "0.25", "--drop-stage", "unmasking",
+             "--report", str(rep), "--output", str(out))
+    assert rc == 0
+    report = json.loads(rep.read_text())
+    check_report(report, [1, 2, 3, 4])
+    assert report["correct"] is True and report["refused"] == {}
+    assert report["config"]["norm_bound"] == 50000
+    from secagg.validation import proof_size
+
+    for cid in report["included"]:
+        assert report["bytes"][str(cid)]["masked_input"] > proof_size(64)
+    assert "norm bound 50000 (proved in zero knowledge); refused: none" in (
+        capsys.readouterr().out)
+
+
+def test_norm_bound_refuses_inputs_over_the_bound_before_the_round(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("py_arkworks_bls12381")
+    write_inputs(tmp_path / "in", [1, 2, 3], dim=8, bits=32)  # uniform: far over any bound
+    assert cli("--inputs", str(tmp_path / "in"), "--norm-bound", "1000") == 2
+    err = capsys.readouterr().err
+    assert "--inputs" in err and "--norm-bound 1000" in err and "clip it" in err
+
+
 def test_streamed_inputs_and_one_line_reasons(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     """secagg simulate streams masked inputs through the drivers (chunks counted by the
@@ -151,6 +182,8 @@ def test_streamed_inputs_and_one_line_reasons(tmp_path: Path,
     (["--inputs", "/nonexistent/dir"], "--inputs"),
     (["--bits", "4"], "bits"),
     (["--dim", "0"], "dim"),
+    (["--norm-bound", "0"], "--norm-bound"),
+    (["--clients", "4", "--bits", "16", "--norm-bound", "20000"], "--norm-bound 20000"),
 ])
 def test_bad_options_exit_2_with_a_hint(argv: list[str], hint: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:

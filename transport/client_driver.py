@@ -129,6 +129,7 @@ class ClientDriver:
         self._grant: Grant | None = None
         self._chunks: Iterator[MaskedChunk] | None = None
         self._inflight: dict[bytes, bytes] = {}  # digest -> wire bytes, in sending order
+        self._sent_order: dict[bytes, int] = {}  # digest of each chunk sent -> its place
         self._produced = False  # the last chunk is out (or the stream cannot go on)
 
     @property
@@ -269,6 +270,14 @@ class ClientDriver:
 
     async def _on_receipt(self, receipt: Receipt, loop: asyncio.AbstractEventLoop) -> None:
         chunk = self._inflight.pop(receipt.digest, None)
+        if chunk is not None and receipt.ok:
+            # the server accepts a stream's chunks in order only: this one's acceptance
+            # confirms every chunk sent before it (their receipts were lost), which are
+            # therefore never re-sent, let alone refused
+            for earlier in list(self._inflight):
+                if self._sent_order[earlier] > self._sent_order[receipt.digest]:
+                    break
+                del self._inflight[earlier]
         whole_upload = (receipt.digest == UPLOAD_RECEIPT and not receipt.ok
                         and self._upload is not None)
         if chunk is None and not whole_upload and (
@@ -313,11 +322,19 @@ class ClientDriver:
             return
         if self._produced:
             return
+        label = Stage.MASKED_INPUT.label
         if self._chunks is None:
             self._chunks = (upload.chunks(grant.chunk_elements)
                             if isinstance(upload, MaskedStream)
                             else split_masked_input(upload, grant.chunk_elements))
-        label = Stage.MASKED_INPUT.label
+            if isinstance(upload, MaskedStream) and upload.proof is not None:
+                # norm_bound: the input proof goes first (docs/protocol.md 10.3)
+                raw = encode(upload.proof)
+                digest = message_id(raw)
+                self._inflight[digest] = raw
+                self.outcome.bytes_sent[label] = (self.outcome.bytes_sent.get(label, 0)
+                                                  + len(raw))
+                await self._publish_raw(raw, digest)
         while len(self._inflight) < grant.window and not self._produced:
             try:
                 async with _compute_turn():
@@ -332,6 +349,7 @@ class ClientDriver:
             raw = encode(chunk)
             digest = message_id(raw)
             self._inflight[digest] = raw
+            self._sent_order[digest] = len(self._sent_order)
             self.outcome.bytes_sent[label] = self.outcome.bytes_sent.get(label, 0) + len(raw)
             if chunk.last:
                 self._current = (Stage.MASKED_INPUT, raw, digest)

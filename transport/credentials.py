@@ -4,13 +4,17 @@ Mosquitto (``password_file`` and ``acl_file``).
 
 ``write_federation(directory, site_ids)`` is what ``secagg broker`` runs: the directory is
 private to its owner (0700), every file 0600, and an existing party's password is kept, so
-running it again starts the same federation.
+running it again starts the same federation, but only a password that is still private and
+strong: one in a file that others could read (any group or other permission bit), that is
+owned by another user, or that is short or repetitive (``password_strength`` below
+``MIN_PASSWORD_BITS``) is refused with what to do (docs/security.md, bounds per login).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 from collections.abc import Sequence
@@ -68,15 +72,38 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+MIN_PASSWORD_BITS = 96
+"""The least ``password_strength`` an existing password file may hold (a generated one:
+``secrets.token_urlsafe(24)``, 32 characters of 64, is about 180)."""
+
+
+def password_strength(text: str) -> float:
+    """An upper bound on a password's entropy in bits: its length times log2 of how many
+    distinct characters it uses (a repeated letter has 0; it says nothing of dictionary
+    words, which a generated password never is)."""
+    distinct = len(set(text))
+    return len(text) * math.log2(distinct) if distinct > 1 else 0.0
+
+
 def _password(path: Path) -> str:
-    """The party's existing password, or a new random one written to ``path``."""
+    """The party's existing password, or a new random one written to ``path``; an existing
+    one must be in a private file (0600, this user's) and strong, else ``CredentialsError``
+    says to delete it (a new one is then made, to hand to the party)."""
     if path.is_symlink():
         raise CredentialsError(f"{path}: is a symbolic link; remove it")
     if path.exists():
+        info = path.stat()
+        fix = "delete it to make a new one, and give the party its new password"
+        if info.st_uid != os.getuid():
+            raise CredentialsError(f"{path}: owned by another user; {fix}")
+        if info.st_mode & 0o077:
+            raise CredentialsError(f"{path}: mode {info.st_mode & 0o777:04o}, readable or "
+                                   f"writable by others, so its password may be known; {fix}")
         text = path.read_text(encoding="utf-8").strip()
-        if len(text) < 16:
-            raise CredentialsError(f"{path}: holds no password of at least 16 characters; "
-                                   "delete it to make a new one")
+        if len(text) < 16 or password_strength(text) < MIN_PASSWORD_BITS:
+            raise CredentialsError(f"{path}: holds a weak password (under 16 characters or "
+                                   f"at most {password_strength(text):.0f} bits, "
+                                   f"{MIN_PASSWORD_BITS} needed); {fix}")
         return text
     password = secrets.token_urlsafe(24)
     _write_private(path, password + "\n")

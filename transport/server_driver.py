@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 
 from secagg import ProtocolAbort, ProtocolError, Stage, encode, round_stages
@@ -39,7 +39,9 @@ from .drivers import (
 from .errors import TransportError
 from .framing import (
     DEFAULT_MAX_PAYLOAD,
+    HEADER_BYTES,
     FrameError,
+    chunk_charge,
     round_reassembler,
 )
 from .link import Delivery, Link, LinkLost, Reconnected
@@ -93,6 +95,26 @@ class ServerDriver:
                    + self.chunk_elements * width)
         self._reassembler = round_reassembler(largest + 4096, len(server.roster), max_payload)
         self.reassembly_bound = self._reassembler.max_buffered_bytes
+        # deliveries wait in one queue per sender and are taken in turn, one per sender
+        # (docs/security.md, bounds per login): a flooding sender delays only itself.
+        # A queue holds at most what an honest sender can have in flight (its reassembly
+        # quota plus twice its window of chunks), charged as the reassembly charges frames
+        step = max(1, max_payload - HEADER_BYTES)
+        chunk_wire = self.chunk_elements * width + 4096
+        chunk_cost = chunk_wire + chunk_charge(HEADER_BYTES) * (chunk_wire // step + 1)
+        self.queue_bound = self._reassembler.max_sender_bytes + 2 * window * chunk_cost
+        self._queues: OrderedDict[int, deque[tuple[str, bytes]]] = OrderedDict()
+        self._queued: dict[int, int] = {}  # sender -> bytes charged in its queue
+        self._work = asyncio.Event()
+        # what a sender may make the server spend on messages that change nothing (refused,
+        # malformed, duplicates, queue overflow) per stage; past it its deliveries are
+        # dropped unread until the next stage. An honest sender gives up after one refusal
+        # and re-sends at most its window every retry interval
+        longest = max(self._deadlines_for(server))
+        self.waste_budget = 32 + 2 * window * math.ceil(longest / max(self.timeouts.retry,
+                                                                       1e-3))
+        self._waste: dict[int, int] = {}  # this stage: sender -> messages wasted
+        self.flood_dropped = 0  # deliveries dropped unread (a sender past its budget)
         # uploading client -> when its last chunk arrived (from its first: before that it
         # may still be waiting for the Ciphertexts its grant overtook; its lease applies)
         self._upload_seen: dict[int, float] = {}
@@ -102,18 +124,24 @@ class ServerDriver:
         self._outbox: dict[int, tuple[Stage, bytes]] = {}
         self._answered: dict[int, bytes] = {}  # client -> digest its outbox message answers
         self._accepted: dict[int, bytes] = {}  # this stage: client -> digest accepted
-        self._seen: set[tuple[int, bytes]] = set()  # (client, digest) accepted
-        # of each stream only the last ``window`` chunks stay in _seen: a client re-sends
-        # only unconfirmed chunks, and it never has more than ``window`` of those
-        self._stream_seen: dict[int, deque[bytes]] = {}
+        # (client, digest) of every message and, while masked_input is open, every chunk of
+        # a stream accepted: a re-sent one (its receipt was lost) is always confirmed
+        # again, never refused as a second message. At most dim / chunk_elements chunks
+        # per client (the grant fixes the chunk size), about 150 B each; when the stage
+        # closes only each stream's last ``window`` stay (a late duplicate of its tail)
+        self._seen: set[tuple[int, bytes]] = set()
+        self._stream_seen: dict[int, list[bytes]] = {}  # this stage: client -> chunks
         self._last_resend: dict[int, float] = {}
         self._progress = asyncio.Event()
         self._failure: BaseException | None = None
         self._control: bytes | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._deadlines = {s.label: self.timeouts.deadline(s)
-                           for s in round_stages(server.config)}
+        self._deadlines = dict(zip((s.label for s in round_stages(server.config)),
+                                   self._deadlines_for(server), strict=True))
         self._stage_kinds = frozenset(self._deadlines)
+
+    def _deadlines_for(self, server: Server) -> list[float]:
+        return [self.timeouts.deadline(s) for s in round_stages(server.config)]
 
     # -- public ----------------------------------------------------------------------
 
@@ -263,12 +291,15 @@ class ServerDriver:
         answered = dict(self._accepted)
         out = self.server.advance()  # raises ProtocolAbort when too few remain
         self._accepted = {}
+        self._waste.clear()
         self._answered = {cid: answered[cid] for cid in out if cid in answered}
         encoded = {cid: (self.server.stage, encode(msg)) for cid, msg in out.items()}
         self._outbox = encoded
         await asyncio.gather(*(self._send(cid) for cid in encoded))
         self._upload_seen.clear()
         self._lease_end.clear()
+        for cid, digests in self._stream_seen.items():
+            self._seen.difference_update((cid, d) for d in digests[:-self.window])
         self._stream_seen.clear()
         self._lease = None
         self._grant_uploads()
@@ -303,16 +334,88 @@ class ServerDriver:
     # -- receiving -------------------------------------------------------------------
 
     async def _pump(self) -> None:
+        """Read the link (cheap: each delivery is only sorted into its sender's queue) while
+        ``_serve_senders`` handles the queues in turn."""
+        serve = asyncio.create_task(self._serve_senders(), name="secagg-server-senders")
         try:
             while True:
                 event = await self.link.receive()
                 if isinstance(event, Reconnected):
                     self._on_reconnected()
                 elif isinstance(event, Delivery):
-                    self._on_delivery(event)
+                    self._enqueue(event)
         except LinkLost as exc:
             self._failure = exc
             self._progress.set()
+        finally:
+            await stop_task(serve)
+
+    def _enqueue(self, event: Delivery) -> None:
+        parsed = self.topics.parse_upstream(event.topic)
+        if parsed is None:
+            self.invalid_payloads += 1
+            logger.debug("server: message on unexpected topic %s dropped", event.topic)
+            return
+        kind, cid = parsed
+        stage = stage_of(kind)
+        if cid not in self.server.roster or (
+                kind not in self._stage_kinds if stage is not None else
+                kind not in (OFFLINE, ABORT)):
+            # Dropped before any buffering: a site (even one outside the roster) may write
+            # any <kind> under its own name, and must not make the server keep anything.
+            self.invalid_payloads += 1
+            logger.debug("server: message from client %d on kind %r dropped", cid, kind)
+            return
+        if self._waste.get(cid, 0) >= self.waste_budget:
+            self.flood_dropped += 1
+            return
+        cost = chunk_charge(len(event.payload))
+        queued = self._queued.get(cid, 0)
+        if queued + cost > self.queue_bound:
+            self.flood_dropped += 1
+            self._wasted(cid, f"its queue holds {queued} bytes (bound {self.queue_bound})")
+            return
+        queue = self._queues.get(cid)
+        if queue is None:
+            queue = self._queues[cid] = deque()
+        queue.append((kind, event.payload))
+        self._queued[cid] = queued + cost
+        self._work.set()
+
+    async def _serve_senders(self) -> None:
+        """Handle the senders' queues in turn, one delivery each, yielding to the loop
+        between two (the link keeps being read, the stage loop keeps its deadlines)."""
+        queues = self._queues
+        while True:
+            if not queues:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            cid, queue = queues.popitem(last=False)
+            kind, payload = queue.popleft()
+            self._queued[cid] -= chunk_charge(len(payload))
+            if queue:
+                queues[cid] = queue  # its next delivery waits for every other sender's
+            else:
+                del self._queued[cid]
+            if self._waste.get(cid, 0) >= self.waste_budget:
+                self.flood_dropped += 1
+            else:
+                self._on_delivery(cid, kind, payload)
+            await asyncio.sleep(0)
+
+    def _wasted(self, cid: int, why: str) -> None:
+        """Count one message of ``cid`` that changed nothing; past ``waste_budget`` this
+        stage, its deliveries are dropped unread (logged once)."""
+        waste = self._waste.get(cid, 0) + 1
+        self._waste[cid] = waste
+        if waste == self.waste_budget:
+            logger.warning("server: client %d sent %d messages that change nothing in this "
+                           "stage (last: %s); its messages are dropped unread until the next "
+                           "stage, and the stage does not wait for it", cid, waste, why)
+            if cid in self.server.pending and cid not in self.gone:
+                self.gone[cid] = "flooding"  # its answer would be dropped unread anyway
+                self._progress.set()
 
     def _on_reconnected(self) -> None:
         logger.info("server: reconnected; re-publishing the round state")
@@ -330,30 +433,17 @@ class ServerDriver:
             if cid in self.server.uploading:
                 self._spawn(self._send_grant(cid))
 
-    def _on_delivery(self, event: Delivery) -> None:
-        parsed = self.topics.parse_upstream(event.topic)
-        if parsed is None:
-            logger.warning("server: message on unexpected topic %s dropped", event.topic)
-            return
-        kind, cid = parsed
+    def _on_delivery(self, cid: int, kind: str, payload: bytes) -> None:
         stage = stage_of(kind)
-        if cid not in self.server.roster or (
-                kind not in self._stage_kinds if stage is not None else
-                kind not in (OFFLINE, ABORT)):
-            # Dropped before any buffering: a site (even one outside the roster) may write
-            # any <kind> under its own name, and must not make the server keep anything.
-            self.invalid_payloads += 1
-            logger.debug("server: message from client %d on kind %r dropped", cid, kind)
-            return
         limit = None if stage is not None else MAX_CONTROL_BYTES
         now = asyncio.get_running_loop().time()
         try:
-            message = self._reassembler.feed((cid, kind), event.payload, now, limit,
-                                             quota=cid)
+            message = self._reassembler.feed((cid, kind), payload, now, limit, quota=cid)
             self.reassembly_peak = max(self.reassembly_peak,
                                        self._reassembler.charged_bytes)
         except FrameError as exc:
             self.invalid_payloads += 1
+            self._wasted(cid, str(exc))
             logger.warning("server: invalid payload from client %d on %s dropped: %s", cid,
                            kind, exc)
             return
@@ -381,6 +471,7 @@ class ServerDriver:
             notice = decode_control(payload)
         except ControlError as exc:
             self.invalid_payloads += 1
+            self._wasted(cid, str(exc))
             logger.warning("server: invalid %s notice from client %d dropped: %s", kind, cid,
                            exc)
             return
@@ -402,6 +493,7 @@ class ServerDriver:
                 self.client_aborts[cid] = notice.reason
         else:
             self.invalid_payloads += 1
+            self._wasted(cid, f"an unexpected {kind} notice")
             logger.warning("server: unexpected %s notice from client %d dropped", kind, cid)
 
     def _on_client_message(self, cid: int, digest: bytes, payload: bytes) -> None:
@@ -416,9 +508,12 @@ class ServerDriver:
                 self._spawn(self._send(cid))
                 if cid in self.server.uploading:
                     self._spawn(self._send_grant(cid))
+            else:
+                self._wasted(cid, "its previous message again, answered moments ago")
             return
         if (cid, digest) in self._seen:
             # A duplicate of an accepted message (also after the round finished): confirm.
+            self._wasted(cid, "a duplicate")
             self._spawn(self._receipt(cid, Receipt(digest, True)))
             return
         stage = self.server.stage
@@ -427,6 +522,7 @@ class ServerDriver:
             new = self.server.receive(cid, payload)
         except ProtocolError as exc:
             self.rejected += 1
+            self._wasted(cid, "a refused message")
             logger.warning("server: %s", exc)
             # An honest client gives up on its refused message and signs off, which frees
             # its upload slot at once (_reclaim_uploads); a refusal alone does not: the
@@ -434,6 +530,7 @@ class ServerDriver:
             self._spawn(self._receipt(cid, Receipt(digest, False, str(exc))))
             return
         if not new:  # a redelivery the state machine recognised: confirm it again
+            self._wasted(cid, "a duplicate")
             self._spawn(self._receipt(cid, Receipt(digest, True)))
             return
         self._accepted[cid] = digest  # of a stream: its latest chunk
@@ -444,10 +541,7 @@ class ServerDriver:
         if uploading:
             self.chunks += 1
             self._upload_seen[cid] = asyncio.get_running_loop().time()
-            recent = self._stream_seen.setdefault(cid, deque())
-            recent.append(digest)
-            if len(recent) > self.window:
-                self._seen.discard((cid, recent.popleft()))
+            self._stream_seen.setdefault(cid, []).append(digest)
         complete = cid in self.server.received
         if complete and self.on_message is not None:
             self.on_message(cid, stage)

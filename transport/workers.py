@@ -58,7 +58,8 @@ STOP_GRACE = 0.5
 class InputSource:
     """Where each site's input vector comes from: ``<directory>/<id>.npy``, or random
     values below 2**bits from ``seed`` in the natural width (``dtype_for_bits``: uint32 for
-    bits <= 32; numpy: inputs are not secrets)."""
+    bits <= 32; numpy: inputs are not secrets); with ``norm_bound``, random vectors within
+    it (centred integers mod 2**bits)."""
 
     directory: str | None = None
     seed: int = 0
@@ -72,6 +73,12 @@ class InputSource:
                 raise ValueError(f"cannot read input {path}: {exc}") from None
             return check_input(vector, config, str(path))
         rng = np.random.default_rng([self.seed, client_id])
+        if config.norm_bound is not None:  # within the bound: a random direction and length
+            direction = rng.normal(size=config.dim)
+            direction *= rng.uniform() * config.norm_bound / max(np.linalg.norm(direction),
+                                                                 1e-300)
+            signed = np.trunc(direction).astype(np.int64)
+            return (signed % (1 << config.bits)).astype(dtype_for_bits(config.bits))
         # the natural width: a 32-bit round holds 32-bit inputs, never 64-bit copies
         return rng.integers(0, 1 << config.bits, size=config.dim,
                             dtype=dtype_for_bits(config.bits), endpoint=False)

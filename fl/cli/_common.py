@@ -147,13 +147,31 @@ def verbosity(args: argparse.Namespace) -> int:
     return int(getattr(args, "verbosity", 0) or 0)
 
 
+class CurrentStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not to the stream
+    that was ``sys.stderr`` when logging was set up: a command run in-process (a notebook,
+    a test capturing its output) leaves no handler on a stream that was closed since."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
 def setup_logging(args: argparse.Namespace, tag: str) -> None:
     level = {1: logging.DEBUG, 0: logging.WARNING, -1: logging.ERROR}[
         max(-1, min(1, verbosity(args)))]
     if getattr(args, "log_level", None) == "info":
         level = logging.INFO
-    logging.basicConfig(level=level, stream=sys.stderr, force=True,
-                        format=f"[{tag}] %(levelname)s %(name)s: %(message)s")
+    handler = CurrentStderrHandler()
+    handler.setFormatter(logging.Formatter(f"[{tag}] %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     if verbosity(args) < 1:  # paho's connection chatter repeats what the error says
         logging.getLogger("mqtt").setLevel(logging.ERROR)
 

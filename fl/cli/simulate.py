@@ -59,6 +59,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         default="semi-honest",
                         help="threat model: semi-honest (default), or malicious (signed "
                              "messages and a consistency check)")
+    parser.add_argument("--norm-bound", type=int, metavar="B",
+                        help="input validation: every client proves in zero knowledge that "
+                             "its vector (centred integers mod 2**bits) has L2 norm <= B; a "
+                             "failed proof leaves it out, named (needs the validation extra; "
+                             "docs/protocol.md section 10)")
     parser.add_argument("--drop-rate", type=float, default=0.0, metavar="P",
                         help="fraction of clients that drop out (default 0)")
     parser.add_argument("--drop-stage", default="random", metavar="STAGE|random",
@@ -131,12 +136,14 @@ def build_config(args: argparse.Namespace, n: int, dim: int) -> Config:
     try:
         return Config(num_clients=n, threshold=args.threshold, dim=dim, bits=args.bits,
                       neighbors=args.neighbors, security=args.security,
-                      dropout_rate=args.drop_rate if args.neighbors is not None else None)
+                      dropout_rate=args.drop_rate if args.neighbors is not None else None,
+                      norm_bound=args.norm_bound)
     except ValueError as exc:
         raise UsageError(str(exc).replace("use neighbors=None", "drop --neighbors")
                           .replace("threshold=", "--threshold ")
                           .replace("num_clients=", "--clients ").replace("dim=", "--dim ")
                           .replace("bits=", "--bits ").replace("neighbors=", "--neighbors ")
+                          .replace("norm_bound=", "--norm-bound ")
                           ) from None
 
 
@@ -387,7 +394,8 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 source.load(cid, config)
             except ValueError as exc:
-                raise UsageError(f"--inputs: {exc}") from None
+                raise UsageError(f"--inputs: {exc}".replace("norm_bound=", "--norm-bound ")
+                                  ) from None
     for path in (args.output, args.report):
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"{path}: its directory does not exist")
@@ -469,7 +477,7 @@ def build_report(args: argparse.Namespace, config: Config, seed: int,
     return {
         "config": {"clients": config.num_clients, "threshold": config.threshold,
                    "dim": config.dim, "bits": config.bits, "neighbors": config.neighbors,
-                   "security": config.security},
+                   "security": config.security, "norm_bound": config.norm_bound},
         "broker": args.broker,
         "broker_url": outcome.broker_url,
         "processes": processes,
@@ -480,6 +488,8 @@ def build_report(args: argparse.Namespace, config: Config, seed: int,
         "dropped": ({str(c): s.label for c, s in sorted(result.dropped.items())}
                     if result is not None else {}),
         "killed": sorted(outcome.killed),
+        "refused": ({str(c): why for c, why in sorted(result.refused.items())}
+                    if result is not None else {}),
         "correct": correct,
         "error": outcome.error,
         "seconds": {k: round(v, 6) for k, v in outcome.seconds.items()},
@@ -511,6 +521,10 @@ def summary(report: Mapping[str, Any]) -> str:
         by_stage[stage] = by_stage.get(stage, 0) + 1
     dropped = ", ".join(f"{s} {k}" for s, k in by_stage.items()) or "none"
     lines.append(f"included {len(report['included'])}/{cfg['clients']}; dropped: {dropped}")
+    if cfg.get("norm_bound") is not None:
+        refused = ", ".join(report.get("refused", {})) or "none"
+        lines.append(f"norm bound {cfg['norm_bound']} (proved in zero knowledge); refused: "
+                     f"{refused}")
     reasons = report.get("reasons", {})
     for cid, why in list(reasons.items())[:10]:  # why an honest message was not accepted
         lines.append(f"client {cid} not included: {why}")

@@ -141,3 +141,26 @@ def test_config_file_json_quiet_progress_and_saved_model(
     config.write_text('[train]\nsites = 2\nrounds = "one\n')
     assert main(["train", "--config", str(config)]) == 2
     assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_the_commands_log_to_the_current_stderr_not_a_closed_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command run in-process sets up logging while ``sys.stderr`` is one stream (a
+    test's capture, a notebook cell's); records logged after that stream was closed go to
+    the stream that is ``sys.stderr`` then, never into a "--- Logging error ---"."""
+    import argparse
+    import io
+    import logging
+    import sys
+
+    from fl.cli._common import setup_logging
+
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    setup_logging(argparse.Namespace(verbosity=0), "test")
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("fl.test").warning("after the first stream closed")
+    assert "[test] WARNING fl.test: after the first stream closed" in second.getvalue()
+    assert "Logging error" not in second.getvalue()

@@ -198,9 +198,15 @@ def test_tcga_brca_scaffold_across_processes_equals_the_in_process_run(tmp_path:
         finish(coordinator, sites, timeout=170)
     report = json.loads(report_path.read_text())
     local = train(tcga_brca_settings("scaffold", seed=1, rounds=2, local_steps=10))
-    for key in ("c_index", "loss"):  # the written report keeps no model vector
-        assert [r[key] for r in report["rounds"]] == pytest.approx(
-            [r[key] for r in local["rounds"]], abs=1e-12)
+    # The sums are exact integers, but the float64 training in each process reduces in an
+    # order that depends on its BLAS/OpenMP thread count (the sites here and the in-process
+    # run need not have the same), so the loss agrees to rounding amplified by 2 x 10 local
+    # steps: 1.2e-10 was seen with other thread counts; 1e-8 relative is two orders above
+    # it. The C-index counts ordered pairs: exact.
+    assert [r["loss"] for r in report["rounds"]] == pytest.approx(
+        [r["loss"] for r in local["rounds"]], rel=1e-8)
+    assert [r["c_index"] for r in report["rounds"]] == pytest.approx(
+        [r["c_index"] for r in local["rounds"]], abs=1e-12)
     assert report["rounds"][-1]["c_index_by_site"] == pytest.approx(
         local["rounds"][-1]["c_index_by_site"], abs=1e-12)
     assert all(r["aggregate_correct"] for r in report["rounds"])

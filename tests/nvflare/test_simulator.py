@@ -70,16 +70,22 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, server: Any, sites: dict[st
 
 
 
+STAGE = 5.0  # seconds: the stage deadline of the drop test below
+
+
 def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     exact = {"modes": ["none", "distributed"]}
     sites = {f"site-{i}": exact for i in range(1, 5)} | {"site-5": {}}  # site-5: DP only
-    server = SecureFedAvg(num_rounds=3, neighbors=None, stage_timeout=1.0,
+    # The stage deadline is what drops site-1 in round 2, so it must be long enough that an
+    # honest site on a loaded host never misses it (1 s failed under a CPU hog on two
+    # cores), and site-1 stalls three times as long so its late answer cannot be taken.
+    server = SecureFedAvg(num_rounds=3, neighbors=None, stage_timeout=STAGE,
                           train_timeout=60, report_path=str(tmp_path / "reports.jsonl"))
     reports = _run(tmp_path, monkeypatch, server, sites, {
         "site-2": {"0": ["advertise_keys", "fail"]},  # its training fails
         "site-3": {"1": ["masked_input", "fail"]},  # after sharing its keys: mask recovered
-        "site-1": {"2": ["unmasking", "stall", 4]},  # silent past the deadline
+        "site-1": {"2": ["unmasking", "stall", 3 * STAGE]},  # silent past the deadline
     })
     assert [r["server_round"] for r in reports] == [0, 1, 2]
     expected_drops = [{"site-2": "advertise_keys", "site-5": "advertise_keys"},
@@ -95,7 +101,7 @@ def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
         assert set(report["seconds"]) == {"advertise_keys", "share_keys", "masked_input",
                                           "unmasking"}
         assert all(report["bytes_up"][s] > 0 for s in included)
-    assert reports[2]["seconds"]["unmasking"] >= 1.0  # waited out site-1's deadline
+    assert reports[2]["seconds"]["unmasking"] >= STAGE  # waited out site-1's deadline
     # no input of the refusing site was ever computed, and its ledger has no charge
     assert not list((tmp_path / "record").glob("site-5-*"))
     with Ledger.open(tmp_path / "sites" / "site-5" / "ledger.json", SitePolicy()) as ledger:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import re
 import struct
 from pathlib import Path
@@ -23,6 +24,7 @@ from secagg import Client, Config, Server, Stage, crypto, messages, shamir
 from secagg.crypto import KeyPair, Masker, SigningKey
 from secagg.graph import Graph, _keystream_permutation, harary_neighbors
 from secagg.messages import (
+    InputProof,
     KeyEntry,
     MaskedInput,
     ShareKeys,
@@ -251,7 +253,7 @@ def test_transcript_table() -> None:
     rows = _table("transcripts")
     assert {(r[0], int(r[1])) for r in rows} == {
         ("advertise", 0), ("survivors", 3), ("share-keys", 1), ("masked-input", 2),
-        ("unmasking", 4)}
+        ("unmasking", 4), ("input-proof", 2)}
     keys = {7: KeyEntry(b"\x01" * 32, b"\x02" * 32, b"\x03" * 32),
             2: KeyEntry(b"\x04" * 32, b"\x05" * 32, b"\x06" * 32)}
     ks = _key_set(SID, keys)
@@ -268,6 +270,9 @@ def test_transcript_table() -> None:
     assert client_message_transcript(unmask, ks) == _transcript(
         b"unmasking", SID, 4, 7, b"s" + _u32(1) + _u32(3) + b"\x07" * 33 + b"k" + _u32(1)
         + b"\x09" * 33 + _u32(4) + b"\x08" * 33, ks)
+    proof = InputProof(SID, 7, b"\x0a" * 40)
+    assert client_message_transcript(proof, ks) == _transcript(
+        b"input-proof", SID, 2, 7, b"\x0a" * 40, ks)
     assert peers_digest([9, 2]) == hashlib.sha256(
         b"secagg/v1|peers|" + _u32(2) + _u32(9)).digest()
     entry = KeyEntry(b"\x01" * 32, b"\x02" * 32, b"\x03" * 32)
@@ -408,8 +413,13 @@ def test_size_limits_stated() -> None:
     server = Server(cfg)
     assert "`4096 + 416·n`" in TEXT
     assert client.max_message_bytes() == 4096 + 416 * 7
-    assert "`1024 + dim·w/8 + 128·n`" in TEXT
+    assert "`1024 + max(dim·w/8, proof) + 128·n`" in TEXT
     assert server.max_message_bytes() == 1024 + 10 * 4 + 128 * 7
+    if importlib.util.find_spec("py_arkworks_bls12381") is not None:
+        from secagg.validation import proof_size
+
+        bounded = Server(Config(num_clients=7, dim=10, bits=20, norm_bound=100))
+        assert bounded.max_message_bytes() == 1024 + proof_size(10) + 128 * 7
 
 
 def test_share_ciphertexts_on_the_wire_have_the_stated_size() -> None:
@@ -435,10 +445,10 @@ def _constant(name: str) -> str:
 
 def test_section_numbers_cited_by_the_code_exist() -> None:
     headings = set(re.findall(r"^## (\d+)\. ", TEXT, flags=re.MULTILINE))
-    assert headings == {str(i) for i in range(1, 10)}
+    assert headings == {str(i) for i in range(1, 11)}
     src = Path(__file__).resolve().parents[2] / "secagg"
     cited = set()
-    for path in src.glob("*.py"):
+    for path in src.rglob("*.py"):
         cited |= set(re.findall(r"protocol\.md(?:\s+|\s*\(\s*)section\s+(\d+)",
                                 path.read_text(encoding="utf-8")))
     assert cited and cited <= headings

@@ -26,6 +26,16 @@ from transport.topics import acl_table
 pytestmark = pytest.mark.security
 
 HONEST_BOUND = 2.0  # seconds; an honest login takes milliseconds, this is load margin
+ALONE = 2  # logins per user measured before an attack
+
+
+async def _honest_bound(port: int, users: tuple[str, ...] = ("site-9", "server")) -> float:
+    """The bound on an honest login during an attack: ``HONEST_BOUND`` plus four times the
+    slowest of the same logins measured before the attack, in the same run (on a loaded
+    host a login with no attacker at all can take a good part of a second)."""
+    alone = [await _timed_login(port, user, f"{user}-alone-{i}")
+             for i in range(ALONE) for user in users]
+    return HONEST_BOUND + 4 * max(alone)
 
 
 async def _guess(port: int, user: str) -> tuple[int, float]:
@@ -82,6 +92,7 @@ async def _timed_login(port: int, user: str, client_id: str) -> float:
 def test_a_parallel_guesser_delays_no_other_users_login_from_its_address() -> None:
     async def scenario() -> None:
         async with broker(login_failure_delay=0.5) as b:
+            bound = await _honest_bound(b.port)
             assert (await _guess(b.port, "site-3"))[0] == 5  # the username is penalised
             answers: list[tuple[int, float]] = []
             started = time.monotonic()
@@ -94,12 +105,10 @@ def test_a_parallel_guesser_delays_no_other_users_login_from_its_address() -> No
                         honest.append(await _timed_login(b.port, user, f"{user}-{i}"))
                     await asyncio.sleep(0.4)
             finally:
-                for task in attackers:
-                    task.cancel()
-                await asyncio.gather(*attackers, return_exceptions=True)
+                await _stop(attackers)
             duration = time.monotonic() - started
             checked = b.stats.auth_failures - 1
-            assert max(honest) < HONEST_BOUND, honest
+            assert max(honest) < bound, (honest, bound)
             assert len(answers) >= 20  # the guesser tried many times ...
             assert {code for code, _ in answers} <= {3, 5}
             # ... but its passwords were checked 2 at a time, each failure holding its
@@ -121,6 +130,7 @@ def test_a_parallel_guesser_delays_no_other_users_login_from_its_address() -> No
 def test_a_guesser_waiting_for_its_answers_does_not_delay_the_right_password() -> None:
     async def scenario() -> None:
         async with broker(login_failure_delay=0.25) as b:
+            bound = await _honest_bound(b.port, ("site-3",))
             answers: list[tuple[int, float]] = []
             started = time.monotonic()
             attacker = asyncio.create_task(_hammer(b.port, "site-3", answers))
@@ -131,10 +141,9 @@ def test_a_guesser_waiting_for_its_answers_does_not_delay_the_right_password() -
                     honest.append(await _timed_login(b.port, "site-3", f"site-3-{i}"))
                     await asyncio.sleep(0.5)
             finally:
-                attacker.cancel()
-                await asyncio.gather(attacker, return_exceptions=True)
+                await _stop([attacker])
             duration = time.monotonic() - started
-            assert max(honest) < HONEST_BOUND, honest
+            assert max(honest) < bound, (honest, bound)
             assert answers and all(code == 5 for code, _ in answers)
             # the answers to the guesses waited 0.25, 0.5, 1, 2 s ...: throttled
             assert len(answers) <= _checks_within(duration, 0.25, 5.0, 1), answers
@@ -233,10 +242,19 @@ async def _junk(source: str, port: int, sent: list[int], wait: float = 0.1) -> N
         await asyncio.sleep(wait)
 
 
-async def _stop(tasks: list[asyncio.Task[None]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+async def _stop(tasks: list[asyncio.Task[None]], bound: float = 10.0) -> None:
+    """Cancel the attackers, again and again until each has ended, for at most ``bound``
+    seconds. Once is not enough: on Python 3.11 ``asyncio.wait_for`` loses a cancellation
+    that arrives as its inner read completes, and a flood loop that lost it would go on
+    opening connections after the test (a suite once ran 23 minutes past this test's
+    bound while it grew to 14 GB)."""
+    pending = set(tasks)
+    deadline = time.monotonic() + bound
+    while pending and time.monotonic() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.2)
+    assert not pending, f"{len(pending)} attacker tasks still ran {bound} s after cancel"
 
 
 def _expensive_users() -> dict[str, str]:
@@ -257,6 +275,7 @@ def test_made_up_usernames_from_one_address_cost_a_few_checks_and_delay_no_one()
     async def scenario() -> None:
         async with EmbeddedBroker(users=_expensive_users(), acl=acl_table(IDS),
                                   login_failure_delay=0.25) as b:
+            bound = await _honest_bound(b.port)
             sent: list[int] = []
             started = time.monotonic()
             attackers = [asyncio.create_task(_junk("127.0.0.2", b.port, sent))
@@ -271,8 +290,8 @@ def test_made_up_usernames_from_one_address_cost_a_few_checks_and_delay_no_one()
                 await _stop(attackers)
             duration = time.monotonic() - started
             checks = b.throttle.checks
-            attacker_checks = checks.performed - len(honest)
-            assert max(honest) < HONEST_BOUND, honest
+            attacker_checks = checks.performed - len(honest) - 2 * ALONE
+            assert max(honest) < bound, (honest, bound)
             assert len(sent) >= 100, len(sent)  # the attacker tried many times ...
             # ... and got the checks of one throttle key: 2 lanes, doubling delays
             assert attacker_checks <= _checks_within(duration, 0.25, 5.0, 2), (
@@ -295,6 +314,7 @@ def test_a_flood_from_the_honest_parties_address_delays_their_logins_a_bounded_t
     async def scenario() -> None:
         async with EmbeddedBroker(users=_expensive_users(), acl=acl_table(IDS),
                                   login_failure_delay=0.25) as b:
+            bound = await _honest_bound(b.port)
             sent: list[int] = []
             answers: list[tuple[int, float]] = []
             attackers = [asyncio.create_task(_junk("127.0.0.1", b.port, sent))
@@ -309,7 +329,7 @@ def test_a_flood_from_the_honest_parties_address_delays_their_logins_a_bounded_t
                         honest.append(await _timed_login(b.port, user, f"{user}-{i}"))
             finally:
                 await _stop(attackers)
-            assert max(honest) < HONEST_BOUND, honest
+            assert max(honest) < bound, (honest, bound)
             assert len(sent) >= 100 and len(answers) >= 10, (len(sent), len(answers))
             assert b.throttle.checks.peak_per_address == 1
             # the throttle's table holds the address's keys, not one per made-up name

@@ -101,7 +101,7 @@ def test_auth_wildcards_and_large_payload() -> None:
     payload = os.urandom(8 << 20)
 
     async def body() -> None:
-        async with MosquittoBroker(users=USERS) as broker:
+        async with MosquittoBroker(users=USERS, max_payload=len(payload)) as broker:
             assert broker.url == f"mqtt://127.0.0.1:{broker.port}"
             bad = aiomqtt.Client("127.0.0.1", broker.port, username="site-1", password="no")
             with pytest.raises(aiomqtt.MqttError):

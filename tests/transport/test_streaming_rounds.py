@@ -243,11 +243,12 @@ def test_upload_idle_at_or_past_the_masked_input_deadline_is_refused_in_one_line
     assert Timeouts(stage=8.0, upload_idle=2.0).upload_idle_limit() == 2.0
 
 
-def test_the_server_remembers_a_window_of_each_stream_not_every_chunk(
+def test_the_server_keeps_a_window_of_each_stream_once_masked_input_closes(
         monkeypatch: Any) -> None:
-    """Four sites stream 60 chunks each: the digests the server driver keeps to confirm
-    duplicates are the last ``window`` chunks of each stream plus one message per site and
-    stage (a site only re-sends unconfirmed chunks, at most ``window``), not 240."""
+    """Four sites stream 60 chunks each: while masked_input is open the server driver keeps
+    every accepted chunk's digest (a re-sent chunk is confirmed again,
+    tests/security/test_transport_fairness.py); once it closes, the last ``window`` chunks
+    of each stream plus one message per site and stage, not 240."""
     from transport.server_driver import ServerDriver
 
     drivers: list[ServerDriver] = []

@@ -15,14 +15,14 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from .auth import Authenticator, LoginThrottle
 from .config import BrokerLimits, BrokerStats
 from .connection import Connection
 from .errors import BrokerConfigError, BrokerError, BrokerStartError
 from .packets import ProtocolViolation
-from .routing import Router
+from .routing import PublishRate, Router
 from .session import Session, SessionKey
 from .stream import Stream
 from .topics import AclPolicy, AclSpec
@@ -39,7 +39,8 @@ class EmbeddedBroker:
     :meth:`start`/:meth:`stop`, in a background thread (:meth:`run_in_thread`), or as a
     process (``python -m transport.broker``). ``users`` maps names to passwords or to scrypt
     hashes (``transport.broker.auth.hash_password``); only hashes are kept. Limits are
-    ``limits`` (:class:`BrokerLimits`) with any field overridden by keyword.
+    ``limits`` (:class:`BrokerLimits`) with any field overridden by keyword; users in
+    ``unthrottled`` (the aggregator, which publishes for every site) have no publish rate.
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class EmbeddedBroker:
         allow_anonymous: bool = False,
         allow_plaintext: bool = False,
         limits: BrokerLimits | None = None,
+        unthrottled: Collection[str] = (),
         **overrides: float,
     ) -> None:
         if not users and not allow_anonymous:
@@ -77,6 +79,8 @@ class EmbeddedBroker:
         self.allow_anonymous = allow_anonymous
         self.stats = BrokerStats()
         self.router = Router(self.limits, self.stats, self._drop_slow, self._penalized)
+        self.publish_rate = PublishRate(self.limits.max_publish_rate,
+                                        self.limits.max_publish_burst, unthrottled)
         self._slow_users: dict[str, float] = {}
         self._server: asyncio.Server | None = None
         self._port: int | None = None
@@ -257,9 +261,10 @@ class EmbeddedBroker:
         if len(self._slow_users) > 10_000:  # bounded: forget the expired
             self._slow_users = {u: t for u, t in self._slow_users.items()
                                 if now - t < self.limits.slow_consumer_penalty}
-        logger.warning("%r: dropped as a slow consumer (%d bytes queued, no progress for "
-                       "%.1f s)", connection, session.queued_bytes,
-                       time.monotonic() - session.progress_at)
+        over = now - session.over_since if session.over_since is not None else 0.0
+        logger.warning("%r: dropped as a slow consumer (%d bytes queued, over its limit of "
+                       "%d for %.1f s)", connection, session.queued_bytes,
+                       session.max_queued_bytes, over)
         connection.abort()
 
     def _penalized(self, username: str) -> bool:
@@ -284,7 +289,7 @@ class EmbeddedBroker:
             return
         self.stats.wills_published += 1
         logger.debug("%r: publishing will to %r", connection, will.topic)
-        self.router.fan_out(will, wait=False)
+        self.router.fan_out(will)
 
     async def _watch(self) -> None:
         """Close connections past a deadline: no CONNECT in time, a packet left half-sent,
@@ -299,6 +304,8 @@ class EmbeddedBroker:
                 if reason is not None:
                     logger.warning("%r: %s; closing", connection, reason)
                     connection.abort()
+                elif connection.session is not None:
+                    self.router.check_drain(connection.session, now)
 
     def _accept(self, stream: Stream) -> None:
         if self._stopping or len(self._connections) >= self.limits.max_connections:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..topics import SERVER_USER
 from .auth import DEFAULT_LOG2_N, hash_password, is_password_hash
 from .broker import LOOPBACK_HOSTS, EmbeddedBroker
 from .config import DEFAULT_MAX_PAYLOAD, BrokerLimits
@@ -126,6 +127,10 @@ def _parser() -> argparse.ArgumentParser:
                              "server): login and connection places for all of them, even "
                              "from one address when --host is loopback (at most 65536; "
                              "BrokerLimits.for_parties; default: the fixed limits)")
+    parser.add_argument("--unthrottled", action="append", metavar="USER",
+                        help="a user with no PUBLISH rate limit (repeatable; default: "
+                             f"{SERVER_USER}, the aggregator, which publishes for every "
+                             "site; every other user has BrokerLimits.max_publish_rate)")
     parser.add_argument("--parent-pid", type=int, metavar="PID",
                         help="stop when process PID (the one that started this broker) is "
                              "gone, even if it was SIGKILLed")
@@ -172,6 +177,7 @@ async def _serve(args: argparse.Namespace) -> None:
         allow_plaintext=args.allow_plaintext, max_payload=args.max_payload,
         limits=None if args.parties is None else BrokerLimits().for_parties(
             args.parties, one_address=args.host in LOOPBACK_HOSTS),
+        unthrottled=args.unthrottled or [SERVER_USER],
     )
     await broker.start()
     stop = asyncio.Event()

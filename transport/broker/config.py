@@ -23,14 +23,24 @@ most 256 KiB, so nothing the package sends is larger; raise it for other uses.""
 class BrokerLimits:
     """Bounds on what any one client, user or the whole broker may hold.
 
-    Sizes are bytes, times seconds. ``max_queued_bytes`` is one subscriber's outbound queue:
-    a publisher whose message goes to a subscriber over it waits (TCP back-pressure) while
-    that subscriber makes progress, the other subscribers get the message at once, and a
-    subscriber that makes no progress for ``slow_consumer_timeout`` seconds, or whose queue
-    passes twice the limit, is disconnected. For ``slow_consumer_penalty`` seconds after
-    that (or after it left with its queue over the limit), no publisher waits for that
-    user's subscriptions: over the limit they are
-    disconnected at once (reconnecting to stall publishers again does not work).
+    Sizes are bytes, times seconds. ``max_queued_bytes`` is one subscriber's outbound queue.
+    A publisher waits (TCP back-pressure) for a subscriber over it only while that
+    subscriber is the only one it delivered to for ``slow_consumer_timeout`` seconds and
+    other publishers feed that subscriber too (sites streaming to the server); otherwise
+    (the server answering every site, whose inboxes only it feeds) it never waits: the slow
+    subscriber's copy is queued over its limit. A
+    subscriber that does not drain below its limit within ``slow_consumer_timeout`` seconds
+    of going over it (progress or not), or whose queue passes twice the limit, is
+    disconnected. For ``slow_consumer_penalty`` seconds after that, over the limit that
+    user's subscriptions are disconnected at once (reconnecting to stall publishers again
+    does not work).
+
+    ``max_publish_rate`` PUBLISH packets per second per user, in bursts of up to
+    ``max_publish_burst``, bound what one login can make the broker and its subscribers
+    process: over it, the broker stops reading that user's connections until it is back
+    under (TCP back-pressure on the flooder alone; ``EmbeddedBroker(unthrottled=)`` exempts
+    the aggregator, which publishes for every site; ``python -m transport.broker`` exempts
+    user ``server`` unless ``--unthrottled`` names others).
     """
 
     max_payload: int = DEFAULT_MAX_PAYLOAD
@@ -43,6 +53,8 @@ class BrokerLimits:
     slow_consumer_timeout: float = 10.0
     slow_consumer_penalty: float = 300.0
     max_inflight: int = 64
+    max_publish_rate: float = 1000.0
+    max_publish_burst: int = 2000
     max_session_queue: int = 1000
     max_connections: int = 4096
     max_connections_per_user: int = 64
@@ -126,6 +138,7 @@ class BrokerStats:
     acl_denials: int = 0
     protocol_errors: int = 0
     slow_consumers_dropped: int = 0
+    publishes_throttled: int = 0
     wills_published: int = 0
     redelivered: int = 0
 

@@ -49,8 +49,8 @@ from .packets import (
     read_string,
     read_u16,
 )
-from .routing import Router
-from .session import Session
+from .routing import PublishRate, Router
+from .session import Recent, Session
 from .stream import Outbox, Stream
 from .topics import AclPolicy, match_levels, validate_topic_filter, validate_topic_name
 
@@ -66,6 +66,7 @@ class BrokerCore(Protocol):
     limits: BrokerLimits
     stats: BrokerStats
     router: Router
+    publish_rate: PublishRate
     acl: AclPolicy
     auth: Authenticator
     throttle: LoginThrottle
@@ -103,6 +104,7 @@ class Connection:
         self.writer_task: asyncio.Task[None] | None = None
         self.refusals = 0
         self.authenticating = False
+        self.destinations = Recent()  # the sessions it delivered to lately
 
     def __repr__(self) -> str:
         return f"<client {self.client_id or '?'} user={self.username or '?'} peer={self.peer}>"
@@ -355,6 +357,16 @@ class Connection:
         stats = self.broker.stats
         stats.messages_in += 1
         stats.bytes_in += message.size
+        pause = self.broker.publish_rate.take(self.username)
+        if pause:
+            # over its user's publish rate: nothing more is read from this connection
+            # until it is back under (TCP back-pressure on this sender alone)
+            stats.publishes_throttled += 1
+            self.busy = True
+            try:
+                await asyncio.sleep(pause)
+            finally:
+                self.busy = False
         if not (qos == 2 and packet_id in self._qos2_pending):
             await self._route(message, retain)
         if qos == 1:
@@ -380,7 +392,7 @@ class Connection:
                 self._log_refusal("retained message on %r too large or the store is full; "
                                   "delivered without retaining", message.topic)
             stats.retained_messages = len(broker.router.retained)
-        late = broker.router.fan_out(message)
+        late = broker.router.fan_out(message, self)
         if late:
             self.busy = True  # waiting for a subscriber is the broker's doing, not the client's
             try:

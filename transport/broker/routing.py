@@ -4,19 +4,22 @@
 other level), so matching a topic costs its depth times the wildcards on the way, not one
 comparison per subscription in the broker. :class:`RetainedStore` keeps retained messages
 with an owner each and caps them per user and overall. :class:`Router` delivers a message to
-every matching session with room at once; only the publisher waits, and only for a
-subscriber that is over its queue limit and still draining, before queueing its copy.
+every matching session with room at once; a publisher waits only for a subscriber over its
+queue limit that is the only one it delivers to (so waiting holds no one else), and only
+until that subscriber's drain deadline. :class:`PublishRate` bounds each user's PUBLISH
+rate (``BrokerLimits.max_publish_rate``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from typing import Protocol
 
 from .config import BrokerLimits, BrokerStats
 from .packets import Message
-from .session import Session
+from .session import Recent, Session
 
 logger = logging.getLogger("transport.broker")
 
@@ -147,6 +150,40 @@ class RetainedStore:
             del self._owned[owner], self._bytes[owner]
 
 
+THROTTLE_QUANTUM = 0.01
+"""A throttled connection sleeps once its debt reaches this many seconds (then in one sleep
+for all of it), not after every packet."""
+
+
+class PublishRate:
+    """Token buckets of PUBLISH packets, one per user (shared by its connections): ``rate``
+    per second, ``burst`` at once; users in ``unthrottled`` are not limited."""
+
+    def __init__(self, rate: float, burst: int, unthrottled: Collection[str] = ()) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.unthrottled = frozenset(unthrottled)
+        self._buckets: dict[str, tuple[float, float]] = {}  # user -> (tokens, when)
+
+    def take(self, user: str) -> float:
+        """Take one packet's token; the seconds the caller must pause before reading more
+        (0 while the user is within its budget or its debt is under ``THROTTLE_QUANTUM``)."""
+        if user in self.unthrottled:
+            return 0.0
+        now = time.monotonic()
+        tokens, at = self._buckets.get(user, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate) - 1.0
+        self._buckets[user] = (tokens, now)
+        debt = -tokens / self.rate
+        return debt if debt >= THROTTLE_QUANTUM else 0.0
+
+
+class Publisher(Protocol):
+    """What the router keeps per publishing connection: the sessions it delivered to."""
+
+    destinations: Recent
+
+
 class Router:
     """Fans a message out to the matching sessions; drops subscribers that stop draining."""
 
@@ -166,33 +203,71 @@ class Router:
             self.stats.bytes_out += message.size
         else:
             self.stats.messages_dropped += 1
-        if session.connection is not None and session.over(2.0):
-            self._drop_slow(session)
+        if session.connection is not None and session.over():
+            if session.over(2.0):
+                self._drop_slow(session)
+            elif session.over_since is None:
+                session.over_since = time.monotonic()  # its drain deadline starts
 
-    def fan_out(self, message: Message, *, wait: bool = True) -> list[tuple[Session, int]]:
-        """Queue ``message`` now for every matching session that has room; returns those
-        over their limit, with the QoS to use (the publisher delivers to them with
-        :meth:`deliver_late`). With ``wait=False`` (wills) every session gets it now."""
+    def fan_out(self, message: Message, publisher: Publisher | None = None
+                ) -> list[tuple[Session, int]]:
+        """Queue ``message`` now for every matching session, except those over their limit
+        that ``publisher`` may wait for (:meth:`_may_wait`): returned with the QoS to use,
+        to deliver to with :meth:`deliver_late`. Without ``publisher`` (wills) every
+        session gets it now."""
         late = []
-        for session, granted in self.index.match(message.topic).items():
+        matched = self.index.match(message.topic)
+        if publisher is not None and matched:
+            self._record(publisher, matched)
+        for session, granted in matched.items():
             qos = min(granted, message.qos)
-            if wait and session.connection is not None and session.over():
+            if publisher is not None and session.connection is not None and session.over():
                 if self._penalized(session.username):
                     self._drop_slow(session)  # dropped as slow recently: no more waiting
-                    self.deliver(session, message, qos, retain=False)
-                else:
+                elif self._may_wait(publisher, session):
                     late.append((session, qos))
-            else:
-                self.deliver(session, message, qos, retain=False)
+                    continue
+            self.deliver(session, message, qos, retain=False)
         return late
 
+    def _record(self, publisher: Publisher, matched: dict[Session, int]) -> None:
+        now = time.monotonic()
+        window = self.limits.slow_consumer_timeout
+        for session in matched:
+            publisher.destinations.note(session, now, window)
+            session.sources.note(publisher, now, window)
+
+    def _may_wait(self, publisher: Publisher, session: Session) -> bool:
+        """Whether ``publisher`` may wait for ``session`` (over its limit): only when that
+        holds no one else and spares the subscriber's memory. The publisher delivered to
+        no other session for ``slow_consumer_timeout`` seconds (a site streaming to the
+        server; not the server, which answers every site), and the session has other
+        publishers too (the server's inbox, fed by every site; not a site's inbox, which
+        only the server feeds: there the copy is queued and the drain deadline decides)."""
+        since = time.monotonic() - self.limits.slow_consumer_timeout
+        return (not publisher.destinations.other_since(session, since)
+                and session.sources.other_since(publisher, since))
+
+    def check_drain(self, session: Session, now: float) -> None:
+        """Disconnect ``session`` when it stayed over its queue limit for
+        ``slow_consumer_timeout`` seconds (the broker's watchdog calls this)."""
+        if session.connection is None or not session.over():
+            session.over_since = None
+            return
+        if session.over_since is None:
+            session.over_since = now
+        elif now - session.over_since >= self.limits.slow_consumer_timeout:
+            self._drop_slow(session)
+
     async def deliver_late(self, session: Session, message: Message, qos: int) -> None:
-        """Wait while ``session`` is over its limit and keeps making progress, then queue
-        ``message``; drop the session's connection once it made no progress for
-        ``slow_consumer_timeout`` seconds (a persistent session still queues it)."""
+        """Wait while ``session`` is over its limit, at most until its drain deadline
+        (``slow_consumer_timeout`` after it went over), then queue ``message``; a session
+        still over it then is disconnected (a persistent one still queues it)."""
         timeout = self.limits.slow_consumer_timeout
         while session.connection is not None and session.over():
-            remaining = session.progress_at + timeout - time.monotonic()
+            if session.over_since is None:
+                session.over_since = time.monotonic()
+            remaining = session.over_since + timeout - time.monotonic()
             if remaining <= 0:
                 self._drop_slow(session)
                 break

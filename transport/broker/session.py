@@ -33,6 +33,28 @@ class Attachment(Protocol):
         """Close at once (a slow consumer, a takeover)."""
 
 
+class Recent:
+    """Keys last seen within ``window`` seconds of the latest (older ones are forgotten in
+    amortised constant time per ``note``)."""
+
+    __slots__ = ("_limit", "at")
+
+    def __init__(self) -> None:
+        self.at: dict[object, float] = {}
+        self._limit = 16
+
+    def note(self, key: object, now: float, window: float) -> None:
+        self.at[key] = now
+        if len(self.at) > self._limit:
+            for old in [k for k, at in self.at.items() if now - at > window]:
+                del self.at[old]
+            self._limit = max(16, 2 * len(self.at))
+
+    def other_since(self, key: object, since: float) -> bool:
+        """Whether a key other than ``key`` was seen at or after ``since``."""
+        return any(at >= since for other, at in self.at.items() if other is not key)
+
+
 class Session:
     """Subscriptions and outbound QoS 1 state of one (username, client id)."""
 
@@ -54,6 +76,10 @@ class Session:
         self.acked_at = time.monotonic()
         self.detached_at = time.monotonic()
         self.dropped = 0
+        self.over_since: float | None = None
+        self.sources = Recent()  # the connections that delivered to it lately
+        """When its queue went over ``max_queued_bytes`` (None while under it): it must be
+        back under within ``slow_consumer_timeout`` seconds (``Router.check_drain``)."""
 
     @property
     def key(self) -> SessionKey:
@@ -79,6 +105,7 @@ class Session:
 
     def detach(self) -> None:
         self.connection = None
+        self.over_since = None
         self.detached_at = time.monotonic()
         if not self.persistent:
             self._inflight.clear()
@@ -158,6 +185,8 @@ class Session:
     def notify_room(self) -> None:
         """Wake the first publisher waiting for room, if there is room (it passes the baton
         on after queueing its message: waking every waiter would make them all re-check)."""
+        if not self.over():
+            self.over_since = None
         waiters = self._room_waiters
         while waiters:
             if waiters[0].done():
