@@ -55,13 +55,13 @@ def _round(n: int, dim: int, security: str) -> dict[str, Any]:
     per pair."""
     config = Config(num_clients=n, dim=dim, bits=32, security=security)
     roster = list(range(1, n + 1))
-    context, nonce = os.urandom(16), os.urandom(32)
+    context = os.urandom(16)
     signing: dict[int, SigningKey] = {}
     verify: dict[int, bytes] | None = None
     if config.malicious:
         signing = {c: SigningKey.generate() for c in roster}
         verify = {c: k.public for c, k in signing.items()}
-    server = Server(config, roster=roster, context=context, verify_keys=verify, nonce=nonce)
+    server = Server(config, roster=roster, context=context, verify_keys=verify)
     rng = np.random.default_rng(0)
     clients = {c: Client(config, c, rng.integers(0, 1 << 32, size=dim, dtype=np.uint64),
                          roster=roster, context=context, signing_key=signing.get(c),
@@ -71,7 +71,7 @@ def _round(n: int, dim: int, security: str) -> dict[str, Any]:
     server_pair: dict[str, float] = {}
     replies: dict[int, bytes] = {}
     for c in roster:
-        clients[c].bind_nonce(nonce)
+        clients[c].bind_nonce(server.nonce)
         replies[c] = encode(clients[c].advertise())
     stage = Stage.ADVERTISE_KEYS
     while server.result is None:

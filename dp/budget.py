@@ -140,8 +140,15 @@ class PrivacyBudget:
 
     def epsilon_after(self, event: Event) -> float:
         """The epsilon that would be spent if ``event`` ran next."""
-        return self._epsilon_of([*self._events, event], self._rdp + event.rdp()
-                                if self.accountant == "rdp" else None)
+        if self.accountant == "rdp":  # the curves add: the cost does not grow with history
+            return self._epsilon_of([], self._rdp + event.rdp())
+        return self._epsilon_of([*self._events, event], None)
+
+    def copy(self) -> PrivacyBudget:
+        """An independent budget that has spent what this one has."""
+        other = PrivacyBudget(self.epsilon, self.delta, self.accountant)
+        other._events, other._rdp, other._spent = list(self._events), self._rdp.copy(), self._spent
+        return other
 
     def can_run(self, event: Event) -> bool:
         return self.epsilon_after(event) <= self.epsilon
@@ -153,7 +160,7 @@ class PrivacyBudget:
         Raises :class:`BudgetExceeded` (and records nothing) if it would overshoot.
         """
         rdp = self._rdp + event.rdp() if self.accountant == "rdp" else None
-        after = self._epsilon_of([*self._events, event], rdp)
+        after = self._epsilon_of([] if rdp is not None else [*self._events, event], rdp)
         if not after <= self.epsilon:
             raise BudgetExceeded(
                 f"this round would bring epsilon to {after:.4g} > budget {self.epsilon:.4g} "

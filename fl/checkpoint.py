@@ -15,7 +15,17 @@ fsynced before it:
   first cuts whatever a crash appended beyond that.
 
 ``state.json`` also holds the round, the scaler, the server optimizer's moments and the
-settings it belongs to.
+settings it belongs to, and binds every file by its SHA-256: the model's, and each log's
+committed bytes, so a log cut or edited behind the manifest's back (rows and bytes made to
+match) is refused on resume -- a spent privacy event cannot go missing.
+
+The directory is the run's own: created private (``0700``); one that others may write
+(group or world write permission) is refused (:class:`CheckpointError` naming
+``chmod go-w``), and every file is opened with ``O_NOFOLLOW``, so a link planted in it is
+never followed (its temporary names are removed and created afresh, a link at a log or the
+manifest is refused). :func:`check_directory` does these checks and a write before
+training, so a directory that is read-only, or a path that is a file, fails at once, not
+after the first round.
 
 A crash at any instruction of :func:`save` leaves the previous checkpoint or the new one,
 whole (``tests/fl/test_checkpoint_crash.py``). Files of a save that never committed are
@@ -31,10 +41,13 @@ checkpoint's ``model.pt``; :func:`load_model` also rebuilds a built-in model fro
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +63,7 @@ STATE = "state.json"
 MODEL = "model.pt"
 HISTORY = "history.jsonl"
 EVENTS = "events.jsonl"
-FORMAT = 3
+FORMAT = 4
 MODEL_FORMAT = "secagg-model/1"
 StateDict = dict[str, torch.Tensor]
 _FIX = "restore the checkpoint directory from a backup or start a new --checkpoint directory"
@@ -58,6 +71,12 @@ _FIX = "restore the checkpoint directory from a backup or start a new --checkpoi
 
 class CheckpointError(FLError, ValueError):
     """A checkpoint or saved model cannot be used; the message says why and what to do."""
+
+
+class CheckpointWriteError(FLError, RuntimeError):
+    """A save failed while training ran (a full disk, a file-size limit): a runtime failure
+    (``secagg train`` exits 1, not the usage code 2); the message names the file, the
+    cause's fix and whether a previous checkpoint is intact."""
 
 
 @dataclass
@@ -78,11 +97,113 @@ class Checkpoint:
     """A round whose cost is in ``events`` (written ahead) but that did not complete."""
 
 
-def _io_error(path: Path, exc: OSError) -> CheckpointError:
+_LINKS = "a checkpoint never follows a link: remove it, or choose another --checkpoint directory"
+
+
+def _io_error(path: Path, exc: OSError, previous: int | None = None,
+              saved: int | None = None, during: bool = True
+              ) -> CheckpointError | CheckpointWriteError:
+    """The message for a failed write: what failed, the fix that fits its cause, and what
+    is on disk (``previous``: the round of the checkpoint the save left whole, if any;
+    ``saved``: the round committed before the failure)."""
     reason = exc.strerror or str(exc)
-    return CheckpointError(f"cannot write the checkpoint file {path}: {reason} (errno "
-                           f"{exc.errno}); free space or choose another --checkpoint directory"
-                           "; the previous checkpoint is intact")
+    if exc.errno == errno.ELOOP:
+        fix = f"it is a symbolic link; {_LINKS}"
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space on its disk (or raise the quota) or choose another --checkpoint directory"
+    elif exc.errno == errno.EFBIG:
+        fix = ("a file-size limit (`ulimit -f`, or the file system's largest file) is below "
+               "the checkpoint's size: raise it or choose another --checkpoint directory")
+    elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "the directory is not writable: make it writable or choose another --checkpoint"
+    elif exc.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        fix = "a path in it is not what a checkpoint expects: choose another --checkpoint"
+    else:
+        fix = "choose another --checkpoint directory"
+    if saved is not None:
+        after = f"; the checkpoint of round {saved} was saved before this failed"
+    elif previous is not None:
+        after = f"; the previous checkpoint (round {previous}) is intact"
+    else:
+        after = "; no checkpoint was written yet"
+    planted = exc.errno == errno.ELOOP  # the directory's content is refused, not the disk
+    return (CheckpointWriteError if during and not planted else CheckpointError)(
+        f"cannot write the checkpoint file {path}: {reason} (errno {exc.errno}); {fix}{after}")
+
+
+def check_directory(directory: str | Path) -> Path:
+    """Make ``directory`` ready for checkpoints, or refuse it now (before any training):
+    create it private (``0700``), refuse a path that is not a directory or that others may
+    write, and write and remove a probe file. Raises :class:`CheckpointError`."""
+    directory = Path(directory)
+    _private_directory(directory)
+    probe = directory / f".probe-{os.getpid()}"
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            probe.unlink()
+        os.close(_open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        probe.unlink()
+    except OSError as exc:
+        raise _io_error(probe, exc, _round_of(directory), during=False) from None
+    return directory
+
+
+def check_writable(folder: str | Path, option: str) -> None:
+    """Refuse now a ``folder`` that an output (``option``, e.g. ``--report``) could not be
+    written into after training: missing, not a directory, or not writable."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{option}: {folder} is not an existing directory")
+    probe = folder / f".secagg-probe-{os.getpid()}"
+    try:
+        os.close(_open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"{option}: cannot write into {folder} ({exc.strerror or exc});"
+                              " make it writable or choose another path") from None
+
+
+def _round_of(directory: Path) -> int | None:
+    """The round of the checkpoint in ``directory`` as its manifest says, or None."""
+    try:
+        state = json.loads(_read_bytes(directory / STATE))
+        return int(state["round"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _private_directory(directory: Path) -> None:
+    """Create ``directory`` (``0700``) or check the existing one: a directory no one else
+    may write into."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = directory.stat()
+    except FileExistsError:
+        raise CheckpointError(f"--checkpoint {directory} is a file, not a directory: choose "
+                              "a directory (it is created if missing)") from None
+    except OSError as exc:
+        raise _io_error(directory, exc, during=False) from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise CheckpointError(f"--checkpoint {directory} is a file, not a directory: choose "
+                              "a directory (it is created if missing)")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CheckpointError(
+            f"--checkpoint {directory} may be written by other users (mode "
+            f"{stat.S_IMODE(info.st_mode):o}): anyone who can could replace the model or cut "
+            f"the spent privacy events; run `chmod go-w {directory}` (or `chmod 700`) or "
+            "choose a private directory")
+
+
+def _open(path: Path, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` that never follows a link at ``path`` (ELOOP instead)."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
+def _read_bytes(path: Path, size: int | None = None) -> bytes:
+    """``path``'s bytes (the first ``size``), never through a link."""
+    fd = _open(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read() if size is None else handle.read(size)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -100,8 +221,11 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _write_new(path: Path, data: bytes) -> None:
-    """``data`` at ``path`` (replacing any file there), fsynced."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """``data`` in a new file at ``path`` (whatever was there, a link too, is removed
+    first, never followed), fsynced."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         _write_all(fd, data)
         os.fsync(fd)
@@ -116,20 +240,32 @@ def _write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def _append(path: Path, committed: int, rows: Sequence[Mapping[str, Any]]) -> int:
-    """Cut ``path`` to its ``committed`` bytes (a crashed save's rows go), append ``rows``
-    as JSON lines, fsync; returns the new length."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+def _append(path: Path, committed: int, digest: str | None,
+            rows: Sequence[Mapping[str, Any]]) -> tuple[int, str]:
+    """Cut ``path`` to its ``committed`` bytes (a crashed save's rows go), check them
+    against the manifest's ``digest`` (None: a format-3 manifest, which had none), append
+    ``rows`` as JSON lines, fsync; returns the new length and the SHA-256 of the whole."""
+    fd = _open(path, os.O_RDWR | os.O_CREAT)
     try:
         os.ftruncate(fd, committed)
-        os.lseek(fd, committed, os.SEEK_SET)
+        os.lseek(fd, 0, os.SEEK_SET)
+        prefix = b""
+        while len(prefix) < committed:
+            chunk = os.read(fd, committed - len(prefix))
+            if not chunk:
+                break
+            prefix += chunk
+        if (len(prefix) != committed
+                or (digest is not None and hashlib.sha256(prefix).hexdigest() != digest)):
+            raise CheckpointError(f"{path} does not match {path.parent / STATE} (edited or "
+                                  f"cut since the last save?); {_FIX}")
         data = b"".join(json.dumps(row, separators=(",", ":")).encode() + b"\n"
                         for row in rows)
         _write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
-    return committed + len(data)
+    return committed + len(data), hashlib.sha256(prefix + data).hexdigest()
 
 
 def _state_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
@@ -150,18 +286,20 @@ def _read_state(raw: bytes, where: str) -> StateDict:
 
 
 def _committed(directory: Path) -> dict[str, Any]:
-    """The manifest's log lengths and generation (zeros when there is none, or it is of
-    format 2, whose history lives in ``state.json``)."""
+    """The manifest's log lengths (and digests), generation and round (zeros when there is
+    none, or it is of format 2, whose history lives in ``state.json``)."""
     try:
-        state = json.loads((directory / STATE).read_bytes())
+        state = json.loads(_read_bytes(directory / STATE))
     except FileNotFoundError:
         state = {}
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {directory / STATE}: {exc}; {_FIX}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        return {"generation": 0, "logs": {}}
+    if not isinstance(state, dict) or state.get("format") not in (3, FORMAT):
+        return {"generation": 0, "logs": {}, "round": state.get("round")
+                if isinstance(state, dict) else None}
     try:
-        return {"generation": int(state["generation"]), "logs": dict(state["logs"])}
+        return {"generation": int(state["generation"]), "logs": dict(state["logs"]),
+                "round": int(state["round"])}
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{directory / STATE} does not have the shape of a secagg "
                               f"checkpoint ({type(exc).__name__}: {exc}); {_FIX}") from None
@@ -169,13 +307,17 @@ def _committed(directory: Path) -> dict[str, Any]:
 
 def save(directory: str | Path, checkpoint: Checkpoint) -> None:
     """Write ``checkpoint`` as one atomic unit (see the module docstring). A write that
-    fails (a full disk) raises :class:`CheckpointError` naming the file; the previous
-    checkpoint stays whole."""
+    fails (a full disk) raises :class:`CheckpointWriteError` naming the file and its cause;
+    the previous checkpoint, if there is one, stays whole. A directory others may write, a
+    link in it or a log that does not match the manifest raise :class:`CheckpointError`."""
     directory = Path(directory)
-    path = directory
+    _private_directory(directory)
+    path: Path = directory
+    previous: int | None = None
+    saved: int | None = None
     try:
-        directory.mkdir(parents=True, exist_ok=True)
         before = _committed(directory)
+        previous = before["round"]
         generation = before["generation"] + 1
         model_bytes = _state_bytes(checkpoint.model)
         model_name = f"model-{generation}.pt"
@@ -183,12 +325,12 @@ def save(directory: str | Path, checkpoint: Checkpoint) -> None:
         _write_new(path, model_bytes)
         logs = {}
         for name, rows in ((HISTORY, checkpoint.history), (EVENTS, checkpoint.events)):
-            had = before["logs"].get(name, {"rows": 0, "bytes": 0})
+            had = before["logs"].get(name, {"rows": 0, "bytes": 0, "sha256": None})
             if len(rows) < had["rows"]:  # not an append: write the log again
-                had = {"rows": 0, "bytes": 0}
+                had = {"rows": 0, "bytes": 0, "sha256": None}
             path = directory / name
-            size = _append(path, had["bytes"], rows[had["rows"]:])
-            logs[name] = {"rows": len(rows), "bytes": size}
+            size, digest = _append(path, had["bytes"], had.get("sha256"), rows[had["rows"]:])
+            logs[name] = {"rows": len(rows), "bytes": size, "sha256": digest}
         _fsync_dir(directory)  # the new files' names are durable before the commit
         state = {"format": FORMAT, "generation": generation, "round": checkpoint.round,
                  "model": model_name, "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
@@ -197,6 +339,7 @@ def save(directory: str | Path, checkpoint: Checkpoint) -> None:
                  "charged": checkpoint.charged, "server": checkpoint.server}
         path = directory / STATE
         _write_atomic(path, json.dumps(state, indent=1).encode())  # the commit
+        saved = checkpoint.round
         path = directory / MODEL
         tmp = directory / (MODEL + ".tmp")
         tmp.unlink(missing_ok=True)
@@ -210,18 +353,22 @@ def save(directory: str | Path, checkpoint: Checkpoint) -> None:
                 path = stale
                 stale.unlink()
     except OSError as exc:
-        raise _io_error(path, exc) from None
+        raise _io_error(path, exc, previous, saved) from None
 
 
-def _read_log(directory: Path, name: str, spec: Any) -> list[dict[str, Any]]:
+def _read_log(directory: Path, name: str, spec: Any, fmt: int) -> list[dict[str, Any]]:
     path = directory / name
     rows, size = int(spec["rows"]), int(spec["bytes"])
-    with open(path, "rb") as handle:
-        data = handle.read(size)
+    data = _read_bytes(path, size)
     lines = data.split(b"\n")
     if len(data) != size or lines[-1] != b"" or len(lines) - 1 != rows:
         raise CheckpointError(f"{path} holds fewer rows than {directory / STATE} records "
                               f"({rows} rows, {size} bytes): a truncated copy? {_FIX}")
+    if ((fmt == FORMAT or "sha256" in spec)  # format 3 had no digests
+            and hashlib.sha256(data).hexdigest() != spec.get("sha256")):
+        raise CheckpointError(f"{path} does not match {directory / STATE} (its SHA-256 "
+                                  "differs: edited, cut or swapped since it was saved); "
+                                  f"{_FIX}")
     return [json.loads(line) for line in lines[:-1]]
 
 
@@ -232,23 +379,27 @@ def load(directory: str | Path) -> Checkpoint | None:
     if not state_path.exists():
         return None
     try:
-        state = json.loads(state_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        state = json.loads(_read_bytes(state_path))
+    except OSError as exc:
+        links = f"it is a symbolic link; {_LINKS}" if exc.errno == errno.ELOOP else _FIX
+        raise CheckpointError(f"cannot read {state_path}: {exc.strerror or exc}; {links}"
+                              ) from None
+    except ValueError as exc:
         raise CheckpointError(f"cannot read {state_path}: {exc}; {_FIX}") from None
     fmt = state.get("format") if isinstance(state, dict) else None
-    if fmt not in (2, FORMAT):
-        raise CheckpointError(f"{state_path} is not a secagg checkpoint of format 2 or "
+    if fmt not in (2, 3, FORMAT):
+        raise CheckpointError(f"{state_path} is not a secagg checkpoint of format 2 to "
                               f"{FORMAT} (format {fmt!r}); {_FIX}")
     try:
         model_path = directory / (MODEL if fmt == 2 else str(state["model"]))
         if model_path.parent != directory:
             raise ValueError(f"model file {state['model']!r} outside the directory")
-        raw = model_path.read_bytes()
+        raw = _read_bytes(model_path)
         if fmt == 2:
             history, events = list(state["history"]), list(state["events"])
         else:
-            history = _read_log(directory, HISTORY, state["logs"][HISTORY])
-            events = _read_log(directory, EVENTS, state["logs"][EVENTS])
+            history = _read_log(directory, HISTORY, state["logs"][HISTORY], fmt)
+            events = _read_log(directory, EVENTS, state["logs"][EVENTS], fmt)
         round_number = int(state["round"])
         fingerprint = dict(state["fingerprint"])
         expected = str(state["model_sha256"])
@@ -256,7 +407,9 @@ def load(directory: str | Path) -> Checkpoint | None:
     except CheckpointError:
         raise
     except OSError as exc:
-        raise CheckpointError(f"cannot read the checkpoint in {directory}: {exc}; {_FIX}"
+        links = f"a file in it is a symbolic link; {_LINKS}" if exc.errno == errno.ELOOP \
+            else _FIX
+        raise CheckpointError(f"cannot read the checkpoint in {directory}: {exc}; {links}"
                               ) from None
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)

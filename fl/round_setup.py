@@ -23,9 +23,8 @@ complete the round with the others.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -45,7 +44,7 @@ from fl.errors import FLError
 from fl.site.core import SecureSum, SiteCore
 from fl.site.privacy import DistributedPlan, distributed_plan
 from fl.vector import ArraySpec
-from secagg import Config, secagg_plus_parameters
+from secagg import Config, RoundNonce, secagg_plus_parameters
 from transport import fields
 
 F64 = npt.NDArray[np.float64]
@@ -100,6 +99,9 @@ class RoundSetup:
     dropout_rate: float = 0.0
     corrupt_rate: float = 0.0
     verify_keys: tuple[bytes, ...] = ()
+    round_nonce: RoundNonce | None = field(default=None, compare=False, repr=False)
+    """The host's side only (never on the wire): the single-use :class:`secagg.RoundNonce`
+    whose value is :attr:`nonce`, for the round's ``Server(nonce=setup.round_nonce)``."""
 
     # --- derived ----------------------------------------------------------------------------
 
@@ -485,6 +487,7 @@ def fixed_setup(*, run_id: int, server_round: int, roster: Sequence[int],
                           dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
                           security=security)
     rates = {} if k is None else {"dropout_rate": dropout_rate, "corrupt_rate": corrupt_rate}
+    nonce = RoundNonce()  # its value goes out in the setup; the round's Server takes it
     # Config fills in the protocol's threshold floor when t is None
     probe = Config(num_clients=n, threshold=t, neighbors=k, security=security, **rates)
     keys: tuple[bytes, ...] = ()
@@ -495,7 +498,8 @@ def fixed_setup(*, run_id: int, server_round: int, roster: Sequence[int],
             raise ValueError(f"no enrolled verify key for {unknown[:10]}")
         keys = tuple(verify_keys[m] for m in who)
     return RoundSetup(
-        run_id=run_id, server_round=server_round, nonce=os.urandom(32), roster=tuple(roster),
+        run_id=run_id, server_round=server_round, nonce=nonce.value, round_nonce=nonce,
+        roster=tuple(roster),
         threshold=probe.threshold, neighbors=probe.neighbors, bits=bits, security=security,
         arrays=arrays, metrics=metrics, weight_key=weight_key, encoding="fixed",
         frac_bits=frac_bits, dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,

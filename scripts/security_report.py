@@ -349,6 +349,22 @@ documented non-guarantees are strict xfails in section 4.
     server's round nonce, which every `Server` draws and a malicious-mode client must have
     bound before it advertises (a host can no longer forget it; the strict xfail passes as
     `test_replay_advertise_keys_is_rejected_and_the_real_client_takes_part`).
+    *Nonce reuse by a host* (issue 27) - **fixed.** `Server(nonce=)` took any 32 bytes, so a
+    host that passed one again let an old signed advertisement verify; it now takes only a
+    `secagg.RoundNonce` (drawn from `os.urandom` when made, taken by one `Server`, never
+    made from bytes, copied or pickled), so every round's nonce is fresh
+    (`test_a_host_cannot_reuse_a_nonce_so_a_replayed_signed_advert_never_verifies`).
+    *Deployment hygiene* (issue 27) - **fixed.** A checkpoint folder others could write let
+    a cut `events.jsonl` (counts edited to match) resume with a smaller spent budget, and
+    `save()` wrote through planted links: the folder is now created 0700 and a shared one
+    refused, files are opened `O_NOFOLLOW`, and the manifest binds every log by SHA-256
+    (`tests/fl/test_checkpoint_safety.py`). NVFlare jobs copied the project into `custom/`,
+    so the submitter shipped the sites' executor and policy code: the project's packages are
+    app packages now, `SecureScriptRunner` takes only the session executor, and
+    `check_site_app` refuses a job that ships either (`tests/nvflare/test_job_hygiene.py`).
+    torch >= 2.6 (the `weights_only` bypass, CVE-2025-32434). The site ledger is an
+    append-only log whose torn last line is cut, never an acknowledged charge
+    (`tests/dp/test_ledger.py`).
 17. *Rollback of a restored client* (lead's review) - **guarded.** A host restoring an
     older snapshot lost the one-share-per-peer record; `Client.restore(min_stage=)` refuses
     it (`test_rollback_to_an_earlier_snapshot_is_refused_with_the_hosts_stage_record`);

@@ -24,7 +24,7 @@ from .errors import (
 )
 from .graph import GraphParameters, secagg_plus_parameters
 from .messages import decode, encode
-from .server import AggregateResult, Server
+from .server import AggregateResult, RoundNonce, Server
 from .simulate import LocalRound, SimulationResult, simulate
 from .stage import Stage, round_stages
 
@@ -39,6 +39,7 @@ __all__ = [
     "MaskedStream",
     "ProtocolAbort",
     "ProtocolError",
+    "RoundNonce",
     "SecAggError",
     "Server",
     "ShamirError",

@@ -116,3 +116,12 @@ def test_slow_link_benchmark_counts_bytes_per_site() -> None:
     assert result["included"] == [[1, 2, 3]]
     assert set(result["blobs_per_round"]) == {1, 2, 3}
     assert "blobs)" in out.getvalue()
+
+
+def test_ledger_benchmark_reports_cost_per_charge() -> None:
+    pytest.importorskip("opacus")
+    bench = _load("bench_ledger")
+    first, last, size = bench.measure(charges=20, window=10)
+    assert (first["at"], last["at"]) == (10, 20)
+    assert all(row["cpu_ms"] > 0 and row["bytes"] > 0 for row in (first, last))
+    assert size["file_mb"] > 0

@@ -724,10 +724,19 @@ def _run_coordinator(args: argparse.Namespace, settings: TrainSettings,
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
-    """Refuse before training when an output could not be written afterwards."""
-    for path in (args.report, args.plot, args.save_model):
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            raise ValueError(f"{path}: its directory does not exist")
+    """Refuse before training when an output could not be written afterwards: a missing or
+    read-only folder for ``--report``, ``--plot``, ``--save-model``, and a ``--checkpoint``
+    that is a file, read-only or writable by others (:func:`fl.checkpoint.check_directory`)."""
+    from fl.checkpoint import check_directory, check_writable
+
+    for option, path in (("--report", args.report), ("--plot", args.plot),
+                         ("--save-model", args.save_model)):
+        if path is not None:
+            if Path(path).is_dir():
+                raise ValueError(f"{option} {path} is a directory: name a file")
+            check_writable(Path(path).resolve().parent, f"{option} {path}")
+    if getattr(args, "checkpoint", None) is not None:
+        check_directory(args.checkpoint)
 
 
 def _save_model(path: str, report: dict[str, Any]) -> None:

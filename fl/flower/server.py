@@ -284,7 +284,7 @@ class SecureAggregation(Strategy):
         server = Server(setup.config(encoded_dim(setup)),
                         roster=range(1, setup.num_clients + 1), context=setup.context(),
                         verify_keys=setup.peer_keys() if setup.verify_keys else None,
-                        nonce=setup.nonce)
+                        nonce=setup.round_nonce)
         driver = RoundDriver(grid, setup, server, messages[0].metadata.message_type,
                              self.stage_timeout, first_timeout=timeout,
                              chunk_bytes=self.chunk_bytes)

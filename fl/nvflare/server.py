@@ -331,7 +331,7 @@ class SecureFedAvg(ModelController):
         report.threshold, report.neighbors = setup.threshold, setup.neighbors
         names = {site_id(s): s for s in sites}
         server = Server(setup.config(encoded_dim(setup)), roster=range(1, setup.num_clients + 1),
-                        context=setup.context(), nonce=setup.nonce,
+                        context=setup.context(), nonce=setup.round_nonce,
                         verify_keys=setup.peer_keys() if setup.verify_keys else None)
         deadlines = round_timeouts(self.stage_timeout, clients=setup.num_clients,
                                    dim=encoded_dim(setup), neighbors=setup.neighbors,

@@ -342,8 +342,7 @@ class CoordinatorChannel:
                                 bits=bits, security=self.security)
                 go = replace(ann, phase="go", roster=roster)
                 server = Server(config, roster=roster, verify_keys=self.verify_keys,
-                                context=round_context(self.federation, go),
-                                nonce=os.urandom(32))
+                                context=round_context(self.federation, go))
                 await self._publish_control(framed(go))
                 driver = ServerDriver(server, view, topics, timeouts=timeouts,
                                       max_payload=self.max_payload)

@@ -172,9 +172,8 @@ def test_a_truncated_history_gives_one_line_and_changes_nothing(tmp_path: Path) 
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
-def test_a_full_disk_names_the_file_and_keeps_the_checkpoint(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ckpt.save(tmp_path, _checkpoint(1))
+def _fill_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on every write of more than 100 bytes finds the disk full."""
     real = os.write
 
     def full(fd: int, data: Any) -> int:
@@ -183,10 +182,32 @@ def test_a_full_disk_names_the_file_and_keeps_the_checkpoint(
         return real(fd, data)
 
     monkeypatch.setattr(os, "write", full)
-    with pytest.raises(ckpt.CheckpointError) as caught:
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt.save(tmp_path, _checkpoint(1))
+    _fill_disk(monkeypatch)
+    with pytest.raises(ckpt.CheckpointWriteError) as caught:
         ckpt.save(tmp_path, _checkpoint(2))
     monkeypatch.undo()
     message = str(caught.value)
     assert str(tmp_path / "model-2.pt") in message and "No space left" in message
     assert "\n" not in message
     assert _same(ckpt.load(tmp_path), _checkpoint(1))
+
+
+def test_a_first_save_that_fails_does_not_claim_a_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fill_disk(monkeypatch)
+    with pytest.raises(ckpt.CheckpointWriteError) as caught:
+        ckpt.save(tmp_path / "ckpt", _checkpoint(1))
+    monkeypatch.undo()
+    message = str(caught.value)
+    assert "no checkpoint was written yet" in message and "intact" not in message
+    assert "free space" in message
+    ckpt.save(tmp_path / "ckpt", _checkpoint(1))
+    _fill_disk(monkeypatch)
+    with pytest.raises(ckpt.CheckpointWriteError,
+                       match=r"previous checkpoint \(round 1\) is intact"):
+        ckpt.save(tmp_path / "ckpt", _checkpoint(2))

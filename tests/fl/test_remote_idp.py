@@ -6,6 +6,7 @@ group past its target; the unit is the site operator's (docs/patient_privacy.md 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from test_multiprocess_training import Party, federation_broker
 from test_site_policy_review import _announce, _blob
 from test_train_idp import _table
 
+from dp.ledger import read_charges
 from dp.policy import UNITS, PolicyRefused, SitePolicy
 from fl.contribution import RoundTask
 from fl.remote.inputs import SiteData
@@ -75,7 +77,7 @@ def test_sites_plan_charge_and_cap_their_own_rate_groups(tmp_path: Path) -> None
                for r in out["releases"])
     assert out["model_info"]["in_features"] == 3  # the budget column is not a feature
     for cid in (1, 2):
-        charges = json.loads((tmp_path / f"ledger-{cid}.json").read_text())["charges"]
+        charges = [asdict(c) for c in read_charges(tmp_path / f"ledger-{cid}.json")]
         assert [c["label"] for c in charges] == ["round 1", "round 2"]
         assert all(c["unit"] == "patient-idp" and c["withdrawn"] is None for c in charges)
         first, last = ({g["group"]: g for g in c["groups"]} for c in charges)

@@ -5,12 +5,13 @@ released or charged, and the coordinator cannot train (issue 13, docs/privacy.md
 
 from __future__ import annotations
 
-import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from test_multiprocess_training import COMMON, SITES, Party, federation_broker
 
+from dp.ledger import read_charges
 from transport.topics import SERVER_USER, site_name
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,7 +39,7 @@ def test_sites_refuse_a_coordinator_proposing_too_little_noise(tmp_path: Path) -
                 party.kill()
     for cid in SITES:
         ledger = tmp_path / f"ledger-{cid}.json"
-        charges = json.loads(ledger.read_text())["charges"] if ledger.exists() else []
+        charges = [asdict(c) for c in read_charges(ledger)]
         # The noised feature statistics (fl/site/private_scaler.py) were acceptable and charged
         # before they were computed; the round was refused before anything was charged.
         assert [c["kind"] for c in charges] == ["scaler"]

@@ -8,8 +8,7 @@ array layout that cannot match."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from dp.audit import distributed_event
 from dp.budget import PrivacyBudget
+from dp.ledger import read_charges
 from dp.policy import SitePolicy
 from fl.flower import DistributedDP, NodeOptions, SecureAggregation, make_secagg_mod, secagg_mod
 from fl.flower.encoding import dp_params
@@ -55,7 +55,7 @@ def _ledger(grid: LocalGrid, node: int) -> list[dict[str, Any]]:
     assert path.parent == state_directory()
     if not path.exists():
         return []
-    return list(json.loads(path.read_text())["charges"])
+    return [asdict(c) for c in read_charges(path)]
 
 
 def _reasons(grid: LocalGrid) -> list[str]:
@@ -209,8 +209,8 @@ def test_the_node_operators_config_overrides_the_apps_policy_and_ledger(tmp_path
     wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert wrapper.reports[0].aborted is None and trained.calls == 4
     for node in grid.nodes:
-        charges = json.loads((ledgers / f"{node}.json").read_text())["charges"]
-        assert [c["mode"] for c in charges] == ["distributed"]
+        charges = read_charges(ledgers / f"{node}.json")
+        assert [c.mode for c in charges] == ["distributed"]
     assert not list(state_directory().glob("ledger-flower-*.json"))  # no default ledger
 
 

@@ -150,6 +150,7 @@ def run_job(tmp: Path, monkeypatch: Any, server: Any, sites: dict[str, dict],
         (tmp / "sites" / name).mkdir(parents=True, exist_ok=True)
         (tmp / "sites" / name / "policy.json").write_text(json.dumps(policy))
     job = FedJob(name="secure", min_clients=len(sites))
+    job.set_app_packages(["nvflare_sites"])  # the sites' own test harness, never shipped
     job.to_server(server)
     job.to_server(persistor or NPModelPersistor(), id="persistor")
     job.to_clients(SecureScriptRunner(str(HERE / script), framework=FrameworkType.NUMPY,

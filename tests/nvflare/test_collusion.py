@@ -164,7 +164,7 @@ def test_a_server_colluding_with_one_site_cannot_unmask_a_peer_here(
     assert (setup.num_clients, t) == (5, 4)  # malicious mode: more than two thirds
     cid = {name: setup.client_id(site_id(name)) for name in names}
     server = Server(setup.config(encoded_dim(setup)), roster=range(1, 6),
-                    context=setup.context(), nonce=setup.nonce, verify_keys=setup.peer_keys())
+                    context=setup.context(), nonce=setup.round_nonce, verify_keys=setup.peer_keys())
     session = b""
 
     def send(name: str, task_name: str, task: Shareable) -> Any:

@@ -56,6 +56,7 @@ def test_poc_processes_a_site_killed_mid_round(tmp_path: Path,
             json.dumps({"modes": ["none", "distributed"]}))
     reports_file = tmp_path / "reports.jsonl"
     job = FedJob(name="secure-poc", min_clients=len(sites))
+    job.set_app_packages(["nvflare_sites"])  # the sites' own test harness, never shipped
     job.to_server(SecureFedAvg(num_rounds=2, neighbors=None, stage_timeout=2.0,
                                train_timeout=60, report_path=str(reports_file)))
     job.to_server(NPModelPersistor(), id="persistor")

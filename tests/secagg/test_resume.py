@@ -12,6 +12,7 @@ from secagg import (
     Config,
     ProtocolAbort,
     ProtocolError,
+    RoundNonce,
     Server,
     SigningKey,
     Stage,
@@ -32,7 +33,7 @@ def _parties(security: str, n: int = 5, context: bytes = b"resume"
     signing = {i: SigningKey.generate() for i in inputs} if config.malicious else {}
     verify = {i: k.public for i, k in signing.items()} if config.malicious else None
     extra = {i: {"signing_key": signing.get(i), "verify_keys": verify} for i in inputs}
-    server = Server(config, context=context, verify_keys=verify, nonce=bytes(range(32)))
+    server = Server(config, context=context, verify_keys=verify)
     clients = {i: Client(config, i, v, context=context, nonce=server.nonce, **extra[i])
                for i, v in inputs.items()}
     return config, server, clients, inputs, extra
@@ -168,7 +169,8 @@ def test_bind_nonce_signs_the_advertisement_over_the_relayed_nonce_once() -> Non
     config = Config(num_clients=4, dim=8, security="malicious")
     keys = {c: SigningKey.generate() for c in range(1, 5)}
     verify = {c: k.public for c, k in keys.items()}
-    nonce, other = os.urandom(32), os.urandom(32)
+    round_nonce = RoundNonce()
+    nonce, other = round_nonce.value, os.urandom(32)
     client = Client(config, 1, np.zeros(8, dtype=np.uint64), signing_key=keys[1],
                     verify_keys=verify)
     with pytest.raises(ProtocolError, match="nonce"):
@@ -181,8 +183,8 @@ def test_bind_nonce_signs_the_advertisement_over_the_relayed_nonce_once() -> Non
     with pytest.raises(ProtocolError):
         client.bind_nonce(b"short")
     assert client.advertise() == bound and client.nonce == nonce
-    server = Server(config, verify_keys=verify, nonce=nonce)
+    server = Server(config, verify_keys=verify, nonce=round_nonce)
     server.receive(1, encode(bound))
-    stale = Server(config, verify_keys=verify, nonce=other)
+    stale = Server(config, verify_keys=verify)  # another round: its own nonce
     with pytest.raises(ProtocolError):
         stale.receive(1, encode(bound))

@@ -20,7 +20,6 @@ turns into the attack table of docs/security.md.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ from secagg import (
     Config,
     ProtocolAbort,
     ProtocolError,
+    RoundNonce,
     Server,
     SigningKey,
     Stage,
@@ -153,7 +153,8 @@ class Puppeteer:
             self.signing = {cid: SigningKey.generate() for cid in self.roster}
             self.verify_keys = {cid: k.public for cid, k in self.signing.items()}
         ctx = dict(contexts or {})
-        self.nonce = os.urandom(32)  # the round nonce this server relays to its clients
+        self.round_nonce = RoundNonce()  # the round nonce this server relays to its clients
+        self.nonce = self.round_nonce.value
         self.clients = {
             cid: Client(config, cid, self.inputs[cid], roster=self.roster,
                         context=ctx.get(cid, context), signing_key=self.signing.get(cid),

@@ -287,7 +287,7 @@ def test_key_alias_with_bit_255_set_is_refused_as_duplicate(security: str) -> No
 
     p = Puppeteer(config(security))
     server = Server(p.config, roster=p.roster, context=p.context, verify_keys=p.verify_keys,
-                    nonce=p.nonce)
+                    nonce=p.round_nonce)
     p.advertise()
     server.receive(VICTIM, p.adverts[VICTIM])
     copier = 2

@@ -20,6 +20,7 @@ from secagg import (
     Config,
     ProtocolAbort,
     ProtocolError,
+    RoundNonce,
     Server,
     SigningKey,
     Stage,
@@ -188,6 +189,46 @@ def test_a_host_that_forgets_the_nonce_gets_an_error_not_a_replayable_round() ->
     servers[0].receive(1, encode(bound))  # accepted once bound
     with pytest.raises(ProtocolError):
         servers[1].receive(1, encode(bound))  # and only in its own round
+
+
+@threat(attack="A host that reuses a round nonce",
+        adversary="network attacker",
+        controls="records a client's signed advertisement in one round and replays it into "
+                 "a later round whose host tries to run under the same nonce (its bytes, the "
+                 "same RoundNonce, a copy or a pickle of it)",
+        protocol="Server(nonce=) takes only a secagg.RoundNonce: 32 bytes drawn from "
+                 "os.urandom when it is made, taken by one Server only, never made from "
+                 "bytes, copied or pickled; so every round's nonce is fresh and the replayed "
+                 "advertisement is rejected while the real client takes part",
+        mode="malicious")
+def test_a_host_cannot_reuse_a_nonce_so_a_replayed_signed_advert_never_verifies() -> None:
+    import copy
+    import pickle
+
+    config = Config(num_clients=N, dim=DIM, bits=BITS, security="malicious")
+    signing = {i: SigningKey.generate() for i in range(1, N + 1)}
+    verify = {i: k.public for i, k in signing.items()}
+    token = RoundNonce()
+    first = Server(config, verify_keys=verify, nonce=token)
+    old = Client(config, 3, np.zeros(DIM, dtype=np.uint64), signing_key=signing[3],
+                 verify_keys=verify, nonce=token.value)
+    recorded = encode(old.advertise())
+    first.receive(3, recorded)  # it verifies in its own round
+    # Every way a host could start the next round under the same nonce is refused.
+    for reused in (token.value, token, copy.deepcopy(token), copy.copy(token)):
+        with pytest.raises(ValueError, match="RoundNonce"):
+            Server(config, verify_keys=verify, nonce=reused)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not pickled"):
+        pickle.dumps(token)
+    # What the host can build is a round under a fresh nonce: the recording is rejected and
+    # the real client (bound to the new nonce) takes part.
+    new = RecordedRound(config, signing, seed=2)
+    assert new.server.nonce != token.value
+    rejected_without_change(new.server, 3, recorded)
+    new.run()
+    result = new.server.result
+    assert result is not None and result.included == frozenset(new.inputs)
+    assert result.total.tolist() == new.expected()
 
 
 # --- rollback of a restored client ---------------------------------------------------------
