@@ -85,7 +85,7 @@ from .messages import (
     encode,
     peers_digest,
 )
-from .session import derive_session_id, normalize_roster, session_graph
+from .session import session_view
 from .shamir import SHARE_BYTES, decode_share, split_many
 from .stage import Stage
 from .transcripts import (
@@ -178,13 +178,14 @@ class Client:
             raise ValueError("nonce must be the server's 32-byte Server.nonce (or empty)")
         self.nonce = nonce
         self.config = config
-        self.roster = normalize_roster(config, roster)
-        self._members = frozenset(self.roster)
+        view = session_view(config, roster, context)  # shared by the session's clients
+        self.roster = view.roster
+        self._members = view.members
         if client_id not in self._members:
             raise ValueError(f"client_id={client_id} is not in the roster")
         self.client_id = client_id
-        self.session_id = derive_session_id(config, self.roster, context)
-        self.graph = session_graph(config, self.roster, self.session_id)
+        self.session_id = view.session_id
+        self.graph = view.graph
         self.neighborhood = self.graph.closed_neighborhood(client_id)
         if config.malicious:
             if signing_key is None or verify_keys is None:
