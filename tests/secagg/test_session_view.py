@@ -44,3 +44,30 @@ def test_a_bad_roster_is_refused_also_when_a_view_is_cached() -> None:
         _client(61)
     with pytest.raises(TypeError, match="context must be bytes"):
         session_view(CONFIG, ROSTER, "text")  # type: ignore[arg-type]
+
+
+def test_the_survivor_graph_check_is_answered_once_per_graph_and_list() -> None:
+    """Every client of a process checks the same survivor list on the shared graph
+    (docs/protocol.md 4.6): one computation, the same answer, also for a refused list."""
+    from secagg import graph as graph_module
+
+    a, b = _client(1), _client(2)
+    calls = []
+    real = graph_module._survivor_graph_problem
+
+    def counting(*args: object) -> object:
+        calls.append(args)
+        return real(*args)  # type: ignore[arg-type]
+
+    graph_module._survivor_graph_problem = counting  # type: ignore[assignment]
+    try:
+        alive = [c for c in ROSTER if c != 5]
+        first = graph_module.survivor_graph_problem(a.graph, alive, 8)
+        assert graph_module.survivor_graph_problem(b.graph, set(alive), 8) == first is None
+        lonely = sorted(a.graph.closed_neighborhood(1))  # too few neighbours survive
+        refused = graph_module.survivor_graph_problem(a.graph, lonely, 8)
+        assert refused is not None and ("fewer" in refused or "disconnected" in refused)
+        assert graph_module.survivor_graph_problem(b.graph, lonely, 8) == refused
+    finally:
+        graph_module._survivor_graph_problem = real  # type: ignore[assignment]
+    assert len(calls) == 2
