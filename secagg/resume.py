@@ -235,20 +235,25 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
     if live:
         if any(type(b) is not bytes or len(b) != 32 for b in (enc, mask, seed)):
             raise _refuse("the secrets are malformed")
-        # masked or later, the input is gone: zeros, never read (the masked input is not
-        # re-derived, _SentMaskedInput)
+        # the input of immutable snapshot bytes is read in place (the host's bytes: there
+        # is nothing of the client's own to wipe), of a mutable buffer copied; masked or
+        # later it is gone: empty, never read (the masked input is not re-derived,
+        # _SentMaskedInput)
+        shared_input = unmasked and isinstance(data, bytes)
         secrets = Secrets(bytearray(enc), bytearray(mask), bytearray(seed),
-                           np.frombuffer(bytearray(vector), dtype=dtype) if unmasked
-                           else np.zeros(config.dim, dtype=dtype))
+                           np.frombuffer(vector if shared_input else bytearray(vector),
+                                         dtype=dtype) if unmasked
+                           else np.zeros(0, dtype=dtype))
         if (KeyPair(secrets.key(secrets.encryption)).public != advert.encryption_key
                 or KeyPair(secrets.key(secrets.masking)).public != advert.masking_key
                 or self_mask_commitment(seed, sid, client_id) != advert.self_mask_commitment):
             raise _refuse("the secrets do not match the advertisement")
     else:
-        secrets = Secrets(bytearray(32), bytearray(32), bytearray(32),
-                           np.zeros(config.dim, dtype=dtype_for_bits(config.bits)))
+        secrets = Secrets(bytearray(32), bytearray(32), bytearray(32), np.zeros(0, dtype=dtype))
     client._secrets = secrets
-    client._wipeable = [secrets.encryption, secrets.masking, secrets.seed, secrets.input]
+    client._wipeable = [secrets.encryption, secrets.masking, secrets.seed]
+    if secrets.input.flags.writeable:
+        client._wipeable.append(secrets.input)
     client._advertisement = advert
     client.revealed = {}
     if type(revealed) is not list:
