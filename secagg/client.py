@@ -587,10 +587,15 @@ class Client:
 
     # --- resuming (secagg/resume.py) -----------------------------------------------------
 
-    def _answered_messages(self) -> dict[bytes, ClientMessage]:
-        """The reply cache as messages (a streamed masked input as its ``MaskedInput``)."""
-        return {digest: reply.whole() if isinstance(reply, MaskedStream) else reply
-                for digest, reply in self._answered.items()}
+    def _snapshot_replies(self) -> list[list[bytes]]:
+        """The reply cache for a snapshot: each reply's wire bytes, except the masked input,
+        of which only the request's digest is kept (empty reply bytes; secagg.resume)."""
+        return [[digest, b"" if isinstance(reply, (MaskedStream, MaskedInput))
+                 else encode(reply)] for digest, reply in self._answered.items()]
+
+    def _sent_masked_input(self) -> MaskedStream:
+        """A restored reply-cache entry for a masked input sent before the snapshot."""
+        return SentMaskedInput(self)
 
     def snapshot(self, key: bytes = b"") -> bytes:
         """This client's whole state as bytes, **secrets included**, authenticated with
@@ -693,3 +698,27 @@ _HANDLERS: Mapping[type, Callable[[Client, object], ClientMessage | MaskedStream
     SurvivorList: Client._on_survivor_list,  # type: ignore[dict-item]
     UnmaskRequest: Client._on_unmask_request,  # type: ignore[dict-item]
 }
+
+
+class SentMaskedInput(MaskedStream):
+    """The reply cache's entry, after a restore, for a masked input this client sent before
+    its snapshot: neither the input nor the masked vector is kept (``secagg.resume``), so
+    the same request again is refused (``ProtocolError``; the client stays as it is)
+    instead of answered."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self.dim, self.bits = client.config.dim, client.config.bits
+
+    def _gone(self) -> ProtocolError:
+        return ProtocolError(
+            f"client {self._client.client_id} sent its masked input before its state was "
+            "saved; the saved state keeps only the request's digest (no input, no masked "
+            "vector), so the same request is not answered again",
+            stage=Stage.MASKED_INPUT, client_id=self._client.client_id)
+
+    def chunks(self, elements: int) -> Iterator[MaskedChunk]:
+        raise self._gone()
+
+    def whole(self) -> MaskedInput:
+        raise self._gone()

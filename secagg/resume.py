@@ -62,29 +62,23 @@ import hashlib
 import hmac
 import struct
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-from .client import Client, MaskedStream
 from .client_state import PAIR, Aborted, Advertised, Checked, Finished, Masked, Secrets, Shared
 from .config import Config
 from .crypto import KeyPair, SigningKey, dtype_for_bits, load_public_key, self_mask_commitment
 from .errors import ProtocolAbort, ProtocolError, StaleSnapshot
-from .messages import (
-    AdvertiseKeys,
-    KeyList,
-    MaskedChunk,
-    MaskedInput,
-    decode,
-    decode_server_message,
-    encode,
-)
+from .messages import AdvertiseKeys, KeyList, decode, decode_server_message, encode
 from .shamir import SHARE_BYTES
 from .stage import Stage
 from .transcripts import advertisement_digest, key_set_digest
+
+if TYPE_CHECKING:
+    from .client import Client
 
 MAGIC = b"SAS2"
 _LENGTH = struct.Struct(">I")
@@ -115,13 +109,6 @@ def _input_digest(client: Client) -> bytes:
     return digest
 
 
-def _cached_replies(client: Client) -> list[list[bytes]]:
-    """The reply cache for the snapshot: each reply's wire bytes, except the masked input,
-    of which only the request's digest is kept (empty reply bytes)."""
-    return [[digest, b"" if isinstance(reply, (MaskedStream, MaskedInput)) else
-             encode(reply)] for digest, reply in client._answered.items()]
-
-
 def snapshot(client: Client, key: bytes = b"") -> bytes:
 
     state = client._state
@@ -149,7 +136,7 @@ def snapshot(client: Client, key: bytes = b"") -> bytes:
         bytes(masked.received) if masked is not None else b"",
         list(state.survivors) if isinstance(state, Checked) else [],
         [[p, _REVEALED.index(kind)] for p, kind in sorted(client.revealed.items())],
-        _cached_replies(client),
+        client._snapshot_replies(),
         str(state.error) if isinstance(state, Aborted) else "",
         int(state.stage) if isinstance(state, Aborted) else 0,
         client.nonce,
@@ -238,7 +225,7 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
         # the input of immutable snapshot bytes is read in place (the host's bytes: there
         # is nothing of the client's own to wipe), of a mutable buffer copied; masked or
         # later it is gone: empty, never read (the masked input is not re-derived,
-        # _SentMaskedInput)
+        # secagg.client.SentMaskedInput)
         shared_input = unmasked and isinstance(data, bytes)
         secrets = Secrets(bytearray(enc), bytearray(mask), bytearray(seed),
                            np.frombuffer(vector if shared_input else bytearray(vector),
@@ -270,7 +257,7 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
                 or type(item[1]) is not bytes:
             raise _refuse("the reply cache is malformed")
         if not item[1]:  # the masked input: its request's digest only
-            client._answered[item[0]] = _SentMaskedInput(client)
+            client._answered[item[0]] = client._sent_masked_input()
             continue
         try:
             reply = decode(item[1])
@@ -334,25 +321,3 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
     return client
 
 
-
-class _SentMaskedInput(MaskedStream):
-    """The reply cache's entry for a masked input this client sent before its snapshot:
-    neither the input nor the masked vector is kept, so the same request again is refused
-    (``ProtocolError``; the client stays as it is) instead of answered."""
-
-    def __init__(self, client: Client) -> None:
-        self._client = client
-        self.dim, self.bits = client.config.dim, client.config.bits
-
-    def _gone(self) -> ProtocolError:
-        return ProtocolError(
-            f"client {self._client.client_id} sent its masked input before its state was "
-            "saved; the saved state keeps only the request's digest (no input, no masked "
-            "vector), so the same request is not answered again",
-            stage=Stage.MASKED_INPUT, client_id=self._client.client_id)
-
-    def chunks(self, elements: int) -> Iterator[MaskedChunk]:
-        raise self._gone()
-
-    def whole(self) -> MaskedInput:
-        raise self._gone()
