@@ -86,7 +86,7 @@ from .messages import (
     encode,
     peers_digest,
 )
-from .session import derive_session_id, normalize_roster, session_graph
+from .session import session_view
 from .shamir import SHARE_BYTES, decode_share, split_many
 from .stage import Stage
 from .transcripts import (
@@ -201,13 +201,14 @@ class Client:
             raise ValueError("nonce must be the server's 32-byte Server.nonce (or empty)")
         self.nonce = nonce
         self.config = config
-        self.roster = normalize_roster(config, roster)
-        self._members = frozenset(self.roster)
+        view = session_view(config, roster, context)  # shared by the session's clients
+        self.roster = view.roster
+        self._members = view.members
         if client_id not in self._members:
             raise ValueError(f"client_id={client_id} is not in the roster")
         self.client_id = client_id
-        self.session_id = derive_session_id(config, self.roster, context)
-        self.graph = session_graph(config, self.roster, self.session_id)
+        self.session_id = view.session_id
+        self.graph = view.graph
         self.neighborhood = self.graph.closed_neighborhood(client_id)
         if config.malicious:
             if signing_key is None or verify_keys is None:
@@ -625,10 +626,15 @@ class Client:
 
     # --- resuming (secagg/resume.py) -----------------------------------------------------
 
-    def _answered_messages(self) -> dict[bytes, ClientMessage]:
-        """The reply cache as messages (a streamed masked input as its ``MaskedInput``)."""
-        return {digest: reply.whole() if isinstance(reply, MaskedStream) else reply
-                for digest, reply in self._answered.items()}
+    def _snapshot_replies(self) -> list[list[bytes]]:
+        """The reply cache for a snapshot: each reply's wire bytes, except the masked input,
+        of which only the request's digest is kept (empty reply bytes; secagg.resume)."""
+        return [[digest, b"" if isinstance(reply, (MaskedStream, MaskedInput))
+                 else encode(reply)] for digest, reply in self._answered.items()]
+
+    def _sent_masked_input(self) -> MaskedStream:
+        """A restored reply-cache entry for a masked input sent before the snapshot."""
+        return SentMaskedInput(self)
 
     def snapshot(self, key: bytes = b"") -> bytes:
         """This client's whole state as bytes, **secrets included**, authenticated with
@@ -734,3 +740,27 @@ _HANDLERS: Mapping[type, Callable[[Client, object], ClientMessage | MaskedStream
     SurvivorList: Client._on_survivor_list,  # type: ignore[dict-item]
     UnmaskRequest: Client._on_unmask_request,  # type: ignore[dict-item]
 }
+
+
+class SentMaskedInput(MaskedStream):
+    """The reply cache's entry, after a restore, for a masked input this client sent before
+    its snapshot: neither the input nor the masked vector is kept (``secagg.resume``), so
+    the same request again is refused (``ProtocolError``; the client stays as it is)
+    instead of answered."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self.dim, self.bits = client.config.dim, client.config.bits
+
+    def _gone(self) -> ProtocolError:
+        return ProtocolError(
+            f"client {self._client.client_id} sent its masked input before its state was "
+            "saved; the saved state keeps only the request's digest (no input, no masked "
+            "vector), so the same request is not answered again",
+            stage=Stage.MASKED_INPUT, client_id=self._client.client_id)
+
+    def chunks(self, elements: int) -> Iterator[MaskedChunk]:
+        raise self._gone()
+
+    def whole(self) -> MaskedInput:
+        raise self._gone()

@@ -97,6 +97,9 @@ class Graph:
         # N[u] per client, computed once per graph and freed with it (a module-level cache
         # keyed by graph kept up to 65,536 entries, each holding its graph of a past round).
         object.__setattr__(self, "_neighborhoods", {})
+        # survivor_graph_problem's answers, freed with the graph: every client of a process
+        # checks the same survivor list on the same graph (O(n k) each time)
+        object.__setattr__(self, "_survivor_checks", {})
         object.__setattr__(self, "_all", frozenset(order))  # N[u] of a complete graph
         n = len(order)
         if self.neighbors is None or self.neighbors >= n:
@@ -150,7 +153,25 @@ def survivor_graph_problem(graph: Graph, survivors: Iterable[int], threshold: in
     stay connected, and every survivor must keep at least ``threshold`` surviving graph
     neighbours: while fewer than ``threshold`` of its holders are corrupt, one of them is
     honest and their pairwise mask keeps its input hidden even from colluders."""
-    alive = set(survivors)
+    alive = frozenset(survivors)
+    # the answer is kept with the graph: the clients of one process share it
+    # (secagg.session.session_view) and check the same list once, not n times O(n k)
+    checks: dict[tuple[frozenset[int], int], str | None]
+    checks = graph._survivor_checks  # type: ignore[attr-defined]
+    key = (alive, threshold)
+    if key not in checks:
+        if len(checks) >= _SURVIVOR_CHECKS:
+            checks.clear()
+        checks[key] = _survivor_graph_problem(graph, alive, threshold)
+    return checks[key]
+
+
+_SURVIVOR_CHECKS = 4
+"""Survivor lists whose check one graph remembers (a round has one; then it starts afresh)."""
+
+
+def _survivor_graph_problem(graph: Graph, alive: frozenset[int], threshold: int
+                            ) -> str | None:
     outside = sorted(alive - set(graph.clients))
     if outside:
         return f"rely on a survivor list naming clients outside the roster: {outside[:10]}"

@@ -9,6 +9,8 @@ roster never keeps a party waiting for days.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping
 
 from .drivers import Timeouts
@@ -96,3 +98,25 @@ def round_timeouts(stage: float = 60.0, *, clients: int = 0, dim: int = 0,
                     answer=min(cap, min(10.0, stage) + most + finish),
                     give_up=min(max(MAX_GIVE_UP_SECONDS, 3 * stage),
                                 max(120.0, 3 * stage) + 2 * (most + finish)))
+
+
+LOGICAL_KEEPALIVE = 300
+"""The MQTT keepalive (seconds) of a simulation with logical deadlines: the largest the
+embedded broker accepts (``BrokerLimits.max_keepalive``), so a worker whose event loop the
+host starves for minutes is not disconnected for a missed ping (its last will would look
+like a dropout)."""
+LOGICAL_LINK_SECONDS = 3600.0
+"""How long one connect, publish or reconnect of a simulated party may wait under logical
+deadlines (the broker checks thousands of logins one after another on a busy host)."""
+
+
+def logical_timeouts(timeouts: Timeouts) -> Timeouts:
+    """``timeouts`` for a simulation whose only dropouts are the ones it was asked for
+    (docs/performance.md "Logical deadlines"): no stage deadline, upload lease or idle
+    limit, no wait for the round start and no giving up, so a stage closes only when every
+    client still expected has answered or declared its drop (its sign-off, or the last will
+    of a killed process); a slow host makes the round slow, never smaller. The re-publish
+    timers (``retry``, ``answer``) stay: a duplicate costs a receipt, never a dropout. The
+    caller watches for a run that stops making progress (``transport.runner``'s ``stall``)."""
+    return dataclasses.replace(timeouts, stage=math.inf, per_stage={}, start=math.inf,
+                               give_up=math.inf, upload_idle=None)

@@ -8,6 +8,13 @@ small processes of their own, one per drop stage, which SIGKILL themselves when 
 site reaches that stage: the broker sees the TCP connections die and publishes their wills,
 exactly as for a crashed hospital server.
 
+With ``SimulationSpec.stall`` set (what ``secagg simulate`` does unless ``--deadlines wall``)
+the round runs on logical deadlines (``transport.deadlines.logical_timeouts``): a stage closes
+when every client still expected has answered or declared its drop, however slow the host,
+so the only dropouts are the injected ones. A run that cannot keep up says so instead: it
+fails with ``SimulationStalled`` when the server receives nothing for ``stall`` seconds, and
+``SimulationRun.overrun`` names any client that dropped without being asked to.
+
 Nothing here is secret-bearing except the sites' signing keys (``malicious`` mode), which the
 coordinator generates as the federation's PKI would and hands to each site's process.
 """
@@ -28,6 +35,7 @@ from secagg import Config, ProtocolAbort, Stage
 from secagg.server import AggregateResult
 from secagg.simulate import LocalRound
 
+from .deadlines import LOGICAL_KEEPALIVE, LOGICAL_LINK_SECONDS, logical_timeouts
 from .drivers import StageProgress, Timeouts
 from .errors import TransportError
 from .framing import DEFAULT_MAX_PAYLOAD
@@ -61,6 +69,14 @@ class SimulationRun:
     """One line per site whose message the round did not accept, saying why (the server's
     rejection, or the site's own outcome)."""
     chunks: int = 0  # masked-input chunks the server accepted (the streaming path)
+    overrun: str | None = None
+    """Logical deadlines only: why the round's dropouts are not the injected ones (a client
+    that was not asked to drop dropped: the host could not keep up); None when they are."""
+
+
+class SimulationStalled(TransportError):
+    """A simulation with logical deadlines made no progress for its ``stall`` seconds: the
+    host cannot keep up (nothing was dropped to make it finish)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +92,11 @@ class SimulationSpec:
     max_payload: int = DEFAULT_MAX_PAYLOAD
     log_level: int = logging.WARNING
     connect_timeout: float = 120.0
+    stall: float | None = None
+    """Logical deadlines: set, no stage closes on the clock (``timeouts`` then only sizes
+    the wait for every site to connect, ``timeouts.start``) and the run fails with
+    ``SimulationStalled`` once the server has received nothing for ``stall`` seconds.
+    None: the wall-clock ``timeouts`` of a deployment, under which a slow host drops sites."""
 
 
 def _partition(spec: SimulationSpec) -> list[tuple[tuple[int, ...], bool]]:
@@ -121,8 +142,15 @@ async def run_simulation(spec: SimulationSpec,
     signing = {c: key.private_bytes() for c, key in parties.signing_keys.items()}
     topics = Topics(round_name)
     seconds: dict[str, float] = {}
+    logical = spec.stall is not None
+    timeouts = logical_timeouts(spec.timeouts) if logical else spec.timeouts
+    progress = _Progress(on_stage, on_message)
     async with running_broker(spec.broker, passwords, acl) as broker_settings:
         settings = dataclasses.replace(broker_settings, client_id_suffix=f"-{round_name}")
+        if logical:  # a starved worker is neither disconnected nor out of time to publish
+            settings = dataclasses.replace(
+                settings, keepalive=LOGICAL_KEEPALIVE, connect_timeout=LOGICAL_LINK_SECONDS,
+                publish_timeout=LOGICAL_LINK_SECONDS, reconnect_timeout=LOGICAL_LINK_SECONDS)
         status(f"broker {spec.broker} at {settings.url}")
         groups = _partition(spec)
         specs = [WorkerSpec(index=i, config=config, roster=roster, context=context,
@@ -131,7 +159,7 @@ async def run_simulation(spec: SimulationSpec,
                                                 if c in spec.drops},
                             kill=kill, signing_keys={c: signing[c] for c in ids
                                                      if c in signing},
-                            verify_keys=verify, timeouts=spec.timeouts,
+                            verify_keys=verify, timeouts=timeouts,
                             max_payload=spec.max_payload, log_level=spec.log_level)
                  for i, (ids, kill) in enumerate(groups)]
         network = MqttNetwork(settings)
@@ -139,8 +167,9 @@ async def run_simulation(spec: SimulationSpec,
         run = SimulationRun(None, None, seconds, {}, [], settings.url)
         async with worker_processes(specs) as workers:
             server_task = asyncio.create_task(serve_server(
-                network, server, topics, timeouts=spec.timeouts, max_payload=spec.max_payload,
-                on_stage=on_stage, ready=server_ready, start=start, on_message=on_message))
+                network, server, topics, timeouts=timeouts, max_payload=spec.max_payload,
+                on_stage=progress.stage, ready=server_ready, start=start,
+                on_message=progress.message))
             try:
                 # the sites wait timeouts.start for the round (sized for every login)
                 await _wait_ready(workers, server_task, server_ready,
@@ -149,9 +178,10 @@ async def run_simulation(spec: SimulationSpec,
                 status(f"{len(roster)} clients connected in {len(specs)} processes; "
                        "round starts")
                 start.set()
+                progress.mark()
                 # asyncio.wait: a cancel of this task stays this task's (``await server_task``
                 # would hand it to the server task, whose teardown might absorb it)
-                await asyncio.wait({server_task})
+                await progress.wait(server_task, spec.stall)
                 try:
                     driver = server_task.result()
                     seconds.update(driver.seconds)
@@ -170,8 +200,66 @@ async def run_simulation(spec: SimulationSpec,
                 await stop_task(server_task)
     run.result = server.result
     run.reasons = _reasons(server.rejected, run.outcomes, run.gone)
+    if logical and run.result is not None:
+        run.overrun = _overrun(spec.drops, run.result.dropped, run.reasons)
     seconds["wall"] = time.perf_counter() - wall
     return run
+
+
+class _Progress:
+    """The server's progress (messages accepted, stages closed), passed on to the caller's
+    callbacks, and the watch that fails a logical-deadline run once it stalls."""
+
+    def __init__(self, on_stage: Callable[[StageProgress], None] | None,
+                 on_message: Callable[[int, Stage], None] | None) -> None:
+        self._on_stage = on_stage
+        self._on_message = on_message
+        self.last = time.monotonic()
+
+    def mark(self) -> None:
+        self.last = time.monotonic()
+
+    def stage(self, report: StageProgress) -> None:
+        self.mark()
+        if self._on_stage is not None:
+            self._on_stage(report)
+
+    def message(self, client_id: int, stage: Stage) -> None:
+        self.mark()
+        if self._on_message is not None:
+            self._on_message(client_id, stage)
+
+    async def wait(self, task: asyncio.Task[Any], stall: float | None) -> None:
+        """Until ``task`` ends; with ``stall``, raise ``SimulationStalled`` once nothing
+        progressed for that long."""
+        while not task.done():
+            if stall is None:
+                await asyncio.wait({task})
+                return
+            await asyncio.wait({task}, timeout=max(0.05, min(1.0, stall / 4)))
+            idle = time.monotonic() - self.last
+            if not task.done() and idle >= stall:
+                raise SimulationStalled(
+                    f"the simulation made no progress for {idle:.0f} s (no message reached "
+                    f"the server): the host cannot keep up. With logical deadlines nothing is "
+                    f"dropped to make a round finish; run fewer clients or a smaller --dim, "
+                    f"use a less loaded machine, or run the same round on Flower's "
+                    f"simulation engine across machines (docs/performance.md)")
+
+
+def _overrun(asked: Mapping[int, Stage], dropped: Mapping[int, Stage],
+             reasons: Mapping[int, str]) -> str | None:
+    """Logical deadlines: None if exactly the ``asked`` clients dropped, each at its stage;
+    else what differs (a site that dropped unasked means the host could not keep up)."""
+    unasked = sorted(c for c, stage in dropped.items() if asked.get(c) != stage)
+    if not unasked:
+        return None
+    shown = "; ".join(f"client {c} at {dropped[c].label}"
+                      + (f" ({reasons[c]})" if c in reasons else "") for c in unasked[:5])
+    more = f" and {len(unasked) - 5} more" if len(unasked) > 5 else ""
+    return (f"the host could not keep up: {len(unasked)} clients dropped that the "
+            f"simulation did not ask to drop ({shown}{more}); they are not protocol "
+            f"outcomes. Run fewer clients per core, or on a less loaded machine")
 
 
 def _reasons(rejected: Any, outcomes: Mapping[int, Mapping[str, Any]],

@@ -5,6 +5,8 @@ message crosses an MQTT broker (the embedded one by default). ``--drop-rate`` si
 ``--drop-stage`` (signing off as their last will would); with ``--kill`` they die by SIGKILL
 and the broker publishes their wills. Afterwards this process computes the plaintext sum of
 the included inputs itself and compares it with the aggregate: ``correct`` is measured.
+By default the round runs on logical deadlines (``--deadlines logical``): the only dropouts
+are the scheduled ones however slow the host; a run that cannot keep up fails saying so.
 
 Imports no torch.
 """
@@ -71,6 +73,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              + ", ".join(s.label for s in Stage) + " or random (default)")
     parser.add_argument("--kill", action="store_true",
                         help="dropping clients die by SIGKILL instead of signing off")
+    parser.add_argument("--deadlines", choices=("logical", "wall"), default="logical",
+                        help="logical (default): a stage closes when every client answered "
+                             "or declared its drop, however slow the host, and a run that "
+                             "cannot keep up fails saying so; wall: a deployment's "
+                             "wall-clock deadlines, under which a slow host drops clients")
     parser.add_argument("--processes", type=int, metavar="P",
                         help="worker processes for the clients (default min(2, clients))")
     parser.add_argument("--broker", default="embedded",
@@ -419,9 +426,13 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"{path}: its directory does not exist")
 
     progress = StageDisplay(sys.stderr, len(ids))
+    timeouts = _timeouts(config, processes)
+    # logical deadlines: the run fails once the server heard nothing for as long as a
+    # deployment's client waits before giving up on a silent round
     spec = SimulationSpec(config=config, client_ids=tuple(ids), inputs=source, drops=drops,
                           kill=args.kill, processes=processes, broker=broker,
-                          timeouts=_timeouts(config, processes))
+                          timeouts=timeouts,
+                          stall=timeouts.give_up if args.deadlines == "logical" else None)
     progress.status(f"{len(ids)} clients, dim {dim}, {config.bits} bits, threshold "
                     f"{config.threshold}, {config.security}; {len(drops)} scheduled to drop"
                     + (" (killed)" if args.kill else ""))
@@ -457,6 +468,9 @@ def _run(args: argparse.Namespace) -> int:
     print(json.dumps(report, indent=2) if args.json else summary(report))
     if outcome.error is not None:
         print(f"secagg simulate: round aborted: {outcome.error}", file=sys.stderr)
+        return 1
+    if outcome.overrun is not None:
+        print(f"secagg simulate: error: {outcome.overrun}", file=sys.stderr)
         return 1
     if not report["correct"]:
         print("secagg simulate: error: the aggregate does not equal the plaintext sum of "
@@ -515,6 +529,8 @@ def build_report(args: argparse.Namespace, config: Config, seed: int,
                     if result is not None else {}),
         "correct": correct,
         "error": outcome.error,
+        "deadlines": args.deadlines,
+        "overrun": outcome.overrun,
         "seconds": {k: round(v, 6) for k, v in outcome.seconds.items()},
         "bytes": bytes_sent,
         "wire_bytes": {str(cid): outcome.outcomes.get(cid, {}).get("wire_bytes", 0)

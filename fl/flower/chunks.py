@@ -105,13 +105,13 @@ def check_layout(chunk: object, bits: int, dim: int) -> int:
 def check_context(dim: int, bits: int) -> None:
     """Refuse (:class:`ChunkError`, one line) a round whose node state cannot cross
     Flower: between its messages a node keeps its round in ``Context.state``, at most its
-    input and (after the masked input, for a redelivery) its masked vector, ``2 d`` elements
-    of the sum's width, and a Context travels as one message of at most
-    :data:`CONTEXT_LIMIT` bytes."""
-    state = 2 * dim * dtype_for_bits(bits).itemsize + _STATE_MARGIN
+    input until it has masked it (``d`` elements of the sum's width; once masked neither
+    the input nor the masked vector is kept, ``secagg.resume``), and a Context travels as
+    one message of at most :data:`CONTEXT_LIMIT` bytes."""
+    state = dim * dtype_for_bits(bits).itemsize + _STATE_MARGIN
     if state > CONTEXT_LIMIT:
         raise ChunkError(f"a round of d={dim} at {bits} bits keeps about {state >> 20} MiB of "
-                         "round state in each node's Context (its input and masked vector), "
+                         "round state in each node's Context (its input, until masked), "
                          f"more than the {CONTEXT_LIMIT >> 20} MiB Flower moves in one "
                          "message; use bits=32 or fewer parameters per round")
 

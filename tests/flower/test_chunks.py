@@ -28,6 +28,7 @@ from fl.flower.chunks import (
     MAX_CHUNK_BYTES,
     MAX_CHUNKS,
     ChunkError,
+    check_context,
     check_layout,
     chunk_elements,
 )
@@ -344,3 +345,13 @@ def test_the_server_sums_each_masked_input_as_it_arrives_and_lets_it_go() -> Non
     assert report.included == frozenset(grid.nodes)
     assert len(grid.returned) == 6 and all(ref() is None for ref in grid.returned)
     assert max(grid.alive_at_pull) == 0
+
+
+def test_the_node_state_limit_counts_the_input_once() -> None:
+    """docs/flower.md: a node's Context holds its input until masked, never the masked
+    vector too, so d up to about 5.4 x 10^8 at 32 bits (2.7 x 10^8 at 64) can be run."""
+    check_context(530_000_000, 32)
+    check_context(265_000_000, 64)
+    for dim, bits in ((540_000_000, 32), (270_000_000, 64)):
+        with pytest.raises(ChunkError, match="its input, until masked"):
+            check_context(dim, bits)

@@ -188,3 +188,58 @@ def test_bind_nonce_signs_the_advertisement_over_the_relayed_nonce_once() -> Non
     stale = Server(config, verify_keys=verify)  # another round: its own nonce
     with pytest.raises(ProtocolError):
         stale.receive(1, encode(bound))
+
+
+def _through_masking(dim: int) -> tuple[Config, Server, dict[int, Client], dict]:
+    config = Config(num_clients=3, dim=dim, bits=32)
+    rng = np.random.default_rng(5)
+    server = Server(config, context=b"resume")
+    clients = {i: Client(config, i, rng.integers(0, 2**32, dim, dtype=np.uint64),
+                         context=b"resume", nonce=server.nonce) for i in (1, 2, 3)}
+    return config, server, clients, {i: {} for i in clients}
+
+
+def test_the_snapshot_keeps_the_input_until_masking_and_neither_vector_after() -> None:
+    """What the host stores per message (secagg.resume, "What a snapshot costs"): the input
+    once while it is still to be masked, then neither it nor the masked vector."""
+    dim = 100_000
+    config, server, clients, extra = _through_masking(dim)
+    for cid, client in clients.items():
+        server.receive(cid, encode(client.advertise()))
+    vector = 4 * dim
+    sizes = [len(clients[1].snapshot(KEY))]  # advertised
+    for _ in range(2):  # share_keys, then masked_input
+        out = server.advance()
+        for cid, client in clients.items():
+            server.receive(cid, encode(client.handle(encode(out[cid]))))
+        sizes.append(len(clients[1].snapshot(KEY)))
+    assert vector < sizes[0] < vector + 2048 and vector < sizes[1] < vector + 4096
+    assert sizes[2] < 8192  # masked: 400 KB of input and 400 KB of masked vector gone
+    restored = _restore(clients[1], config, extra)
+    out = server.advance()
+    for cid in clients:
+        client = restored if cid == 1 else clients[cid]
+        server.receive(cid, encode(client.handle(encode(out[cid]))))
+    server.advance()
+    assert server.result is not None and server.result.included == {1, 2, 3}
+
+
+@pytest.mark.parametrize("state", ["advertised", "shared"])
+def test_a_corrupted_input_never_reaches_a_mask(state: str) -> None:
+    """The MAC covers the input's digest, which the restore before masking checks: a
+    flipped input byte is refused there (and carried, unread, by an earlier restore)."""
+    config, server, clients, _ = _through_masking(1000)
+    for cid, client in clients.items():
+        server.receive(cid, encode(client.advertise()))
+    key_lists = server.advance()
+    if state == "shared":
+        clients[1].handle(encode(key_lists[1]))
+    data = bytearray(clients[1].snapshot(KEY))
+    data[-32 - 100] ^= 1  # an input byte (the MAC is the last 32)
+    kwargs = {"config": config, "client_id": 1, "context": b"resume", "key": KEY}
+    if state == "advertised":
+        client = Client.restore(bytes(data), **kwargs)  # type: ignore[arg-type]
+        client.handle(encode(key_lists[1]))
+        data = bytearray(client.snapshot(KEY))
+    with pytest.raises(StaleSnapshot, match="does not match its digest"):
+        Client.restore(bytes(data), **kwargs)  # type: ignore[arg-type]
