@@ -332,6 +332,7 @@ class ClientDriver:
                 raw = encode(upload.proof)
                 digest = message_id(raw)
                 self._inflight[digest] = raw
+                self._sent_order[digest] = len(self._sent_order)  # the stream's first
                 self.outcome.bytes_sent[label] = (self.outcome.bytes_sent.get(label, 0)
                                                   + len(raw))
                 await self._publish_raw(raw, digest)

@@ -29,6 +29,7 @@ from .control import (
     decode_control,
     encode_control,
 )
+from .deadlines import MAX_STAGE_SECONDS
 from .drivers import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_UPLOAD_WINDOW,
@@ -111,6 +112,8 @@ class ServerDriver:
         # dropped unread until the next stage. An honest sender gives up after one refusal
         # and re-sends at most its window every retry interval
         longest = max(self._deadlines_for(server))
+        if not math.isfinite(longest):  # logical deadlines (a simulation): no stage ends on
+            longest = MAX_STAGE_SECONDS  # a clock, so the budget is the longest real stage's
         self.waste_budget = 32 + 2 * window * math.ceil(longest / max(self.timeouts.retry,
                                                                        1e-3))
         self._waste: dict[int, int] = {}  # this stage: sender -> messages wasted
