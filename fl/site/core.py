@@ -196,13 +196,24 @@ class SiteCore:
                                 f"{threshold}, below the {admitted} it was admitted with")
 
     def not_sent(self, key: Any, reason: str) -> None:
-        """The input of ``key``'s round never left the site: withdraw its charge."""
+        """The input of ``key``'s round never left the site: withdraw its charge (the site
+        session's withdrawal rule, :mod:`fl.site.session`)."""
         entry = self.pending.pop(key, None)
         if entry is not None:
-            try:
-                self.ledger.withdraw(entry[0], reason)
-            except LedgerWriteError as exc:  # the charge stays: conservative, said once
-                self.log(f"the charge of a round whose input never left stays: {exc}")
+            self.withdraw(entry[0].id, reason)
+
+    def withdraw(self, charge: int, reason: str) -> None:
+        """Withdraw the ledger's charge ``charge`` (its id) unless already withdrawn; a ledger
+        that cannot be written keeps it (conservative, said once)."""
+        entry = next((c for c in self.ledger.charges if c.id == charge), None)
+        if entry is None or entry.withdrawn is not None:
+            return
+        try:
+            self.ledger.withdraw(entry, reason)
+        except LedgerWriteError as exc:
+            self.log(f"the charge of a round whose input never left stays: {exc}")
+            return
+        self.log(f"charge {charge} withdrawn: {reason}")
 
     def close(self) -> None:
         """Release the ledger's lock."""

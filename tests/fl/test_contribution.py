@@ -23,6 +23,7 @@ from fl.remote.messages import Announce
 from fl.settings import TrainSettings
 from fl.site.training import Site
 from fl.vector import ParameterLayout
+from tests.fl.site_cores import ANY, site_core
 
 pytestmark = pytest.mark.timeout(60)
 IDS = (1, 2, 3)
@@ -51,8 +52,8 @@ def _remote_input(settings: TrainSettings, remote: Coordinator, cid: int, r: int
     _, body = remote.wire_task(r, list(IDS))
     blob = Blob.decode(Blob("train", body, remote.layout.to_vector(remote.model)).encode())
     data = demo_site_data(settings, cid, IDS)
-    announce = Announce(os.urandom(16), r, 0, "train", "r1", IDS, bytes(32), 1)
-    return remote_site_input(data, blob, announce, require_dp=None)
+    announce = Announce(os.urandom(16), r, 0, "train", "r1", IDS, bytes(32), 1, threshold=2)
+    return remote_site_input(data, blob, announce, require_dp=None, guard=site_core(ANY))
 
 
 def test_remote_site_and_simulated_coordinator_compute_identical_inputs() -> None:

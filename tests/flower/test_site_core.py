@@ -99,8 +99,8 @@ def test_a_repeated_dp_round_is_refused_once_the_budget_is_spent_every_charge_in
     away. Every attempt a node joins is charged write-ahead (its own noise share: the
     semi-honest roster is the server's word), so the node stops at its budget."""
     n, budget = 4, 12.0
-    policy = SitePolicy(modes=("distributed",), epsilon=budget)
-    grid, trained = _grid(n, make_secagg_mod(NodeOptions(policy=policy)))
+    policy = SitePolicy(modes=("distributed",), epsilon=budget, round_epsilon=None)
+    grid, trained = _grid(n, apps.operated(policy=policy))
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=n),
                                 neighbors=None,
                                 privacy=DistributedDP(clip_norm=1.0, noise_multiplier=4.0))
@@ -205,7 +205,7 @@ def test_the_node_operators_config_overrides_the_apps_policy_and_ledger(tmp_path
     grid.replies.clear()
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
                                 neighbors=None,
-                                privacy=DistributedDP(clip_norm=1.0, noise_multiplier=1.0))
+                                privacy=DistributedDP(clip_norm=1.0, noise_multiplier=5.0))
     wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert wrapper.reports[0].aborted is None and trained.calls == 4
     for node in grid.nodes:
@@ -227,7 +227,7 @@ def test_a_malicious_mode_round_of_enrolled_nodes_counts_their_noise(tmp_path: P
     wrapper = SecureAggregation(
         FedAvg(fraction_evaluate=0.0, min_available_nodes=4), neighbors=None,
         security="malicious", verify_keys={n: k.public for n, k in keys.items()},
-        privacy=DistributedDP(clip_norm=1.0, noise_multiplier=1.0))
+        privacy=DistributedDP(clip_norm=1.0, noise_multiplier=3.0))
     wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     (report,) = wrapper.reports
     assert report.aborted is None
@@ -286,12 +286,11 @@ def test_a_graph_derived_for_rates_at_or_above_the_nodes_floors_is_accepted(
 def test_a_fresh_node_id_does_not_give_a_node_a_fresh_budget() -> None:
     """The SuperLink (the server's side) assigns node ids: the default ledger is keyed by the
     node config its operator set, so the same node under new ids keeps its budget."""
-    policy = SitePolicy(modes=("distributed",), epsilon=6.0)
+    policy = SitePolicy(modes=("distributed",), epsilon=6.0, round_epsilon=None)
     privacy = DistributedDP(clip_norm=1.0, noise_multiplier=4.0)
     runs = []
     for first_node in (1000, 5000, 9000):  # three registrations, three sets of ids
-        grid, _ = _grid(4, make_secagg_mod(NodeOptions(policy=policy)),
-                              first_node=first_node)
+        grid, _ = _grid(4, apps.operated(policy=policy), first_node=first_node)
         wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
                                     neighbors=None, privacy=privacy)
         wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=5)

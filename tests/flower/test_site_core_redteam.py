@@ -16,9 +16,9 @@ from dp.encoding import EncodingParams
 from dp.policy import SitePolicy
 from fl.codec import EncodingOverflow, FixedPointCodec
 from fl.flower import DistributedDP, NodeOptions, SecureAggregation, make_secagg_mod
-from fl.flower.client import round_release
 from fl.flower.encoding import dp_params
 from fl.flower.setup import RoundSetup, SetupError
+from fl.round_setup import round_release
 from fl.vector import ArraySpec
 from tests.flower import apps
 from tests.flower.test_site_core import Trained, _grid, _ledger, _reasons

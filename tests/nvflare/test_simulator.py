@@ -123,7 +123,8 @@ def test_malicious_distributed_dp_budget_and_a_zero_noise_round_refused(
                              verify_keys={n: k.public.hex() for n, k in keys.items()}, dp=dp,
                              stage_timeout=1.0, train_timeout=60,
                              report_path=str(tmp_path / "reports.jsonl"))
-    reports = _run(tmp_path, monkeypatch, server, {n: {} for n in names},
+    uncapped = {"min_noise_multiplier": 0, "round_epsilon": None, "epsilon": None}
+    reports = _run(tmp_path, monkeypatch, server, {n: uncapped for n in names},
                    {"site-2": {"2": ["consistency_check", "fail"]}}, zero_round=1)
     first, zero, third, fourth = reports
     # round 1: every site's policy refuses the zero-noise release before training
