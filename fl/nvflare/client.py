@@ -3,9 +3,9 @@
 The user's script keeps its code (``flare.receive()`` ... ``flare.send()``); NVFlare's
 ``ClientAPIExecutor`` runs it, registered as a component (default id ``secagg_trainer``),
 and :class:`SecAggExecutor` is the executor of the job's train task and of
-:data:`fl.nvflare.common.STAGE_TASK`. It is one runtime of the site core
-(:mod:`fl.site.core`: the same policy, ledger and checks as ``secagg train --role site`` and
-the Flower node). For a train task it:
+:data:`fl.nvflare.common.STAGE_TASK`. It is one runtime of the site session
+(:mod:`fl.site.session` over :mod:`fl.site.core`: the same policy, ledger, checks, replay and
+withdrawal rules as ``secagg train --role site`` and the Flower node). For a train task it:
 
 1. checks the round setup the server sent (:class:`fl.round_setup.RoundSetup`: its run id
    is this job's, its roster names this site, the arrays sent have its layout) and, in
