@@ -43,6 +43,57 @@ OPT_IN = ("secagg-dp='none' in the Flower node config, \"modes\": [\"none\"] in 
 :mod:`dp.idp`; accounted per group)."""
 
 
+FIXES = {
+    "exact-release": f"the round asks for an exact sum; the sites' operators opt in with "
+                     f"{OPT_IN}, or the server runs distributed DP",
+    "modes": "the round's privacy mode is not among the sites' policy modes",
+    "min_noise_multiplier": "raise the noise (a larger noise_multiplier, or a smaller "
+                            "epsilon per round; without the sites' keys each site counts "
+                            "only its own noise share)",
+    "round_epsilon": "one round costs more than the sites' cap per release: raise the "
+                     "noise, lower the sample rate, or run more rounds at a smaller epsilon "
+                     "each",
+    "budget": "the sites' privacy budgets are spent; their operators decide whether to "
+              "raise them",
+    "min_threshold": "raise the secure-aggregation threshold (and the noise calibration) "
+                     "to the sites' min_threshold",
+    "unit": "compute the release per the sites' privacy unit",
+    "min_dropout_rate": "derive the secure-aggregation graph for at least the sites' "
+                        "dropout and corrupt rates (their refusal names the safe pair)",
+    "min_corrupt_rate": "raise the secure-aggregation threshold above the corrupt parties "
+                        "the sites assume",
+    "max_releases": "the sites took part in their maximum number of releases",
+}
+"""The fix a server names for each policy rule its sites refused on (one place; every
+runtime's server side uses :func:`refusal_summary`)."""
+
+
+def refusal_rule(reason: str) -> str | None:
+    """The rule a site's refusal text names (``refused by site policy [rule]``), if any."""
+    mark = "refused by site policy ["
+    start = reason.find(mark)
+    if start < 0:
+        return None
+    end = reason.find("]", start + len(mark))
+    return reason[start + len(mark):end] if end > 0 else None
+
+
+def refusal_summary(reasons: list[str], sites: int) -> str | None:
+    """One line for a server's log: which policy rules how many of ``sites`` refused on,
+    and the fix (None when no refusal names a policy rule)."""
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        rule = refusal_rule(reason)
+        if rule is not None:
+            counts[rule] = counts.get(rule, 0) + 1
+    if not counts:
+        return None
+    rule = max(counts, key=lambda r: counts[r])
+    rules = ", ".join(f"[{r}] {n}" for r, n in sorted(counts.items(), key=lambda x: -x[1]))
+    return (f"{sum(counts.values())} of {sites} sites refused by their site policy ({rules}); "
+            f"fix: {FIXES.get(rule, 'see the sites own logs')}")
+
+
 class PolicyRefused(PrivacyError):
     """A proposed release breaks the site's policy; ``rule`` names the rule (a
     :class:`SitePolicy` field name such as ``"unit"``, ``"budget"`` or

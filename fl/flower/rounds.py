@@ -55,6 +55,9 @@ class RoundReport:
     epsilon: float | None = None
     rejected: list[tuple[int, str]] = field(default_factory=list)
     chunk_rejected: list[tuple[int, str]] = field(default_factory=list)
+    refused: dict[int, str] = field(default_factory=dict)
+    """Nodes whose error reply named a reason (node -> the reason, e.g. ``refused by site
+    policy [exact-release]: ...``; the server names the rule and the fix)."""
 
     @property
     def server_round(self) -> int:
@@ -193,6 +196,7 @@ class RoundDriver:
         cid = self.setup.client_id(node)
         if reply.has_error():
             log.info("node %d dropped in %s: %s", node, stage.label, reply.error.reason)
+            self.report.refused[node] = str(reply.error.reason)[:1000]
             return
         try:
             payload = payload_of(reply)

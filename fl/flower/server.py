@@ -35,6 +35,8 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
 from dp.budget import PrivacyBudget
+from dp.policy import refusal_summary
+from fl.errors import NothingReleased
 from fl.flower.chunks import DEFAULT_CHUNK_BYTES, check_context, chunk_elements
 from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten
 from fl.flower.rounds import RoundDriver, RoundReport
@@ -96,6 +98,10 @@ def _log_outcome(report: RoundReport) -> None:
     from flwr.common.logger import log as flwr_log
 
     n = report.setup.num_clients
+    refusals = refusal_summary(list(report.refused.values()), n)
+    if refusals is not None:  # the rule, how many nodes and the fix, by default
+        flwr_log(logging.WARNING, "secure aggregation round %d: %s", report.server_round,
+                 refusals)
     if report.aborted is not None:
         flwr_log(logging.WARNING, "secure aggregation round %d aborted: %s (%d of %d nodes "
                  "dropped: %s)", report.server_round, report.aborted, len(report.dropped), n,
@@ -242,11 +248,24 @@ class SecureAggregation(Strategy):
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None
               ) -> Result:
-        """The user's strategy's own loop, on a grid whose train exchanges are secure."""
-        return self.strategy.start(_SecureGrid(grid, self, timeout), initial_arrays,
-                                   num_rounds=num_rounds, timeout=timeout,
-                                   train_config=train_config, evaluate_config=evaluate_config,
-                                   evaluate_fn=evaluate_fn)
+        """The user's strategy's own loop, on a grid whose train exchanges are secure.
+        Raises :class:`fl.errors.NothingReleased` (one line: the sites' refusal rule and
+        the fix) when no round released an aggregate: an untrained model is no result."""
+        before = len(self.reports)
+        result = self.strategy.start(_SecureGrid(grid, self, timeout), initial_arrays,
+                                     num_rounds=num_rounds, timeout=timeout,
+                                     train_config=train_config,
+                                     evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
+        ran = self.reports[before:]
+        if num_rounds >= 1 and not any(r.total is not None for r in ran):
+            last = {node: reason for r in ran for node, reason in r.refused.items()}
+            reasons = list(last.values())  # each node's last reason, once
+            sites = len({node for r in ran for node in r.setup.roster})
+            raise NothingReleased(
+                f"no secure-aggregation round released anything in {num_rounds} rounds: "
+                + (refusal_summary(reasons, sites) or
+                   "every round aborted or was not run (see the log above)"))
+        return result
 
     # --- one secure round -----------------------------------------------------------------
 

@@ -50,10 +50,11 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
 from dp.errors import PrivacyError
-from dp.policy import SitePolicy
+from dp.policy import PolicyRefused, SitePolicy
 from fl.errors import FLError
 from fl.nvflare.common import (
     PAYLOAD,
+    REFUSAL_HEADER,
     SESSION,
     SETUP_HEADER,
     STAGE_TASK,
@@ -168,7 +169,10 @@ class SecAggExecutor(Executor):
         except (FLError, PrivacyError, SecAggError, ValueError) as exc:
             self.log_error(fl_ctx, f"site {self.site} refuses {task_name}: "
                                    f"{type(exc).__name__}: {exc}")
-            return make_reply(ReturnCode.EXECUTION_EXCEPTION)
+            reply = make_reply(ReturnCode.EXECUTION_EXCEPTION)
+            public = exc.public if isinstance(exc, PolicyRefused) else str(exc)
+            reply.set_header(REFUSAL_HEADER, f"{type(exc).__name__}: {public}"[:1000])
+            return reply
 
     # --- a round ----------------------------------------------------------------------------
 

@@ -82,7 +82,10 @@ async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, 
     An attempt that aborts released nothing, so nothing is spent (docs/architecture.md
     section 6).
     """
+    from dp.policy import refusal_summary
+
     label = f"round {round_number}" if kind == "train" else "feature scaling"
+    refused: dict[int, str] = {}  # each site's last policy refusal (its Decline's reason)
     for attempt in range(attempts):
         try:
             done = await channel.run_round(
@@ -95,11 +98,17 @@ async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, 
             if channel.lost is not None:
                 raise TransportError(f"lost the broker: {channel.lost}") from None
             log(f"{label}: attempt {attempt + 1} did not complete ({exc}); retrying")
+            refused.update(channel.declines)
+            summary = refusal_summary(list(channel.declines.values()), len(cohort))
+            if summary is not None:  # the rule, how many sites and the fix
+                log(f"{label}: {summary}")
             continue
         return done, attempt + 1
-    raise RoundFailed(f"{label} failed {attempts} times: too few sites are online or they "
-                      "keep dropping out (check the sites' logs, raise --ready-timeout or "
-                      "--max-attempts)")
+    summary = refusal_summary(list(refused.values()), len(cohort))
+    raise RoundFailed(f"{label} failed {attempts} times: "
+                      + (summary if summary is not None else
+                         "too few sites are online or they keep dropping out (check the "
+                         "sites' logs, raise --ready-timeout or --max-attempts)"))
 
 
 class RemoteCoordinator(Coordinator):

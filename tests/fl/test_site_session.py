@@ -135,3 +135,26 @@ def test_a_release_above_the_cap_per_release_is_refused_naming_the_rule() -> Non
 def test_a_site_never_runs_without_its_core() -> None:
     with pytest.raises(ValueError, match="site core"):
         SiteOptions(federation="fed")
+
+
+def test_secagg_train_asking_exact_sums_from_default_sites_fails_naming_the_opt_in() -> None:
+    """``secagg train --role coordinator --dp none`` against site roles nobody configured:
+    every attempt is declined on ``[exact-release]``; the coordinator says the rule, how
+    many sites and the fix, and fails with a typed error (the CLI exits non-zero)."""
+    import asyncio
+
+    from fl.coordinator import RoundFailed
+    from tests.fl.test_remote_roles import IDS, CountingNetwork, _federation
+
+    settings = TrainSettings(sites=3, rounds=1, dataset="ehr", ehr_patients=60, seed=0,
+                             max_attempts=2)
+    logs: list[str] = []
+    options = {cid: SiteOptions(federation="fed", idle_timeout=5, guard=site_core(SitePolicy()))
+               for cid in IDS}
+    with pytest.raises(RoundFailed) as caught:
+        asyncio.run(_federation(settings, CountingNetwork(), options, logs))
+    line = str(caught.value)
+    assert "3 of 3 sites refused by their site policy ([exact-release] 3)" in line
+    assert "--dp none on secagg train --role site" in line
+    assert any("refused by their site policy" in entry for entry in logs
+               if entry.startswith("[coordinator]"))

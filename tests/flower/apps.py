@@ -64,6 +64,18 @@ def operated(mod: Any = None, policy: SitePolicy | None = OPEN) -> Any:
 open_mod = operated()
 
 
+def unreleased(start: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """``start(*args, **kwargs)`` (a ``SecureAggregation.start``) of a run in which no round
+    releases anything: it must raise :class:`fl.errors.NothingReleased`; its one line."""
+    import pytest
+
+    from fl.errors import NothingReleased
+
+    with pytest.raises(NothingReleased) as caught:
+        start(*args, **kwargs)
+    return str(caught.value)
+
+
 def initial_arrays() -> ArrayRecord:
     return ArrayRecord({k: Array(np.zeros(s, dtype=np.float32)) for k, s in SHAPES.items()})
 

@@ -144,7 +144,7 @@ def _stalled_round(n: int = 5) -> tuple[LocalGrid, SecureAggregation]:
     grid.silent = lambda node, msg: apps.stage_of(msg) == "unmasking"
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=n),
                                 neighbors=None)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert wrapper.reports[0].aborted is not None
     grid.silent = lambda node, msg: False
     return grid, wrapper
@@ -179,7 +179,8 @@ def test_a_stale_round_message_is_refused_after_a_new_round_started() -> None:
     node = grid.nodes[1]
     old = _request_to(grid, node).content[RECORD]
     grid.silent = lambda n, msg: apps.stage_of(msg) == "unmasking"
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)  # a second round
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1,
+                    timeout=5)  # a second round
     assert wrapper.reports[-1].setup.nonce != wrapper.reports[0].setup.nonce
     assert STATE in grid.state(node).config_records  # the new round's state, mid-round
     grid.silent = lambda n, msg: False
@@ -273,7 +274,7 @@ def test_the_node_policy_refuses_low_thresholds_and_exact_sums_by_default() -> N
     grid, _ = _grid(4, mods=[apps.operated(policy=policy)])
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
                                 neighbors=None)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert wrapper.reports[0].aborted is not None
     assert all("[min_threshold]" in r.error.reason for r in grid.replies if r.has_error())
     grid, _ = _grid(4, mods=[secagg_mod])  # the default policy: distributed DP only
@@ -323,9 +324,10 @@ def test_distributed_dp_rounds_stop_at_the_budget() -> None:
 def test_a_round_without_safe_parameters_is_not_run() -> None:
     grid, _ = _grid(2)
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=2))
-    result = wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    line = apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1,
+                           timeout=5)  # nothing was trained: an error, not a success
     assert wrapper.reports == [] and grid.sent == []
-    assert len(result.arrays) == 0  # the strategy got no aggregate: nothing was trained
+    assert "not run" in line
 
 
 def test_unsupported_wrapper_settings_are_refused_with_what_to_change() -> None:
@@ -413,7 +415,7 @@ def test_malicious_mode_nodes_refuse_a_verify_key_that_is_not_enrolled() -> None
     forged[grid.nodes[2]] = SigningKey.generate().public
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=6),
                                 neighbors=None, security="malicious", verify_keys=forged)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     (report,) = wrapper.reports
     assert report.aborted is not None and report.total is None
     reasons = [r.error.reason for r in grid.replies]
@@ -428,7 +430,7 @@ def test_a_tampered_snapshot_is_refused_under_the_node_snapshot_key() -> None:
     grid.silent = lambda node, msg: apps.stage_of(msg) == "unmasking"
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=5),
                                 neighbors=None)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     grid.silent = lambda node, msg: False
     node = grid.nodes[0]
     from flwr.common.serde import context_from_proto, context_to_proto

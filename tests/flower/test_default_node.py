@@ -14,6 +14,7 @@ from flwr.app import Message
 from flwr.serverapp.strategy import FedAvg
 
 from dp.policy import DEFAULT_EPSILON, DEFAULT_ROUND_EPSILON, SitePolicy
+from fl.errors import NothingReleased
 from fl.flower import DistributedDP, NodeOptions, SecureAggregation, make_secagg_mod
 from fl.flower.setup import RoundSetup
 from tests.flower import apps
@@ -38,7 +39,8 @@ def _server(n: int, privacy: DistributedDP, cls: type = SecureAggregation) -> An
 def test_a_default_node_refuses_tiny_noise_before_training(cls: type, z: float) -> None:
     grid, trained = _grid(3)
     wrapper = _server(3, DistributedDP(clip_norm=1.0, noise_multiplier=z), cls)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    with pytest.raises(NothingReleased):
+        wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert wrapper.reports[0].aborted is not None
     reasons = _reasons(grid)
     assert len(reasons) == 3 and all("[min_noise_multiplier]" in r for r in reasons), reasons
@@ -77,13 +79,15 @@ def test_an_apps_policy_only_tightens_the_operators() -> None:
     grid, trained = _grid(3, make_secagg_mod(NodeOptions(policy=loose)))
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=3),
                                 neighbors=None)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    with pytest.raises(NothingReleased):
+        wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     reasons = _reasons(grid)
     assert len(reasons) == 3 and all("[exact-release]" in r and "secagg-dp='none'" in r
                                      for r in reasons)
     grid.replies.clear()
     wrapper = _server(3, DistributedDP(clip_norm=1.0, noise_multiplier=1e-4))
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    with pytest.raises(NothingReleased, match=r"\[min_noise_multiplier\]"):
+        wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert all("[min_noise_multiplier]" in r for r in _reasons(grid))
     assert trained.calls == 0
     # the operator's own opt-in does turn exact sums on
@@ -103,7 +107,8 @@ def test_a_replayed_setup_is_refused_and_a_never_sent_round_is_withdrawn() -> No
     grid.silent = lambda node, msg: apps.stage_of(msg) == "share_keys"
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=3),
                                 neighbors=None)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    with pytest.raises(NothingReleased):
+        wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert wrapper.reports[0].aborted is not None  # nobody shared keys
     node = grid.nodes[0]
     setup = next(m for m in grid.sent if m.metadata.dst_node_id == node
@@ -136,3 +141,24 @@ def test_the_node_logs_its_policy_in_one_line(caplog: pytest.LogCaptureFixture) 
     assert len(lines) == 3 and all("\n" not in line and "{" not in line for line in lines)
     assert all(f"at most {DEFAULT_ROUND_EPSILON:g} per release" in line
                and f"at most {DEFAULT_EPSILON:g} in total" in line for line in lines)
+
+
+def test_an_app_asking_exact_sums_from_default_nodes_fails_naming_the_opt_in(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Before: every node refused every round and the run ended as a success with an
+    untrained model (6,262 log lines, none naming the opt-in). Now the server logs, per
+    round at WARNING, the rule, how many nodes and the fix, and the run raises a typed
+    error whose one line names the opt-in (a ServerApp that raises exits non-zero)."""
+    grid, trained = _grid(4)
+    wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
+                                neighbors=None)
+    with caplog.at_level("WARNING"), pytest.raises(NothingReleased) as caught:
+        wrapper.start(grid, apps.initial_arrays(), num_rounds=3, timeout=5)
+    line = str(caught.value)
+    assert "\n" not in line and "in 3 rounds" in line
+    assert "4 of 4 sites refused by their site policy ([exact-release] 4)" in line
+    assert "secagg-dp='none'" in line
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+              and "refused by their site policy" in r.getMessage()]
+    assert len(warned) == 3 and all("secagg-dp='none'" in w for w in warned)
+    assert trained.calls == 0

@@ -48,7 +48,7 @@ def _first(grid: LocalGrid, node: int, stage: str, start: int = 0) -> Message:
 def _stalled_round(grid: LocalGrid, wrapper: SecureAggregation) -> None:
     """One round whose nodes all go silent at unmasking (each keeps its masked snapshot)."""
     grid.silent = lambda node, msg: apps.stage_of(msg) == "unmasking"
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert wrapper.reports[-1].aborted is not None
     grid.silent = lambda node, msg: False
 

@@ -8,6 +8,7 @@ array layout that cannot match."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from flwr.serverapp.strategy import FedAvg
 from dp.audit import distributed_event
 from dp.budget import PrivacyBudget
 from dp.policy import SitePolicy
+from fl.errors import NothingReleased
 from fl.flower import DistributedDP, NodeOptions, SecureAggregation, make_secagg_mod, secagg_mod
 from fl.flower.encoding import dp_params
 from fl.flower.local import LocalGrid
@@ -75,7 +77,7 @@ def test_a_zero_noise_dp_round_is_refused_before_training_and_nothing_is_charged
     grid, trained = _grid(4)
     wrapper = ZeroNoise(FedAvg(fraction_evaluate=0.0, min_available_nodes=4), neighbors=None,
                         privacy=DistributedDP(clip_norm=1.0, noise_multiplier=1.0))
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     (report,) = wrapper.reports
     assert report.setup.encoding == "ddp" and report.setup.dp.noise_stddev == 0.0
     assert report.aborted is not None and report.total is None
@@ -168,7 +170,7 @@ def test_a_thin_secagg_plus_graph_from_stated_zero_rates_is_refused_at_1000_node
     grid, trained = _grid(n, apps.open_mod)
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=n),
                                 dropout_rate=0.0, corrupt_rate=0.0)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     (report,) = wrapper.reports
     assert (report.setup.neighbors, report.setup.threshold) == (3, 2)
     assert report.aborted is not None
@@ -198,7 +200,7 @@ def test_the_node_operators_config_overrides_the_apps_policy_and_ledger(tmp_path
         "secagg-dp": "distributed", "secagg-ledger": str(ledgers / f"{node}.json")})
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
                                 neighbors=None)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     reasons = _reasons(grid)
     assert len(reasons) == 4 and all("[exact-release]" in r for r in reasons)
     assert trained.calls == 0
@@ -248,7 +250,7 @@ def test_a_replayed_setup_is_neither_charged_nor_trained_again() -> None:
     grid.silent = lambda node, msg: apps.stage_of(msg) == "unmasking"
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
                                 neighbors=None)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     node = grid.nodes[0]
     assert trained.calls == 4 and len(_ledger(grid, node)) == 1
     setup = next(m for m in grid.sent if m.metadata.dst_node_id == node
@@ -293,7 +295,8 @@ def test_a_fresh_node_id_does_not_give_a_node_a_fresh_budget() -> None:
         grid, _ = _grid(4, apps.operated(policy=policy), first_node=first_node)
         wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
                                     neighbors=None, privacy=privacy)
-        wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=5)
+        with contextlib.suppress(NothingReleased):  # refused runs raise
+            wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=5)
         runs.append(sum(r.aborted is None for r in wrapper.reports))
     assert runs[0] >= 1 and sum(runs) == runs[0]  # later ids: refused, budget spent
     assert all("[budget]" in r for r in _reasons(grid))

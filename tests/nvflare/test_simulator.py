@@ -63,7 +63,8 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, server: Any, sites: dict[st
     job.to_clients(SecureScriptRunner(str(HERE / "train_script.py"),
                                       framework=FrameworkType.NUMPY,
                                       executor=RecordingExecutor()))
-    job.simulator_run(str(tmp / "ws"), clients=sorted(sites), threads=len(sites))
+    status = job.simulator_run(str(tmp / "ws"), clients=sorted(sites), threads=len(sites))
+    _run.status = status  # type: ignore[attr-defined]
     return [json.loads(line) for line in Path(server.report_path).read_text().splitlines()]
 
 
@@ -204,3 +205,23 @@ def test_secagg_plus_on_a_sparse_graph_with_drops(tmp_path: Path,
     assert first["dropped"] == {"site-2": "masked_input"}
     assert first["included"] == [n for n in names if n != "site-2"]
     assert second["dropped"] == {"site-5": "unmasking"} and second["included"] == names
+
+
+def test_a_job_asking_exact_sums_from_default_sites_fails_naming_the_opt_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Before: every site refused every round, the simulator exited 0 and no model file was
+    written. Now each refusal carries its public reason back, the server logs the rule, how
+    many sites and the fix at WARNING, and the run ends in a typed error, not a success."""
+    names = ["site-1", "site-2", "site-3"]
+    server = SecureFedAvg(num_rounds=2, neighbors=None, stage_timeout=1.0, train_timeout=60,
+                          report_path=str(tmp_path / "reports.jsonl"))
+    reports = _run(tmp_path, monkeypatch, server, {n: {} for n in names}, {})
+    assert all(r["total"] is None for r in reports) and len(reports) == 2
+    assert _run.status != 0  # type: ignore[attr-defined]
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert "3 of 3 sites refused by their site policy ([exact-release] 3)" in text
+    assert "NothingReleased" in text and "secagg-dp='none'" in text
+    assert "no secure round released anything in 2 rounds: 3 of 3 sites refused" in text
+    assert not list((tmp_path / "ws").rglob("server.npy"))
