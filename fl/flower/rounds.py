@@ -55,6 +55,10 @@ class RoundReport:
     epsilon: float | None = None
     rejected: list[tuple[int, str]] = field(default_factory=list)
     chunk_rejected: list[tuple[int, str]] = field(default_factory=list)
+    node_epsilon: float | None = None
+    """Distributed DP: the epsilon each node's ledger holds after this run's released rounds
+    (its own noise share unless the roster is authenticated, the replace-one sensitivity of
+    its one row: :func:`fl.site.core.charged_proposal`), beside the plan's ``epsilon``."""
     refused: dict[int, str] = field(default_factory=dict)
     """Nodes whose error reply named a reason (node -> the reason, e.g. ``refused by site
     policy [exact-release]: ...``; the server names the rule and the fix)."""

@@ -103,6 +103,15 @@ def lone_share(task: Any, proposal: Proposal) -> Proposal:
     return replace(proposal, noise_multiplier=alone.noise_multiplier, event=alone.event)
 
 
+def charged_proposal(task: Any, *, secagg_threshold: int, label: str = "", idp: Any = None,
+                     authenticated: bool = False) -> Proposal:
+    """What a site's ledger charges for ``task``: :func:`site_proposal`, counted as
+    :func:`lone_share` unless the round's roster is authenticated. The one place both the
+    site (:meth:`SiteCore.admit`) and a server reporting the sites' figure compute it."""
+    proposal = site_proposal(task, secagg_threshold=secagg_threshold, label=label, idp=idp)
+    return proposal if authenticated else lone_share(task, proposal)
+
+
 class SiteCore:
     """One site's guarantees: its operator's policy, its write-ahead ledger and the protocol
     margins it derives itself (module docstring). Every runtime calls :meth:`check_protocol`
@@ -169,11 +178,9 @@ class SiteCore:
         """Check and charge the round (raises :class:`dp.policy.PolicyRefused`); ``key``
         (the announcement's) lets :meth:`check_go` and :meth:`not_sent` find the charge;
         ``idp``: the site's own plan and grouping under ``--unit patient-idp``."""
-        proposal = site_proposal(task, secagg_threshold=secagg_threshold, label=label,
-                                 idp=idp)
-        if not self.authenticated_roster:
-            proposal = lone_share(task, proposal)
-        charge = self.ledger.charge(proposal)
+        charge = self.ledger.charge(charged_proposal(
+            task, secagg_threshold=secagg_threshold, label=label, idp=idp,
+            authenticated=self.authenticated_roster))
         if key is not None:
             self.pending = {key: (charge, secagg_threshold)}
         if charge.groups:

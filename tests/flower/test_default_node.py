@@ -162,3 +162,17 @@ def test_an_app_asking_exact_sums_from_default_nodes_fails_naming_the_opt_in(
               and "refused by their site policy" in r.getMessage()]
     assert len(warned) == 3 and all("secagg-dp='none'" in w for w in warned)
     assert trained.calls == 0
+
+
+def test_the_server_reports_the_epsilon_each_nodes_ledger_holds() -> None:
+    """One epsilon a user can trust: beside the plan's, the server reports the figure each
+    node's ledger records (its own noise share in a semi-honest round, the replace-one
+    sensitivity of its one row), computed by the same function the node charges with."""
+    grid, _ = _grid(3)
+    wrapper = _server(3, DistributedDP(clip_norm=1.0, noise_multiplier=6.0))
+    wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=5)
+    last = wrapper.reports[-1]
+    assert all(r.aborted is None for r in wrapper.reports) and last.node_epsilon is not None
+    for node in grid.nodes:
+        assert _ledger(grid, node)[-1]["epsilon_after"] == pytest.approx(last.node_epsilon,
+                                                                          rel=1e-9)
