@@ -162,7 +162,8 @@ class IntegerEncoder:
         return self.wrap(self.integer_units(units).sum(axis=0) + self.noise(noise))
 
     def integer_units(self, units: F64) -> I64:
-        """Clip, rotate, scale and conditionally round each row; returns ``(m, encoded_dim)``."""
+        """Clip, rotate, scale and conditionally round each row; returns ``(m, encoded_dim)``.
+        A row with a NaN or an infinity is zeroed first (it still counts as a unit)."""
         p = self.params
         units = np.asarray(units, dtype=np.float64)
         if units.ndim != 2 or units.shape[1] != p.dim:
@@ -170,8 +171,10 @@ class IntegerEncoder:
                 f"expected units of shape (m, {p.dim}), got {units.shape}; flatten each "
                 "unit's update to the dim the EncodingParams were built with"
             )
-        if not np.all(np.isfinite(units)):
-            raise PrivacyConfigError("the update contains NaN or inf; fix the model first")
+        # A unit whose update is not finite (e.g. a model that overflows on its records)
+        # contributes a zero row: a function of that unit's own data alone, so the
+        # sensitivity is unchanged and no refusal depends on the data.
+        units = np.where(np.all(np.isfinite(units), axis=1, keepdims=True), units, 0.0)
         scaled = rotate(clip_rows(units, p.clip_norm), p.rotation_seed) * p.scale
         return self._conditional_round(scaled)
 

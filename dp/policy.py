@@ -25,9 +25,73 @@ from dp.errors import PrivacyConfigError, PrivacyError
 MODES = ("none", "site", "distributed")
 MECHANISMS = ("gaussian", "dgauss", "skellam")
 UNITS = ("patient", "record", "patient-idp")
+DEFAULT_MIN_NOISE_MULTIPLIER = 0.5
+"""The noise floor of a site nobody configured: the Gaussian-equivalent noise standard
+deviation over the release's sensitivity (the clip, or twice it for a replace-one release)
+that every release must carry at least."""
+DEFAULT_ROUND_EPSILON = 4.0
+"""The most one release (a round, or the noised feature statistics) may cost a site nobody
+configured, at its ``delta`` (RDP, the ledger's accountant)."""
+DEFAULT_EPSILON = 10.0
+"""The total budget per patient of a site nobody configured (every release composed)."""
+OPT_IN = ("secagg-dp='none' in the Flower node config, \"modes\": [\"none\"] in the "
+          "NVFlare site's policy.json, or --dp none on secagg train --role site")
+"""How a site's operator opts in to exact sums, in every runtime (named by every
+``[exact-release]`` refusal)."""
 """The privacy units a site's policy can name: whose data one unit of sensitivity covers
 (``patient-idp``: the patient, by individual per-record sampling rates per rate group,
 :mod:`dp.idp`; accounted per group)."""
+
+
+FIXES = {
+    "exact-release": f"the round asks for an exact sum; the sites' operators opt in with "
+                     f"{OPT_IN}, or the server runs distributed DP",
+    "modes": "the round's privacy mode is not among the sites' policy modes",
+    "min_noise_multiplier": "raise the noise (a larger noise_multiplier, or a smaller "
+                            "epsilon per round; without the sites' keys each site counts "
+                            "only its own noise share)",
+    "round_epsilon": "one round costs more than the sites' cap per release: raise the "
+                     "noise, lower the sample rate, or run more rounds at a smaller epsilon "
+                     "each",
+    "budget": "the sites' privacy budgets are spent; their operators decide whether to "
+              "raise them",
+    "min_threshold": "raise the secure-aggregation threshold (and the noise calibration) "
+                     "to the sites' min_threshold",
+    "unit": "compute the release per the sites' privacy unit",
+    "min_dropout_rate": "derive the secure-aggregation graph for at least the sites' "
+                        "dropout and corrupt rates (their refusal names the safe pair)",
+    "min_corrupt_rate": "raise the secure-aggregation threshold above the corrupt parties "
+                        "the sites assume",
+    "max_releases": "the sites took part in their maximum number of releases",
+}
+"""The fix a server names for each policy rule its sites refused on (one place; every
+runtime's server side uses :func:`refusal_summary`)."""
+
+
+def refusal_rule(reason: str) -> str | None:
+    """The rule a site's refusal text names (``refused by site policy [rule]``), if any."""
+    mark = "refused by site policy ["
+    start = reason.find(mark)
+    if start < 0:
+        return None
+    end = reason.find("]", start + len(mark))
+    return reason[start + len(mark):end] if end > 0 else None
+
+
+def refusal_summary(reasons: list[str], sites: int) -> str | None:
+    """One line for a server's log: which policy rules how many of ``sites`` refused on,
+    and the fix (None when no refusal names a policy rule)."""
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        rule = refusal_rule(reason)
+        if rule is not None:
+            counts[rule] = counts.get(rule, 0) + 1
+    if not counts:
+        return None
+    rule = max(counts, key=lambda r: counts[r])
+    rules = ", ".join(f"[{r}] {n}" for r, n in sorted(counts.items(), key=lambda x: -x[1]))
+    return (f"{sum(counts.values())} of {sites} sites refused by their site policy ({rules}); "
+            f"fix: {FIXES.get(rule, 'see the sites own logs')}")
 
 
 class PolicyRefused(PrivacyError):
@@ -150,7 +214,14 @@ class SitePolicy:
     decoded from; ``max_sample_rate``, ``max_steps`` (DP-SGD steps per release),
     ``max_clip_norm``, ``max_releases`` (releases the ledger will ever record);
     ``epsilon``/``delta``: this site's budget per patient (``epsilon=None``: no cap, still
-    accounted and reported).
+    accounted and reported); ``round_epsilon``: the most one release may cost at ``delta``
+    (``None``: no cap per release).
+
+    **Defaults are a guarantee** (docs/privacy.md section 1, "A site nobody configured"):
+    ``SitePolicy()`` takes part in DP releases only, each with a noise multiplier of at least
+    :data:`DEFAULT_MIN_NOISE_MULTIPLIER`, costing at most :data:`DEFAULT_ROUND_EPSILON`, and
+    at most :data:`DEFAULT_EPSILON` in total at ``delta`` 1e-5 per patient. A policy an
+    app or job supplies only tightens the operator's (:meth:`tighten`).
     ``min_dropout_rate``, ``min_corrupt_rate``: the dropout and corrupt-party rates this site
     assumes at least, whatever a coordinator states; the secure-aggregation graph and
     threshold it accepts are checked against them (Bell et al. 2020 for SecAgg+, the corrupt
@@ -159,15 +230,16 @@ class SitePolicy:
 
     modes: tuple[str, ...] = ("site", "distributed")
     mechanisms: tuple[str, ...] = MECHANISMS
-    min_noise_multiplier: float = 0.0
+    min_noise_multiplier: float = DEFAULT_MIN_NOISE_MULTIPLIER
     min_threshold: int = 2
     max_sample_rate: float = 1.0
     max_steps: int | None = None
     max_clip_norm: float | None = None
     max_releases: int | None = None
-    epsilon: float | None = None
+    epsilon: float | None = DEFAULT_EPSILON
     delta: float = 1e-5
     unit: str = "patient"
+    round_epsilon: float | None = DEFAULT_ROUND_EPSILON
     min_dropout_rate: float = 0.1
     min_corrupt_rate: float = 0.1
 
@@ -192,8 +264,12 @@ class SitePolicy:
                 problems.append(f"{name} must be >= 1, got {value}")
         if self.max_clip_norm is not None and not self.max_clip_norm > 0:
             problems.append(f"max_clip_norm must be > 0, got {self.max_clip_norm}")
-        if self.epsilon is not None and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
-            problems.append(f"epsilon must be a positive number, got {self.epsilon}")
+        for name in ("epsilon", "round_epsilon"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0
+                                          and math.isfinite(value)):
+                problems.append(f"{name} must be a positive number (or null: no cap), got "
+                                f"{value!r}")
         if not 0 < self.delta < 1:
             problems.append(f"delta must be in (0, 1), e.g. 1e-5, got {self.delta}")
         for name in ("min_dropout_rate", "min_corrupt_rate"):
@@ -207,6 +283,66 @@ class SitePolicy:
     @property
     def requires_dp(self) -> bool:
         return "none" not in self.modes
+
+    def describe(self) -> str:
+        """The policy in one readable line (what a site logs at start-up)."""
+        modes = ", ".join(self.modes)
+        exact = ("exact sums allowed (operator's opt-in)" if "none" in self.modes
+                 else "exact sums refused")
+        total = ("no total cap" if self.epsilon is None
+                 else f"at most {self.epsilon:g} in total")
+        per = ("no cap per release" if self.round_epsilon is None
+               else f"at most {self.round_epsilon:g} per release")
+        ceilings = [f"{name} <= {value:g}" for name, value in (
+            ("sample rate", self.max_sample_rate if self.max_sample_rate < 1 else None),
+            ("steps", self.max_steps), ("clip", self.max_clip_norm),
+            ("releases", self.max_releases)) if value is not None]
+        return (f"privacy policy: modes {modes} ({exact}); noise multiplier >= "
+                f"{self.min_noise_multiplier:g}; epsilon per {self.unit} {per}, {total} "
+                f"(delta {self.delta:g}); threshold >= {self.min_threshold}; assumes dropout "
+                f">= {self.min_dropout_rate:g}, corrupt >= {self.min_corrupt_rate:g}"
+                + (f"; {', '.join(ceilings)}" if ceilings else ""))
+
+    def tighten(self, other: SitePolicy | None) -> SitePolicy:
+        """This (the operator's) policy as ``other`` (an app's or job's) may narrow it, never
+        widen it: modes and mechanisms intersected (``other`` cannot turn exact sums on),
+        the larger of every floor, the smaller of every ceiling and budget. ``other``'s unit
+        must be this one's. Raises :class:`PolicyRefused` when nothing is left to take part
+        in (rule ``modes``: the app asks for a mode the operator did not allow)."""
+        if other is None or other == self:
+            return self
+        if not isinstance(other, SitePolicy):
+            raise PrivacyConfigError(f"a policy must be a dp.policy.SitePolicy, got "
+                                     f"{type(other).__name__}")
+        modes = tuple(m for m in self.modes if m in other.modes)
+        mechanisms = tuple(m for m in self.mechanisms if m in other.mechanisms)
+        if not modes or not mechanisms:
+            wanted = sorted(set(other.modes) - set(self.modes))
+            raise PolicyRefused("exact-release" if "none" in wanted else "modes",
+                                f"the app's policy asks for modes {list(other.modes)}; this "
+                                f"site's operator allows {list(self.modes)} and an app may "
+                                "only tighten it"
+                                + (f" (exact sums need the operator's opt-in: {OPT_IN})"
+                                   if "none" in wanted else ""))
+        if other.unit != self.unit:
+            raise PolicyRefused("unit", f"the app's policy is per {other.unit}; this site's "
+                                f"operator set {self.unit}")
+
+        def low(a: Any, b: Any) -> Any:  # the smaller ceiling; None is no ceiling
+            return b if a is None else a if b is None else min(a, b)
+
+        return SitePolicy(
+            modes=modes, mechanisms=mechanisms, unit=self.unit,
+            min_noise_multiplier=max(self.min_noise_multiplier, other.min_noise_multiplier),
+            min_threshold=max(self.min_threshold, other.min_threshold),
+            max_sample_rate=min(self.max_sample_rate, other.max_sample_rate),
+            max_steps=low(self.max_steps, other.max_steps),
+            max_clip_norm=low(self.max_clip_norm, other.max_clip_norm),
+            max_releases=low(self.max_releases, other.max_releases),
+            epsilon=low(self.epsilon, other.epsilon), delta=min(self.delta, other.delta),
+            round_epsilon=low(self.round_epsilon, other.round_epsilon),
+            min_dropout_rate=max(self.min_dropout_rate, other.min_dropout_rate),
+            min_corrupt_rate=max(self.min_corrupt_rate, other.min_corrupt_rate))
 
     # -- files --------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -251,7 +387,8 @@ class SitePolicy:
             if p.mode == "none":
                 raise PolicyRefused("exact-release", f"this site requires differential "
                                     f"privacy ({'/'.join(self.modes)}) and does not release "
-                                    f"an exact {p.kind} sum")
+                                    f"an exact {p.kind} sum; its operator opts in with "
+                                    f"{OPT_IN}")
             raise PolicyRefused("modes", f"mode {p.mode!r} is not among this site's "
                                 f"{list(self.modes)}")
         if p.secagg_threshold < self.min_threshold:
@@ -291,8 +428,11 @@ class SitePolicy:
                                     f"{p.secagg_threshold} sites but the noise is calibrated "
                                     f"to {p.calibration_threshold}: fewer survivors would "
                                     "carry less noise than accounted")
-        if p.kind != "train":  # the ceilings below are on training rounds
-            return
+        if p.kind == "train":  # the ceilings on training rounds
+            self._check_ceilings(p, private)
+        self._check_release_epsilon(p, private)
+
+    def _check_ceilings(self, p: Proposal, private: bool) -> None:
         if p.sample_rate > self.max_sample_rate:
             raise PolicyRefused("max_sample_rate", f"sample rate {p.sample_rate:g} > this "
                                 f"site's ceiling {self.max_sample_rate:g}", private=private)
@@ -303,3 +443,18 @@ class SitePolicy:
                 and p.clip_norm > self.max_clip_norm):
             raise PolicyRefused("max_clip_norm", f"clip norm {p.clip_norm:g} > this site's "
                                 f"ceiling {self.max_clip_norm:g}", private=private)
+
+    def _check_release_epsilon(self, p: Proposal, private: bool) -> None:
+        """``round_epsilon``: the release alone (every rate group's event alone) costs at
+        most this much at the policy's delta."""
+        if self.round_epsilon is None:
+            return
+        from dp.accounting import rdp_to_epsilon
+
+        events = [p.event] if p.event is not None else [e for _, _, e in p.groups]
+        cost = max(rdp_to_epsilon(e.rdp(), self.delta) for e in events)
+        if not cost <= self.round_epsilon:
+            raise PolicyRefused("round_epsilon", f"this release alone costs epsilon "
+                                f"{cost:.4g} > this site's cap per release "
+                                f"{self.round_epsilon:g} (raise the noise multiplier, lower "
+                                "the sample rate or the steps)", private=private)

@@ -261,6 +261,20 @@ class Contribution:
     """SCAFFOLD: the site's next control variate, adopted if the round's sum includes it."""
 
 
+def cap_units(rows: F64, max_units: int | None) -> F64:
+    """At most ``max_units`` of a round's sampled units (the federation's bound, so the sum
+    cannot wrap): a larger sample keeps a uniformly random ``max_units`` of its rows (secret
+    coins), never a refusal -- whether a site takes part must not depend on how many of its
+    patients were sampled (docs/privacy.md section 1, "After the privacy gate")."""
+    if max_units is None or len(rows) <= max_units:
+        return rows
+    import os
+
+    keep = np.random.default_rng(int.from_bytes(os.urandom(16), "big")).choice(
+        len(rows), size=max_units, replace=False)
+    return rows[np.sort(keep)]
+
+
 def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
                site_id: int, control: F64 | None = None) -> Contribution:
     """Site ``site_id``'s input for ``task`` at the global ``model`` (left unchanged);
@@ -269,11 +283,8 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
     if task.mode == "distributed":
         assert task.params is not None
         weight = task.weight_of(site_id)  # refused before the data is touched
-        rows = trainer.unit_gradients(model, sample_rate=task.sample_rate, unit=task.unit)
-        if task.max_units is not None and len(rows) > task.max_units:
-            # the count is the site's own: it is not said to the coordinator
-            raise TaskError(f"the round's sample exceeds the federation's bound of "
-                            f"{task.max_units} units (--max-units): the sum could wrap")
+        rows = cap_units(trainer.unit_gradients(model, sample_rate=task.sample_rate,
+                                                unit=task.unit), task.max_units)
         vector = task.codec().encode(rows, weight=weight)
         if task.clip_count:  # [||g_p|| <= C] per unit, with its noise share, in the same sum
             norms = np.linalg.norm(rows, axis=1) if len(rows) else np.zeros(0)

@@ -8,3 +8,9 @@ from __future__ import annotations
 class FLError(Exception):
     """A federated-learning failure: bad data or options, a checkpoint, an encoding that
     would overflow, a round that failed, a Flower setup or reply refused."""
+
+
+class NothingReleased(FLError, RuntimeError):
+    """A run ended without any round releasing anything (every round aborted or was not
+    run): an untrained model is not a result. The message names the rule the sites refused
+    on and the fix, when they said one."""

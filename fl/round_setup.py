@@ -41,7 +41,7 @@ from fl.codec import (
     noisy_mean,
 )
 from fl.errors import FLError
-from fl.site.core import SecureSum, SiteCore
+from fl.site.core import SecureSum
 from fl.site.privacy import DistributedPlan, distributed_plan
 from fl.vector import ArraySpec
 from secagg import Config, RoundNonce, secagg_plus_parameters
@@ -399,18 +399,6 @@ def round_release(setup: RoundSetup) -> Callable[[SitePolicy], SecureSum]:
         return SecureSum(params=charged, sample_rate=1.0, unit=unit)
 
     return release
-
-
-def admit_round(core: SiteCore, setup: RoundSetup, label: str) -> None:
-    """A site's checks of a round setup before its data is touched (both runtimes): the
-    protocol margins and the release against its policy, charged write-ahead to its ledger
-    (:class:`fl.site.core.SiteCore`; a refusal raises :class:`dp.policy.PolicyRefused`). A
-    malicious-mode roster is authenticated by enrolled keys, so its noise shares count."""
-    core.authenticated_roster = setup.security == "malicious"  # enrolled keys only
-    core.check_protocol(num_clients=setup.num_clients, threshold=setup.threshold,
-                        neighbors=setup.neighbors, security=setup.security)
-    core.admit(round_release(setup)(core.policy), secagg_threshold=setup.threshold,
-               label=label)
 
 
 def check_identity(setup: RoundSetup, client_id: int, signing_key: Any,

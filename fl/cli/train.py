@@ -267,6 +267,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="refuse rounds that sample patients at a rate above Q")
     site.add_argument("--max-steps", type=int, metavar="N",
                       help="refuse site-mode rounds of more than N DP-SGD steps")
+    site.add_argument("--round-epsilon", type=float, metavar="E",
+                      help="refuse a release that alone costs more than epsilon E (default "
+                           "4; the total is --epsilon, default 10)")
     site.add_argument("--max-releases", type=int, metavar="N",
                       help="take part in at most N releases in all (the ledger counts them)")
     c.add_argument("--cohort", type=int, metavar="K", help="sites per round (default all)")
@@ -287,7 +290,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 SITE_POLICY_FLAGS = ("policy", "ledger", "min_noise_multiplier", "min_threshold",
-                     "max_sample_rate", "max_steps", "max_releases")
+                     "max_sample_rate", "max_steps", "max_releases", "round_epsilon")
 
 
 PRESET_OPTIONS = ("lr", "server_lr", "batch_size", "fedprox_mu", "model", "scaling",
@@ -378,21 +381,6 @@ def site_policy_from_args(args: argparse.Namespace) -> Any:
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
     return replace(policy, **changes)
-
-
-def describe_policy(policy: Any) -> str:
-    """The site's policy for its operator's log: each field as words, lists joined, an
-    unset limit as "no limit" (``policy.json`` holds the same fields as JSON)."""
-    parts = []
-    for name, value in policy.to_json().items():
-        if isinstance(value, list):
-            shown = ", ".join(str(v) for v in value)
-        elif value is None:
-            shown = "no limit"
-        else:
-            shown = f"{value:g}" if isinstance(value, float) else str(value)
-        parts.append(f"{name.replace('_', ' ')} {shown}")
-    return "; ".join(parts)
 
 
 def default_ledger(site_id: int, data: Any) -> str:
@@ -655,7 +643,7 @@ def _run_site(args: argparse.Namespace, settings: TrainSettings, ids: tuple[int,
     except (PrivacyError, OSError) as exc:
         raise UsageError(f"site privacy ledger/policy: {exc}") from None
     try:
-        log(f"privacy policy: {describe_policy(guard.ledger.policy)}; ledger {ledger} "
+        log(f"{guard.ledger.policy.describe()}; ledger {ledger} "
             f"({guard.ledger.releases} releases, epsilon {guard.ledger.epsilon:.4g})")
         if guard.ledger.policy.unit == "patient-idp":
             _site_idp(args, data, guard, log)

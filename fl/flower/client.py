@@ -1,13 +1,14 @@
 """Client side: a Flower mod that runs the user's own ``train`` under secure aggregation.
 
 ``ClientApp(mods=[secagg_mod])`` (or ``make_secagg_mod(NodeOptions(...))``) is the whole
-change on a node. The node is one runtime of the site core (:mod:`fl.site.core`: the same
-policy, ledger and checks as ``secagg train --role site``). For a train message that carries
-a round setup (:mod:`fl.flower.setup`) the mod checks the whole setup and the layout of the
-arrays sent, has the site core check the protocol margins and the policy and charge the
-round to the node's ledger, and only then runs the user's train function, encodes the
-reply's arrays, metrics and weight (:mod:`fl.flower.encoding`), builds a ``secagg.Client``
-and answers with its public key advertisement only. Every later message of the round goes to
+change on a node. The node is one runtime of the site session (:mod:`fl.site.session`, over
+the site core :mod:`fl.site.core`: the same policy, ledger, checks, replay and withdrawal
+rules as ``secagg train --role site`` and the NVFlare site). For a train message that
+carries a round setup (:mod:`fl.flower.setup`) the session checks the whole setup and the
+layout of the arrays sent, has the core check the protocol margins and the policy and charge
+the round to the node's ledger, and only then does the mod run the user's train function;
+the session encodes the reply's arrays, metrics and weight, builds a ``secagg.Client`` and
+answers with its public key advertisement only. Every later message of the round goes to
 the same client, rebuilt from its snapshot in the node's ``Context.state`` (Flower builds a
 ClientApp per message). The snapshot holds the round's secrets; ``Context.state`` never
 leaves the node, and no reply carries anything but secagg wire bytes.
@@ -63,11 +64,11 @@ from fl.flower.guard import (
 )
 from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE, secagg_record
 from fl.flower.setup import RoundSetup, SetupError
-from fl.round_setup import admit_round, check_identity, round_release
+from fl.round_setup import check_identity
 from fl.site.core import SiteCore, open_site_core, state_directory
+from fl.site.session import SiteSession
 from secagg import Client, ProtocolAbort, SigningKey, Stage, encode
 from secagg.messages import MaskedInput
-from secagg.session import derive_session_id
 
 log = logging.getLogger("fl.flower")
 
@@ -77,13 +78,17 @@ class RoundStateError(FLError, RuntimeError):
     session, a stale or finished round, or no setup yet); nothing was changed."""
 
 
+CHARGE = "charge"
+"""The round state's key of the round's ledger charge id (the session withdraws it when the
+masked input never left)."""
 POLICY_KEY = "secagg-policy"
 """Node config key: the path of this node's :class:`dp.policy.SitePolicy` JSON file."""
 LEDGER_KEY = "secagg-ledger"
 """Node config key: the path of this node's privacy ledger (:class:`dp.ledger.Ledger`)."""
 DP_KEY = "secagg-dp"
-"""Node config key: the one privacy mode this node takes part in (``none``: exact sums, the
-operator's opt-in; ``distributed``), as ``--dp`` on ``secagg train --role site``."""
+"""Node config key: the privacy modes this node takes part in, comma-separated (``none``:
+exact sums, the operator's opt-in; ``distributed``), as ``--dp`` on ``secagg train --role
+site``."""
 
 
 @dataclass(frozen=True)
@@ -93,12 +98,13 @@ class NodeOptions:
     :mod:`fl.site.core`), and what the Flower runtime adds (stage records, snapshot key,
     malicious-mode identity).
 
-    ``policy``: the node's privacy policy; ``ledger``: the path of its write-ahead ledger.
-    The node operator's node config overrides both (``secagg-policy``: a policy JSON file,
-    ``secagg-dp``: the one mode it takes part in, ``secagg-ledger``: the ledger path): in
-    a deployment the ClientApp's code arrives with the app bundle the server side submits,
-    so only the node config is the hospital's own word. Without either the policy is
-    ``SitePolicy()`` (distributed DP only; exact sums need the operator's opt-in,
+    ``policy``: the app's privacy policy, which only *tightens* the operator's (in a
+    deployment the ClientApp's code arrives with the app bundle the server side submits, so
+    only the node config is the hospital's own word: ``secagg-policy``, a policy JSON file;
+    ``secagg-dp``, the modes it takes part in; :meth:`dp.policy.SitePolicy.tighten`);
+    ``ledger``: the path of its write-ahead ledger (the node config's ``secagg-ledger``
+    wins). Without the operator's word the policy is ``SitePolicy()`` (distributed DP only,
+    with the default noise floor and budgets; exact sums need the operator's opt-in,
     ``secagg-dp="none"``) and the ledger is
     ``$XDG_STATE_HOME/secagg/ledger-flower-<sha256 of the node config>.json`` (default state
     home ``~/.local/state``; :meth:`ledger_path`).
@@ -141,16 +147,20 @@ class NodeOptions:
         return Path(self.stage_dir) if self.stage_dir else default_directory(context.node_id)
 
     def site_policy(self, context: Any) -> SitePolicy:
-        """The node's policy: the node config's (``secagg-policy``, then ``secagg-dp``), else
-        this object's, else ``SitePolicy()``."""
+        """The node's policy: the operator's (the node config's ``secagg-policy`` file, else
+        ``SitePolicy()``; ``secagg-dp`` names the modes it takes part in, e.g. ``none`` or
+        ``none,distributed``), tightened by this object's ``policy`` (the app's: it arrives
+        with the app bundle, so it can only narrow the operator's,
+        :meth:`dp.policy.SitePolicy.tighten`)."""
         config = context.node_config
         path = config.get(POLICY_KEY)
         policy = (SitePolicy.load(_config_text(path, POLICY_KEY)) if path is not None
-                  else self.policy or SitePolicy())
+                  else SitePolicy())
         mode = config.get(DP_KEY)
         if mode is not None:
-            policy = replace(policy, modes=(_config_text(mode, DP_KEY),))
-        return policy
+            modes = tuple(m.strip() for m in _config_text(mode, DP_KEY).split(","))
+            policy = replace(policy, modes=modes)
+        return policy.tighten(self.policy)
 
     def ledger_path(self, context: Any) -> str:
         """The node config's ``secagg-ledger``, else this object's ``ledger``, else the
@@ -169,23 +179,31 @@ class NodeOptions:
 
     def open_core(self, context: Any) -> SiteCore:
         """The node's site core over its ledger (locked until :meth:`SiteCore.close`)."""
-        return open_site_core(policy=self.site_policy(context),
-                              ledger_path=self.ledger_path(context),
+        policy, path = self.site_policy(context), self.ledger_path(context)
+        if (path, policy) not in _ANNOUNCED:  # once per process: the node's start-up line
+            _ANNOUNCED.add((path, policy))
+            log.warning("node %s: %s; ledger %s", context.node_id, policy.describe(), path)
+        return open_site_core(policy=policy, ledger_path=path,
                               log=lambda text: log.info("node %s: %s", context.node_id, text))
 
-    def check_identity(self, setup: RoundSetup, client_id: int) -> None:
-        if setup.security != "malicious":
-            return
-        if self.signing_key is None:
-            raise SetupError("a malicious-mode round needs this node's signing key: "
-                             "give NodeOptions(signing_key=..., trusted_keys=...)")
-        check_identity(setup, client_id, self.signing_key, self.trusted_keys)
+    def session(self, context: Any) -> SiteSession:
+        """The node's site session (:mod:`fl.site.session`) over its core and identity."""
+        return SiteSession(lambda: self.open_core(context), runtime="flower",
+                           signing_key=self.signing_key, trusted_keys=self.trusted_keys,
+                           check_setup=_movable,
+                           log=lambda text: log.info("node %s: %s", context.node_id, text))
 
-    def identity(self, setup: RoundSetup) -> dict[str, Any]:
-        """The keyword arguments secagg.Client needs for this round's security mode."""
-        if setup.security != "malicious":
-            return {}
-        return {"signing_key": self.signing_key, "verify_keys": setup.peer_keys()}
+
+def _movable(setup: RoundSetup, config: Any) -> None:
+    """A round state Flower cannot move between messages is refused before training."""
+    try:
+        check_context(config.dim, setup.bits)
+    except ChunkError as exc:
+        raise SetupError(str(exc)) from None
+
+
+_ANNOUNCED: set[tuple[str, SitePolicy]] = set()
+"""The (ledger, policy) pairs whose policy line this process logged."""
 
 
 def _config_text(value: object, key: str) -> str:
@@ -249,60 +267,49 @@ def _number(record: Any, key: str) -> float:
 
 def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record: Any,
            options: NodeOptions) -> Any:
-    """Join a round: the whole setup is checked and the round charged to the node's ledger
-    before the user's training runs (a refused round never trains)."""
-    setup = RoundSetup.from_bytes(record.get(SETUP))
-    if setup.run_id != msg.metadata.run_id:
-        raise SetupError(f"the setup names run {setup.run_id}; this message belongs to run "
-                         f"{msg.metadata.run_id}")
-    client_id = setup.client_id(msg.metadata.dst_node_id)
-    options.check_identity(setup, client_id)
-    config = setup.config(encoded_dim(setup))
-    try:  # the arrays the server sent must have the setup's layout
-        sent: F64 | None = flatten(_single(msg.content.array_records, "ArrayRecord"),
-                                   setup.arrays)
-    except ReplyError as exc:
-        raise SetupError(f"the train message's arrays do not match the round setup: "
-                         f"{exc}") from None
-    if setup.encoding != "ddp":
-        sent = None  # only ddp decodes against it: not held through the user's training
-    round_release(setup)  # refuses a setup whose encoding cannot hold the round
-    try:  # a round state Flower cannot move between messages: refused before training
-        check_context(config.dim, setup.bits)
-    except ChunkError as exc:
-        raise SetupError(str(exc)) from None
-    session = derive_session_id(config, tuple(range(1, setup.num_clients + 1)),
-                                setup.context())
+    """Join a round through the site session (:mod:`fl.site.session`): the whole setup is
+    checked and the round charged to the node's ledger before the user's training runs (a
+    refused round never trains); an unfinished earlier round is abandoned."""
+    session = options.session(context)
     directory = options.directory(context)
-    with hold(directory, session, client_id) as joined:
-        if joined.stage is not None:  # a replayed setup: neither charged nor trained again
-            raise GuardError("this node already joined this round (same session); a round "
-                             "is joined once")
+    saved = context.state.config_records.get(STATE)
+    joined = session.join(record.get(SETUP), run_id=msg.metadata.run_id,
+                          node_id=msg.metadata.dst_node_id,
+                          sent=lambda setup: flatten(
+                              _single(msg.content.array_records, "ArrayRecord"), setup.arrays),
+                          previous=None if saved is None else _previous(saved, directory,
+                                                                        msg))
     context.state.config_records.pop(STATE, None)  # an unfinished earlier round is gone
-    core = options.open_core(context)
-    try:
-        admit_round(core, setup, f"flower run {setup.run_id} round {setup.server_round} "
-                                 f"setup {setup.nonce[:8].hex()}")
-    finally:
-        core.close()
     del msg.content.config_records[RECORD]  # the user's train sees its own message only
     reply = call_next(msg, context)
     if reply.has_error():
-        return reply
-    client = Client(config, client_id,
-                    reply_vector(setup, reply.content, sent),
-                    roster=range(1, setup.num_clients + 1), context=setup.context(),
-                    nonce=setup.nonce, **options.identity(setup))
-    advertisement = encode(client.advertise())
-    with hold(directory, client.session_id, client_id) as record:
-        record.join_round(int(client.stage), advertisement)
-        _save(context, setup, client, snapshot_key(record, options.snapshot_key))
-    prune(directory, options.keep_rounds, record_name(client.session_id, client_id))
+        return reply  # the node's own training failed: its charge stays
+    client, advertisement = session.advertise(
+        joined, session.encode(joined, *_trained(joined.setup, reply.content)))
+    with hold(directory, client.session_id, joined.client_id) as stage_record:
+        stage_record.join_round(int(client.stage), advertisement)
+        _save(context, joined.setup, client, snapshot_key(stage_record, options.snapshot_key),
+              joined.charge)
+    prune(directory, options.keep_rounds, record_name(client.session_id, joined.client_id))
     if options.stage_dir is None:  # the default base: other runs' node directories too
         remove_stale_nodes(directory.parent, directory)
     return _reply(msg, client.session_id, advertisement)
 
 
+def _previous(saved: Any, directory: Path, msg: Any) -> tuple[int, int | None] | None:
+    """The unfinished round in the node's state: its charge and the last stage the node
+    answered in it (from its stage record), for the session to abandon."""
+    charge = saved.get(CHARGE)
+    if not isinstance(charge, int):
+        return None
+    try:
+        setup = RoundSetup.from_bytes(saved.get(SETUP))
+        with hold(directory, saved.get(SESSION), setup.client_id(
+                msg.metadata.dst_node_id)) as stage_record:
+            stage = stage_record.stage
+    except (SetupError, GuardError, TypeError):
+        return None  # no trustworthy record of it: the charge stays (conservative)
+    return charge, (None if stage == ABORTED else stage)
 
 
 def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
@@ -325,14 +332,15 @@ def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
         if stage_record.stage == ABORTED:
             raise GuardError("this node aborted the round; it answers nothing more in it")
         key = snapshot_key(stage_record, options.snapshot_key)
+        session_site = options.session(context)
         client = Client.restore(
             saved.get("snapshot"), config=setup.config(encoded_dim(setup)),
             client_id=client_id, context=setup.context(),
             roster=range(1, setup.num_clients + 1), key=key,
             min_stage=None if stage_record.stage is None else Stage(stage_record.stage),
-            **options.identity(setup))
+            **check_identity(setup, client_id, options.signing_key, options.trusted_keys))
         try:
-            message = client.handle(payload)
+            message = session_site.answer(client, payload, int(saved.get(CHARGE)))
         except ProtocolAbort as exc:
             # returned, not raised: Flower saves the Context (the round's secrets are gone)
             stage_record.abort()
@@ -349,7 +357,7 @@ def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
         if client.done:
             context.state.config_records.pop(STATE, None)
         else:
-            _save(context, setup, client, key)
+            _save(context, setup, client, key, int(saved.get(CHARGE)))
     return _reply(msg, client.session_id, out, arrays)
 
 
@@ -361,18 +369,16 @@ def _error(msg: Any, reason: str) -> Any:
                    reply_to=msg)
 
 
-def _save(context: Any, setup: RoundSetup, client: Client, key: bytes) -> None:
+def _save(context: Any, setup: RoundSetup, client: Client, key: bytes, charge: int) -> None:
     from flwr.app import ConfigRecord
 
     context.state.config_records[STATE] = ConfigRecord({
         SETUP: setup.to_bytes(), SESSION: client.session_id,
-        "snapshot": client.snapshot(key)})
+        "snapshot": client.snapshot(key), CHARGE: charge})
 
 
-def reply_vector(setup: RoundSetup, content: Any, sent: F64 | None) -> U64:
-    """The secagg input of a node from its train reply's content (``sent``: the flattened
-    arrays the server sent, for ``ddp``). Deterministic for ``fixed``, so a test can
-    compute the plaintext sum the round must equal."""
+def _trained(setup: RoundSetup, content: Any) -> tuple[F64, dict[str, float], float]:
+    """The arrays, averaged metrics and weight of a node's train reply."""
     arrays = flatten(_single(content.array_records, "ArrayRecord"), setup.arrays)
     metrics: dict[str, float] = {}
     weight = 0.0
@@ -380,4 +386,11 @@ def reply_vector(setup: RoundSetup, content: Any, sent: F64 | None) -> U64:
         metric_record = _single(content.metric_records, "MetricRecord")
         metrics = {name: _number(metric_record, name) for name in setup.metrics}
         weight = _number(metric_record, setup.weight_key)
-    return encode_reply(setup, arrays, metrics, weight, sent)
+    return arrays, metrics, weight
+
+
+def reply_vector(setup: RoundSetup, content: Any, sent: F64 | None) -> U64:
+    """The secagg input of a node from its train reply's content (``sent``: the flattened
+    arrays the server sent, for ``ddp``). Deterministic for ``fixed``, so a test can
+    compute the plaintext sum the round must equal."""
+    return encode_reply(setup, *_trained(setup, content), sent)

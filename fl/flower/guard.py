@@ -34,8 +34,8 @@ default base it also removes other nodes' directories untouched for a day
 record deletes the only copy of its round's snapshot key: whatever a ``Context`` still
 holds of that round can no longer be restored, and a message of that round is refused
 ("no record"), so pruning never re-opens the rollback. A setup of a pruned session sent
-again is joined afresh: new keys and secrets, the old join's state unusable
-(docs/flower.md, "State on the node").
+again is refused by the site session's replay rule (the ledger keeps every round's key:
+:mod:`fl.site.session`; docs/flower.md, "State on the node").
 """
 
 from __future__ import annotations

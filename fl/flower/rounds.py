@@ -55,6 +55,13 @@ class RoundReport:
     epsilon: float | None = None
     rejected: list[tuple[int, str]] = field(default_factory=list)
     chunk_rejected: list[tuple[int, str]] = field(default_factory=list)
+    node_epsilon: float | None = None
+    """Distributed DP: the epsilon each node's ledger holds after this run's released rounds
+    (its own noise share unless the roster is authenticated, the replace-one sensitivity of
+    its one row: :func:`fl.site.core.charged_proposal`), beside the plan's ``epsilon``."""
+    refused: dict[int, str] = field(default_factory=dict)
+    """Nodes whose error reply named a reason (node -> the reason, e.g. ``refused by site
+    policy [exact-release]: ...``; the server names the rule and the fix)."""
 
     @property
     def server_round(self) -> int:
@@ -193,6 +200,7 @@ class RoundDriver:
         cid = self.setup.client_id(node)
         if reply.has_error():
             log.info("node %d dropped in %s: %s", node, stage.label, reply.error.reason)
+            self.report.refused[node] = str(reply.error.reason)[:1000]
             return
         try:
             payload = payload_of(reply)

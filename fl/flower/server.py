@@ -26,6 +26,7 @@ survivors carry the target noise) and a round that would overshoot the budget is
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
 from dp.budget import PrivacyBudget
+from dp.policy import SitePolicy, refusal_summary
+from fl.errors import NothingReleased
 from fl.flower.chunks import DEFAULT_CHUNK_BYTES, check_context, chunk_elements
 from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten
 from fl.flower.rounds import RoundDriver, RoundReport
@@ -44,8 +47,10 @@ from fl.round_setup import (
     fixed_setup,
     protocol_graph,
     round_plan,
+    round_release,
     with_distributed_dp,
 )
+from fl.site.core import charged_proposal
 from fl.site.privacy import DistributedPlan
 from secagg import Server
 
@@ -96,6 +101,10 @@ def _log_outcome(report: RoundReport) -> None:
     from flwr.common.logger import log as flwr_log
 
     n = report.setup.num_clients
+    refusals = refusal_summary(list(report.refused.values()), n)
+    if refusals is not None:  # the rule, how many nodes and the fix, by default
+        flwr_log(logging.WARNING, "secure aggregation round %d: %s", report.server_round,
+                 refusals)
     if report.aborted is not None:
         flwr_log(logging.WARNING, "secure aggregation round %d aborted: %s (%d of %d nodes "
                  "dropped: %s)", report.server_round, report.aborted, len(report.dropped), n,
@@ -211,6 +220,7 @@ class SecureAggregation(Strategy):
                        if privacy is not None and privacy.epsilon is not None else None)
         self.reports: list[RoundReport] = []
         self._plans: dict[tuple[int, int, int], DistributedPlan] = {}
+        self._node_budget: PrivacyBudget | None = None
         self._round = 0
 
     # --- the strategy interface: the user's strategy decides ------------------------------
@@ -242,11 +252,44 @@ class SecureAggregation(Strategy):
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None
               ) -> Result:
-        """The user's strategy's own loop, on a grid whose train exchanges are secure."""
-        return self.strategy.start(_SecureGrid(grid, self, timeout), initial_arrays,
-                                   num_rounds=num_rounds, timeout=timeout,
-                                   train_config=train_config, evaluate_config=evaluate_config,
-                                   evaluate_fn=evaluate_fn)
+        """The user's strategy's own loop, on a grid whose train exchanges are secure.
+        Raises :class:`fl.errors.NothingReleased` (one line: the sites' refusal rule and
+        the fix) when no round released an aggregate: an untrained model is no result."""
+        before = len(self.reports)
+        result = self.strategy.start(_SecureGrid(grid, self, timeout), initial_arrays,
+                                     num_rounds=num_rounds, timeout=timeout,
+                                     train_config=train_config,
+                                     evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
+        ran = self.reports[before:]
+        if num_rounds >= 1 and not any(r.total is not None for r in ran):
+            last = {node: reason for r in ran for node, reason in r.refused.items()}
+            reasons = list(last.values())  # each node's last reason, once
+            sites = len({node for r in ran for node in r.setup.roster})
+            raise NothingReleased(
+                f"no secure-aggregation round released anything in {num_rounds} rounds: "
+                + (refusal_summary(reasons, sites) or
+                   "every round aborted or was not run (see the log above)"))
+        return result
+
+    def _report_node_epsilon(self, setup: RoundSetup, report: RoundReport) -> None:
+        """The epsilon each node's ledger holds (the sites' figure), reported beside the
+        plan's: without the nodes' keys a node counts only its own noise share."""
+        assert self.privacy is not None
+        event = charged_proposal(round_release(setup)(SitePolicy()),
+                                 secagg_threshold=setup.threshold,
+                                 authenticated=setup.security == "malicious").event
+        if event is None:
+            return
+        if self._node_budget is None:
+            self._node_budget = PrivacyBudget(sys.float_info.max, self.privacy.delta)
+        self._node_budget.spend(event)
+        report.node_epsilon = self._node_budget.spent[0]
+        log.warning("round %d: each node's ledger holds epsilon %.4g (%s)%s",
+                    report.server_round, report.node_epsilon,
+                    "the enrolled nodes' noise counted" if setup.security == "malicious"
+                    else "its own noise share only: the roster is the server's word",
+                    "" if report.epsilon is None else
+                    f"; the server's plan: {report.epsilon:.4g}")
 
     # --- one secure round -----------------------------------------------------------------
 
@@ -299,6 +342,8 @@ class SecureAggregation(Strategy):
         if self.budget is not None and setup.dp is not None:
             self.budget.spend(round_plan(self.privacy, setup, self._plans).event())
             report.epsilon = self.budget.spent[0]
+        if setup.dp is not None and self.privacy is not None:
+            self._report_node_epsilon(setup, report)
         key = next(iter(first.array_records.keys()))
         weight_key = self._weight_key()
         content = RecordDict({

@@ -3,9 +3,9 @@
 The user's script keeps its code (``flare.receive()`` ... ``flare.send()``); NVFlare's
 ``ClientAPIExecutor`` runs it, registered as a component (default id ``secagg_trainer``),
 and :class:`SecAggExecutor` is the executor of the job's train task and of
-:data:`fl.nvflare.common.STAGE_TASK`. It is one runtime of the site core
-(:mod:`fl.site.core`: the same policy, ledger and checks as ``secagg train --role site`` and
-the Flower node). For a train task it:
+:data:`fl.nvflare.common.STAGE_TASK`. It is one runtime of the site session
+(:mod:`fl.site.session` over :mod:`fl.site.core`: the same policy, ledger, checks, replay and
+withdrawal rules as ``secagg train --role site`` and the Flower node). For a train task it:
 
 1. checks the round setup the server sent (:class:`fl.round_setup.RoundSetup`: its run id
    is this job's, its roster names this site, the arrays sent have its layout) and, in
@@ -37,7 +37,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from nvflare.apis.event_type import EventType
@@ -51,10 +50,11 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
 from dp.errors import PrivacyError
-from dp.policy import SitePolicy
+from dp.policy import PolicyRefused, SitePolicy
 from fl.errors import FLError
 from fl.nvflare.common import (
     PAYLOAD,
+    REFUSAL_HEADER,
     SESSION,
     SETUP_HEADER,
     STAGE_TASK,
@@ -62,15 +62,9 @@ from fl.nvflare.common import (
     run_id,
     site_id,
 )
-from fl.round_setup import (
-    RoundSetup,
-    SetupError,
-    admit_round,
-    check_identity,
-    encode_reply,
-    encoded_dim,
-)
+from fl.round_setup import RoundSetup
 from fl.site.core import open_site_core, state_directory
+from fl.site.session import SiteSession
 from fl.vector import ArrayLayout, LayoutError
 from secagg import Client, ProtocolAbort, SecAggError, SigningKey, encode
 
@@ -132,7 +126,8 @@ class SecAggExecutor(Executor):
         self.trainer: Executor | None = None
         self.site = ""
         self.config: SiteConfig | None = None
-        self.rounds: dict[bytes, Client] = {}
+        self.rounds: dict[bytes, tuple[Client, int]] = {}
+        """The round in progress: its client and its ledger charge id."""
 
     # --- NVFlare hooks --------------------------------------------------------------------
 
@@ -150,6 +145,9 @@ class SecAggExecutor(Executor):
                 self.config = SiteConfig.for_site(self.site)
             except (FLError, PrivacyError) as exc:
                 self.system_panic(f"site {self.site}: {exc}", fl_ctx)
+                return
+            self.log_warning(fl_ctx, f"site {self.site}: {self.config.policy.describe()}; "
+                                     f"ledger {self.config.ledger_path}")
         elif event_type == EventType.END_RUN:
             self.rounds.clear()
 
@@ -162,7 +160,7 @@ class SecAggExecutor(Executor):
                 abort_signal: Signal) -> Shareable:
         try:
             if task_name == STAGE_TASK:
-                return self._continue(shareable)
+                return self._continue(shareable, fl_ctx)
             if task_name == self.train_task_name:
                 return self._start(task_name, shareable, fl_ctx, abort_signal)
             raise NVFlareSecAggError(f"task {task_name!r} is not part of a secure round; "
@@ -171,12 +169,26 @@ class SecAggExecutor(Executor):
         except (FLError, PrivacyError, SecAggError, ValueError) as exc:
             self.log_error(fl_ctx, f"site {self.site} refuses {task_name}: "
                                    f"{type(exc).__name__}: {exc}")
-            return make_reply(ReturnCode.EXECUTION_EXCEPTION)
+            reply = make_reply(ReturnCode.EXECUTION_EXCEPTION)
+            public = exc.public if isinstance(exc, PolicyRefused) else str(exc)
+            reply.set_header(REFUSAL_HEADER, f"{type(exc).__name__}: {public}"[:1000])
+            return reply
 
     # --- a round ----------------------------------------------------------------------------
 
     def on_input(self, setup: RoundSetup, vector: np.ndarray) -> None:
         """Called with the site's secagg input once it is encoded (nothing by default)."""
+
+    def session(self, fl_ctx: FLContext) -> SiteSession:
+        """The site's session (:mod:`fl.site.session`) over its core and identity."""
+        config = self.config
+        if config is None:
+            raise NVFlareSecAggError("the executor was not started (START_RUN)")
+        return SiteSession(
+            lambda: open_site_core(policy=config.policy, ledger_path=config.ledger_path,
+                                   log=lambda text: self.log_info(fl_ctx, text)),
+            runtime="nvflare", signing_key=config.signing_key,
+            trusted_keys=config.trusted_keys, log=lambda text: self.log_info(fl_ctx, text))
 
     def _start(self, task_name: str, shareable: Shareable, fl_ctx: FLContext,
                abort_signal: Signal) -> Shareable:
@@ -187,41 +199,33 @@ class SecAggExecutor(Executor):
             raise NVFlareSecAggError("the train task carries no secure-aggregation setup: this "
                                      "site sends its update only into a secure sum (run the "
                                      "job with fl.nvflare.server.SecureFedAvg)")
+        session = self.session(fl_ctx)
+        unfinished = next(iter(self.rounds.values()), None)
+        params = FLModelUtils.from_shareable(shareable).params or {}
+        joined = session.join(
+            raw, run_id=run_id(str(fl_ctx.get_job_id())), node_id=site_id(self.site),
+            sent=lambda setup: ArrayLayout(setup.arrays).flatten(params),
+            previous=None if unfinished is None else (unfinished[1],
+                                                      int(unfinished[0].stage)))
         self.rounds.clear()  # an unfinished earlier round is gone
-        setup = RoundSetup.from_bytes(raw)
-        if setup.run_id != run_id(str(fl_ctx.get_job_id())):
-            raise SetupError("the setup names another NVFlare job")
-        client_id = setup.client_id(site_id(self.site))
-        identity = self._identity(setup, client_id)
-        config = setup.config(encoded_dim(setup))
-        layout = ArrayLayout(setup.arrays)
-        try:
-            sent = layout.flatten(FLModelUtils.from_shareable(shareable).params or {})
-        except LayoutError as exc:
-            raise SetupError(f"the task's arrays do not match the round setup: {exc}") from None
-        core = open_site_core(policy=self.config.policy, ledger_path=self.config.ledger_path,
-                              log=lambda text: self.log_info(fl_ctx, text))
-        try:
-            admit_round(core, setup, f"nvflare job {fl_ctx.get_job_id()} round "
-                                     f"{setup.server_round} setup {setup.nonce[:8].hex()}")
-        finally:
-            core.close()
         result = self.trainer.execute(task_name, shareable, fl_ctx, abort_signal)
         if result.get_return_code(ReturnCode.OK) != ReturnCode.OK:
-            return result  # the training failed: the site drops out of the round
-        vector = self._encode(setup, layout, sent, result)
-        client = Client(config, client_id, vector, roster=range(1, setup.num_clients + 1),
-                        context=setup.context(), nonce=setup.nonce, **identity)
-        advertisement = encode(client.advertise())
-        self.rounds[client.session_id] = client
-        self.on_input(setup, vector)
+            return result  # the training failed: the site drops out (its charge stays)
+        sent = ArrayLayout(joined.setup.arrays).flatten(params)
+        vector = session.encode(joined, *self._trained(joined.setup, sent, result))
+        client, advertisement = session.advertise(joined, vector)
+        self.rounds[client.session_id] = (client, joined.charge)
+        self.on_input(joined.setup, vector)
         return _reply(client.session_id, advertisement)
 
-    def _encode(self, setup: RoundSetup, layout: ArrayLayout, sent: np.ndarray,
-                result: Shareable) -> np.ndarray:
+    def _trained(self, setup: RoundSetup, sent: np.ndarray, result: Shareable
+                 ) -> tuple[np.ndarray, dict[str, float], float]:
+        """The arrays (full, not a difference), averaged metrics and weight of the user's
+        training result."""
         model = FLModelUtils.from_shareable(result)
         try:
-            arrays = layout.flatten({k: np.asarray(v) for k, v in (model.params or {}).items()})
+            arrays = ArrayLayout(setup.arrays).flatten(
+                {k: np.asarray(v) for k, v in (model.params or {}).items()})
         except LayoutError as exc:
             raise NVFlareSecAggError(f"the training script sent arrays that do not match the "
                                      f"model it received: {exc}") from None
@@ -232,28 +236,19 @@ class SecAggExecutor(Executor):
         if missing:
             raise NVFlareSecAggError(f"the round averages the train metrics {missing}, which "
                                      "the training script did not send (FLModel.metrics)")
-        metrics = {name: float(model.metrics[name]) for name in setup.metrics}
-        return encode_reply(setup, arrays, metrics, weight,
-                            sent if setup.encoding == "ddp" else None)
+        return arrays, {name: float(model.metrics[name]) for name in setup.metrics}, weight
 
-    def _identity(self, setup: RoundSetup, client_id: int) -> dict[str, Any]:
-        assert self.config is not None
-        if setup.security == "malicious" and self.config.signing_key is None:
-            raise SetupError(f"a malicious-mode round needs this site's signing key "
-                             f"({self.config.folder / 'signing-key'})")
-        return check_identity(setup, client_id, self.config.signing_key,
-                              self.config.trusted_keys)
-
-    def _continue(self, shareable: Shareable) -> Shareable:
+    def _continue(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
         session, payload = shareable.get(SESSION), shareable.get(PAYLOAD)
-        client = self.rounds.get(session) if isinstance(session, bytes) else None
-        if client is None:
+        entry = self.rounds.get(session) if isinstance(session, bytes) else None
+        if entry is None:
             raise NVFlareSecAggError("no secure-aggregation round of that session is in "
                                      "progress on this site (never joined, or ended)")
         if not isinstance(payload, bytes):
             raise NVFlareSecAggError("the stage task carries no secure-aggregation payload")
+        client, charge = entry
         try:
-            out = encode(client.handle(payload))
+            out = encode(self.session(fl_ctx).answer(client, payload, charge))
         except ProtocolAbort:
             self.rounds.pop(session, None)  # the round's secrets are erased
             raise

@@ -19,6 +19,9 @@ SETUP_HEADER = "secagg_setup"
 PAYLOAD = "secagg_payload"
 """Shareable key: a secagg wire message (server -> site, or site -> server)."""
 SESSION = "secagg_session"
+REFUSAL_HEADER = "secagg_refusal"
+"""Header of a site's error reply: its public refusal reason (e.g. ``refused by site policy
+[exact-release]: ...``), so the server can say which rule and the fix."""
 """Shareable key: the round's session id (every stage message names it)."""
 
 

@@ -47,7 +47,17 @@ from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.app_common.workflows.model_controller import ModelController
 
 from dp.budget import PrivacyBudget
-from fl.nvflare.common import PAYLOAD, SESSION, SETUP_HEADER, STAGE_TASK, run_id, site_id
+from dp.policy import refusal_summary
+from fl.errors import NothingReleased
+from fl.nvflare.common import (
+    PAYLOAD,
+    REFUSAL_HEADER,
+    SESSION,
+    SETUP_HEADER,
+    STAGE_TASK,
+    run_id,
+    site_id,
+)
 from fl.round_setup import (
     DistributedDP,
     RoundSetup,
@@ -247,6 +257,8 @@ class SecureFedAvg(ModelController):
                        if self.privacy is not None and self.privacy.epsilon is not None
                        else None)
         self.reports: list[RoundReport] = []
+        self._refusals: dict[int, dict[str, str]] = {}
+        """Per round, each refusing site's public reason (its error reply's header)."""
         self._last_setup: RoundSetup | None = None
         self._plans: dict[tuple[int, int, int], DistributedPlan] = {}
         self._lock = threading.Lock()
@@ -299,6 +311,7 @@ class SecureFedAvg(ModelController):
                     f"initial model, unchanged (the round reports say why)")
             self.warning(note)
             self.save_model(self._model(params, None, {}, {NO_ROUND_NOTE: note}))
+        self._check_released()
 
     def _model(self, params: dict[str, np.ndarray], server_round: int | None,
                metrics: dict[str, float], meta: dict[str, Any]) -> FLModel:
@@ -308,6 +321,21 @@ class SecureFedAvg(ModelController):
                        current_round=server_round, total_rounds=self.num_rounds,
                        meta={FLMetaKey.CURRENT_ROUND: server_round,
                              FLMetaKey.TOTAL_ROUNDS: self.num_rounds, **meta})
+
+    def _check_released(self) -> None:
+        """A run in which no round released anything ends in a typed error (one line: the
+        sites' refusal rule and the fix), never as a success: the initial model saved beside it
+        says it is untrained."""
+        if self.num_rounds < 1 or any(r.total is not None for r in self.reports):
+            return
+        last = {site: reason for rs in self._refusals.values() for site, reason in rs.items()}
+        reasons = list(last.values())  # each site's last reason, once
+        sites = len({site for r in self.reports for site in r.sites})
+        message = (f"no secure round released anything in {self.num_rounds} rounds: "
+                   + (refusal_summary(reasons, sites) or
+                      "every round aborted or was not run (see the log above)"))
+        self.system_panic(message, self.fl_ctx)
+        raise NothingReleased(message)
 
     def secure_round(self, server_round: int, params: dict[str, np.ndarray],
                      sites: list[str]) -> RoundReport:
@@ -393,9 +421,14 @@ class SecureFedAvg(ModelController):
             result = client_task.result
             client_task.result = None
             if result is None or result.get_return_code(ReturnCode.OK) != ReturnCode.OK:
+                reason = None if result is None else result.get_header(REFUSAL_HEADER)
                 self.warning(f"site {name} dropped in {stage.label} of round "
                              f"{report.server_round}: its task failed ("
-                             f"{None if result is None else result.get_return_code()})")
+                             f"{None if result is None else result.get_return_code()})"
+                             + (f": {reason}" if reason else ""))
+                if isinstance(reason, str):
+                    with self._lock:
+                        self._refusals.setdefault(report.server_round, {})[name] = reason
                 return
             payload = result.get(PAYLOAD)
             if not isinstance(payload, bytes):
@@ -437,6 +470,10 @@ class SecureFedAvg(ModelController):
 
     def _publish(self, report: RoundReport) -> None:
         self.reports.append(report)
+        refusals = refusal_summary(list(self._refusals.get(report.server_round, {}).values()),
+                                   len(report.sites))
+        if refusals is not None:  # the rule, how many sites and the fix, by default
+            self.warning(f"secure round {report.server_round}: {refusals}")
         if report.skipped:
             self.warning(f"secure round {report.server_round} not run: {report.skipped}")
         elif report.aborted:

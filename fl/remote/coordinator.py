@@ -106,7 +106,10 @@ async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, 
     An attempt that aborts released nothing, so nothing is spent (docs/architecture.md
     section 6).
     """
+    from dp.policy import refusal_summary
+
     label = f"round {round_number}" if kind == "train" else "feature scaling"
+    refused: dict[int, str] = {}  # each site's last policy refusal (its Decline's reason)
     for attempt in range(attempts):
         try:
             done = await channel.run_round(
@@ -118,6 +121,10 @@ async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, 
         except (ProtocolAbort, NotEnoughSites, TransportError) as exc:
             if channel.lost is not None:
                 raise TransportError(f"lost the broker: {channel.lost}") from None
+            refused.update(channel.declines)
+            summary = refusal_summary(list(channel.declines.values()), len(cohort))
+            if summary is not None:  # the rule, how many sites and the fix
+                log(f"{label}: {summary}")
             if attempt + 1 < attempts:
                 pause = min(RETRY_MAX_PAUSE, RETRY_FIRST_PAUSE * 2 ** attempt)
                 log(f"{label}: attempt {attempt + 1} did not complete ({exc}); retrying "
@@ -127,9 +134,11 @@ async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, 
                 log(f"{label}: attempt {attempt + 1} did not complete ({exc})")
             continue
         return done, attempt + 1
-    raise RoundFailed(f"{label} failed {attempts} times: too few sites are online or they "
-                      "keep dropping out (check the sites' logs, raise --ready-timeout or "
-                      "--max-attempts)")
+    summary = refusal_summary(list(refused.values()), len(cohort))
+    raise RoundFailed(f"{label} failed {attempts} times: "
+                      + (summary if summary is not None else
+                         "too few sites are online or they keep dropping out (check the "
+                         "sites' logs, raise --ready-timeout or --max-attempts)"))
 
 
 class RemoteCoordinator(Coordinator):

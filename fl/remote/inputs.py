@@ -24,6 +24,7 @@ from fl.models import make_model
 from fl.remote.blob import Blob
 from fl.remote.messages import Announce, WireError, get_int, get_names, get_str
 from fl.settings import MODELS, TrainSettings
+from fl.site.core import SiteCore
 from fl.site.training import Scaler, Site
 from fl.vector import ParameterLayout
 
@@ -157,12 +158,12 @@ def check_schema(task: Mapping[str, Any], schema: Schema) -> tuple[str, ...]:
 
 
 def site_input(data: SiteData, blob: Blob, announce: Announce, *,
-               require_dp: str | None, guard: Any = None) -> U64:
+               require_dp: str | None, guard: SiteCore) -> U64:
     """This site's secure-aggregation vector for the announced round.
 
-    With ``guard`` (:class:`fl.site.core.SiteCore`: the site operator's policy and ledger)
-    the round is checked and charged to the site's ledger *before* anything about the
-    site's own data is looked at or computed; a refusal names the policy rule
+    ``guard`` (:class:`fl.site.core.SiteCore`: the site operator's policy and ledger;
+    mandatory) checks the round and charges it to the site's ledger *before* anything about
+    the site's own data is looked at or computed; a refusal names the policy rule
     (docs/privacy.md section 1). The task's shape comes from the announced (public) columns
     and labels; whether they match the site's table is checked after the gate, and a
     mismatch is declined with :data:`SCHEMA_MISMATCH` alone (its charge stays: the answer
@@ -256,23 +257,32 @@ def _table(data: SiteData, task: Mapping[str, Any], site_id: int) -> Table:
         raise WireError(SCHEMA_MISMATCH) from None
 
 
-def _admit(guard: Any, task: RoundTask | None, announce: Announce, label: str,
-           idp: Any = None) -> None:
-    """The site's privacy gate (write-ahead charge, or a refusal naming the rule);
-    ``idp``: the site's own :class:`fl.site.idp.SiteIdp` plan under ``--unit patient-idp``."""
-    if guard is None:
-        if getattr(task, "unit", None) == "patient-idp":
-            raise WireError("a patient-idp round needs the site's privacy ledger")
-        return
-    from dp.errors import LedgerWriteError, PrivacyError
+def announce_key(announce: Announce) -> str:
+    """The key the replay rule knows an announced round by (run, round, attempt, kind)."""
+    run, number, attempt, kind = announce.key
+    return f"{run.hex()}-{number}-{attempt}-{kind}"
 
+
+def _admit(guard: SiteCore, task: RoundTask | None, announce: Announce, label: str,
+           idp: Any = None) -> None:
+    """The site's privacy gate through the site session's rules (:mod:`fl.site.session`):
+    a replayed announcement is refused, then a write-ahead charge or a refusal naming the
+    rule; ``idp``: the site's own :class:`fl.site.idp.SiteIdp` plan under ``--unit
+    patient-idp``."""
+    from dp.errors import LedgerWriteError, PrivacyError
+    from fl.site.session import Replayed, label_of, refuse_replay
+
+    key = announce_key(announce)
     try:
+        refuse_replay(guard, key, label)
         guard.check_protocol(num_clients=len(announce.cohort), threshold=announce.threshold,
                              neighbors=None, security=announce.security)
-        guard.admit(task, secagg_threshold=announce.threshold, label=label, key=announce.key,
-                    idp=idp)
+        guard.admit(task, secagg_threshold=announce.threshold, label=label_of(label, key),
+                    key=announce.key, idp=idp)
     except LedgerWriteError:
         raise  # the site role says it in one line; the file stays in its own log
+    except Replayed as exc:
+        raise WireError(str(exc)) from None
     except PrivacyError as exc:  # the coordinator learns the rule, not the site's plan
         from dp.policy import PolicyRefused
 

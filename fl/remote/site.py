@@ -75,13 +75,20 @@ class SiteOptions:
     max_payload: int = DEFAULT_MAX_PAYLOAD
     guard: SiteCore | None = None
     """The site's core: its operator's privacy policy and ledger (:class:`fl.site.core.SiteCore`,
-    every check of it runs in this role)."""
+    every check of it runs in this role). Mandatory: a site never runs without one
+    (:class:`SiteProcess` refuses ``None``)."""
     identity: Any = None
     """The site's key and its operator's federation roster (:class:`fl.site.identity.SiteIdentity`):
     rounds run in secagg's malicious mode with the peers' keys from the site's own directory,
     and a cohort or roster naming a site without a key is refused. Without it the roster is
     the coordinator's word and the guard charges as if this site's noise were the only noise
     (docs/privacy.md section 1)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.guard, SiteCore):
+            raise ValueError("a site runs with its site core (SiteOptions.guard: its "
+                             "operator's policy and ledger, fl.site.core.open_site_core); "
+                             "there is no site without one")
 
 
 class SiteProcess:
@@ -93,14 +100,16 @@ class SiteProcess:
         self.site_id = data.site_id
         self.name = site_name(data.site_id)
         self.options = options
-        if options.guard is not None:  # the charge follows how the roster is authenticated
-            if options.insecure_verify and set(options.guard.policy.modes) - {"none"}:
-                raise ValueError(
-                    "--insecure-verify sends this site's input in the clear, and a DP "
-                    "site's input carries only its own share of the noise its ledger "
-                    f"charges (policy modes {list(options.guard.policy.modes)}): drop "
-                    "--insecure-verify, or run the test with --dp none on both sides")
-            options.guard.authenticated_roster = options.identity is not None
+        assert options.guard is not None  # SiteOptions refuses None
+        self.guard: SiteCore = options.guard
+        if options.insecure_verify and set(self.guard.policy.modes) - {"none"}:
+            raise ValueError(
+                "--insecure-verify sends this site's input in the clear, and a DP "
+                "site's input carries only its own share of the noise its ledger "
+                f"charges (policy modes {list(self.guard.policy.modes)}): drop "
+                "--insecure-verify, or run the test with --dp none on both sides")
+        # the charge follows how the roster is authenticated
+        self.guard.authenticated_roster = options.identity is not None
         self.topics = FedTopics(options.federation)
         self.network = network
         self.log = log
@@ -291,8 +300,8 @@ class SiteProcess:
     def _not_sent(self, ann: Announce, clear: bytes | None, reason: str) -> None:
         """The round moved on before this site's input left: withdraw its ledger charge
         (not when the input went out in the clear for --insecure-verify)."""
-        if self.options.guard is not None and clear is None:
-            self.options.guard.not_sent(ann.key, reason)
+        if clear is None:
+            self.guard.not_sent(ann.key, reason)
 
     def _check_roster(self, ann: Announce, ids: tuple[int, ...], what: str) -> None:
         """With the operator's peer keys: only malicious-mode rounds whose ``ids`` all have a
@@ -303,14 +312,13 @@ class SiteProcess:
             return
         from fl.site.identity import RosterRefused, check_roster
 
-        guard = self.options.guard
         try:
             if ann.security != "malicious":
                 raise RosterRefused("peer_keys", f"the round runs secure aggregation in "
                                     f"{ann.security} mode; with --peer-keys this site takes "
                                     "part only in authenticated (malicious-mode) rounds")
-            check_roster(ids, identity.peers, what=what, min_sites=(
-                2 if guard is None else guard.ledger.policy.min_threshold))
+            check_roster(ids, identity.peers, what=what,
+                         min_sites=self.guard.ledger.policy.min_threshold)
         except RosterRefused as exc:
             raise WireError(str(exc)) from None
 
@@ -328,7 +336,7 @@ class SiteProcess:
             started = time.perf_counter()
             vector = await asyncio.to_thread(site_input, self.data, blob, ann,
                                              require_dp=self.options.require_dp,
-                                             guard=self.options.guard)
+                                             guard=self.guard)
         except (WireError, TaskError, EncodingOverflow) as exc:  # rules, no data in them
             await self._decline(ann, label, str(exc))
             return
@@ -363,11 +371,10 @@ class SiteProcess:
             identity = self.options.identity
             try:
                 self._check_roster(go, go.roster, "roster")
-                if self.options.guard is not None:
-                    self.options.guard.check_go(ann.key, go.threshold)
-                    self.options.guard.check_protocol(
-                        num_clients=len(go.roster), threshold=go.threshold, neighbors=None,
-                        security=go.security)
+                self.guard.check_go(ann.key, go.threshold)
+                self.guard.check_protocol(
+                    num_clients=len(go.roster), threshold=go.threshold, neighbors=None,
+                    security=go.security)
                 config = Config(num_clients=len(go.roster), threshold=go.threshold,
                                 dim=int(vector.size), bits=get_int(blob.task, "bits", 8, 64),
                                 security=go.security)

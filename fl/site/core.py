@@ -104,6 +104,15 @@ def lone_share(task: Any, proposal: Proposal) -> Proposal:
                    requested_noise_multiplier=proposal.noise_multiplier)
 
 
+def charged_proposal(task: Any, *, secagg_threshold: int, label: str = "", idp: Any = None,
+                     authenticated: bool = False) -> Proposal:
+    """What a site's ledger charges for ``task``: :func:`site_proposal`, counted as
+    :func:`lone_share` unless the round's roster is authenticated. The one place both the
+    site (:meth:`SiteCore.admit`) and a server reporting the sites' figure compute it."""
+    proposal = site_proposal(task, secagg_threshold=secagg_threshold, label=label, idp=idp)
+    return proposal if authenticated else lone_share(task, proposal)
+
+
 class SiteCore:
     """One site's guarantees: its operator's policy, its write-ahead ledger and the protocol
     margins it derives itself (module docstring). Every runtime calls :meth:`check_protocol`
@@ -170,11 +179,9 @@ class SiteCore:
         """Check and charge the round (raises :class:`dp.policy.PolicyRefused`); ``key``
         (the announcement's) lets :meth:`check_go` and :meth:`not_sent` find the charge;
         ``idp``: the site's own plan and grouping under ``--unit patient-idp``."""
-        proposal = site_proposal(task, secagg_threshold=secagg_threshold, label=label,
-                                 idp=idp)
-        if not self.authenticated_roster:
-            proposal = lone_share(task, proposal)
-        charge = self.ledger.charge(proposal)
+        charge = self.ledger.charge(charged_proposal(
+            task, secagg_threshold=secagg_threshold, label=label, idp=idp,
+            authenticated=self.authenticated_roster))
         if key is not None:
             self.pending = {key: (charge, secagg_threshold)}
         if charge.groups:
@@ -197,13 +204,24 @@ class SiteCore:
                                 f"{threshold}, below the {admitted} it was admitted with")
 
     def not_sent(self, key: Any, reason: str) -> None:
-        """The input of ``key``'s round never left the site: withdraw its charge."""
+        """The input of ``key``'s round never left the site: withdraw its charge (the site
+        session's withdrawal rule, :mod:`fl.site.session`)."""
         entry = self.pending.pop(key, None)
         if entry is not None:
-            try:
-                self.ledger.withdraw(entry[0], reason)
-            except LedgerWriteError as exc:  # the charge stays: conservative, said once
-                self.log(f"the charge of a round whose input never left stays: {exc}")
+            self.withdraw(entry[0].id, reason)
+
+    def withdraw(self, charge: int, reason: str) -> None:
+        """Withdraw the ledger's charge ``charge`` (its id) unless already withdrawn; a ledger
+        that cannot be written keeps it (conservative, said once)."""
+        entry = next((c for c in self.ledger.charges if c.id == charge), None)
+        if entry is None or entry.withdrawn is not None:
+            return
+        try:
+            self.ledger.withdraw(entry, reason)
+        except LedgerWriteError as exc:
+            self.log(f"the charge of a round whose input never left stays: {exc}")
+            return
+        self.log(f"charge {charge} withdrawn: {reason}")
 
     def close(self) -> None:
         """Release the ledger's lock."""

@@ -78,7 +78,7 @@ def test_sites_plan_charge_and_cap_their_own_rate_groups(tmp_path: Path) -> None
     assert out["model_info"]["in_features"] == 3  # the budget column is not a feature
     for cid in (1, 2):
         charges = [asdict(c) for c in read_charges(tmp_path / f"ledger-{cid}.json")]
-        assert [c["label"] for c in charges] == ["round 1", "round 2"]
+        assert [c["label"].split(" [key ")[0] for c in charges] == ["round 1", "round 2"]
         assert all(c["unit"] == "patient-idp" and c["withdrawn"] is None for c in charges)
         first, last = ({g["group"]: g for g in c["groups"]} for c in charges)
         assert first.keys() == last.keys()
@@ -104,7 +104,8 @@ def _guard(tmp_path: Path, unit: str) -> tuple[SiteData, Any]:
     """Site 1 with its table and budget column, and its operator's policy and ledger."""
     data = SiteData(1, csv=str(_table(tmp_path / "site.csv", patients=40)),
                     patient_column="pid", label_column="label", budget_column="budget")
-    policy = SitePolicy(modes=("site",), unit=unit, epsilon=3.0, delta=1e-4)
+    policy = SitePolicy(modes=("site",), unit=unit, epsilon=3.0, delta=1e-4,
+                        round_epsilon=None)
     guard = open_site_core(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
     if unit == "patient-idp":
         data.idp = SitePatients(1, data.table(data.schema.labels), epsilon=3.0, delta=1e-4,
@@ -174,7 +175,8 @@ def test_the_site_ledger_caps_every_group_whatever_the_coordinator_proposes(
     guard.ledger.close()
     # The same ledger under another unit: a release charged to every patient still counts
     # for each rate group, so none passes its target (the strictest group is spent).
-    policy = SitePolicy(modes=("site",), unit="patient", epsilon=3.0, delta=1e-4)
+    policy = SitePolicy(modes=("site",), unit="patient", epsilon=3.0, delta=1e-4,
+                        round_epsilon=None)
     guard = open_site_core(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
     with pytest.raises(PolicyRefused, match=r"\[budget\]"):
         guard.admit(_idp_task(3, unit="patient"), secagg_threshold=2, label="round 3")
@@ -203,7 +205,7 @@ def test_a_refusal_tells_the_coordinator_the_rule_not_the_sites_private_plan(
         data.idp = SitePatients(1, data.table(data.schema.labels), epsilon=3.0, delta=1e-4,
                                 budget_classes=(1.0, 3.0))
         policy = SitePolicy(modes=("site",), unit="patient-idp", epsilon=3.0, delta=1e-4,
-                            **ceiling)
+                            round_epsilon=None, **ceiling)
         guard = open_site_core(policy=policy, ledger_path=str(tmp_path / f"l-{share}.json"))
         network = MemoryNetwork()
         site = SiteProcess(data, network, SiteOptions(federation="fed", idle_timeout=30,

@@ -22,6 +22,7 @@ from fl.remote.messages import (
     encode_message,
     round_context,
 )
+from tests.fl.site_cores import site_core
 from transport.control import ControlError
 
 RUN = os.urandom(16)
@@ -106,15 +107,18 @@ def test_a_site_refuses_a_hostile_task(tmp_path) -> None:
     good = {"features": ["a", "b"], "labels": ["no", "yes"], "model": "logreg",
             **RoundTask(mode="none", round=3, cohort=3, seed=0, batch_size=8).to_wire()}
     model = np.zeros(6)
-    vector = site_input(data, Blob("train", good, model), announce(), require_dp=None)
+    vector = site_input(data, Blob("train", good, model), announce(threshold=2), require_dp=None,
+                        guard=site_core())
     assert vector.dtype == np.uint64 and vector.size == 7
     for bad in ({"features": ["a", "c"]}, {"labels": ["yes"]}, {"lr": float("nan")},
                 {"mode": "magic"}, {"batch_size": 0}, {"local_epochs": True},
                 {"round": 4}, {"cohort": 5}):
         with pytest.raises(WireError):
-            site_input(data, Blob("train", {**good, **bad}, model), announce(),
-                       require_dp=None)
+            site_input(data, Blob("train", {**good, **bad}, model), announce(threshold=2),
+                       require_dp=None, guard=site_core())
     with pytest.raises(WireError, match="parameters"):
-        site_input(data, Blob("train", good, np.zeros(5)), announce(), require_dp=None)
+        site_input(data, Blob("train", good, np.zeros(5)), announce(threshold=2), require_dp=None,
+                   guard=site_core())
     with pytest.raises(WireError, match="requires --dp distributed"):
-        site_input(data, Blob("train", good, model), announce(), require_dp="distributed")
+        site_input(data, Blob("train", good, model), announce(threshold=2),
+                   require_dp="distributed", guard=site_core())

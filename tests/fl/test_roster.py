@@ -216,7 +216,9 @@ async def _attack(network: MemoryNetwork, site: SiteProcess, invented: dict[int,
 
 def _victim(network: MemoryNetwork, tmp_path: Path, identity: SiteIdentity | None,
             logs: list[str]) -> SiteProcess:
-    guard = open_site_core(policy=SitePolicy(modes=("distributed",), min_threshold=3),
+    guard = open_site_core(policy=SitePolicy(modes=("distributed",), min_threshold=3,
+                                             min_noise_multiplier=0.0, round_epsilon=None,
+                                             epsilon=None),  # what is charged, no cap
                             ledger_path=str(tmp_path / "ledger.json"))
     options = SiteOptions(federation="fed", idle_timeout=30, stage_timeout=10.0,
                           guard=guard, identity=identity)
@@ -225,7 +227,8 @@ def _victim(network: MemoryNetwork, tmp_path: Path, identity: SiteIdentity | Non
 
 
 def _epsilon_of(params: Any, sample_rate: float, tmp_path: Path, name: str) -> float:
-    with Ledger.open(tmp_path / name, SitePolicy(min_threshold=1)) as ledger:
+    with Ledger.open(tmp_path / name, SitePolicy(min_threshold=1, min_noise_multiplier=0.0,
+                                                 epsilon=None, round_epsilon=None)) as ledger:
         proposal = Proposal.distributed(params, sample_rate=sample_rate, secagg_threshold=3)
         return ledger.charge(proposal).epsilon_after
 

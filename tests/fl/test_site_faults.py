@@ -17,6 +17,7 @@ from dp.policy import SitePolicy
 from fl.remote.site import SiteOptions
 from fl.settings import TrainSettings
 from fl.site.core import open_site_core
+from tests.fl.site_cores import site_core
 from tests.fl.test_remote_roles import IDS, CountingNetwork, _federation
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,7 +39,7 @@ def test_a_full_ledger_disk_gives_one_line_per_round_and_no_traceback(
     settings = TrainSettings(sites=3, rounds=3, dataset="breast-cancer", seed=0)
     logs: list[str] = []
     options = {cid: SiteOptions(federation="fed", idle_timeout=30, insecure_verify=True,
-                                require_dp="none", guard=guard if cid == 3 else None)
+                                require_dp="none", guard=guard if cid == 3 else site_core())
                for cid in IDS}
     caplog.set_level(logging.WARNING)
     try:

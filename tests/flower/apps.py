@@ -9,8 +9,12 @@ random, so a plan that must hit every stage picks nodes by their position in the
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +34,46 @@ PLANNED = "test-planned-drop"  # the node's planned stage for the current round,
 OPEN = SitePolicy(modes=("none", "distributed"))
 """A node operator's opt-in to exact sums besides distributed DP (the default policy
 takes part in distributed-DP rounds only, as ``secagg train --role site`` does)."""
-open_mod = make_secagg_mod(NodeOptions(policy=OPEN))
+
+LOOSE = SitePolicy(modes=("none", "distributed"), min_noise_multiplier=0.0, epsilon=None,
+                   round_epsilon=None)
+"""An operator who sets no noise floor and no budget (explicitly: ``SitePolicy()`` has
+both): for tests of the protocol's arithmetic at small noise, not of the node's policy."""
+
+
+def operated(mod: Any = None, policy: SitePolicy | None = OPEN) -> Any:
+    """``mod`` (default: the secagg mod with default options) on a node whose *operator*
+    set ``policy`` in its node config (``secagg-policy``, a file), as a hospital does with
+    ``flower-supernode --node-config``: the app's own ``NodeOptions.policy`` can only
+    tighten it. The file is written under the test's temporary folder."""
+    inner = mod or make_secagg_mod(NodeOptions())
+    text = json.dumps(None if policy is None else policy.to_json())
+    name = f"operator-policy-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+
+    def wrapped(msg: Message, context: Context, call_next: Any) -> Message:
+        if policy is not None and "secagg-policy" not in context.node_config:
+            path = Path(tempfile.gettempdir()) / name
+            if not path.exists():
+                path.write_text(text)
+            context.node_config["secagg-policy"] = str(path)
+        return inner(msg, context, call_next)
+
+    return wrapped
+
+
+open_mod = operated()
+
+
+def unreleased(start: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """``start(*args, **kwargs)`` (a ``SecureAggregation.start``) of a run in which no round
+    releases anything: it must raise :class:`fl.errors.NothingReleased`; its one line."""
+    import pytest
+
+    from fl.errors import NothingReleased
+
+    with pytest.raises(NothingReleased) as caught:
+        start(*args, **kwargs)
+    return str(caught.value)
 
 
 def initial_arrays() -> ArrayRecord:

@@ -269,7 +269,8 @@ def test_a_round_whose_node_state_flower_cannot_move_is_not_run_and_says_why(
     grid = LocalGrid(None, 4)
     grid.app = apps.client_app()
     with caplog.at_level(logging.ERROR, logger="fl.flower"):
-        _wrapper(4, 64, 28).start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+        apps.unreleased(_wrapper(4, 64, 28).start, grid, apps.initial_arrays(), num_rounds=1,
+                        timeout=5)
     lines = [r.getMessage() for r in caplog.records if "is not run" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert "round state in each node's Context" in lines[0] and "bits=32" in lines[0]
@@ -293,7 +294,7 @@ def test_a_round_whose_node_state_flower_cannot_move_is_not_run_and_says_why(
 
     grid.deliver = node_side  # type: ignore[method-assign]
     wrapper = _wrapper(4, 64, 28)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert wrapper.reports[0].aborted is not None and trained == []
     reasons = {r.error.reason.split(":")[0] for r in grid.replies if r.has_error()}
     assert reasons == {"SetupError"}

@@ -21,8 +21,8 @@ from tests.flower import apps
 
 def _grid(n: int, keep: int) -> tuple[LocalGrid, SecureAggregation]:
     grid = LocalGrid(None, n)
-    grid.app = apps.client_app(None, [make_secagg_mod(NodeOptions(policy=apps.OPEN,
-                                                                  keep_rounds=keep))])
+    grid.app = apps.client_app(None, [apps.operated(make_secagg_mod(NodeOptions(
+        keep_rounds=keep)))])
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=n),
                                 neighbors=None)
     return grid, wrapper
@@ -48,7 +48,7 @@ def _first(grid: LocalGrid, node: int, stage: str, start: int = 0) -> Message:
 def _stalled_round(grid: LocalGrid, wrapper: SecureAggregation) -> None:
     """One round whose nodes all go silent at unmasking (each keeps its masked snapshot)."""
     grid.silent = lambda node, msg: apps.stage_of(msg) == "unmasking"
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert wrapper.reports[-1].aborted is not None
     grid.silent = lambda node, msg: False
 
@@ -98,7 +98,7 @@ def test_a_pruned_rounds_unmasking_request_is_refused_even_from_a_rolled_back_co
     assert grid.sent[mark:]  # round 2 really ran between
 
 
-def test_a_replayed_setup_of_a_pruned_round_cannot_revive_its_earlier_snapshot() -> None:
+def test_a_replayed_setup_of_a_pruned_round_is_refused_and_revives_nothing() -> None:
     grid, wrapper = _grid(5, keep=1)
     _stalled_round(grid, wrapper)
     node = grid.nodes[0]
@@ -111,13 +111,14 @@ def test_a_replayed_setup_of_a_pruned_round_cannot_revive_its_earlier_snapshot()
     wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)  # prunes round 1
 
     again = _send(grid, node, RecordDict(dict(setup.content.items())))
-    assert not again.has_error()  # joined afresh: new keys, nothing of the first join
-    assert again.content[RECORD][SESSION] == advertised.content[RECORD][SESSION]
-    assert again.content[RECORD][PAYLOAD] != advertised.content[RECORD][PAYLOAD]
+    # the ledger remembers the round the pruned stage record forgot: joined once
+    # (fl.site.session); before, it was joined afresh and charged again
+    assert again.has_error() and "already joined this round" in again.error.reason
+    assert advertised.content[RECORD][SESSION]
 
     grid.contexts[node] = before  # the first join's masked-stage snapshot
     reply = _send(grid, node, _other_request(request))
-    assert reply.has_error() and "StaleSnapshot" in reply.error.reason
+    assert reply.has_error() and "no record of this round" in reply.error.reason
 
 
 def test_a_record_in_use_is_not_pruned(tmp_path: Path) -> None:
@@ -171,9 +172,9 @@ def test_a_stage_directory_another_user_could_write_is_refused_and_the_round_goe
     planted.chmod(0o777)
     grid = LocalGrid(None, 5)
     victim = grid.nodes[0]
-    grid.app = apps.client_app(None, [make_secagg_mod(
-        lambda ctx: NodeOptions(policy=apps.OPEN, stage_dir=str(planted if ctx.node_id == victim
-                                             else tmp_path / f"own-{ctx.node_id}")))])
+    grid.app = apps.client_app(None, [apps.operated(make_secagg_mod(
+        lambda ctx: NodeOptions(stage_dir=str(planted if ctx.node_id == victim
+                                              else tmp_path / f"own-{ctx.node_id}"))))])
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=5),
                                 neighbors=None)
     wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)

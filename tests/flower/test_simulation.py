@@ -37,7 +37,7 @@ def test_fifty_virtual_nodes_dropping_at_random_stages_every_aggregate_is_exact(
         results.append(wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=120))
 
     stages = tmp_path / "stages"  # the nodes' stage records (fl.flower.guard)
-    mod = make_secagg_mod(NodeOptions(policy=apps.OPEN, stage_dir=str(stages)))
+    mod = apps.operated(make_secagg_mod(NodeOptions(stage_dir=str(stages))))
     run_simulation(server, apps.client_app(plan, [mod]), num_supernodes=NODES,
                    backend_config={"client_resources": {"num_cpus": 1},
                                    "init_args": {"num_cpus": 2, "include_dashboard": False}})

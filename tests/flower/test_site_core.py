@@ -8,6 +8,7 @@ array layout that cannot match."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from dp.audit import distributed_event
 from dp.budget import PrivacyBudget
 from dp.ledger import read_charges
 from dp.policy import SitePolicy
+from fl.errors import NothingReleased
 from fl.flower import DistributedDP, NodeOptions, SecureAggregation, make_secagg_mod, secagg_mod
 from fl.flower.encoding import dp_params
 from fl.flower.local import LocalGrid
@@ -75,7 +77,7 @@ def test_a_zero_noise_dp_round_is_refused_before_training_and_nothing_is_charged
     grid, trained = _grid(4)
     wrapper = ZeroNoise(FedAvg(fraction_evaluate=0.0, min_available_nodes=4), neighbors=None,
                         privacy=DistributedDP(clip_norm=1.0, noise_multiplier=1.0))
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     (report,) = wrapper.reports
     assert report.setup.encoding == "ddp" and report.setup.dp.noise_stddev == 0.0
     assert report.aborted is not None and report.total is None
@@ -99,8 +101,8 @@ def test_a_repeated_dp_round_is_refused_once_the_budget_is_spent_every_charge_in
     away. Every attempt a node joins is charged write-ahead (its own noise share: the
     semi-honest roster is the server's word), so the node stops at its budget."""
     n, budget = 4, 12.0
-    policy = SitePolicy(modes=("distributed",), epsilon=budget)
-    grid, trained = _grid(n, make_secagg_mod(NodeOptions(policy=policy)))
+    policy = SitePolicy(modes=("distributed",), epsilon=budget, round_epsilon=None)
+    grid, trained = _grid(n, apps.operated(policy=policy))
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=n),
                                 neighbors=None,
                                 privacy=DistributedDP(clip_norm=1.0, noise_multiplier=4.0))
@@ -168,7 +170,7 @@ def test_a_thin_secagg_plus_graph_from_stated_zero_rates_is_refused_at_1000_node
     grid, trained = _grid(n, apps.open_mod)
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=n),
                                 dropout_rate=0.0, corrupt_rate=0.0)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     (report,) = wrapper.reports
     assert (report.setup.neighbors, report.setup.threshold) == (3, 2)
     assert report.aborted is not None
@@ -198,14 +200,14 @@ def test_the_node_operators_config_overrides_the_apps_policy_and_ledger(tmp_path
         "secagg-dp": "distributed", "secagg-ledger": str(ledgers / f"{node}.json")})
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
                                 neighbors=None)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     reasons = _reasons(grid)
     assert len(reasons) == 4 and all("[exact-release]" in r for r in reasons)
     assert trained.calls == 0
     grid.replies.clear()
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
                                 neighbors=None,
-                                privacy=DistributedDP(clip_norm=1.0, noise_multiplier=1.0))
+                                privacy=DistributedDP(clip_norm=1.0, noise_multiplier=5.0))
     wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert wrapper.reports[0].aborted is None and trained.calls == 4
     for node in grid.nodes:
@@ -227,7 +229,7 @@ def test_a_malicious_mode_round_of_enrolled_nodes_counts_their_noise(tmp_path: P
     wrapper = SecureAggregation(
         FedAvg(fraction_evaluate=0.0, min_available_nodes=4), neighbors=None,
         security="malicious", verify_keys={n: k.public for n, k in keys.items()},
-        privacy=DistributedDP(clip_norm=1.0, noise_multiplier=1.0))
+        privacy=DistributedDP(clip_norm=1.0, noise_multiplier=3.0))
     wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     (report,) = wrapper.reports
     assert report.aborted is None
@@ -248,7 +250,7 @@ def test_a_replayed_setup_is_neither_charged_nor_trained_again() -> None:
     grid.silent = lambda node, msg: apps.stage_of(msg) == "unmasking"
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
                                 neighbors=None)
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     node = grid.nodes[0]
     assert trained.calls == 4 and len(_ledger(grid, node)) == 1
     setup = next(m for m in grid.sent if m.metadata.dst_node_id == node
@@ -286,15 +288,15 @@ def test_a_graph_derived_for_rates_at_or_above_the_nodes_floors_is_accepted(
 def test_a_fresh_node_id_does_not_give_a_node_a_fresh_budget() -> None:
     """The SuperLink (the server's side) assigns node ids: the default ledger is keyed by the
     node config its operator set, so the same node under new ids keeps its budget."""
-    policy = SitePolicy(modes=("distributed",), epsilon=6.0)
+    policy = SitePolicy(modes=("distributed",), epsilon=6.0, round_epsilon=None)
     privacy = DistributedDP(clip_norm=1.0, noise_multiplier=4.0)
     runs = []
     for first_node in (1000, 5000, 9000):  # three registrations, three sets of ids
-        grid, _ = _grid(4, make_secagg_mod(NodeOptions(policy=policy)),
-                              first_node=first_node)
+        grid, _ = _grid(4, apps.operated(policy=policy), first_node=first_node)
         wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
                                     neighbors=None, privacy=privacy)
-        wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=5)
+        with contextlib.suppress(NothingReleased):  # refused runs raise
+            wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=5)
         runs.append(sum(r.aborted is None for r in wrapper.reports))
     assert runs[0] >= 1 and sum(runs) == runs[0]  # later ids: refused, budget spent
     assert all("[budget]" in r for r in _reasons(grid))

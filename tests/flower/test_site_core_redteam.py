@@ -3,6 +3,7 @@ the public surface: a malicious Flower server driving real nodes, and the site r
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 from typing import Any
@@ -15,10 +16,11 @@ from flwr.serverapp.strategy import FedAvg
 from dp.encoding import EncodingParams
 from dp.policy import SitePolicy
 from fl.codec import EncodingOverflow, FixedPointCodec
+from fl.errors import NothingReleased
 from fl.flower import DistributedDP, NodeOptions, SecureAggregation, make_secagg_mod
-from fl.flower.client import round_release
 from fl.flower.encoding import dp_params
 from fl.flower.setup import RoundSetup, SetupError
+from fl.round_setup import round_release
 from fl.vector import ArraySpec
 from tests.flower import apps
 from tests.flower.test_site_core import Trained, _grid, _ledger, _reasons
@@ -51,7 +53,7 @@ def test_a_dp_modulus_other_than_the_secure_sums_is_refused_before_training() ->
     grid, trained = _grid(3)
     wrapper = BitsTrick(FedAvg(fraction_evaluate=0.0, min_available_nodes=3), neighbors=None,
                         privacy=DistributedDP(clip_norm=1.0, noise_multiplier=1.0))
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     reasons = _reasons(grid)
     assert reasons and all("modulus" in r for r in reasons), reasons
     assert trained.calls == 0 and all(_ledger(grid, n) == [] for n in grid.nodes)
@@ -91,7 +93,8 @@ def _ddp_setup(params: EncodingParams) -> RoundSetup:
 
     wrapper = Capture(FedAvg(fraction_evaluate=0.0, min_available_nodes=3), neighbors=None,
                       privacy=DistributedDP(clip_norm=params.clip_norm, noise_multiplier=1.0))
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    with contextlib.suppress(NothingReleased):  # refused runs raise
+        wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     assert dp_params(captured[0]).clip_norm == params.clip_norm
     return captured[0]
 
@@ -104,7 +107,7 @@ def test_a_noise_floor_is_held_at_the_replace_one_sensitivity() -> None:
     wrapper = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=3),
                                 neighbors=None,
                                 privacy=DistributedDP(clip_norm=1.0, noise_multiplier=1.0))
-    wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
+    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     reasons = _reasons(grid)
     assert len(reasons) == 3 and all("noise" in r for r in reasons), reasons
     assert trained.calls == 0
@@ -129,24 +132,41 @@ def test_an_overflow_refusal_carries_no_value_of_the_update() -> None:
     assert "frac_bits" in str(caught.value)
 
 
-def test_the_site_roles_max_units_refusal_does_not_count_the_sample() -> None:
-    """Before: '4 sampled units exceed the federation's bound 1', the exact, un-noised
-    number of sampled patients, sent to the coordinator after the round was charged."""
-    from fl.contribution import RoundTask, TaskError, site_input
+@pytest.mark.parametrize("records", [69, 70, 71, 500])
+def test_a_coordinator_bisecting_max_units_learns_nothing_from_the_sites_answer(
+        records: int) -> None:
+    """Before: a sample above the task's ``max_units`` was refused after the charge, so a
+    coordinator bisecting ``max_units`` read a site's patient count (70) in 10 rounds. Now
+    a larger sample keeps a random ``max_units`` of its units: the site answers every
+    round the same way (an input of the same shape), whatever its count."""
+    import torch
+
+    from fl.contribution import RoundTask, site_input
 
     class Rows:
         def unit_gradients(self, model: Any, **kwargs: Any) -> np.ndarray:
-            return np.ones((4, 3))
+            return np.full((records, 2), 0.5)
 
-    params = EncodingParams(dim=3, clip_norm=1.0, scale=8.0, bits=32, noise_stddev=1.0,
+    params = EncodingParams(dim=3, clip_norm=1.0, scale=8.0, bits=32, noise_stddev=0.0,
                             rotation_seed=1, threshold=2)
-    import torch
-
     task = RoundTask(mode="distributed", round=1, cohort=3, seed=0, params=params,
-                     max_units=1)
-    with pytest.raises(TaskError) as caught:
-        site_input(Rows(), torch.nn.Linear(1, 3, bias=False), task, 1)  # type: ignore[arg-type]
-    assert "4" not in str(caught.value) and "--max-units" in str(caught.value)
+                     max_units=70)
+    given = site_input(Rows(), torch.nn.Linear(1, 3, bias=False), task, 1)  # type: ignore[arg-type]
+    assert given.vector.shape == (params.encoded_dim,)
+    assert given.count == min(records, 70)  # the site's own count, never sent
+
+
+def test_a_non_finite_unit_is_zeroed_not_refused() -> None:
+    """Before: a model that overflows float32 on one record made the site decline after
+    the charge (a feature's maximum read to 6e-7 in 26 rounds). A unit with a NaN or an
+    infinity now contributes a zero row; the others are encoded as usual."""
+    from dp.encoding import IntegerEncoder
+
+    params = EncodingParams(dim=3, clip_norm=1.0, scale=64.0, bits=32, noise_stddev=0.0,
+                            rotation_seed=1, threshold=2)
+    rows = np.array([[0.5, 0.0, 0.0], [np.inf, 1.0, 0.0], [np.nan, 0.0, 0.0]])
+    units = IntegerEncoder(params).integer_units(rows)
+    assert units.shape[0] == 3 and not np.any(units[1:]) and np.any(units[0])
 
 
 _ = Trained  # the counting mod, shared with test_site_core

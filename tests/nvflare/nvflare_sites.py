@@ -134,7 +134,8 @@ def run_job(tmp: Path, monkeypatch: Any, server: Any, sites: dict[str, dict],
             drops: dict[str, dict[str, list[Any]]], zero_round: int = -1,
             script: str = "train_script.py", persistor: Any = None) -> Path:
     """Run a job of ``server`` on the simulator: ``sites``: site name -> its policy JSON,
-    ``drops`` the plan's, ``script`` the training script here; returns the workspace."""
+    ``drops`` the plan's, ``script`` the training script here; returns the workspace
+    (``run_job.status``: the simulator's exit status)."""
     from nvflare.fuel.utils.constants import FrameworkType
     from nvflare.job_config.api import FedJob
 
@@ -155,5 +156,6 @@ def run_job(tmp: Path, monkeypatch: Any, server: Any, sites: dict[str, dict],
     job.to_server(persistor or NPModelPersistor(), id="persistor")
     job.to_clients(SecureScriptRunner(str(HERE / script), framework=FrameworkType.NUMPY,
                                       executor=RecordingExecutor()))
-    job.simulator_run(str(tmp / "ws"), clients=sorted(sites), threads=len(sites))
+    run_job.status = job.simulator_run(  # type: ignore[attr-defined]
+        str(tmp / "ws"), clients=sorted(sites), threads=len(sites))  # the simulator's exit
     return tmp / "ws"

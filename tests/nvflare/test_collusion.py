@@ -186,7 +186,7 @@ def test_a_server_colluding_with_one_site_cannot_unmask_a_peer_here(
         for c, message in server.advance().items():
             server.receive(c, stage(names[c - 1], message))
     # the colluder: site-5, all of its secrets (its round's state and its signing key)
-    colluder = executors["site-5"].rounds[session]
+    colluder, _ = executors["site-5"].rounds[session]
     victim, c5 = cid["site-1"], cid["site-5"]
     # split view: site-1 "dropped" for sites 2-4 (to open its masking key), "survived"
     # for site-1 itself (to open its self-mask seed)

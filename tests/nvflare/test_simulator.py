@@ -37,8 +37,10 @@ from secagg import SigningKey  # noqa: E402
 def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, server: Any, sites: dict[str, dict],
          drops: dict[str, dict[str, list[Any]]], zero_round: int = -1
          ) -> list[dict[str, Any]]:
-    """Run a job of ``server`` on the simulator (nvflare_sites.run_job); the round reports."""
+    """Run a job of ``server`` on the simulator (nvflare_sites.run_job); the round reports
+    (``_run.status``: the simulator's exit status)."""
     run_job(tmp, monkeypatch, server, sites, drops, zero_round)
+    _run.status = run_job.status  # type: ignore[attr-defined]
     return [json.loads(line) for line in Path(server.report_path).read_text().splitlines()]
 
 
@@ -102,7 +104,8 @@ def test_malicious_distributed_dp_budget_and_a_zero_noise_round_refused(
                              verify_keys={n: k.public.hex() for n, k in keys.items()}, dp=dp,
                              stage_timeout=1.0, train_timeout=60,
                              report_path=str(tmp_path / "reports.jsonl"))
-    reports = _run(tmp_path, monkeypatch, server, {n: {} for n in names},
+    uncapped = {"min_noise_multiplier": 0, "round_epsilon": None, "epsilon": None}
+    reports = _run(tmp_path, monkeypatch, server, {n: uncapped for n in names},
                    {"site-2": {"2": ["consistency_check", "fail"]}}, zero_round=1)
     first, zero, third, fourth = reports
     # round 1: every site's policy refuses the zero-noise release before training
@@ -182,3 +185,23 @@ def test_secagg_plus_on_a_sparse_graph_with_drops(tmp_path: Path,
     assert first["dropped"] == {"site-2": "masked_input"}
     assert first["included"] == [n for n in names if n != "site-2"]
     assert second["dropped"] == {"site-5": "unmasking"} and second["included"] == names
+
+
+def test_a_job_asking_exact_sums_from_default_sites_fails_naming_the_opt_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Before: every site refused every round, the simulator exited 0 and no model file was
+    written. Now each refusal carries its public reason back, the server logs the rule, how
+    many sites and the fix at WARNING, and the run ends in a typed error, not a success."""
+    names = ["site-1", "site-2", "site-3"]
+    server = SecureFedAvg(num_rounds=2, neighbors=None, stage_timeout=1.0, train_timeout=60,
+                          report_path=str(tmp_path / "reports.jsonl"))
+    reports = _run(tmp_path, monkeypatch, server, {n: {} for n in names}, {})
+    assert all(r["total"] is None for r in reports) and len(reports) == 2
+    assert _run.status != 0  # type: ignore[attr-defined]
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert "3 of 3 sites refused by their site policy ([exact-release] 3)" in text
+    assert "NothingReleased" in text and "secagg-dp='none'" in text
+    assert "no secure round released anything in 2 rounds: 3 of 3 sites refused" in text
+    assert not list((tmp_path / "ws").rglob("server.npy"))

@@ -1,0 +1,222 @@
+"""One site session: the join and answer sequence every runtime runs (docs/architecture.md
+section 10; docs/privacy.md section 1, "One site session").
+
+A runtime (the Flower mod, the NVFlare executor, the ``secagg train --role site`` process,
+the next one) hands a :class:`SiteSession` the round's setup bytes and its I/O, and keeps only
+its transport and where its state lives. The session owns, in this order:
+
+1. **parse** the setup (:class:`fl.round_setup.RoundSetup`) and **check the run** it names;
+2. **identity**: the site's place in the roster and, in malicious mode, its own verify key and
+   only enrolled keys (:func:`fl.round_setup.check_identity`);
+3. **layout**: the arrays sent have the setup's layout, and the release is one the site can
+   encode (:func:`fl.round_setup.round_release`), plus the runtime's own limits
+   (``check_setup``);
+4. **admit**: the site core (mandatory) checks the protocol margins and the release against
+   the operator's policy and charges it, write-ahead, to the ledger (:mod:`fl.site.core`);
+   only then does the runtime run the user's **training**;
+5. **encode** the trained arrays (:func:`fl.round_setup.encode_reply`), **advertise** the
+   round's keys, **answer** every later stage, and **erase** the round's secrets when it ends.
+
+Two rules hold in every runtime because they are written here once:
+
+* **Replay** (:meth:`SiteSession.charge`): a round is joined once. Its charge is labelled
+  with its key (the secure-aggregation session id, or the site role's announcement), and a
+  second join of a key the ledger already holds -- charged or withdrawn, before or after a
+  restart -- is refused (:class:`Replayed`) before anything is charged or trained.
+* **Withdrawal** (:meth:`SiteSession.not_sent`): a charge is withdrawn exactly when the
+  site's masked input never left it for a reason that does not depend on its data: the
+  round aborted, was abandoned for a newer one, or was refused at ``go`` before the masked
+  input existed. A refusal of the site's own computation (its training or encoding failed)
+  keeps the charge: the refusal itself may depend on the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from dp.ledger import Charge
+from fl.errors import FLError
+from fl.round_setup import (
+    RoundSetup,
+    SetupError,
+    check_identity,
+    encode_reply,
+    encoded_dim,
+    round_release,
+)
+from fl.site.core import SiteCore
+from secagg import Client, Config, ProtocolAbort, Stage, encode
+from secagg.session import derive_session_id
+
+F64 = npt.NDArray[np.float64]
+U64 = npt.NDArray[np.uint64]
+Log = Callable[[str], None]
+
+
+class Replayed(FLError, RuntimeError):
+    """The site already joined this round (same key): a round is joined once."""
+
+
+def _key_text(key: bytes | str) -> str:
+    return key.hex() if isinstance(key, bytes) else str(key)
+
+
+def label_of(what: str, key: bytes | str) -> str:
+    """The ledger label of a round: ``what`` (human) and the round's key (the replay rule
+    finds it there)."""
+    return f"{what} [key {_key_text(key)}]"
+
+
+def joined(core: SiteCore, key: bytes | str) -> bool:
+    """Whether the site's ledger already holds a charge (active or withdrawn) of ``key``."""
+    mark = f"[key {_key_text(key)}]"
+    return any(c.label.endswith(mark) for c in core.ledger.charges)
+
+
+def refuse_replay(core: SiteCore, key: bytes | str, what: str) -> None:
+    """The replay rule: :class:`Replayed` when the ledger holds a charge of ``key``."""
+    if joined(core, key):
+        raise Replayed(f"this site already joined this round ({what}); a round is joined "
+                       "once, a replayed setup is neither charged nor trained")
+
+
+@dataclass
+class Joined:
+    """A round the session joined and charged (what a runtime keeps until it advertises)."""
+
+    setup: RoundSetup
+    client_id: int
+    config: Config
+    session_id: bytes
+    charge: int
+    """The ledger id of the round's charge (:meth:`SiteSession.not_sent` withdraws it)."""
+    sent: F64 | None
+    identity: dict[str, Any] = field(default_factory=dict)
+
+
+class SiteSession:
+    """One site's session over a runtime (module docstring).
+
+    ``open_core``: opens the site's core (its operator's policy and ledger; the ledger's lock
+    is held only while a round is admitted or withdrawn); ``runtime``: its name in the
+    ledger's labels; ``signing_key``/``trusted_keys``: the site's identity and its operator's
+    enrolled keys (malicious mode); ``check_setup``: the runtime's own limits on a setup
+    (e.g. what Flower can move between messages), called before anything is charged."""
+
+    def __init__(self, open_core: Callable[[], SiteCore], *, runtime: str,
+                 signing_key: Any = None, trusted_keys: frozenset[bytes] = frozenset(),
+                 check_setup: Callable[[RoundSetup, Config], None] | None = None,
+                 log: Log | None = None) -> None:
+        self.open_core = open_core
+        self.runtime = runtime
+        self.signing_key = signing_key
+        self.trusted_keys = trusted_keys
+        self.check_setup = check_setup
+        self.log = log or (lambda text: None)
+
+    # -- the rules, for every runtime -----------------------------------------------------
+    def charge(self, core: SiteCore, key: bytes | str, what: str,
+               admit: Callable[[str], Charge]) -> Charge:
+        """The replay rule around ``admit`` (the core's gate, given the round's label)."""
+        refuse_replay(core, key, what)
+        return admit(label_of(what, key))
+
+    def not_sent(self, charge: int, reason: str, core: SiteCore | None = None) -> None:
+        """The withdrawal rule: the round's masked input never left the site (for a reason
+        that does not depend on its data): withdraw its charge ``charge`` (ledger id,
+        :meth:`fl.site.core.SiteCore.withdraw`). ``core``: the site's core if the caller
+        holds it open."""
+        own = core or self.open_core()
+        try:
+            own.withdraw(charge, reason)
+        finally:
+            if core is None:
+                own.close()
+
+    # -- a round setup: parse, check run, identity, layout, admit -------------------------
+    def join(self, raw: object, *, run_id: int, node_id: int,
+             sent: Callable[[RoundSetup], F64],
+             previous: tuple[int, int | None] | None = None) -> Joined:
+        """Parse and check the setup, then admit and charge the round (raises
+        :class:`fl.round_setup.SetupError`, :class:`Replayed` or
+        :class:`dp.policy.PolicyRefused`); the runtime trains only after this returns.
+        ``sent``: the arrays the runtime received, flattened in the setup's layout (raising
+        ``ValueError`` when they do not match it). ``previous``: the unfinished round this
+        one replaces (its charge id and the last stage the site answered in it, None if it
+        never advertised): once the new setup is known not to be a replay, that round is
+        abandoned (:meth:`abandon`) before the new one is charged."""
+        setup = RoundSetup.from_bytes(raw)
+        if setup.run_id != run_id:
+            raise SetupError(f"the setup names run {setup.run_id}; this site is in run "
+                             f"{run_id}")
+        client_id = setup.client_id(node_id)
+        if setup.security == "malicious" and self.signing_key is None:
+            raise SetupError("a malicious-mode round needs this site's signing key")
+        identity = check_identity(setup, client_id, self.signing_key, self.trusted_keys)
+        config = setup.config(encoded_dim(setup))
+        try:
+            arrays: F64 | None = sent(setup)
+        except ValueError as exc:
+            raise SetupError(f"the arrays sent do not match the round setup: {exc}") from None
+        release = round_release(setup)  # refuses a setup whose encoding cannot hold it
+        if self.check_setup is not None:
+            self.check_setup(setup, config)
+        session_id = derive_session_id(config, tuple(range(1, setup.num_clients + 1)),
+                                       setup.context())
+        what = f"{self.runtime} run {setup.run_id} round {setup.server_round}"
+        core = self.open_core()
+        try:
+            core.authenticated_roster = setup.security == "malicious"  # enrolled keys only
+            core.check_protocol(num_clients=setup.num_clients, threshold=setup.threshold,
+                                neighbors=setup.neighbors, security=setup.security)
+            refuse_replay(core, session_id, what)
+            if previous is not None:
+                self.abandon(previous[1], previous[0], "replaced by a newer round's setup "
+                             "before its masked input existed", core)
+            charge = self.charge(core, session_id, what, lambda label: core.admit(
+                release(core.policy), secagg_threshold=setup.threshold, label=label))
+        finally:
+            core.close()
+        return Joined(setup, client_id, config, session_id, charge.id,
+                      arrays if setup.encoding == "ddp" else None, identity)
+
+    # -- encode and advertise ---------------------------------------------------------------
+    def encode(self, joined: Joined, arrays: F64, metrics: Mapping[str, float],
+               weight: float) -> U64:
+        """The site's secure-aggregation input from its trained arrays (with its noise share
+        under distributed DP, :func:`fl.round_setup.encode_reply`)."""
+        return encode_reply(joined.setup, arrays, dict(metrics), weight, joined.sent)
+
+    def advertise(self, joined: Joined, vector: U64) -> tuple[Client, bytes]:
+        """Start the round's client on the encoded input: its public-key advertisement is
+        the only reply."""
+        setup = joined.setup
+        client = Client(joined.config, joined.client_id, vector,
+                        roster=range(1, setup.num_clients + 1), context=setup.context(),
+                        nonce=setup.nonce, **joined.identity)
+        return client, encode(client.advertise())
+
+    # -- answer and erase -------------------------------------------------------------------
+    def answer(self, client: Client, payload: bytes, charge: int) -> Any:
+        """The client's answer to one stage message; on a protocol abort before its masked
+        input existed the round's charge is withdrawn (the caller erases the round)."""
+        try:
+            return client.handle(payload)
+        except ProtocolAbort as exc:
+            self.abandon(client, charge, f"the round aborted: {exc}")
+            raise
+
+    def abandon(self, client: Client | int | None, charge: int, reason: str,
+                core: SiteCore | None = None) -> None:
+        """A joined round ends here (aborted, or replaced by a newer setup): its charge is
+        withdrawn when the masked input never existed. ``client``: the round's client, or
+        the last stage the site answered in it (None: it never advertised)."""
+        stage = (None if client is None else client if isinstance(client, int)
+                 else int(client.stage))
+        if stage is None or stage < Stage.MASKED_INPUT:
+            self.not_sent(charge, reason, core)
