@@ -144,7 +144,7 @@ def build_config(args: argparse.Namespace, n: int, dim: int) -> Config:
         return Config(num_clients=n, threshold=args.threshold, dim=dim, bits=args.bits,
                       neighbors=args.neighbors, security=args.security,
                       dropout_rate=args.drop_rate if args.neighbors is not None else None,
-                      norm_bound=args.norm_bound)
+                      norm_bound=getattr(args, "norm_bound", None))
     except ValueError as exc:
         raise UsageError(str(exc).replace("use neighbors=None", "drop --neighbors")
                           .replace("threshold=", "--threshold ")

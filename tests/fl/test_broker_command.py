@@ -90,7 +90,7 @@ def test_the_one_machine_try_out_trains_through_it(tmp_path: Path) -> None:
         site = parties[1]
         assert site.wait(60) == 0, site.log
         # the site's log says its policy in words (not a Python dict) and what it summed
-        assert "privacy policy: modes none; " in site.log and "{'modes'" not in site.log
+        assert "privacy policy: modes none (" in site.log and "{'modes'" not in site.log
         assert "secure aggregations (the training rounds it joined, plus one for the " \
                "feature statistics" in site.log
     finally:

@@ -5,11 +5,10 @@ and nothing of the site is released uncharged."""
 from __future__ import annotations
 
 import asyncio
-import builtins
 import errno
 import logging
+import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -28,14 +27,16 @@ def test_a_full_ledger_disk_gives_one_line_per_round_and_no_traceback(
 ) -> None:
     ledger = tmp_path / "ledger-3.json"
     guard = open_site_core(policy=SitePolicy(modes=("none",)), ledger_path=str(ledger))
-    real_open = builtins.open
+    import dp.ledger
 
-    def full_disk(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        if "w" in mode and str(file).startswith(str(ledger)):
-            raise OSError(errno.ENOSPC, "No space left on device", str(file))
-        return real_open(file, mode, *args, **kwargs)
+    real_write = dp.ledger._write_at
 
-    monkeypatch.setattr("dp.ledger.open", full_disk, raising=False)
+    def full_disk(fd: int, data: bytes, offset: int) -> None:  # site 3's ledger only
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(ledger)):
+            raise OSError(errno.ENOSPC, "No space left on device", str(ledger))
+        real_write(fd, data, offset)
+
+    monkeypatch.setattr(dp.ledger, "_write_at", full_disk)
     settings = TrainSettings(sites=3, rounds=3, dataset="breast-cancer", seed=0)
     logs: list[str] = []
     options = {cid: SiteOptions(federation="fed", idle_timeout=30, insecure_verify=True,
@@ -62,4 +63,6 @@ def test_a_full_ledger_disk_gives_one_line_per_round_and_no_traceback(
     assert "Traceback" not in text and "Traceback" not in caplog.text
     for row in report["rounds"]:
         assert row["included"] == [1, 2] and row["aggregate_correct"] is True
-    assert not ledger.exists() and not list(tmp_path.glob("*.tmp"))
+    # nothing was written: at most the empty file the append opened
+    assert (not ledger.exists() or ledger.stat().st_size == 0) and not list(
+        tmp_path.glob("*.tmp"))

@@ -84,6 +84,7 @@ def test_train_reports_every_group_within_its_budget(tmp_path: Path) -> None:
 
 def test_the_budget_column_is_a_sites_own(capsys: pytest.CaptureFixture[str]) -> None:
     """Across machines each site reads its own budget column; the coordinator cannot."""
+    from dp.policy import DEFAULT_EPSILON
     from fl.cli import main
 
     code = main(["train", "--role", "coordinator", "--sites", "2", "--rounds", "1", "--dp",
@@ -98,8 +99,9 @@ def test_the_budget_column_is_a_sites_own(capsys: pytest.CaptureFixture[str]) ->
     assert code == 2 and "with --csv" in capsys.readouterr().err
     code = main(["train", "--role", "site", "--site-id", "1", "--sites", "2", "--dataset",
                  "ehr", "--dp", "site", "--unit", "patient-idp",
-                 "--broker", "mqtt://127.0.0.1:1"])  # a site with no budget at all
-    assert code == 2 and "needs --epsilon" in capsys.readouterr().err
+                 "--broker", "mqtt://127.0.0.1:1"])  # no --epsilon: the default budget
+    err = capsys.readouterr().err  # (not a usage error: it goes on to the broker)
+    assert code == 1 and f"at most {DEFAULT_EPSILON:g} in total" in err, err
 
 
 def test_site_charges_each_round_once(tmp_path: Path) -> None:

@@ -174,7 +174,12 @@ def _task(noise_stddev: float | None = None) -> Shareable:
                                   setup.threshold))
     task = FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=params))
     task.set_header(SETUP_HEADER, setup.to_bytes())
+    _ROUND_NONCES[setup.nonce] = setup.round_nonce  # the server's single-use nonce
     return task
+
+
+_ROUND_NONCES: dict[bytes, Any] = {}
+"""Each task's round nonce (host-side, never on the wire), for the round's Server."""
 
 
 def _charges(tmp_path: Path) -> list[dict]:
@@ -214,7 +219,7 @@ def test_a_default_site_stops_200_repeated_rounds_at_its_default_budget(
             continue
         joined += 1
         server = Server(setup.config(encoded_dim(setup)), roster=range(1, 4),
-                        context=setup.context(), nonce=setup.nonce)
+                        context=setup.context(), nonce=_ROUND_NONCES.pop(setup.nonce))
         for c, reply in enumerate(replies, start=1):
             server.receive(c, reply[PAYLOAD])
         for _stage in ("share_keys", "masked_input"):
