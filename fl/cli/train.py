@@ -658,8 +658,8 @@ def _run_site(args: argparse.Namespace, settings: TrainSettings, ids: tuple[int,
         else:
             log("no --peer-keys: the roster is the coordinator's word, so a distributed "
                 "round is charged as if this site's noise share were the only noise")
-        probe()
         site = SiteProcess(data, network, options, log)  # refuses e.g. --insecure-verify
+        probe()
         return int(asyncio.run(site.run()))
     finally:
         guard.ledger.close()  # release the ledger's lock
