@@ -69,8 +69,8 @@ from flwr.server.strategy import FedAvg as LegacyFedAvg  # noqa: E402
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
-from dp.policy import SitePolicy  # noqa: E402
 from fl.flower import NodeOptions, SecureAggregation, make_secagg_mod  # noqa: E402
+from fl.flower.client import DP_KEY  # noqa: E402
 from fl.flower.local import LocalGrid  # noqa: E402
 from fl.flower.records import stage_of  # noqa: E402
 from secagg import secagg_plus_parameters  # noqa: E402
@@ -123,10 +123,16 @@ def legacy_app(dim: int, drops: set[int], stage: str, partitions: str | None = N
 
 
 def our_app(dim: int, drops: set[int], stage: str) -> ClientApp:
-    # exact sums, as Flower's SecAgg+ computes: the nodes' operators opt in (the default
-    # policy takes part in distributed-DP rounds only)
-    exact = make_secagg_mod(NodeOptions(policy=SitePolicy(modes=("none",))))
-    app = ClientApp(mods=[_drop_mod(drops, stage, legacy=False), exact])
+    # exact sums, as Flower's SecAgg+ computes: the nodes' operators opt in with
+    # secagg-dp='none' in their node config (the default policy takes part in
+    # distributed-DP rounds only, and an app's own NodeOptions.policy can only tighten it)
+    exact = make_secagg_mod(NodeOptions())
+
+    def operator_opt_in(msg: Message, context: Context, call_next: Any) -> Message:
+        context.node_config.setdefault(DP_KEY, "none")  # flower-supernode --node-config
+        return call_next(msg, context)  # type: ignore[no-any-return]
+
+    app = ClientApp(mods=[_drop_mod(drops, stage, legacy=False), operator_opt_in, exact])
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
