@@ -95,7 +95,7 @@ def train(include: bool, *, private: bool, noise: float = NOISE) -> float:
         return float(model.weight[0, FEATURES])
     engine = SitePrivacyEngine(model, opt, _Records(x, y), loss_fn=_loss,
                                noise_multiplier=NOISE, max_grad_norm=CLIP, sample_rate=1.0,
-                               unit="record")
+                               unit="record", expected_batch=RECORDS)  # declared: public
     engine.optimizer.noise_multiplier = noise
     for _ in range(STEPS):
         engine.step()
