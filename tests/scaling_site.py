@@ -1,0 +1,66 @@
+"""A malicious site for the runtimes' input-validation tests: it scales its update.
+
+:class:`ScalingSession` is the site session (:mod:`fl.site.session`) of a site that runs
+modified code: it trains and encodes like an honest site, then, when asked for its masked
+input, multiplies the vector it masks by ``scale`` (the model-replacement attack: its
+update times the inverse of its weight and more). In a round with input validation it
+sends the best proof it can make for the scaled vector (the honest prover's core,
+``prove_relation``, with the slack forced: no honest prover makes it), which the server
+refuses. Every runtime builds its session through one hook (``NodeOptions.session`` for a
+Flower node, ``SecAggExecutor.session`` for an NVFlare site), so the same attacker runs in
+each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fl.site.session import SiteSession
+from secagg import Client, MaskedStream, encode
+from secagg.crypto import dtype_for_bits
+from secagg.messages import InputProof
+from secagg.validation import NormStatement, blinding, norm
+
+
+def scale_masked_input(client: Client, stream: MaskedStream, scale: int
+                       ) -> tuple[bytes | None, Any]:
+    """The attacker's answer to the masked-input request: (its proof or None, the masked
+    input of its vector times ``scale``)."""
+    cfg = client.config
+    scaled = (np.asarray(norm.centered(client._secrets.input, cfg.bits), dtype=object)
+              * scale) % cfg.modulus
+    # (a restored client's input is a read-only view of its snapshot: replaced, not written)
+    object.__setattr__(client._secrets, "input", scaled.astype(dtype_for_bits(cfg.bits)))
+    secret = client._secrets.input
+    proof = None
+    if cfg.norm_bound is not None:
+        shared = client._state.shared  # type: ignore[attr-defined]
+        statement = NormStatement(client.session_id, client.client_id, cfg.dim, cfg.bits,
+                                  cfg.norm_bound, shared.adverts[client.client_id])
+        witness = norm.centered(secret, cfg.bits) + [0] * norm.SLACK
+        blind = blinding((bytes(key), added) for key, added in stream._keys)
+        proof = encode(InputProof(client.session_id, client.client_id,
+                                  norm.prove_relation(statement, witness, blind)))
+    return proof, stream.whole()
+
+
+class ScalingSession(SiteSession):
+    """The site session of a site that scales its masked input by ``scale``."""
+
+    scale = 1000
+
+    def answer_with_proof(self, client: Client, payload: bytes, charge: int
+                          ) -> tuple[bytes | None, Any]:
+        reply = client.stream(payload)
+        if isinstance(reply, MaskedStream):
+            return scale_masked_input(client, reply, self.scale)
+        return None, reply
+
+
+def scaling(session: SiteSession) -> ScalingSession:
+    """``session`` (an honest site's) turned into the scaling attacker's."""
+    evil = ScalingSession.__new__(ScalingSession)
+    evil.__dict__.update(session.__dict__)
+    return evil
