@@ -4,9 +4,10 @@
 modified code: it trains and encodes like an honest site, then, when asked for its masked
 input, multiplies the vector it masks by ``scale`` (the model-replacement attack: its
 update times the inverse of its weight and more). In a round with input validation it
-sends the best proof it can make for the scaled vector (the honest prover's core,
-``prove_relation``, with the slack forced: no honest prover makes it), which the server
-refuses. Every runtime builds its session through one hook (``NodeOptions.session`` for a
+sends the best proof it can make for the scaled vector: the honest proof if the scaled
+vector is within the bound (so a bound set too loose lets it through), else the honest
+prover's core, ``prove_relation``, with the slack forced (no honest prover makes it),
+which the server refuses. Every runtime builds its session through one hook (``NodeOptions.session`` for a
 Flower node, ``SecAggExecutor.session`` for an NVFlare site), so the same attacker runs in
 each.
 """
@@ -39,10 +40,13 @@ def scale_masked_input(client: Client, stream: MaskedStream, scale: int
         shared = client._state.shared  # type: ignore[attr-defined]
         statement = NormStatement(client.session_id, client.client_id, cfg.dim, cfg.bits,
                                   cfg.norm_bound, shared.adverts[client.client_id])
-        witness = norm.centered(secret, cfg.bits) + [0] * norm.SLACK
         blind = blinding((bytes(key), added) for key, added in stream._keys)
-        proof = encode(InputProof(client.session_id, client.client_id,
-                                  norm.prove_relation(statement, witness, blind)))
+        try:  # within the bound (a bound set too loose) the honest proof passes ...
+            made = norm.prove(statement, secret, blind)
+        except ValueError:  # ... beyond it, the best it can do: the slack forced to 0
+            witness = norm.centered(secret, cfg.bits) + [0] * norm.SLACK
+            made = norm.prove_relation(statement, witness, blind)
+        proof = encode(InputProof(client.session_id, client.client_id, made))
     return proof, stream.whole()
 
 

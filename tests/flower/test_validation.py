@@ -119,3 +119,27 @@ def test_under_distributed_dp_the_bound_is_the_clip_noise_included() -> None:
         SecureAggregation(FedAvg(), privacy=privacy, norm_bound=3.0)
     with pytest.raises(ValueError, match="distributed DP"):
         SecureAggregation(FedAvg(), norm_bound="clip")
+
+
+def test_an_honest_node_above_the_bound_is_clipped_by_its_weight_never_refused() -> None:
+    """At a bound below some honest rows, those nodes lower their weight to fit it
+    (fl.input_bound.capped_weight): nobody is refused, and the model is the weighted
+    average with the capped weights (the row [w x, w] clipped to the bound)."""
+    tight = 12.0
+    wrapper, result = _run(_grid(), norm_bound=tight)
+    (report,) = wrapper.reports
+    assert report.input_refused == {} and report.included == frozenset(report.setup.roster)
+    assert np.array_equal(report.total, apps.expected_total(report))
+    weights, total = {}, {}
+    for node in report.included:
+        content = apps.reply_content(node, 1)
+        arrays = {k: a.numpy().astype(np.float64) for k, a in content["arrays"].items()}
+        row = np.sqrt(sum(float(np.sum(a * a)) for a in arrays.values()) + 1.0)
+        weights[node] = min(float(content["metrics"]["num-examples"]), tight / row)
+        for k, a in arrays.items():
+            total[k] = total.get(k, 0) + weights[node] * a
+    assert sum(w < float(apps.reply_content(n, 1)["metrics"]["num-examples"])
+               for n, w in weights.items()) >= 2  # the bound did bite
+    for name, value in total.items():
+        np.testing.assert_allclose(result.arrays[name].numpy(), value / sum(weights.values()),
+                                   rtol=1e-5, atol=1e-6)
