@@ -7,9 +7,9 @@ update times the inverse of its weight and more). In a round with input validati
 sends the best proof it can make for the scaled vector: the honest proof if the scaled
 vector is within the bound (so a bound set too loose lets it through), else the honest
 prover's core, ``prove_relation``, with the slack forced (no honest prover makes it),
-which the server refuses. Every runtime builds its session through one hook (``NodeOptions.session`` for a
-Flower node, ``SecAggExecutor.session`` for an NVFlare site), so the same attacker runs in
-each.
+which the server refuses. Every runtime builds its session through one hook
+(``NodeOptions.session`` for a Flower node, ``SecAggExecutor.session`` for an NVFlare
+site), so the same attacker runs in each.
 """
 
 from __future__ import annotations
