@@ -25,13 +25,14 @@ from secagg.messages import InputProof
 from secagg.validation import NormStatement, blinding, norm
 
 
-def scale_masked_input(client: Client, stream: MaskedStream, scale: int
+def scale_masked_input(client: Client, stream: MaskedStream, scale: float
                        ) -> tuple[bytes | None, Any]:
     """The attacker's answer to the masked-input request: (its proof or None, the masked
-    input of its vector times ``scale``)."""
+    input of its vector times ``scale``, each coordinate rounded towards zero)."""
     cfg = client.config
-    scaled = (np.asarray(norm.centered(client._secrets.input, cfg.bits), dtype=object)
-              * scale) % cfg.modulus
+    scaled = np.array([int(v * scale) if isinstance(scale, float) else v * scale
+                       for v in norm.centered(client._secrets.input, cfg.bits)],
+                      dtype=object) % cfg.modulus
     # (a restored client's input is a read-only view of its snapshot: replaced, not written)
     object.__setattr__(client._secrets, "input", scaled.astype(dtype_for_bits(cfg.bits)))
     secret = client._secrets.input
@@ -53,7 +54,7 @@ def scale_masked_input(client: Client, stream: MaskedStream, scale: int
 class ScalingSession(SiteSession):
     """The site session of a site that scales its masked input by ``scale``."""
 
-    scale = 1000
+    scale: float = 1000
 
     def answer_with_proof(self, client: Client, payload: bytes, charge: int
                           ) -> tuple[bytes | None, Any]:
