@@ -38,10 +38,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
+from sections import write_section  # noqa: E402
 
 from dp.policy import SitePolicy  # noqa: E402
 from fl.data import breast_cancer, dirichlet_split, split_patients  # noqa: E402
@@ -231,13 +233,7 @@ def render(result: dict[str, Any]) -> str:
 
 def write(out: Path, section: str) -> None:
     """Put ``section`` between its markers in ``out`` (appended the first time)."""
-    old = out.read_text(encoding="utf-8") if out.exists() else ""
-    if START in old and END in old:
-        before, rest = old.split(START, 1)
-        text = before + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = old.rstrip("\n") + "\n\n" + section
-    out.write_text(text, encoding="utf-8")
+    write_section(out, section, START, END)
 
 
 def main() -> None:
