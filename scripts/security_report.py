@@ -191,9 +191,9 @@ Holds (each row in section 4 is a test):
   the sum. The Flower and NVFlare runtimes carry it through the one site session
   (`SecureAggregation(norm_bound=)`, `SecureFedAvg(norm_bound=)`, docs/protocol.md 10.6): a
   site that scales its update by 1,000 is refused and named in the round's report and the
-  global model is the honest sites' weighted average
-  (`tests/flower/test_validation.py`, `tests/nvflare/test_validation.py`; an honest round
-  with validation equals the round without it bit for bit). Under distributed DP the bound
+  global model is the honest sites' weighted average (`tests/flower/test_validation.py`,
+  `tests/nvflare/test_nvflare_validation.py`; an honest round with validation equals the
+  round without it bit for bit). Under distributed DP the bound
   is the clip with the noise's tail (an honest site fails its own round with probability
   at most 2^-40 and is never named); a contribution scaled by 10 is refused (section 4,
   "Model replacement under distributed DP"; `tests/fl/test_input_bound.py`).
