@@ -26,7 +26,6 @@ survivors carry the target noise) and a round that would overshoot the budget is
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,8 +34,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
-from dp.budget import PrivacyBudget
-from dp.policy import SitePolicy, refusal_summary
+from dp.policy import refusal_summary
 from fl.errors import NothingReleased
 from fl.flower.chunks import DEFAULT_CHUNK_BYTES, check_context, chunk_elements
 from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten
@@ -44,14 +42,14 @@ from fl.flower.rounds import RoundDriver, RoundReport
 from fl.flower.setup import RoundSetup
 from fl.round_setup import (
     DistributedDP,
+    charged_event,
     fixed_setup,
     protocol_graph,
     round_plan,
-    round_release,
+    whose_noise,
     with_distributed_dp,
 )
-from fl.site.core import charged_proposal
-from fl.site.privacy import DistributedPlan
+from fl.site.privacy import DistributedPlan, make_budget
 from secagg import Server
 
 log = logging.getLogger("fl.flower")
@@ -216,11 +214,13 @@ class SecureAggregation(Strategy):
         self.stage_timeout = stage_timeout
         self.verify_keys = dict(verify_keys or {})
         self.chunk_bytes = chunk_bytes
-        self.budget = (PrivacyBudget(privacy.epsilon, privacy.delta)
-                       if privacy is not None and privacy.epsilon is not None else None)
+        self._spent = (None if privacy is None
+                       else make_budget(privacy.epsilon, privacy.delta))
+        """What each node's ledger holds: the rounds released, as the nodes charge them."""
+        self.budget = self._spent if privacy is not None and privacy.epsilon is not None \
+            else None
         self.reports: list[RoundReport] = []
-        self._plans: dict[tuple[int, int, int], DistributedPlan] = {}
-        self._node_budget: PrivacyBudget | None = None
+        self._plans: dict[tuple[int, int, int, str], DistributedPlan] = {}
         self._round = 0
 
     # --- the strategy interface: the user's strategy decides ------------------------------
@@ -271,25 +271,19 @@ class SecureAggregation(Strategy):
                    "every round aborted or was not run (see the log above)"))
         return result
 
-    def _report_node_epsilon(self, setup: RoundSetup, report: RoundReport) -> None:
-        """The epsilon each node's ledger holds (the sites' figure), reported beside the
-        plan's: without the nodes' keys a node counts only its own noise share."""
-        assert self.privacy is not None
-        event = charged_proposal(round_release(setup)(SitePolicy()),
-                                 secagg_threshold=setup.threshold,
-                                 authenticated=setup.security == "malicious").event
+    def _spend(self, setup: RoundSetup, report: RoundReport) -> None:
+        """A released DP round: spend the epsilon each node's ledger charges for it
+        (:func:`fl.round_setup.charged_event`, the node's own computation; the plan fits the
+        budget as charged, :func:`fl.round_setup.round_plan`) and report it."""
+        assert self.privacy is not None and self._spent is not None
+        event = charged_event(setup)
         if event is None:
             return
-        if self._node_budget is None:
-            self._node_budget = PrivacyBudget(sys.float_info.max, self.privacy.delta)
-        self._node_budget.spend(event)
-        report.node_epsilon = self._node_budget.spent[0]
-        log.warning("round %d: each node's ledger holds epsilon %.4g (%s)%s",
-                    report.server_round, report.node_epsilon,
-                    "the enrolled nodes' noise counted" if setup.security == "malicious"
-                    else "its own noise share only: the roster is the server's word",
-                    "" if report.epsilon is None else
-                    f"; the server's plan: {report.epsilon:.4g}")
+        report.node_epsilon = self._spent.spend(event)[0]
+        if self.privacy.epsilon is not None:
+            report.epsilon = report.node_epsilon
+        log.warning("round %d: each node's ledger holds epsilon %.4g (%s)",
+                    report.server_round, report.node_epsilon, whose_noise(setup))
 
     # --- one secure round -----------------------------------------------------------------
 
@@ -339,11 +333,8 @@ class SecureAggregation(Strategy):
         sent = flatten(arrays, setup.arrays)
         aggregate, metrics, weight = decode_sum(setup, report.total, len(report.included),
                                                 sent)
-        if self.budget is not None and setup.dp is not None:
-            self.budget.spend(round_plan(self.privacy, setup, self._plans).event())
-            report.epsilon = self.budget.spent[0]
         if setup.dp is not None and self.privacy is not None:
-            self._report_node_epsilon(setup, report)
+            self._spend(setup, report)
         key = next(iter(first.array_records.keys()))
         weight_key = self._weight_key()
         content = RecordDict({
@@ -378,10 +369,12 @@ class SecureAggregation(Strategy):
             verify_keys=self.verify_keys)
         if self.privacy is None:
             return setup
-        plan = round_plan(self.privacy, setup, self._plans)
-        if self.budget is not None and not self.budget.can_run(plan.event()):
+        setup = with_distributed_dp(setup, round_plan(self.privacy, setup, self._plans),
+                                    b"flower-rotation|")
+        event = charged_event(setup)
+        if self.budget is not None and event is not None and not self.budget.can_run(event):
             log.warning("round %d is not run: it would exceed the privacy budget "
                         "(epsilon %.3g of %.3g spent)", server_round, self.budget.spent[0],
                         self.budget.epsilon)
             return None
-        return with_distributed_dp(setup, plan, b"flower-rotation|")
+        return setup

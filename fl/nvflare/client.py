@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from nvflare.apis.event_type import EventType
 from nvflare.apis.executor import Executor
-from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.fl_constant import FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
@@ -139,17 +139,31 @@ class SecAggExecutor(Executor):
                                   f"{self.trainer_id!r} (add ClientAPIExecutor under that "
                                   "id: fl.nvflare.job.secure_fedavg_job)", fl_ctx)
                 return
-            self.trainer = trainer
             self.site = fl_ctx.get_identity_name()
             try:
-                self.config = SiteConfig.for_site(self.site)
-            except (FLError, PrivacyError) as exc:
+                # the site's check of the job: the train task goes through this session
+                self.check_app(fl_ctx.get_prop(FLContextKey.APP_ROOT))
+                config = SiteConfig.for_site(self.site)
+            except (FLError, PrivacyError) as exc:  # nothing of the job is trained
                 self.system_panic(f"site {self.site}: {exc}", fl_ctx)
                 return
+            self.trainer, self.config = trainer, config
             self.log_warning(fl_ctx, f"site {self.site}: {self.config.policy.describe()}; "
                                      f"ledger {self.config.ledger_path}")
         elif event_type == EventType.END_RUN:
             self.rounds.clear()
+
+    def check_app(self, app_root: object) -> None:
+        """At START_RUN, before anything of the job runs: the job's client app must route
+        its train and stage tasks to this executor, installed at the site, and ship none of
+        the project's code (:func:`fl.nvflare.job.check_site_app`); a site that cannot
+        check it refuses the job."""
+        from fl.nvflare.job import check_site_app  # the job module imports this one
+
+        if not isinstance(app_root, str) or not app_root:
+            raise NVFlareSecAggError("NVFlare gave no app root: this site cannot check that "
+                                     "the job's train task goes through its session; refused")
+        check_site_app(self, app_root, self.train_task_name)
 
     def requires_materialized_task_result(self, task_name: str) -> bool:
         """NVFlare asks: this executor consumes the trainer's result itself (it never
