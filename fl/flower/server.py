@@ -19,8 +19,10 @@ SecAgg over the complete graph with ``threshold`` (default: the protocol's floor
 ``verify_keys`` (Flower node id -> enrolled Ed25519 key), sent to the nodes in the setup,
 which each node checks against its own enrolment list (``NodeOptions.trusted_keys``).
 ``privacy=DistributedDP(...)`` switches the encoding to distributed DP (:mod:`dp`): the
-per-node noise comes from ``fl.site.privacy.distributed_plan`` (calibrated so any ``t``
-survivors carry the target noise) and a round that would overshoot the budget is not run.
+per-node noise comes from ``fl.site.privacy.distributed_plan`` through
+:func:`fl.round_setup.round_plan` (with an ``epsilon``: the least whose rounds fit it as each
+node's ledger charges them), the budget is spent at that figure and a round that would
+overshoot it is not run.
 """
 
 from __future__ import annotations

@@ -164,9 +164,10 @@ class SecureFedAvg(ModelController):
     ``train_timeout`` (the train stage, :data:`DEFAULT_TRAIN_TIMEOUT`),
     ``progress_interval`` (seconds between "waiting for" log lines of a stage). ``dp``:
     client-level distributed DP, a dict of :class:`fl.round_setup.DistributedDP`'s fields
-    (``clip_norm``, ``epsilon``, ``delta``, ``sample_rate``, ``rounds``,
-    ``noise_multiplier``, ``granularity_bits``); with an ``epsilon`` a round that would
-    overshoot the budget is not run. ``report_path``: a JSON-lines file of the round
+    (``clip_norm``, ``epsilon``, ``delta``, ``rounds``, ``noise_multiplier``,
+    ``granularity_bits``); with an ``epsilon`` the noise is planned and the budget spent as
+    each site's ledger charges the rounds, and a round that would overshoot it is not run.
+    ``report_path``: a JSON-lines file of the round
     reports, relative to the job's run directory on the server (:data:`DEFAULT_REPORT_PATH`;
     "" writes none). ``task_request_interval``: seconds a site with no task waits before it
     asks again (:meth:`add_to_fed_job` sets it for the server).
