@@ -23,6 +23,7 @@ complete the round with the others.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -42,6 +43,7 @@ from fl.codec import (
     noisy_mean,
 )
 from fl.errors import FLError
+from fl.input_bound import bits_for, capped_weight, dp_bound, fixed_bound
 from fl.site.core import SecureSum, charged_proposal, own_share
 from fl.site.privacy import DistributedPlan, distributed_plan
 from fl.vector import ArraySpec
@@ -100,6 +102,10 @@ class RoundSetup:
     dropout_rate: float = 0.0
     corrupt_rate: float = 0.0
     verify_keys: tuple[bytes, ...] = ()
+    norm_bound: float | None = None
+    """Input validation (opt-in; docs/protocol.md 10.6): each site proves in zero knowledge
+    that what it masks is within this L2 bound (fixed point: on its row ``[w x, w m, w]``;
+    distributed DP: the clip, and nothing else). :attr:`input_bound` is its integer form."""
     round_nonce: RoundNonce | None = field(default=None, compare=False, repr=False)
     """The host's side only (never on the wire): the single-use :class:`secagg.RoundNonce`
     whose value is :attr:`nonce`, for the round's ``Server(nonce=setup.round_nonce)``."""
@@ -124,16 +130,31 @@ class RoundSetup:
     def node_of(self, client_id: int) -> int:
         return self.roster[client_id - 1]
 
+    @property
+    def input_bound(self) -> int | None:
+        """The integer L2 bound every site proves (``secagg.Config(norm_bound=)``) from
+        :attr:`norm_bound` and the encoding (:mod:`fl.input_bound`); None: no validation."""
+        if self.norm_bound is None:
+            return None
+        if self.encoding == "ddp":
+            try:
+                return dp_bound(dp_params(self))
+            except ValueError as exc:
+                raise SetupError(f"norm_bound: {exc}") from None
+        return fixed_bound(self.norm_bound, self.frac_bits,
+                           self.model_dim + len(self.metrics) + 1)
+
     def config(self, dim: int) -> Config:
         """The secagg configuration (``dim`` is the encoded length, see fl.flower.encoding)."""
         # a sparse graph is checked against the rates it was derived for (Bell et al.)
         rates: dict[str, Any] = ({} if self.neighbors is None else
                                  {"dropout_rate": self.dropout_rate,
                                   "corrupt_rate": self.corrupt_rate})
+        bound = self.input_bound
         try:
             return Config(num_clients=self.num_clients, threshold=self.threshold, dim=dim,
                           bits=self.bits, neighbors=self.neighbors, security=self.security,
-                          **rates)
+                          norm_bound=bound, **rates)
         except ValueError as exc:
             raise SetupError(f"unsafe or invalid protocol parameters: {exc}") from None
 
@@ -161,6 +182,8 @@ class RoundSetup:
             "rates": [self.dropout_rate, self.corrupt_rate],
             "vk": list(self.verify_keys),
         }
+        if self.norm_bound is not None:  # absent: the setup's bytes are as without it
+            body["nb"] = self.norm_bound
         return fields.pack_map(body)
 
     @classmethod
@@ -237,6 +260,12 @@ class RoundSetup:
         named = {"dropout_rate": rates[0], "corrupt_rate": rates[1]}
         dropout_rate = _float(named, "dropout_rate", 0.0, 0.999)
         corrupt_rate = _float(named, "corrupt_rate", 0.0, 0.999)
+        norm_bound = None if "nb" not in body else _float(body, "nb", 0.0, low_open=True)
+        if norm_bound is not None and dp is not None and norm_bound != dp.clip_norm:
+            # the site's refusal must not depend on its data: under DP only the clip,
+            # which every honest contribution meets by construction (fl.input_bound)
+            raise SetupError(f"norm_bound={norm_bound} in a distributed-DP round: the bound "
+                             f"a site proves is the DP clip ({dp.clip_norm}), nothing else")
         return cls(run_id=_int(body, "run", 0, (1 << 64) - 1),
                    server_round=_int(body, "round", 0, (1 << 63) - 1), nonce=nonce,
                    roster=tuple(roster), threshold=_int(body, "t", 1, MAX_ROSTER),
@@ -244,7 +273,7 @@ class RoundSetup:
                    arrays=specs, metrics=tuple(metrics), weight_key=weight,
                    encoding=encoding, frac_bits=frac_bits, dp=dp,
                    dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
-                   verify_keys=tuple(keys))
+                   verify_keys=tuple(keys), norm_bound=norm_bound)
 
 
 _int = partial(fields.integer, error=SetupError, what="setup field")
@@ -354,9 +383,12 @@ def encode_reply(setup: RoundSetup, arrays: F64, metrics: dict[str, float], weig
         raise ReplyError(f"the weight {setup.weight_key!r} must be a positive number, got "
                          f"{weight!r}")
     values = [metrics[name] for name in setup.metrics]
-    try:  # no d-sized concatenation when there are no metrics
-        return encode_weighted(_fixed(setup), np.concatenate(
-            [arrays, np.asarray(values, dtype=np.float64)]) if values else arrays, weight)
+    # no d-sized concatenation when there are no metrics
+    row = np.concatenate([arrays, np.asarray(values, dtype=np.float64)]) if values else arrays
+    if setup.norm_bound is not None:  # the row clipped to the bound: a lower weight
+        weight = capped_weight(weight, row, setup.norm_bound)
+    try:
+        return encode_weighted(_fixed(setup), row, weight)
     except ValueError as exc:
         raise ReplyError(str(exc)) from None
 
@@ -559,3 +591,42 @@ def with_distributed_dp(setup: RoundSetup, plan: DistributedPlan, domain: bytes
     dp = DpSpec(p.clip_norm, p.scale, p.bits, p.noise_stddev, rotation, p.mechanism,
                 p.beta, p.threshold)
     return replace(setup, encoding="ddp", frac_bits=0, dp=dp, bits=p.bits, metrics=())
+
+
+def check_norm_bound(norm_bound: float | str | None, privacy: DistributedDP | None) -> None:
+    """A server's ``norm_bound`` argument (input validation, docs/protocol.md 10.6): None
+    (off), a positive number (fixed point: the L2 bound on each site's row ``[w x, w m,
+    w]``) or ``"clip"`` (distributed DP: the clip); ``ValueError`` saying which otherwise."""
+    if norm_bound is None:
+        return
+    if privacy is not None:
+        if norm_bound != "clip":
+            raise ValueError(f"norm_bound={norm_bound!r} with distributed DP: the bound a "
+                             "site proves is the DP clip, pass norm_bound='clip'")
+        return
+    if isinstance(norm_bound, bool) or not isinstance(norm_bound, (int, float)) or not (
+            0 < norm_bound < math.inf):
+        raise ValueError(f"norm_bound={norm_bound!r}: give the L2 bound on each site's row "
+                         "[w * arrays, w * metrics, w] as a positive number ('clip' is for "
+                         "distributed DP)")
+
+
+def with_norm_bound(setup: RoundSetup, norm_bound: float | str) -> RoundSetup:
+    """``setup`` with input validation (:func:`check_norm_bound`'s ``norm_bound``). Under
+    distributed DP the sum's bits are raised if the bounded contributions of the roster
+    could wrap (``secagg.validation.check_parameters``; a wider modulus changes no privacy
+    parameter). ``ValueError`` (a :class:`SetupError`) naming the fix when the bound cannot
+    be proved at these parameters."""
+    if setup.dp is not None:
+        bounded = replace(setup, norm_bound=setup.dp.clip_norm)
+        bound = bounded.input_bound
+        assert bound is not None
+        bits = max(setup.bits, bits_for(setup.num_clients, bound))
+        if bits > 64:
+            raise SetupError(f"input validation at the DP clip needs {bits} bits for "
+                             f"{setup.num_clients} sites (> 64): lower granularity_bits")
+        bounded = replace(bounded, bits=bits, dp=replace(setup.dp, bits=bits))
+    else:
+        bounded = replace(setup, norm_bound=float(norm_bound))
+    bounded.config(encoded_dim(bounded))  # the proof's own limits (SetupError: the fix)
+    return bounded

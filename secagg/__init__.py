@@ -16,6 +16,8 @@ from .crypto import SigningKey
 from .errors import (
     CryptoError,
     DecodeError,
+    InputMismatch,
+    InputRefused,
     ProtocolAbort,
     ProtocolError,
     SecAggError,
@@ -35,6 +37,8 @@ __all__ = [
     "CryptoError",
     "DecodeError",
     "GraphParameters",
+    "InputMismatch",
+    "InputRefused",
     "LocalRound",
     "MaskedStream",
     "ProtocolAbort",

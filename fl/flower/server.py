@@ -23,6 +23,11 @@ per-node noise comes from ``fl.site.privacy.distributed_plan`` through
 :func:`fl.round_setup.round_plan` (with an ``epsilon``: the least whose rounds fit it as each
 node's ledger charges them), the budget is spent at that figure and a round that would
 overshoot it is not run.
+``norm_bound`` turns on input validation (docs/protocol.md 10): every node proves in zero
+knowledge that what it masks is within the bound (a number: the L2 norm of its row
+``[w * arrays, w * metrics, w]``; ``"clip"`` under distributed DP: the clip, noise
+included); a node whose proof fails is left out of the sum and named
+(``RoundReport.input_refused``, Flower's log at WARNING).
 """
 
 from __future__ import annotations
@@ -45,11 +50,13 @@ from fl.flower.setup import RoundSetup
 from fl.round_setup import (
     DistributedDP,
     charged_event,
+    check_norm_bound,
     fixed_setup,
     protocol_graph,
     round_plan,
     whose_noise,
     with_distributed_dp,
+    with_norm_bound,
 )
 from fl.site.privacy import DistributedPlan, make_budget
 from secagg import Server
@@ -101,6 +108,9 @@ def _log_outcome(report: RoundReport) -> None:
     from flwr.common.logger import log as flwr_log
 
     n = report.setup.num_clients
+    for node, reason in sorted(report.input_refused.items()):
+        flwr_log(logging.WARNING, "secure aggregation round %d: node %d refused, its input "
+                 "proof failed: %s", report.server_round, node, reason)
     refusals = refusal_summary(list(report.refused.values()), n)
     if refusals is not None:  # the rule, how many nodes and the fix, by default
         flwr_log(logging.WARNING, "secure aggregation round %d: %s", report.server_round,
@@ -175,7 +185,8 @@ class SecureAggregation(Strategy):
     :class:`fl.flower.rounds.RoundReport` per round; each round's drops are also logged to
     Flower's log. ``chunk_bytes``: a node's masked input travels as an ``ArrayRecord`` of
     chunks of this many bytes in the sum's natural width (:mod:`fl.flower.chunks`; default
-    4 MiB, one Flower ``ArrayChunk`` each), so no Flower message of the round is larger."""
+    4 MiB, one Flower ``ArrayChunk`` each), so no Flower message of the round is larger.
+    ``norm_bound``: input validation (module docstring; None: off, the default)."""
 
     def __init__(self, strategy: Strategy, *, neighbors: int | str | None = "auto",
                  threshold: int | None = None, dropout_rate: float = 0.1,
@@ -184,7 +195,8 @@ class SecureAggregation(Strategy):
                  privacy: DistributedDP | None = None,
                  stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
                  verify_keys: Mapping[int, bytes] | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 norm_bound: float | str | None = None) -> None:
         if security not in ("semi-honest", "malicious"):
             raise ValueError(f"security={security!r}: use 'semi-honest' or 'malicious'")
         if security == "malicious" and not verify_keys:
@@ -198,6 +210,7 @@ class SecureAggregation(Strategy):
                              "carry no noise); pass metrics=()")
         if privacy is not None and privacy.epsilon is None and privacy.noise_multiplier is None:
             raise ValueError("DistributedDP needs epsilon (a budget) or a noise_multiplier")
+        check_norm_bound(norm_bound, privacy)
         check_strategy(strategy)
         chunk_elements(chunk_bytes, 8, 1)  # a positive size under the gRPC limit
         if stage_timeout is not None and not stage_timeout > 0:
@@ -216,6 +229,7 @@ class SecureAggregation(Strategy):
         self.stage_timeout = stage_timeout
         self.verify_keys = dict(verify_keys or {})
         self.chunk_bytes = chunk_bytes
+        self.norm_bound = norm_bound
         self._spent = (None if privacy is None
                        else make_budget(privacy.epsilon, privacy.delta))
         """What each node's ledger holds: the rounds released, as the nodes charge them."""
@@ -369,14 +383,13 @@ class SecureAggregation(Strategy):
             dropout_rate=self.dropout_rate, corrupt_rate=self.corrupt_rate,
             security=self.security, bits=self.bits, frac_bits=self.frac_bits,
             verify_keys=self.verify_keys)
-        if self.privacy is None:
-            return setup
-        setup = with_distributed_dp(setup, round_plan(self.privacy, setup, self._plans),
-                                    b"flower-rotation|")
-        event = charged_event(setup)
-        if self.budget is not None and event is not None and not self.budget.can_run(event):
-            log.warning("round %d is not run: it would exceed the privacy budget "
-                        "(epsilon %.3g of %.3g spent)", server_round, self.budget.spent[0],
-                        self.budget.epsilon)
-            return None
-        return setup
+        if self.privacy is not None:
+            setup = with_distributed_dp(setup, round_plan(self.privacy, setup, self._plans),
+                                        b"flower-rotation|")
+            event = charged_event(setup)
+            if self.budget is not None and event is not None and not self.budget.can_run(event):
+                log.warning("round %d is not run: it would exceed the privacy budget "
+                            "(epsilon %.3g of %.3g spent)", server_round,
+                            self.budget.spent[0], self.budget.epsilon)
+                return None
+        return setup if self.norm_bound is None else with_norm_bound(setup, self.norm_bound)

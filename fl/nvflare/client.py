@@ -57,6 +57,7 @@ from fl.errors import FLError
 from fl.nvflare.common import (
     PAYLOAD,
     PROJECT_PACKAGES,
+    PROOF,
     REFUSAL_HEADER,
     SESSION,
     SETUP_HEADER,
@@ -263,19 +264,21 @@ class SecAggExecutor(Executor):
             raise NVFlareSecAggError("the stage task carries no secure-aggregation payload")
         client, charge = entry
         try:
-            out = encode(self.session(fl_ctx).answer(client, payload, charge))
+            proof, message = self.session(fl_ctx).answer_with_proof(client, payload, charge)
         except ProtocolAbort:
             self.rounds.pop(session, None)  # the round's secrets are erased
             raise
         if client.done:
             self.rounds.pop(session, None)
-        return _reply(session, out)
+        return _reply(session, encode(message), proof)
 
 
-def _reply(session: bytes, payload: bytes) -> Shareable:
+def _reply(session: bytes, payload: bytes, proof: bytes | None = None) -> Shareable:
     reply = Shareable()
     reply[SESSION] = session
     reply[PAYLOAD] = payload
+    if proof is not None:  # input validation: checked before the masked input
+        reply[PROOF] = proof
     reply.set_return_code(ReturnCode.OK)
     return reply
 

@@ -19,6 +19,9 @@ SETUP_HEADER = "secagg_setup"
 PAYLOAD = "secagg_payload"
 """Shareable key: a secagg wire message (server -> site, or site -> server)."""
 SESSION = "secagg_session"
+PROOF = "secagg_proof"
+"""Shareable key of a site's masked-input answer in a round with input validation: its
+``InputProof`` (secagg wire bytes), which the server checks before the masked input."""
 REFUSAL_HEADER = "secagg_refusal"
 """Header of a site's error reply: its public refusal reason (e.g. ``refused by site policy
 [exact-release]: ...``), so the server can say which rule and the fix."""

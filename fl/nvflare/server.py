@@ -50,6 +50,7 @@ from dp.policy import refusal_summary
 from fl.errors import NothingReleased
 from fl.nvflare.common import (
     PAYLOAD,
+    PROOF,
     REFUSAL_HEADER,
     SESSION,
     SETUP_HEADER,
@@ -61,17 +62,20 @@ from fl.round_setup import (
     DistributedDP,
     RoundSetup,
     charged_event,
+    check_norm_bound,
     decode_sum,
     encoded_dim,
     fixed_setup,
     round_plan,
     whose_noise,
     with_distributed_dp,
+    with_norm_bound,
 )
 from fl.site.privacy import DistributedPlan, make_budget
 from fl.strategies import ADAPTIVE, ServerStrategy
 from fl.vector import ArrayLayout
 from secagg import (
+    InputRefused,
     ProtocolAbort,
     ProtocolError,
     Server,
@@ -121,7 +125,9 @@ class RoundReport:
     ``epsilon`` equals it), ``metrics`` (the train
     metrics averaged securely, ``metrics=[...]``), ``skipped`` (why a round was not run),
     and the round's protocol: ``security``, ``encoding`` (``fixed`` or
-    ``ddp``), ``bits``, ``threshold``, ``neighbors`` (None: the complete graph)."""
+    ``ddp``), ``bits``, ``threshold``, ``neighbors`` (None: the complete graph);
+    ``input_refused``: with input validation, site -> why its input proof failed (left out
+    of the sum and named; an honest site never is)."""
 
     server_round: int
     sites: tuple[str, ...]
@@ -141,6 +147,7 @@ class RoundReport:
     bits: int = 0
     threshold: int = 0
     neighbors: int | None = None
+    input_refused: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k != "total"}
@@ -175,7 +182,11 @@ class SecureFedAvg(ModelController):
     average, moved by ``server_lr``) or a server optimiser of :mod:`fl.strategies`
     (``"fedadam"``, ``"fedyogi"``, ``"fedadagrad"``: Reddi et al. 2021 with ``server_lr``,
     ``server_beta1``, ``server_beta2``, ``server_tau``; None: its defaults), its state kept
-    across the job's rounds."""
+    across the job's rounds. ``norm_bound``: input validation (docs/protocol.md 10), each
+    site proves in zero knowledge that what it masks is within the bound (a number: the L2
+    norm of its row ``[w * arrays, w * metrics, w]``; ``"clip"`` with ``dp``: the clip,
+    noise included); a site whose proof fails is left out of the sum and named in the
+    round's report (``input_refused``) and the log."""
 
     def __init__(self, *, num_rounds: int = 1, min_clients: int = 0,
                  num_clients: int | None = None, start_round: int = 0,
@@ -192,7 +203,8 @@ class SecureFedAvg(ModelController):
                  server_lr: float = 1.0, server_beta1: float | None = None,
                  server_beta2: float | None = None, server_tau: float | None = None,
                  persistor_id: str = AppConstants.DEFAULT_PERSISTOR_ID,
-                 progress_interval: float = 30.0, **fedavg_only: Any) -> None:
+                 progress_interval: float = 30.0, norm_bound: float | str | None = None,
+                 **fedavg_only: Any) -> None:
         super().__init__(persistor_id=persistor_id, ignore_result_error=True,
                          task_check_period=0.05)
         for name, value in fedavg_only.items():
@@ -224,6 +236,7 @@ class SecureFedAvg(ModelController):
         if self.privacy is not None and self.privacy.epsilon is None \
                 and self.privacy.noise_multiplier is None:
             raise ValueError("dp needs an epsilon (a budget) or a noise_multiplier")
+        check_norm_bound(norm_bound, self.privacy)
         if strategy not in ("fedavg", *ADAPTIVE):
             raise ValueError(f"strategy={strategy!r}: use one of "
                              f"{', '.join(('fedavg', *ADAPTIVE))}")
@@ -252,6 +265,7 @@ class SecureFedAvg(ModelController):
         self.report_path = report_path
         self.task_request_interval = task_request_interval
         self.strategy = strategy
+        self.norm_bound = norm_bound
         # (NVFlare's job export reads each __init__ argument back from the attribute of its name)
         self.server_lr, self.server_beta1 = server_lr, server_beta1
         self.server_beta2, self.server_tau = server_beta2, server_tau
@@ -406,6 +420,7 @@ class SecureFedAvg(ModelController):
         except ProtocolAbort as exc:
             report.aborted = str(exc)
         report.dropped = {site_of(cid): st.label for cid, st in server.dropped.items()}
+        report.input_refused = {site_of(cid): reason for cid, reason in server.refused.items()}
         result = server.result
         if result is not None and report.aborted is None:
             report.total = result.total
@@ -447,10 +462,17 @@ class SecureFedAvg(ModelController):
                 self.warning(f"site {name} dropped in {stage.label} of round "
                              f"{report.server_round}: its answer carries no payload")
                 return
+            proof = result.get(PROOF)
             with self._lock:
                 report.bytes_up[name] = report.bytes_up.get(name, 0) + len(payload)
                 try:
+                    if isinstance(proof, bytes):  # input validation: before the masked input
+                        report.bytes_up[name] += len(proof)
+                        server.receive(setup.client_id(site_id(name)), proof)
                     server.receive(setup.client_id(site_id(name)), payload)
+                except InputRefused as exc:
+                    self.warning(f"site {name} refused in {stage.label} of round "
+                                 f"{report.server_round}: its input proof failed: {exc}")
                 except (ValueError, ProtocolError) as exc:
                     self.warning(f"site {name} dropped in {stage.label} of round "
                                  f"{report.server_round}: its answer was rejected: {exc}")
@@ -512,11 +534,10 @@ class SecureFedAvg(ModelController):
             dropout_rate=self.dropout_rate, corrupt_rate=self.corrupt_rate,
             security=self.security, bits=self.bits, frac_bits=self.frac_bits,
             verify_keys={name: bytes.fromhex(key) for name, key in self.verify_keys.items()})
-        if self.privacy is None:
-            return setup
-        setup = with_distributed_dp(setup, round_plan(self.privacy, setup, self._plans),
-                                    b"nvflare-rotation|")
-        event = charged_event(setup)
-        if self.budget is not None and event is not None and not self.budget.can_run(event):
-            return None
-        return setup
+        if self.privacy is not None:
+            setup = with_distributed_dp(setup, round_plan(self.privacy, setup, self._plans),
+                                        b"nvflare-rotation|")
+            event = charged_event(setup)
+            if self.budget is not None and event is not None and not self.budget.can_run(event):
+                return None
+        return setup if self.norm_bound is None else with_norm_bound(setup, self.norm_bound)
