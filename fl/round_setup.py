@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from dp.budget import Event
 from dp.encoding import EncodingParams
 from dp.policy import SitePolicy
 from fl.codec import (
@@ -43,7 +44,7 @@ from fl.codec import (
 )
 from fl.errors import FLError
 from fl.input_bound import bits_for, capped_weight, dp_bound, fixed_bound
-from fl.site.core import SecureSum
+from fl.site.core import SecureSum, charged_proposal, own_share
 from fl.site.privacy import DistributedPlan, distributed_plan
 from fl.vector import ArraySpec
 from secagg import Config, RoundNonce, secagg_plus_parameters
@@ -433,6 +434,32 @@ def round_release(setup: RoundSetup) -> Callable[[SitePolicy], SecureSum]:
     return release
 
 
+def charged_params(params: EncodingParams, security: str) -> EncodingParams:
+    """The encoding ``params`` as a node's ledger charges a round that carries it: the
+    replace-one sensitivity of its one row (:func:`round_release`) and, unless the roster is
+    authenticated (``security="malicious"``, every key enrolled), its own noise share only
+    (:func:`fl.site.core.own_share`). What a server plans its noise for
+    (:func:`round_plan`), so the epsilon it reports is each node's."""
+    one_row = params.replace_one()
+    return one_row if security == "malicious" else own_share(one_row)
+
+
+def charged_event(setup: RoundSetup) -> Event | None:
+    """The budget event each node's ledger records for ``setup``'s round, computed as the
+    node computes it (:func:`fl.site.core.charged_proposal` of :func:`round_release`); None
+    for an exact sum."""
+    return charged_proposal(round_release(setup)(SitePolicy()),
+                            secagg_threshold=setup.threshold,
+                            authenticated=setup.security == "malicious").event
+
+
+def whose_noise(setup: RoundSetup) -> str:
+    """Whose noise a node counts in ``setup``'s round (for a server's report of the nodes'
+    epsilon)."""
+    return ("the enrolled nodes' noise counted" if setup.security == "malicious"
+            else "its own noise share only: the roster is the server's word")
+
+
 def check_identity(setup: RoundSetup, client_id: int, signing_key: Any,
                    trusted_keys: frozenset[bytes]) -> dict[str, Any]:
     """A malicious-mode setup must give this site its own verify key and only enrolled
@@ -459,7 +486,9 @@ class DistributedDP:
     """Client-level distributed DP: each node clips its update (reply minus the arrays
     sent) to ``clip_norm`` and adds its share of integer noise. Give ``epsilon`` (with
     ``delta``, the node ``sample_rate`` and the planned ``rounds``) to have the noise fit
-    the budget and the budget enforced, or a central ``noise_multiplier``."""
+    the budget and the budget enforced, or a central ``noise_multiplier``. The budget is
+    planned and spent as each node's ledger charges the rounds (:func:`round_plan`), at
+    sample rate 1: a node cannot verify it was sampled, so ``sample_rate`` stays 1.0."""
 
     clip_norm: float
     epsilon: float | None = None
@@ -474,6 +503,11 @@ class DistributedDP:
     yet (``secagg train`` runs them); asking for them is refused, never ignored."""
 
     def __post_init__(self) -> None:
+        if self.sample_rate != 1.0:
+            raise SetupError(f"sample_rate={self.sample_rate!r}: a node charges every round it "
+                             "joins at sample rate 1 (the server picks the roster; a node "
+                             "cannot verify it was sampled), so the plan is at 1 too: leave "
+                             "sample_rate at 1.0")
         if self.adaptive_clip is not None or self.site_weights is not None:
             raise SetupError("adaptive_clip/site_weights: the Flower and NVFlare round setup "
                              "does not carry DP-FedAvg+'s clip count or site weights yet; run "
@@ -527,11 +561,15 @@ def fixed_setup(*, run_id: int, server_round: int, roster: Sequence[int],
 
 
 def round_plan(privacy: DistributedDP, setup: RoundSetup,
-               cache: dict[tuple[int, int, int], DistributedPlan]) -> DistributedPlan:
-    """The distributed-DP plan of ``setup``'s round (``fl.site.privacy.distributed_plan``: the
-    per-site noise so any ``threshold`` survivors carry the target), cached per (model
-    size, sites, threshold) in ``cache``."""
-    key = (setup.model_dim, setup.num_clients, setup.threshold)
+               cache: dict[tuple[int, int, int, str], DistributedPlan]) -> DistributedPlan:
+    """The distributed-DP plan of ``setup``'s round (``fl.site.privacy.distributed_plan``),
+    cached per (model size, sites, threshold, security mode) in ``cache``. With an
+    ``epsilon`` the per-node noise is the least whose ``rounds`` rounds fit it *as each node's
+    ledger charges them* (:func:`charged_params`: the replace-one sensitivity of its one row,
+    at sample rate 1, and in a semi-honest round its own noise share only), so a default
+    node accepts the plan and the epsilon the server reports is the one every ledger
+    records; a ``noise_multiplier`` is the central one any ``threshold`` survivors carry."""
+    key = (setup.model_dim, setup.num_clients, setup.threshold, setup.security)
     if key not in cache:
         cache[key] = distributed_plan(
             model_dim=setup.model_dim, epsilon=privacy.epsilon, delta=privacy.delta,
@@ -539,7 +577,8 @@ def round_plan(privacy: DistributedDP, setup: RoundSetup,
             clip_norm=privacy.clip_norm, num_sites=setup.num_clients,
             threshold=setup.threshold, max_units_per_site=1,
             noise_multiplier=privacy.noise_multiplier,
-            granularity_bits=privacy.granularity_bits)
+            granularity_bits=privacy.granularity_bits,
+            charged=partial(charged_params, security=setup.security))
     return cache[key]
 
 

@@ -60,7 +60,8 @@ class RoundReport:
     node_epsilon: float | None = None
     """Distributed DP: the epsilon each node's ledger holds after this run's released rounds
     (its own noise share unless the roster is authenticated, the replace-one sensitivity of
-    its one row: :func:`fl.site.core.charged_proposal`), beside the plan's ``epsilon``."""
+    its one row: :func:`fl.round_setup.charged_event`); with a budget the server plans and
+    spends that same figure, so ``epsilon`` equals it."""
     input_refused: dict[int, str] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)
     """Nodes whose error reply named a reason (node -> the reason, e.g. ``refused by site

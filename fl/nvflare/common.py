@@ -45,3 +45,7 @@ def site_id(name: str) -> int:
 def run_id(job_id: str) -> int:
     """The setup's run id for the NVFlare job ``job_id``."""
     return _id(b"secagg/nvflare|job|", job_id)
+
+
+PROJECT_PACKAGES = ("secagg", "transport", "dp", "fl")
+"""The project's top-level packages: installed at every party, never shipped in a job."""

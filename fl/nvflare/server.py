@@ -46,7 +46,6 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.app_common.workflows.model_controller import ModelController
 
-from dp.budget import PrivacyBudget
 from dp.policy import refusal_summary
 from fl.errors import NothingReleased
 from fl.nvflare.common import (
@@ -62,15 +61,17 @@ from fl.nvflare.common import (
 from fl.round_setup import (
     DistributedDP,
     RoundSetup,
+    charged_event,
     check_norm_bound,
     decode_sum,
     encoded_dim,
     fixed_setup,
     round_plan,
+    whose_noise,
     with_distributed_dp,
     with_norm_bound,
 )
-from fl.site.privacy import DistributedPlan
+from fl.site.privacy import DistributedPlan, make_budget
 from fl.strategies import ADAPTIVE, ServerStrategy
 from fl.vector import ArrayLayout
 from secagg import (
@@ -118,7 +119,10 @@ class RoundReport:
     ``dropped`` (site -> the stage it dropped in), ``seconds`` per stage, ``bytes_up`` /
     ``bytes_down`` (secagg payload bytes each site sent / was sent; the train task's model
     is not counted), ``total`` (the modular sum, None if the round aborted), ``epsilon``
-    (the budget spent after the round, distributed DP with a budget), ``metrics`` (the train
+    (the budget spent after the round, distributed DP with a budget), ``node_epsilon``
+    (distributed DP: the epsilon each site's ledger holds after the job's released rounds,
+    :func:`fl.round_setup.charged_event`; the budget is planned and spent at that figure, so
+    ``epsilon`` equals it), ``metrics`` (the train
     metrics averaged securely, ``metrics=[...]``), ``skipped`` (why a round was not run),
     and the round's protocol: ``security``, ``encoding`` (``fixed`` or
     ``ddp``), ``bits``, ``threshold``, ``neighbors`` (None: the complete graph);
@@ -135,6 +139,7 @@ class RoundReport:
     total: np.ndarray | None = None
     aborted: str | None = None
     epsilon: float | None = None
+    node_epsilon: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     skipped: str | None = None
     security: str = ""
@@ -166,9 +171,10 @@ class SecureFedAvg(ModelController):
     ``train_timeout`` (the train stage, :data:`DEFAULT_TRAIN_TIMEOUT`),
     ``progress_interval`` (seconds between "waiting for" log lines of a stage). ``dp``:
     client-level distributed DP, a dict of :class:`fl.round_setup.DistributedDP`'s fields
-    (``clip_norm``, ``epsilon``, ``delta``, ``sample_rate``, ``rounds``,
-    ``noise_multiplier``, ``granularity_bits``); with an ``epsilon`` a round that would
-    overshoot the budget is not run. ``report_path``: a JSON-lines file of the round
+    (``clip_norm``, ``epsilon``, ``delta``, ``rounds``, ``noise_multiplier``,
+    ``granularity_bits``); with an ``epsilon`` the noise is planned and the budget spent as
+    each site's ledger charges the rounds, and a round that would overshoot it is not run.
+    ``report_path``: a JSON-lines file of the round
     reports, relative to the job's run directory on the server (:data:`DEFAULT_REPORT_PATH`;
     "" writes none). ``task_request_interval``: seconds a site with no task waits before it
     asks again (:meth:`add_to_fed_job` sets it for the server).
@@ -267,14 +273,16 @@ class SecureFedAvg(ModelController):
                  "tau": server_tau}  # None: ServerStrategy's default
         self.optimizer_args = {k: v for k, v in given.items() if v is not None}
         self.optimizer: ServerStrategy | None = None
-        self.budget = (PrivacyBudget(self.privacy.epsilon, self.privacy.delta)
-                       if self.privacy is not None and self.privacy.epsilon is not None
-                       else None)
+        self._spent = (None if self.privacy is None
+                       else make_budget(self.privacy.epsilon, self.privacy.delta))
+        """What each site's ledger holds: the rounds released, as the sites charge them."""
+        self.budget = (self._spent if self.privacy is not None
+                       and self.privacy.epsilon is not None else None)
         self.reports: list[RoundReport] = []
         self._refusals: dict[int, dict[str, str]] = {}
         """Per round, each refusing site's public reason (its error reply's header)."""
         self._last_setup: RoundSetup | None = None
-        self._plans: dict[tuple[int, int, int], DistributedPlan] = {}
+        self._plans: dict[tuple[int, int, int, str], DistributedPlan] = {}
         self._lock = threading.Lock()
 
     def add_to_fed_job(self, job: Any, ctx: Any, **kwargs: Any) -> Any:
@@ -417,9 +425,13 @@ class SecureFedAvg(ModelController):
         if result is not None and report.aborted is None:
             report.total = result.total
             report.included = tuple(sorted(site_of(c) for c in result.included))
-            if self.budget is not None and setup.dp is not None:
-                self.budget.spend(round_plan(self.privacy, setup, self._plans).event())
-                report.epsilon = self.budget.spent[0]
+            event = charged_event(setup)
+            if self._spent is not None and event is not None:
+                report.node_epsilon = self._spent.spend(event)[0]
+                if self.budget is not None:
+                    report.epsilon = report.node_epsilon
+                self.warning(f"round {server_round}: each site's ledger holds epsilon "
+                             f"{report.node_epsilon:.4g} ({whose_noise(setup)})")
         return report
 
     def _exchange(self, server: Server, setup: RoundSetup, report: RoundReport, stage: Stage,
@@ -523,8 +535,9 @@ class SecureFedAvg(ModelController):
             security=self.security, bits=self.bits, frac_bits=self.frac_bits,
             verify_keys={name: bytes.fromhex(key) for name, key in self.verify_keys.items()})
         if self.privacy is not None:
-            plan = round_plan(self.privacy, setup, self._plans)
-            if self.budget is not None and not self.budget.can_run(plan.event()):
+            setup = with_distributed_dp(setup, round_plan(self.privacy, setup, self._plans),
+                                        b"nvflare-rotation|")
+            event = charged_event(setup)
+            if self.budget is not None and event is not None and not self.budget.can_run(event):
                 return None
-            setup = with_distributed_dp(setup, plan, b"nvflare-rotation|")
         return setup if self.norm_bound is None else with_norm_bound(setup, self.norm_bound)
