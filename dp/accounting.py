@@ -2,12 +2,8 @@
 
 * Sampled Gaussian (site mode, and the central reference): Opacus' ``RDPAccountant``
   (Mironov, Talwar, Zhang 2019) and ``PRVAccountant`` (Gopi, Lee, Wutschitz 2021).
-* Distributed discrete Gaussian: Kairouz, Liu, Steinke 2021, Prop. 14 / Eq. (17): for ``n``
-  sites each adding N_Z(0, sigma**2) the sum satisfies RDP of order ``a`` with
-  ``min(a/2 r2**2 + tau d, a/2 (r2**2 + 2 r1 tau + tau**2 d), a/2 (r2 + sqrt(d) tau)**2)``,
-  ``r_p = Delta_p / (sqrt(n) sigma)``, ``tau = 10 sum_{k<n} exp(-2 pi**2 sigma**2 k/(k+1))``.
-* Skellam: Agarwal, Kairouz, Liu 2021, Thm. 3.5, for total variance ``V``:
-  ``a Delta_2**2/(2V) + min(((2a-1) Delta_2**2 + 6 Delta_1)/(4 V**2), 3 Delta_1/(2V))``.
+* The integer mechanisms of distributed DP (distributed discrete Gaussian, Skellam): each
+  owns its per-step RDP bound (:mod:`dp.mechanisms`); this module subsamples and composes it.
 * Poisson subsampling of a general RDP mechanism: Zhu, Wang, ICML 2019, Thm. 6 (upper bound).
 * RDP -> (epsilon, delta): Canonne, Kamath, Steinke 2020, Prop. 12 (= Balle et al. 2020,
   Thm. 21), the conversion Opacus uses.
@@ -231,54 +227,7 @@ def rdp_to_epsilon(rdp: F64, delta: float, orders: Sequence[float] = ORDERS) -> 
     return float(max(0.0, eps)) if math.isfinite(eps) else math.inf
 
 
-# --- integer mechanisms, from the papers ---------------------------------------------
-def ddg_tau(sigma: float, num_clients: int) -> float:
-    """KLS 2021 Thm. 1: ``tau = 10 sum_{k=1}^{n-1} exp(-2 pi^2 sigma^2 k / (k+1))``."""
-    return 10.0 * sum(
-        math.exp(-2.0 * math.pi**2 * sigma**2 * k / (k + 1)) for k in range(1, num_clients)
-    )
-
-
-def ddg_rdp_fn(
-    l2_sensitivity: float, l1_sensitivity: float, sigma: float, num_clients: int, dim: int
-) -> Callable[[int], float]:
-    """Per-step RDP (as a function of the integer order) of the distributed discrete Gaussian.
-
-    ``sigma`` is each client's integer-domain standard deviation; sensitivities are in the
-    integer domain. ``num_clients`` should be the calibration threshold (fewest summands).
-    KLS 2021 Thm. 1 (hence this bound) assumes ``sigma >= 1/2``: smaller is refused.
-    """
-    if not sigma >= 0.5:
-        raise PrivacyConfigError(
-            f"the distributed discrete Gaussian bound (KLS 2021, Thm. 1) needs each site's "
-            f"integer-domain stddev >= 1/2, got {sigma:.4g}: raise the noise or the scale")
-    tau = ddg_tau(sigma, num_clients)
-    r2 = l2_sensitivity / (math.sqrt(num_clients) * sigma)
-    r1 = l1_sensitivity / (math.sqrt(num_clients) * sigma)
-
-    def eps(a: int) -> float:
-        return min(
-            a / 2 * r2**2 + tau * dim,
-            a / 2 * (r2**2 + 2 * r1 * tau + tau**2 * dim),
-            a / 2 * (r2 + math.sqrt(dim) * tau) ** 2,
-        )
-
-    return eps
-
-
-def skellam_rdp_fn(
-    l2_sensitivity: float, l1_sensitivity: float, variance: float
-) -> Callable[[int], float]:
-    """Per-step RDP of the (multi-dimensional) Skellam mechanism with total ``variance``."""
-    d2, d1, v = l2_sensitivity, l1_sensitivity, variance
-
-    def eps(a: int) -> float:
-        return a * d2**2 / (2 * v) + min(((2 * a - 1) * d2**2 + 6 * d1) / (4 * v**2),
-                                         3 * d1 / (2 * v))
-
-    return eps
-
-
+# --- subsampling and composition of integer mechanisms (dp.mechanisms) ------------------
 def _log_comb(n: int, k: int) -> float:
     return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
 

@@ -25,12 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from dp.accounting import ddg_rdp_fn
 from dp.errors import PrivacyConfigError, TooFewSurvivors
+from dp.mechanisms.dgauss import DGAUSS
 from dp.randomness import RandomSource, SystemRandom
-from dp.samplers import discrete_gaussian
 
 U64 = npt.NDArray[np.uint64]
+
+COUNT_MECHANISM = DGAUSS
+"""The noise of the clip count (the audit export describes the count by it)."""
 
 
 @dataclass
@@ -74,7 +76,7 @@ class QuantileClipper:
         """This site's masked-ready count ``sum(2b - 1)`` plus its noise share, mod 2**bits."""
         norms = np.asarray(unit_norms, dtype=np.float64)
         count = 2 * int(np.count_nonzero(norms <= self.clip_norm)) - norms.size
-        noise = int(discrete_gaussian(self.per_site_variance, 1, source or SystemRandom())[0])
+        noise = int(COUNT_MECHANISM.sample(self.per_site_variance, 1, source or SystemRandom())[0])
         return np.array([(count + noise) % (1 << self.bits)], dtype=np.uint64)
 
     def update(self, modular_sum: U64, num_included: int, units: float | None = None) -> float:
@@ -96,4 +98,5 @@ class QuantileClipper:
     def count_rdp_fn(self) -> Callable[[int], float]:
         """Per-step unsubsampled RDP of the count (sensitivity 1 on the ``2b - 1`` scale);
         compose it with the update's before subsampling (:func:`dp.distributed.round_rdp`)."""
-        return ddg_rdp_fn(1.0, 1.0, math.sqrt(self.per_site_variance), self.threshold, 1)
+        return COUNT_MECHANISM.rdp_fn(1.0, 1.0, math.sqrt(self.per_site_variance),
+                                      self.threshold, 1)

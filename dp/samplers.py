@@ -208,13 +208,3 @@ def skellam(variance: float, n: int, source: RandomSource | None = None) -> I64:
     lam = variance / 2.0
     return poisson(lam, n, source) - poisson(lam, n, source)
 
-
-def sample_noise(
-    mechanism: str, variance: float, n: int, source: RandomSource | None = None
-) -> I64:
-    """Integer noise of the named mechanism (``"dgauss"`` or ``"skellam"``) and variance."""
-    if mechanism == "dgauss":
-        return discrete_gaussian(variance, n, source)
-    if mechanism == "skellam":
-        return skellam(variance, n, source)
-    raise ValueError(f"mechanism must be 'dgauss' or 'skellam', got {mechanism!r}")

@@ -35,6 +35,7 @@ import torch
 
 from dp.adaptive_clip import QuantileClipper
 from dp.encoding import EncodingParams
+from dp.mechanisms import names as mechanism_names
 from fl.codec import (
     DistributedCodec,
     FixedPointCodec,
@@ -374,7 +375,7 @@ def encoding_params(raw: Any, dim: int) -> EncodingParams:
             bits=_int(raw, "bits", 8, 64),
             noise_stddev=_float(raw, "noise_stddev"),
             rotation_seed=_int(raw, "rotation_seed", 0, (1 << 63) - 1),
-            mechanism=_str(raw, "mechanism", ("dgauss", "skellam")),  # type: ignore[arg-type]
+            mechanism=_str(raw, "mechanism", mechanism_names()),
             beta=_float(raw, "beta", 0, 1),
             threshold=_int(raw, "threshold", 1, 1 << 16))
     except ValueError as exc:

@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dp.encoding import EncodingParams
+from dp.mechanisms import names as mechanism_names
 from dp.policy import SitePolicy
 from fl.codec import (
     DistributedCodec,
@@ -53,7 +54,6 @@ U64 = npt.NDArray[np.uint64]
 VERSION = 1
 ENCODINGS = ("fixed", "ddp")
 SECURITY = ("semi-honest", "malicious")
-MECHANISMS = ("dgauss", "skellam")
 MAX_ROSTER = 1 << 16
 MAX_ARRAYS = 1 << 12
 MAX_DIM = 1 << 28
@@ -288,7 +288,7 @@ def _dp_spec(item: object) -> DpSpec:
     return DpSpec(_float(dp, "clip_norm", 0.0, low_open=True),
                   _float(dp, "scale", 0.0, low_open=True), _int(dp, "bits", 8, 64),
                   _float(dp, "noise_stddev", 0.0), _int(dp, "rotation_seed", 0, (1 << 63) - 1),
-                  fields.text(dp, "mechanism", MECHANISMS, error=SetupError,
+                  fields.text(dp, "mechanism", mechanism_names(), error=SetupError,
                               what="DP parameter"),
                   _float(dp, "beta", 0.0, 0.999999), _int(dp, "threshold", 1, MAX_ROSTER))
 
@@ -327,7 +327,7 @@ def dp_params(setup: RoundSetup) -> EncodingParams:
         return EncodingParams(dim=setup.model_dim + 1, clip_norm=spec.clip_norm,
                               scale=spec.scale, bits=spec.bits, noise_stddev=spec.noise_stddev,
                               rotation_seed=spec.rotation_seed,
-                              mechanism=spec.mechanism,  # type: ignore[arg-type]
+                              mechanism=spec.mechanism,
                               beta=spec.beta, threshold=spec.threshold)
     except ValueError as exc:
         raise SetupError(f"distributed-DP parameters: {exc}") from None
@@ -440,8 +440,13 @@ class DistributedDP:
     site_weights: float | None = None
     """DP-FedAvg+'s private adaptive clip and site weights: not carried by this round setup
     yet (``secagg train`` runs them); asking for them is refused, never ignored."""
+    mechanism: str = "dgauss"
+    """The integer noise, by its name in :mod:`dp.mechanisms` (``"dgauss"``, ``"skellam"``)."""
 
     def __post_init__(self) -> None:
+        if self.mechanism not in mechanism_names():
+            raise SetupError(f"mechanism {self.mechanism!r}: use one of {mechanism_names()} "
+                             "(dp.mechanisms)")
         if self.adaptive_clip is not None or self.site_weights is not None:
             raise SetupError("adaptive_clip/site_weights: the Flower and NVFlare round setup "
                              "does not carry DP-FedAvg+'s clip count or site weights yet; run "
@@ -507,7 +512,7 @@ def round_plan(privacy: DistributedDP, setup: RoundSetup,
             clip_norm=privacy.clip_norm, num_sites=setup.num_clients,
             threshold=setup.threshold, max_units_per_site=1,
             noise_multiplier=privacy.noise_multiplier,
-            granularity_bits=privacy.granularity_bits)
+            granularity_bits=privacy.granularity_bits, mechanism=privacy.mechanism)
     return cache[key]
 
 
