@@ -28,6 +28,7 @@ import numpy.typing as npt
 from dp.errors import PrivacyConfigError, TooFewSurvivors
 from dp.mechanisms.dgauss import DGAUSS
 from dp.randomness import RandomSource, SystemRandom
+from secagg.crypto import MAX_BITS, MIN_BITS
 
 U64 = npt.NDArray[np.uint64]
 
@@ -60,8 +61,9 @@ class QuantileClipper:
                                      f"{self.target_quantile}")
         if not self.count_stddev > 0 or not self.expected_units > 0:
             raise PrivacyConfigError("count_stddev and expected_units must be > 0")
-        if self.threshold < 1 or not 8 <= self.bits <= 64:
-            raise PrivacyConfigError("threshold must be >= 1 and bits in [8, 64]")
+        if self.threshold < 1 or not MIN_BITS <= self.bits <= MAX_BITS:
+            raise PrivacyConfigError(f"threshold must be >= 1 and bits in [{MIN_BITS}, "
+                                     f"{MAX_BITS}]")
         if self.per_site_variance < 0.25:
             raise PrivacyConfigError(
                 f"each site's count noise stddev {math.sqrt(self.per_site_variance):.3g} is "

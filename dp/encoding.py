@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -129,7 +130,7 @@ def clip_rows(x: F64, clip_norm: float) -> F64:
     """Scale each row down to L2 norm at most ``clip_norm`` (rows already inside unchanged)."""
     norms = np.linalg.norm(x, axis=-1, keepdims=True)
     factor = np.minimum(1.0, clip_norm / np.maximum(norms, 1e-300))
-    return x * factor
+    return cast(F64, x * factor)
 
 
 class IntegerEncoder:
@@ -192,8 +193,8 @@ class IntegerEncoder:
         for _ in range(self.max_rounding_retries):
             if not pending.size:
                 return out
-            u = (uniform_words(self.source, pending.size * x.shape[1]) >> np.uint64(11))
-            u = (u.astype(np.float64) / 2.0**53).reshape(pending.size, x.shape[1])
+            words = uniform_words(self.source, pending.size * x.shape[1]) >> np.uint64(11)
+            u = (words.astype(np.float64) / 2.0**53).reshape(pending.size, x.shape[1])
             r = floor[pending] + (u < frac[pending])
             ok = np.einsum("ij,ij->i", r, r) <= bound_sq
             out[pending[ok]] = r[ok].astype(np.int64)

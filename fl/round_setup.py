@@ -45,7 +45,14 @@ from fl.errors import FLError
 from fl.site.core import SecureSum
 from fl.site.privacy import DistributedPlan, distributed_plan
 from fl.vector import ArraySpec
-from secagg import Config, RoundNonce, secagg_plus_parameters
+from secagg import (
+    MAX_BITS,
+    MIN_BITS,
+    SECURITY_MODES,
+    Config,
+    RoundNonce,
+    secagg_plus_parameters,
+)
 from transport import fields
 
 F64 = npt.NDArray[np.float64]
@@ -53,7 +60,6 @@ U64 = npt.NDArray[np.uint64]
 
 VERSION = 1
 ENCODINGS = ("fixed", "ddp")
-SECURITY = ("semi-honest", "malicious")
 MAX_ROSTER = 1 << 16
 MAX_ARRAYS = 1 << 12
 MAX_DIM = 1 << 28
@@ -207,8 +213,8 @@ class RoundSetup:
         if encoding not in ENCODINGS:
             raise SetupError(f"encoding {encoding!r}: use one of {ENCODINGS}")
         security = _str(body, "security")
-        if security not in SECURITY:
-            raise SetupError(f"security {security!r}: use one of {SECURITY}")
+        if security not in SECURITY_MODES:
+            raise SetupError(f"security {security!r}: use one of {SECURITY_MODES}")
         keys = body.get("vk")
         if not isinstance(keys, list) or not all(isinstance(k, bytes) and len(k) == 32
                                                  for k in keys):
@@ -226,7 +232,7 @@ class RoundSetup:
                              "no noise); send none")
         if encoding == "fixed" and body.get("dp") is not None:
             raise SetupError("a fixed-point round carries no DP parameters")
-        if dp is not None and dp.bits != _int(body, "bits", 8, 64):
+        if dp is not None and dp.bits != _int(body, "bits", MIN_BITS, MAX_BITS):
             raise SetupError("the DP encoding's modulus (dp bits) must be the secure sum's "
                              "(bits): a sum over a wider modulus than the encoding's does not "
                              "wrap as the noise calibration assumes")
@@ -239,7 +245,8 @@ class RoundSetup:
         return cls(run_id=_int(body, "run", 0, (1 << 64) - 1),
                    server_round=_int(body, "round", 0, (1 << 63) - 1), nonce=nonce,
                    roster=tuple(roster), threshold=_int(body, "t", 1, MAX_ROSTER),
-                   neighbors=k or None, bits=_int(body, "bits", 8, 64), security=security,
+                   neighbors=k or None, bits=_int(body, "bits", MIN_BITS, MAX_BITS),
+                   security=security,
                    arrays=specs, metrics=tuple(metrics), weight_key=weight,
                    encoding=encoding, frac_bits=frac_bits, dp=dp,
                    dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
@@ -286,7 +293,7 @@ def _dp_spec(item: object) -> DpSpec:
     dp = dict(zip(("clip_norm", "scale", "bits", "noise_stddev", "rotation_seed",
                    "mechanism", "beta", "threshold"), item, strict=True))
     return DpSpec(_float(dp, "clip_norm", 0.0, low_open=True),
-                  _float(dp, "scale", 0.0, low_open=True), _int(dp, "bits", 8, 64),
+                  _float(dp, "scale", 0.0, low_open=True), _int(dp, "bits", MIN_BITS, MAX_BITS),
                   _float(dp, "noise_stddev", 0.0), _int(dp, "rotation_seed", 0, (1 << 63) - 1),
                   fields.text(dp, "mechanism", mechanism_names(), error=SetupError,
                               what="DP parameter"),
