@@ -23,6 +23,7 @@ complete the round with the others.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from dp.budget import Event
 from dp.encoding import EncodingParams
 from dp.mechanisms import names as mechanism_names
 from dp.policy import SitePolicy
@@ -42,7 +44,8 @@ from fl.codec import (
     noisy_mean,
 )
 from fl.errors import FLError
-from fl.site.core import SecureSum
+from fl.input_bound import bits_for, capped_weight, dp_bound, fixed_bound
+from fl.site.core import SecureSum, charged_proposal, own_share
 from fl.site.privacy import DistributedPlan, distributed_plan
 from fl.vector import ArraySpec
 from secagg import (
@@ -105,6 +108,10 @@ class RoundSetup:
     dropout_rate: float = 0.0
     corrupt_rate: float = 0.0
     verify_keys: tuple[bytes, ...] = ()
+    norm_bound: float | None = None
+    """Input validation (opt-in; docs/protocol.md 10.6): each site proves in zero knowledge
+    that what it masks is within this L2 bound (fixed point: on its row ``[w x, w m, w]``;
+    distributed DP: the clip, and nothing else). :attr:`input_bound` is its integer form."""
     round_nonce: RoundNonce | None = field(default=None, compare=False, repr=False)
     """The host's side only (never on the wire): the single-use :class:`secagg.RoundNonce`
     whose value is :attr:`nonce`, for the round's ``Server(nonce=setup.round_nonce)``."""
@@ -129,16 +136,31 @@ class RoundSetup:
     def node_of(self, client_id: int) -> int:
         return self.roster[client_id - 1]
 
+    @property
+    def input_bound(self) -> int | None:
+        """The integer L2 bound every site proves (``secagg.Config(norm_bound=)``) from
+        :attr:`norm_bound` and the encoding (:mod:`fl.input_bound`); None: no validation."""
+        if self.norm_bound is None:
+            return None
+        if self.encoding == "ddp":
+            try:
+                return dp_bound(dp_params(self))
+            except ValueError as exc:
+                raise SetupError(f"norm_bound: {exc}") from None
+        return fixed_bound(self.norm_bound, self.frac_bits,
+                           self.model_dim + len(self.metrics) + 1)
+
     def config(self, dim: int) -> Config:
         """The secagg configuration (``dim`` is the encoded length, see fl.flower.encoding)."""
         # a sparse graph is checked against the rates it was derived for (Bell et al.)
         rates: dict[str, Any] = ({} if self.neighbors is None else
                                  {"dropout_rate": self.dropout_rate,
                                   "corrupt_rate": self.corrupt_rate})
+        bound = self.input_bound
         try:
             return Config(num_clients=self.num_clients, threshold=self.threshold, dim=dim,
                           bits=self.bits, neighbors=self.neighbors, security=self.security,
-                          **rates)
+                          norm_bound=bound, **rates)
         except ValueError as exc:
             raise SetupError(f"unsafe or invalid protocol parameters: {exc}") from None
 
@@ -166,6 +188,8 @@ class RoundSetup:
             "rates": [self.dropout_rate, self.corrupt_rate],
             "vk": list(self.verify_keys),
         }
+        if self.norm_bound is not None:  # absent: the setup's bytes are as without it
+            body["nb"] = self.norm_bound
         return fields.pack_map(body)
 
     @classmethod
@@ -242,6 +266,12 @@ class RoundSetup:
         named = {"dropout_rate": rates[0], "corrupt_rate": rates[1]}
         dropout_rate = _float(named, "dropout_rate", 0.0, 0.999)
         corrupt_rate = _float(named, "corrupt_rate", 0.0, 0.999)
+        norm_bound = None if "nb" not in body else _float(body, "nb", 0.0, low_open=True)
+        if norm_bound is not None and dp is not None and norm_bound != dp.clip_norm:
+            # the site's refusal must not depend on its data: under DP only the clip,
+            # which every honest contribution meets by construction (fl.input_bound)
+            raise SetupError(f"norm_bound={norm_bound} in a distributed-DP round: the bound "
+                             f"a site proves is the DP clip ({dp.clip_norm}), nothing else")
         return cls(run_id=_int(body, "run", 0, (1 << 64) - 1),
                    server_round=_int(body, "round", 0, (1 << 63) - 1), nonce=nonce,
                    roster=tuple(roster), threshold=_int(body, "t", 1, MAX_ROSTER),
@@ -250,7 +280,7 @@ class RoundSetup:
                    arrays=specs, metrics=tuple(metrics), weight_key=weight,
                    encoding=encoding, frac_bits=frac_bits, dp=dp,
                    dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
-                   verify_keys=tuple(keys))
+                   verify_keys=tuple(keys), norm_bound=norm_bound)
 
 
 _int = partial(fields.integer, error=SetupError, what="setup field")
@@ -360,9 +390,12 @@ def encode_reply(setup: RoundSetup, arrays: F64, metrics: dict[str, float], weig
         raise ReplyError(f"the weight {setup.weight_key!r} must be a positive number, got "
                          f"{weight!r}")
     values = [metrics[name] for name in setup.metrics]
-    try:  # no d-sized concatenation when there are no metrics
-        return encode_weighted(_fixed(setup), np.concatenate(
-            [arrays, np.asarray(values, dtype=np.float64)]) if values else arrays, weight)
+    # no d-sized concatenation when there are no metrics
+    row = np.concatenate([arrays, np.asarray(values, dtype=np.float64)]) if values else arrays
+    if setup.norm_bound is not None:  # the row clipped to the bound: a lower weight
+        weight = capped_weight(weight, row, setup.norm_bound)
+    try:
+        return encode_weighted(_fixed(setup), row, weight)
     except ValueError as exc:
         raise ReplyError(str(exc)) from None
 
@@ -408,6 +441,32 @@ def round_release(setup: RoundSetup) -> Callable[[SitePolicy], SecureSum]:
     return release
 
 
+def charged_params(params: EncodingParams, security: str) -> EncodingParams:
+    """The encoding ``params`` as a node's ledger charges a round that carries it: the
+    replace-one sensitivity of its one row (:func:`round_release`) and, unless the roster is
+    authenticated (``security="malicious"``, every key enrolled), its own noise share only
+    (:func:`fl.site.core.own_share`). What a server plans its noise for
+    (:func:`round_plan`), so the epsilon it reports is each node's."""
+    one_row = params.replace_one()
+    return one_row if security == "malicious" else own_share(one_row)
+
+
+def charged_event(setup: RoundSetup) -> Event | None:
+    """The budget event each node's ledger records for ``setup``'s round, computed as the
+    node computes it (:func:`fl.site.core.charged_proposal` of :func:`round_release`); None
+    for an exact sum."""
+    return charged_proposal(round_release(setup)(SitePolicy()),
+                            secagg_threshold=setup.threshold,
+                            authenticated=setup.security == "malicious").event
+
+
+def whose_noise(setup: RoundSetup) -> str:
+    """Whose noise a node counts in ``setup``'s round (for a server's report of the nodes'
+    epsilon)."""
+    return ("the enrolled nodes' noise counted" if setup.security == "malicious"
+            else "its own noise share only: the roster is the server's word")
+
+
 def check_identity(setup: RoundSetup, client_id: int, signing_key: Any,
                    trusted_keys: frozenset[bytes]) -> dict[str, Any]:
     """A malicious-mode setup must give this site its own verify key and only enrolled
@@ -434,7 +493,9 @@ class DistributedDP:
     """Client-level distributed DP: each node clips its update (reply minus the arrays
     sent) to ``clip_norm`` and adds its share of integer noise. Give ``epsilon`` (with
     ``delta``, the node ``sample_rate`` and the planned ``rounds``) to have the noise fit
-    the budget and the budget enforced, or a central ``noise_multiplier``."""
+    the budget and the budget enforced, or a central ``noise_multiplier``. The budget is
+    planned and spent as each node's ledger charges the rounds (:func:`round_plan`), at
+    sample rate 1: a node cannot verify it was sampled, so ``sample_rate`` stays 1.0."""
 
     clip_norm: float
     epsilon: float | None = None
@@ -454,6 +515,11 @@ class DistributedDP:
         if self.mechanism not in mechanism_names():
             raise SetupError(f"mechanism {self.mechanism!r}: use one of {mechanism_names()} "
                              "(dp.mechanisms)")
+        if self.sample_rate != 1.0:
+            raise SetupError(f"sample_rate={self.sample_rate!r}: a node charges every round it "
+                             "joins at sample rate 1 (the server picks the roster; a node "
+                             "cannot verify it was sampled), so the plan is at 1 too: leave "
+                             "sample_rate at 1.0")
         if self.adaptive_clip is not None or self.site_weights is not None:
             raise SetupError("adaptive_clip/site_weights: the Flower and NVFlare round setup "
                              "does not carry DP-FedAvg+'s clip count or site weights yet; run "
@@ -507,11 +573,15 @@ def fixed_setup(*, run_id: int, server_round: int, roster: Sequence[int],
 
 
 def round_plan(privacy: DistributedDP, setup: RoundSetup,
-               cache: dict[tuple[int, int, int], DistributedPlan]) -> DistributedPlan:
-    """The distributed-DP plan of ``setup``'s round (``fl.site.privacy.distributed_plan``: the
-    per-site noise so any ``threshold`` survivors carry the target), cached per (model
-    size, sites, threshold) in ``cache``."""
-    key = (setup.model_dim, setup.num_clients, setup.threshold)
+               cache: dict[tuple[int, int, int, str], DistributedPlan]) -> DistributedPlan:
+    """The distributed-DP plan of ``setup``'s round (``fl.site.privacy.distributed_plan``),
+    cached per (model size, sites, threshold, security mode) in ``cache``. With an
+    ``epsilon`` the per-node noise is the least whose ``rounds`` rounds fit it *as each node's
+    ledger charges them* (:func:`charged_params`: the replace-one sensitivity of its one row,
+    at sample rate 1, and in a semi-honest round its own noise share only), so a default
+    node accepts the plan and the epsilon the server reports is the one every ledger
+    records; a ``noise_multiplier`` is the central one any ``threshold`` survivors carry."""
+    key = (setup.model_dim, setup.num_clients, setup.threshold, setup.security)
     if key not in cache:
         cache[key] = distributed_plan(
             model_dim=setup.model_dim, epsilon=privacy.epsilon, delta=privacy.delta,
@@ -519,7 +589,9 @@ def round_plan(privacy: DistributedDP, setup: RoundSetup,
             clip_norm=privacy.clip_norm, num_sites=setup.num_clients,
             threshold=setup.threshold, max_units_per_site=1,
             noise_multiplier=privacy.noise_multiplier,
-            granularity_bits=privacy.granularity_bits, mechanism=privacy.mechanism)
+            granularity_bits=privacy.granularity_bits,
+            charged=partial(charged_params, security=setup.security),
+            mechanism=privacy.mechanism)
     return cache[key]
 
 
@@ -532,3 +604,42 @@ def with_distributed_dp(setup: RoundSetup, plan: DistributedPlan, domain: bytes
     dp = DpSpec(p.clip_norm, p.scale, p.bits, p.noise_stddev, rotation, p.mechanism,
                 p.beta, p.threshold)
     return replace(setup, encoding="ddp", frac_bits=0, dp=dp, bits=p.bits, metrics=())
+
+
+def check_norm_bound(norm_bound: float | str | None, privacy: DistributedDP | None) -> None:
+    """A server's ``norm_bound`` argument (input validation, docs/protocol.md 10.6): None
+    (off), a positive number (fixed point: the L2 bound on each site's row ``[w x, w m,
+    w]``) or ``"clip"`` (distributed DP: the clip); ``ValueError`` saying which otherwise."""
+    if norm_bound is None:
+        return
+    if privacy is not None:
+        if norm_bound != "clip":
+            raise ValueError(f"norm_bound={norm_bound!r} with distributed DP: the bound a "
+                             "site proves is the DP clip, pass norm_bound='clip'")
+        return
+    if isinstance(norm_bound, bool) or not isinstance(norm_bound, (int, float)) or not (
+            0 < norm_bound < math.inf):
+        raise ValueError(f"norm_bound={norm_bound!r}: give the L2 bound on each site's row "
+                         "[w * arrays, w * metrics, w] as a positive number ('clip' is for "
+                         "distributed DP)")
+
+
+def with_norm_bound(setup: RoundSetup, norm_bound: float | str) -> RoundSetup:
+    """``setup`` with input validation (:func:`check_norm_bound`'s ``norm_bound``). Under
+    distributed DP the sum's bits are raised if the bounded contributions of the roster
+    could wrap (``secagg.validation.check_parameters``; a wider modulus changes no privacy
+    parameter). ``ValueError`` (a :class:`SetupError`) naming the fix when the bound cannot
+    be proved at these parameters."""
+    if setup.dp is not None:
+        bounded = replace(setup, norm_bound=setup.dp.clip_norm)
+        bound = bounded.input_bound
+        assert bound is not None
+        bits = max(setup.bits, bits_for(setup.num_clients, bound))
+        if bits > 64:
+            raise SetupError(f"input validation at the DP clip needs {bits} bits for "
+                             f"{setup.num_clients} sites (> 64): lower granularity_bits")
+        bounded = replace(bounded, bits=bits, dp=replace(setup.dp, bits=bits))
+    else:
+        bounded = replace(setup, norm_bound=float(norm_bound))
+    bounded.config(encoded_dim(bounded))  # the proof's own limits (SetupError: the fix)
+    return bounded

@@ -105,14 +105,21 @@ def main() -> None:
     print(f"wrote {args.out}", file=sys.stderr)
 
 
+OTHERS = (("<!-- section: attacks -->", "<!-- end section: attacks -->"),)
+"""Sections of docs/results.md that other scripts own, besides scripts/tcga_brca.py's
+(benchmarks/bench_attacks.py's)."""
+
+
 def write(out: Path, text: str) -> None:
-    """Write ``text``, keeping the sections other scripts own (scripts/tcga_brca.py)."""
+    """Write ``text``, keeping the sections other scripts own (scripts/tcga_brca.py,
+    :data:`OTHERS`)."""
     from tcga_brca import END, START
 
     old = out.read_text(encoding="utf-8") if out.exists() else ""
-    if START in old and END in old:
-        kept = START + old.split(START, 1)[1].split(END, 1)[0] + END
-        text = text.rstrip("\n") + "\n\n" + kept + "\n"
+    for start, end in ((START, END), *OTHERS):
+        if start in old and end in old:
+            kept = start + old.split(start, 1)[1].split(end, 1)[0] + end
+            text = text.rstrip("\n") + "\n\n" + kept + "\n"
     out.write_text(text, encoding="utf-8")
 
 

@@ -188,7 +188,15 @@ Holds (each row in section 4 is a test):
   scaled update, a wrapped or malformed proof, or a proof replayed from another site or
   round is refused, left out of the sum and named; honest sites are never named; a site
   that masks another vector than it proved is caught when the commitments do not open to
-  the sum.
+  the sum. The Flower and NVFlare runtimes carry it through the one site session
+  (`SecureAggregation(norm_bound=)`, `SecureFedAvg(norm_bound=)`, docs/protocol.md 10.6): a
+  site that scales its update by 1,000 is refused and named in the round's report and the
+  global model is the honest sites' weighted average (`tests/flower/test_validation.py`,
+  `tests/nvflare/test_nvflare_validation.py`; an honest round with validation equals the
+  round without it bit for bit). Under distributed DP the bound
+  is the clip with the noise's tail (an honest site fails its own round with probability
+  at most 2^-40 and is never named); a contribution scaled by 10 is refused (section 4,
+  "Model replacement under distributed DP"; `tests/fl/test_input_bound.py`).
 * **Gradient leakage.** Exact inversion of a linear layer and DLG on a small MLP succeed
   on a plaintext update and fail on what the server receives (the masked vector).
 
@@ -221,7 +229,16 @@ Does not hold (shown by strict-xfail tests, so a change in behaviour turns the s
   it, an update within the bound is accepted whatever its direction: a stealthy backdoor of
   norm <= B is bounded, not prevented (robust aggregation or DP noise must do the rest). A
   site that proves one vector and masks another makes the round release nothing, and is not
-  named (ACORN-detect: one site can abort a validated round).
+  named (ACORN-detect: one site can abort a validated round). Under distributed DP the
+  bound covers the noised contribution: a site that leaves out its noise can send a signal
+  of norm up to that bound, several times the clip's (4.1x at D = 64 in section 4's test,
+  8.6x in the Flower test's round; it grows as sigma sqrt(D) / (scale C)); verifiable noise
+  is not done. The multi-machine
+  `--role site` does not carry the bound yet. Measured (docs/results.md section 4, 10
+  sites, breast cancer, `benchmarks/bench_attacks.py`): a site that replaces the model
+  takes plain FedAvg and unbounded secure aggregation from 0.95 to 0.10 accuracy; with the
+  bound it is refused every round; scaled down to the bound it is accepted and lowers the
+  accuracy to 0.88 over 8 rounds.
 * **Side channels, denial of service**: not addressed by the protocol
   (docs/protocol.md 9.2). At the transport, what one site login can do to other parties is
   bounded (client ids bound to usernames, per-user caps and deadlines in the embedded

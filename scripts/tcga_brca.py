@@ -648,13 +648,9 @@ def plot(raw: dict[str, Any], path: Path) -> None:
 
 def write_section(out: Path, section: str) -> None:
     """Replace the marked section of ``out`` (or append it)."""
-    text = out.read_text(encoding="utf-8") if out.exists() else ""
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    out.write_text(text, encoding="utf-8")
+    from sections import write_section as write_marked
+
+    write_marked(out, section, START, END)
 
 
 def ablation_raw(args: argparse.Namespace) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from .crypto import MAX_BITS, MIN_BITS, SigningKey
 from .errors import (
     CryptoError,
     DecodeError,
+    InputMismatch,
+    InputRefused,
     ProtocolAbort,
     ProtocolError,
     SecAggError,
@@ -38,6 +40,8 @@ __all__ = [
     "CryptoError",
     "DecodeError",
     "GraphParameters",
+    "InputMismatch",
+    "InputRefused",
     "LocalRound",
     "MaskedStream",
     "ProtocolAbort",

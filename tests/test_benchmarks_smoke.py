@@ -125,3 +125,25 @@ def test_ledger_benchmark_reports_cost_per_charge() -> None:
     assert (first["at"], last["at"]) == (10, 20)
     assert all(row["cpu_ms"] > 0 and row["bytes"] > 0 for row in (first, last))
     assert size["file_mb"] > 0
+
+
+def test_attack_benchmark_runs_and_writes_its_section(tmp_path: Path) -> None:
+    """benchmarks/bench_attacks.py: one plain-FedAvg round of the model-replacement attack
+    (the validated runs are the benchmark's, minutes; tests/flower/test_validation.py
+    covers them) and its section written between its markers, twice in place."""
+    pytest.importorskip("flwr")
+    bench = _load("bench_attacks")
+    data = bench.Data(0)
+    replaced = bench.run(data, 1, bench.app(data, None, inflate=100.0), None)
+    clean = bench.run(data, 1, bench.app(data, None, attack=False), None)
+    assert replaced["accuracy"][1] < 0.5 < 0.85 < clean["accuracy"][1]
+    runs = {"plain FedAvg (Flower, updates in the clear)": replaced,
+            "validated secure aggregation (norm_bound)": {**clean, "refused_rounds": 1}}
+    section = bench.render({"rounds": 1, "seed": 0, "bound": 1.0, "boost": 100.0,
+                            "attacker_share": 0.1, "runs": runs})
+    out = tmp_path / "results.md"
+    out.write_text("# results\n")
+    bench.write(out, section)
+    bench.write(out, section)
+    text = out.read_text()
+    assert text.count(bench.START) == 1 and "| 1 of 1 rounds |" in text

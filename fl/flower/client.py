@@ -62,7 +62,7 @@ from fl.flower.guard import (
     remove_stale_nodes,
     snapshot_key,
 )
-from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, STATE, secagg_record
+from fl.flower.records import PAYLOAD, PROOF, RECORD, SESSION, SETUP, STATE, secagg_record
 from fl.flower.setup import RoundSetup, SetupError
 from fl.round_setup import check_identity
 from fl.site.core import SiteCore, open_site_core, state_directory
@@ -241,10 +241,14 @@ secagg_mod = make_secagg_mod()
 """The mod with the default :class:`NodeOptions`: ``ClientApp(mods=[secagg_mod])``."""
 
 
-def _reply(msg: Any, session: bytes, payload: bytes, masked: Any = None) -> Any:
+def _reply(msg: Any, session: bytes, payload: bytes, masked: Any = None,
+           proof: bytes | None = None) -> Any:
     from flwr.app import ConfigRecord, Message, RecordDict
 
-    content = RecordDict({RECORD: ConfigRecord({SESSION: session, PAYLOAD: payload})})
+    fields: dict[str, Any] = {SESSION: session, PAYLOAD: payload}
+    if proof is not None:
+        fields[PROOF] = proof
+    content = RecordDict({RECORD: ConfigRecord(fields)})
     if masked is not None:
         content[MASKED] = masked
     return Message(content, reply_to=msg)
@@ -340,7 +344,8 @@ def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
             min_stage=None if stage_record.stage is None else Stage(stage_record.stage),
             **check_identity(setup, client_id, options.signing_key, options.trusted_keys))
         try:
-            message = session_site.answer(client, payload, int(saved.get(CHARGE)))
+            proof, message = session_site.answer_with_proof(client, payload,
+                                                            int(saved.get(CHARGE)))
         except ProtocolAbort as exc:
             # returned, not raised: Flower saves the Context (the round's secrets are gone)
             stage_record.abort()
@@ -358,7 +363,7 @@ def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
             context.state.config_records.pop(STATE, None)
         else:
             _save(context, setup, client, key, int(saved.get(CHARGE)))
-    return _reply(msg, client.session_id, out, arrays)
+    return _reply(msg, client.session_id, out, arrays, proof)
 
 
 def _error(msg: Any, reason: str) -> Any:

@@ -15,6 +15,9 @@ STATE = "secagg.round"
 SETUP = "setup"
 SESSION = "session"
 PAYLOAD = "msg"
+PROOF = "proof"
+"""With input validation: the site's ``InputProof`` (secagg wire bytes) beside its masked
+input's envelope, checked before the masked input (docs/protocol.md 10)."""
 STAGE = "stage"
 
 

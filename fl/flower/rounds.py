@@ -20,9 +20,9 @@ import numpy as np
 import numpy.typing as npt
 
 from fl.flower.chunks import CHUNK, DEFAULT_CHUNK_BYTES, ChunkError, assemble, chunk_elements
-from fl.flower.records import PAYLOAD, RECORD, SESSION, SETUP, payload_of
+from fl.flower.records import PAYLOAD, PROOF, RECORD, SESSION, SETUP, payload_of, secagg_record
 from fl.flower.setup import RoundSetup
-from secagg import ProtocolAbort, ProtocolError, Server, Stage, encode
+from secagg import InputRefused, ProtocolAbort, ProtocolError, Server, Stage, encode
 
 log = logging.getLogger("fl.flower")
 U64 = npt.NDArray[np.uint64]
@@ -40,7 +40,9 @@ class RoundReport:
     ``epsilon``: the privacy budget spent after this round (distributed DP with a budget);
     ``rejected``: the secagg server's rejections (client id -> reason, mapped to node ids);
     ``chunk_rejected``: masked inputs whose chunks did not have the round's layout (node,
-    reason; :mod:`fl.flower.chunks`), each a dropout at masked_input.
+    reason; :mod:`fl.flower.chunks`), each a dropout at masked_input; ``input_refused``:
+    input validation (``norm_bound``, docs/protocol.md 10): node -> why its proof failed
+    (left out of the sum and named; an honest node never is).
     """
 
     setup: RoundSetup
@@ -58,7 +60,9 @@ class RoundReport:
     node_epsilon: float | None = None
     """Distributed DP: the epsilon each node's ledger holds after this run's released rounds
     (its own noise share unless the roster is authenticated, the replace-one sensitivity of
-    its one row: :func:`fl.site.core.charged_proposal`), beside the plan's ``epsilon``."""
+    its one row: :func:`fl.round_setup.charged_event`); with a budget the server plans and
+    spends that same figure, so ``epsilon`` equals it."""
+    input_refused: dict[int, str] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)
     """Nodes whose error reply named a reason (node -> the reason, e.g. ``refused by site
     policy [exact-release]: ...``; the server names the rule and the fix)."""
@@ -135,6 +139,8 @@ class RoundDriver:
                           for cid, st in self.server.dropped.items()}
         report.rejected = [(self.setup.node_of(cid) if 0 < cid <= self.setup.num_clients
                             else cid, reason) for cid, reason in self.server.rejected]
+        report.input_refused = {self.setup.node_of(cid): reason
+                                 for cid, reason in self.server.refused.items()}
         report.server_cpu = self._cpu
         if result is not None and report.aborted is None:
             report.total = result.total
@@ -206,6 +212,8 @@ class RoundDriver:
             payload = payload_of(reply)
             message: Any = payload
             if stage == Stage.MASKED_INPUT:
+                if not self._proof(cid, node, reply):
+                    return  # refused (named in the report): its masked input never counts
                 message = assemble(reply.content, payload, self.server.config.dim,
                                    self.server.config.bits, self.chunk)
                 size = len(payload) + len(message.masked)
@@ -219,3 +227,19 @@ class RoundDriver:
             log.warning("node %d's masked input rejected: %s", node, exc)
         except (ValueError, ProtocolError) as exc:
             log.info("node %d's %s reply rejected: %s", node, stage.label, exc)
+
+    def _proof(self, cid: int, node: int, reply: Any) -> bool:
+        """With input validation: the node's input proof into the server before its masked
+        input; False when the server refuses it (the node is named in ``input_refused``). A
+        missing proof is left to the server, which then rejects the masked input."""
+        record = secagg_record(reply)
+        proof = None if record is None else record.get(PROOF)
+        if self.server.config.norm_bound is None or not isinstance(proof, bytes):
+            return True
+        self.report.bytes_up[node] = self.report.bytes_up.get(node, 0) + len(proof)
+        try:
+            self.server.receive(cid, proof)
+        except InputRefused as exc:
+            log.warning("node %d refused in masked_input: %s", node, exc)
+            return False
+        return True

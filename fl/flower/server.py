@@ -19,14 +19,20 @@ SecAgg over the complete graph with ``threshold`` (default: the protocol's floor
 ``verify_keys`` (Flower node id -> enrolled Ed25519 key), sent to the nodes in the setup,
 which each node checks against its own enrolment list (``NodeOptions.trusted_keys``).
 ``privacy=DistributedDP(...)`` switches the encoding to distributed DP (:mod:`dp`): the
-per-node noise comes from ``fl.site.privacy.distributed_plan`` (calibrated so any ``t``
-survivors carry the target noise) and a round that would overshoot the budget is not run.
+per-node noise comes from ``fl.site.privacy.distributed_plan`` through
+:func:`fl.round_setup.round_plan` (with an ``epsilon``: the least whose rounds fit it as each
+node's ledger charges them), the budget is spent at that figure and a round that would
+overshoot it is not run.
+``norm_bound`` turns on input validation (docs/protocol.md 10): every node proves in zero
+knowledge that what it masks is within the bound (a number: the L2 norm of its row
+``[w * arrays, w * metrics, w]``; ``"clip"`` under distributed DP: the clip, noise
+included); a node whose proof fails is left out of the sum and named
+(``RoundReport.input_refused``, Flower's log at WARNING).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,8 +41,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
-from dp.budget import PrivacyBudget
-from dp.policy import SitePolicy, refusal_summary
+from dp.policy import refusal_summary
 from fl.errors import NothingReleased
 from fl.flower.chunks import DEFAULT_CHUNK_BYTES, check_context, chunk_elements
 from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten
@@ -44,14 +49,16 @@ from fl.flower.rounds import RoundDriver, RoundReport
 from fl.flower.setup import RoundSetup
 from fl.round_setup import (
     DistributedDP,
+    charged_event,
+    check_norm_bound,
     fixed_setup,
     protocol_graph,
     round_plan,
-    round_release,
+    whose_noise,
     with_distributed_dp,
+    with_norm_bound,
 )
-from fl.site.core import charged_proposal
-from fl.site.privacy import DistributedPlan
+from fl.site.privacy import DistributedPlan, make_budget
 from secagg import Server
 
 log = logging.getLogger("fl.flower")
@@ -101,6 +108,9 @@ def _log_outcome(report: RoundReport) -> None:
     from flwr.common.logger import log as flwr_log
 
     n = report.setup.num_clients
+    for node, reason in sorted(report.input_refused.items()):
+        flwr_log(logging.WARNING, "secure aggregation round %d: node %d refused, its input "
+                 "proof failed: %s", report.server_round, node, reason)
     refusals = refusal_summary(list(report.refused.values()), n)
     if refusals is not None:  # the rule, how many nodes and the fix, by default
         flwr_log(logging.WARNING, "secure aggregation round %d: %s", report.server_round,
@@ -175,7 +185,8 @@ class SecureAggregation(Strategy):
     :class:`fl.flower.rounds.RoundReport` per round; each round's drops are also logged to
     Flower's log. ``chunk_bytes``: a node's masked input travels as an ``ArrayRecord`` of
     chunks of this many bytes in the sum's natural width (:mod:`fl.flower.chunks`; default
-    4 MiB, one Flower ``ArrayChunk`` each), so no Flower message of the round is larger."""
+    4 MiB, one Flower ``ArrayChunk`` each), so no Flower message of the round is larger.
+    ``norm_bound``: input validation (module docstring; None: off, the default)."""
 
     def __init__(self, strategy: Strategy, *, neighbors: int | str | None = "auto",
                  threshold: int | None = None, dropout_rate: float = 0.1,
@@ -184,7 +195,8 @@ class SecureAggregation(Strategy):
                  privacy: DistributedDP | None = None,
                  stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
                  verify_keys: Mapping[int, bytes] | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 norm_bound: float | str | None = None) -> None:
         if security not in ("semi-honest", "malicious"):
             raise ValueError(f"security={security!r}: use 'semi-honest' or 'malicious'")
         if security == "malicious" and not verify_keys:
@@ -198,6 +210,7 @@ class SecureAggregation(Strategy):
                              "carry no noise); pass metrics=()")
         if privacy is not None and privacy.epsilon is None and privacy.noise_multiplier is None:
             raise ValueError("DistributedDP needs epsilon (a budget) or a noise_multiplier")
+        check_norm_bound(norm_bound, privacy)
         check_strategy(strategy)
         chunk_elements(chunk_bytes, 8, 1)  # a positive size under the gRPC limit
         if stage_timeout is not None and not stage_timeout > 0:
@@ -216,11 +229,14 @@ class SecureAggregation(Strategy):
         self.stage_timeout = stage_timeout
         self.verify_keys = dict(verify_keys or {})
         self.chunk_bytes = chunk_bytes
-        self.budget = (PrivacyBudget(privacy.epsilon, privacy.delta)
-                       if privacy is not None and privacy.epsilon is not None else None)
+        self.norm_bound = norm_bound
+        self._spent = (None if privacy is None
+                       else make_budget(privacy.epsilon, privacy.delta))
+        """What each node's ledger holds: the rounds released, as the nodes charge them."""
+        self.budget = self._spent if privacy is not None and privacy.epsilon is not None \
+            else None
         self.reports: list[RoundReport] = []
-        self._plans: dict[tuple[int, int, int], DistributedPlan] = {}
-        self._node_budget: PrivacyBudget | None = None
+        self._plans: dict[tuple[int, int, int, str], DistributedPlan] = {}
         self._round = 0
 
     # --- the strategy interface: the user's strategy decides ------------------------------
@@ -271,25 +287,19 @@ class SecureAggregation(Strategy):
                    "every round aborted or was not run (see the log above)"))
         return result
 
-    def _report_node_epsilon(self, setup: RoundSetup, report: RoundReport) -> None:
-        """The epsilon each node's ledger holds (the sites' figure), reported beside the
-        plan's: without the nodes' keys a node counts only its own noise share."""
-        assert self.privacy is not None
-        event = charged_proposal(round_release(setup)(SitePolicy()),
-                                 secagg_threshold=setup.threshold,
-                                 authenticated=setup.security == "malicious").event
+    def _spend(self, setup: RoundSetup, report: RoundReport) -> None:
+        """A released DP round: spend the epsilon each node's ledger charges for it
+        (:func:`fl.round_setup.charged_event`, the node's own computation; the plan fits the
+        budget as charged, :func:`fl.round_setup.round_plan`) and report it."""
+        assert self.privacy is not None and self._spent is not None
+        event = charged_event(setup)
         if event is None:
             return
-        if self._node_budget is None:
-            self._node_budget = PrivacyBudget(sys.float_info.max, self.privacy.delta)
-        self._node_budget.spend(event)
-        report.node_epsilon = self._node_budget.spent[0]
-        log.warning("round %d: each node's ledger holds epsilon %.4g (%s)%s",
-                    report.server_round, report.node_epsilon,
-                    "the enrolled nodes' noise counted" if setup.security == "malicious"
-                    else "its own noise share only: the roster is the server's word",
-                    "" if report.epsilon is None else
-                    f"; the server's plan: {report.epsilon:.4g}")
+        report.node_epsilon = self._spent.spend(event)[0]
+        if self.privacy.epsilon is not None:
+            report.epsilon = report.node_epsilon
+        log.warning("round %d: each node's ledger holds epsilon %.4g (%s)",
+                    report.server_round, report.node_epsilon, whose_noise(setup))
 
     # --- one secure round -----------------------------------------------------------------
 
@@ -339,11 +349,8 @@ class SecureAggregation(Strategy):
         sent = flatten(arrays, setup.arrays)
         aggregate, metrics, weight = decode_sum(setup, report.total, len(report.included),
                                                 sent)
-        if self.budget is not None and setup.dp is not None:
-            self.budget.spend(round_plan(self.privacy, setup, self._plans).event())
-            report.epsilon = self.budget.spent[0]
         if setup.dp is not None and self.privacy is not None:
-            self._report_node_epsilon(setup, report)
+            self._spend(setup, report)
         key = next(iter(first.array_records.keys()))
         weight_key = self._weight_key()
         content = RecordDict({
@@ -376,12 +383,13 @@ class SecureAggregation(Strategy):
             dropout_rate=self.dropout_rate, corrupt_rate=self.corrupt_rate,
             security=self.security, bits=self.bits, frac_bits=self.frac_bits,
             verify_keys=self.verify_keys)
-        if self.privacy is None:
-            return setup
-        plan = round_plan(self.privacy, setup, self._plans)
-        if self.budget is not None and not self.budget.can_run(plan.event()):
-            log.warning("round %d is not run: it would exceed the privacy budget "
-                        "(epsilon %.3g of %.3g spent)", server_round, self.budget.spent[0],
-                        self.budget.epsilon)
-            return None
-        return with_distributed_dp(setup, plan, b"flower-rotation|")
+        if self.privacy is not None:
+            setup = with_distributed_dp(setup, round_plan(self.privacy, setup, self._plans),
+                                        b"flower-rotation|")
+            event = charged_event(setup)
+            if self.budget is not None and event is not None and not self.budget.can_run(event):
+                log.warning("round %d is not run: it would exceed the privacy budget "
+                            "(epsilon %.3g of %.3g spent)", server_round,
+                            self.budget.spent[0], self.budget.epsilon)
+                return None
+        return setup if self.norm_bound is None else with_norm_bound(setup, self.norm_bound)

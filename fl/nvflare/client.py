@@ -33,15 +33,17 @@ which the server counts as this site dropping out at that stage.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from nvflare.apis.event_type import EventType
 from nvflare.apis.executor import Executor
-from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.fl_constant import FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
@@ -54,6 +56,8 @@ from dp.policy import PolicyRefused, SitePolicy
 from fl.errors import FLError
 from fl.nvflare.common import (
     PAYLOAD,
+    PROJECT_PACKAGES,
+    PROOF,
     REFUSAL_HEADER,
     SESSION,
     SETUP_HEADER,
@@ -139,17 +143,29 @@ class SecAggExecutor(Executor):
                                   f"{self.trainer_id!r} (add ClientAPIExecutor under that "
                                   "id: fl.nvflare.job.secure_fedavg_job)", fl_ctx)
                 return
-            self.trainer = trainer
             self.site = fl_ctx.get_identity_name()
             try:
-                self.config = SiteConfig.for_site(self.site)
-            except (FLError, PrivacyError) as exc:
+                # the site's check of the job: the train task goes through this session
+                self.check_app(fl_ctx.get_prop(FLContextKey.APP_ROOT))
+                config = SiteConfig.for_site(self.site)
+            except (FLError, PrivacyError) as exc:  # nothing of the job is trained
                 self.system_panic(f"site {self.site}: {exc}", fl_ctx)
                 return
+            self.trainer, self.config = trainer, config
             self.log_warning(fl_ctx, f"site {self.site}: {self.config.policy.describe()}; "
                                      f"ledger {self.config.ledger_path}")
         elif event_type == EventType.END_RUN:
             self.rounds.clear()
+
+    def check_app(self, app_root: object) -> None:
+        """At START_RUN, before anything of the job runs: the job's client app must route
+        its train and stage tasks to this executor, installed at the site, and ship none of
+        the project's code (:func:`fl.nvflare.job.check_site_app`); a site that cannot
+        check it refuses the job."""
+        if not isinstance(app_root, str) or not app_root:
+            raise NVFlareSecAggError("NVFlare gave no app root: this site cannot check that "
+                                     "the job's train task goes through its session; refused")
+        check_site_app(self, app_root, self.train_task_name)
 
     def requires_materialized_task_result(self, task_name: str) -> bool:
         """NVFlare asks: this executor consumes the trainer's result itself (it never
@@ -248,18 +264,69 @@ class SecAggExecutor(Executor):
             raise NVFlareSecAggError("the stage task carries no secure-aggregation payload")
         client, charge = entry
         try:
-            out = encode(self.session(fl_ctx).answer(client, payload, charge))
+            proof, message = self.session(fl_ctx).answer_with_proof(client, payload, charge)
         except ProtocolAbort:
             self.rounds.pop(session, None)  # the round's secrets are erased
             raise
         if client.done:
             self.rounds.pop(session, None)
-        return _reply(session, out)
+        return _reply(session, encode(message), proof)
 
 
-def _reply(session: bytes, payload: bytes) -> Shareable:
+def _reply(session: bytes, payload: bytes, proof: bytes | None = None) -> Shareable:
     reply = Shareable()
     reply[SESSION] = session
     reply[PAYLOAD] = payload
+    if proof is not None:  # input validation: checked before the masked input
+        reply[PROOF] = proof
     reply.set_return_code(ReturnCode.OK)
     return reply
+
+
+def check_site_app(executor: Any, app_root: str | Path, train_task_name: str) -> None:
+    """The site's check of a job's client app before it trains (raises
+    :class:`NVFlareSecAggError`): the train task and the stage task go to ``executor``, a
+    :class:`SecAggExecutor` whose classes come from the site's own installation, and the
+    app's ``custom/`` folder carries none of :data:`PROJECT_PACKAGES`. ``app_root``: the
+    job's app folder at the site (``fl_ctx.get_prop(FLContextKey.APP_ROOT)``)."""
+    app_root = Path(app_root)
+    custom = (app_root / "custom").resolve()
+    shipped = sorted(p for p in PROJECT_PACKAGES
+                     if (custom / p).exists() or (custom / f"{p}.py").exists())
+    if shipped:
+        raise NVFlareSecAggError(
+            f"the job ships its own copy of {', '.join(shipped)} in {custom}: this site runs "
+            "only the secagg it installed; build the job with SecureScriptRunner (it sets "
+            "the project's packages as app packages) and do not replace its app packages")
+    if not isinstance(executor, SecAggExecutor):
+        raise NVFlareSecAggError(f"the site executor {type(executor).__name__} is not a "
+                                 "SecAggExecutor: the train task must go through the session")
+    for cls in type(executor).__mro__:
+        source = inspect.getsourcefile(cls) if cls.__module__ != "builtins" else None
+        if source is not None and Path(source).resolve().is_relative_to(custom):
+            raise NVFlareSecAggError(
+                f"the job ships its own site executor ({cls.__module__}.{cls.__qualname__} "
+                f"in {custom}): this site runs only executors it installed")
+    path = f"{type(executor).__module__}.{type(executor).__qualname__}"
+    for task in (train_task_name, STAGE_TASK):
+        routed = [entry.get("executor", {}).get("path") for entry in _client_executors(app_root)
+                  if task in entry.get("tasks", ())]
+        if routed != [path]:
+            raise NVFlareSecAggError(
+                f"the job routes its {task!r} task to {routed or 'no executor'}, not to this "
+                f"site's session executor {path}: refused (only SecureScriptRunner's "
+                "executor may train)")
+
+
+def _client_executors(app_root: Path) -> list[dict[str, Any]]:
+    """The ``executors`` of the app's ``config_fed_client.json`` (in ``config/`` or the app
+    root, as NVFlare looks)."""
+    for folder in (app_root / "config", app_root):
+        path = folder / "config_fed_client.json"
+        if path.is_file():
+            try:
+                config = json.loads(path.read_text(encoding="utf-8"))
+                return list(config.get("executors", []))
+            except (OSError, ValueError, AttributeError, TypeError) as exc:
+                raise NVFlareSecAggError(f"cannot read {path}: {exc}") from None
+    raise NVFlareSecAggError(f"no config_fed_client.json in {app_root}")

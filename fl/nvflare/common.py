@@ -19,6 +19,9 @@ SETUP_HEADER = "secagg_setup"
 PAYLOAD = "secagg_payload"
 """Shareable key: a secagg wire message (server -> site, or site -> server)."""
 SESSION = "secagg_session"
+PROOF = "secagg_proof"
+"""Shareable key of a site's masked-input answer in a round with input validation: its
+``InputProof`` (secagg wire bytes), which the server checks before the masked input."""
 REFUSAL_HEADER = "secagg_refusal"
 """Header of a site's error reply: its public refusal reason (e.g. ``refused by site policy
 [exact-release]: ...``), so the server can say which rule and the fix."""
@@ -42,3 +45,7 @@ def site_id(name: str) -> int:
 def run_id(job_id: str) -> int:
     """The setup's run id for the NVFlare job ``job_id``."""
     return _id(b"secagg/nvflare|job|", job_id)
+
+
+PROJECT_PACKAGES = ("secagg", "transport", "dp", "fl")
+"""The project's top-level packages: installed at every party, never shipped in a job."""

@@ -21,10 +21,7 @@ copy of the project, or its own site executor, or routes the train task past the
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from nvflare.apis.event_type import EventType
@@ -34,12 +31,11 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.job_config.script_runner import ScriptRunner
 
 from fl.nvflare.client import SecAggExecutor
-from fl.nvflare.common import STAGE_TASK, NVFlareSecAggError
+from fl.nvflare.client import check_site_app as check_site_app  # the site's side, here too
+from fl.nvflare.common import PROJECT_PACKAGES, STAGE_TASK, NVFlareSecAggError
 
 TRAINER_ID = "secagg_trainer"
 """The component id of the executor that runs the user's script."""
-PROJECT_PACKAGES = ("secagg", "transport", "dp", "fl")
-"""The project's top-level packages: installed at every party, never shipped in a job."""
 
 
 def carry_only_user_code(job: Any) -> None:
@@ -50,55 +46,6 @@ def carry_only_user_code(job: Any) -> None:
     config = getattr(job, "job", None)
     have = list(getattr(config, "app_packages", None) or [])
     job.set_app_packages(have + [p for p in PROJECT_PACKAGES if p not in have])
-
-
-def check_site_app(executor: Any, app_root: str | Path, train_task_name: str) -> None:
-    """The site's check of a job's client app before it trains (raises
-    :class:`NVFlareSecAggError`): the train task and the stage task go to ``executor``, a
-    :class:`SecAggExecutor` whose classes come from the site's own installation, and the
-    app's ``custom/`` folder carries none of :data:`PROJECT_PACKAGES`. ``app_root``: the
-    job's app folder at the site (``fl_ctx.get_prop(FLContextKey.APP_ROOT)``)."""
-    app_root = Path(app_root)
-    custom = (app_root / "custom").resolve()
-    shipped = sorted(p for p in PROJECT_PACKAGES
-                     if (custom / p).exists() or (custom / f"{p}.py").exists())
-    if shipped:
-        raise NVFlareSecAggError(
-            f"the job ships its own copy of {', '.join(shipped)} in {custom}: this site runs "
-            "only the secagg it installed; build the job with SecureScriptRunner (it sets "
-            "the project's packages as app packages) and do not replace its app packages")
-    if not isinstance(executor, SecAggExecutor):
-        raise NVFlareSecAggError(f"the site executor {type(executor).__name__} is not a "
-                                 "SecAggExecutor: the train task must go through the session")
-    for cls in type(executor).__mro__:
-        source = inspect.getsourcefile(cls) if cls.__module__ != "builtins" else None
-        if source is not None and Path(source).resolve().is_relative_to(custom):
-            raise NVFlareSecAggError(
-                f"the job ships its own site executor ({cls.__module__}.{cls.__qualname__} "
-                f"in {custom}): this site runs only executors it installed")
-    path = f"{type(executor).__module__}.{type(executor).__qualname__}"
-    for task in (train_task_name, STAGE_TASK):
-        routed = [entry.get("executor", {}).get("path") for entry in _client_executors(app_root)
-                  if task in entry.get("tasks", ())]
-        if routed != [path]:
-            raise NVFlareSecAggError(
-                f"the job routes its {task!r} task to {routed or 'no executor'}, not to this "
-                f"site's session executor {path}: refused (only SecureScriptRunner's "
-                "executor may train)")
-
-
-def _client_executors(app_root: Path) -> list[dict[str, Any]]:
-    """The ``executors`` of the app's ``config_fed_client.json`` (in ``config/`` or the app
-    root, as NVFlare looks)."""
-    for folder in (app_root / "config", app_root):
-        path = folder / "config_fed_client.json"
-        if path.is_file():
-            try:
-                config = json.loads(path.read_text(encoding="utf-8"))
-                return list(config.get("executors", []))
-            except (OSError, ValueError, AttributeError, TypeError) as exc:
-                raise NVFlareSecAggError(f"cannot read {path}: {exc}") from None
-    raise NVFlareSecAggError(f"no config_fed_client.json in {app_root}")
 
 
 SCRIPT_LOGGERS = ("nvflare.client.in_process.api.InProcessClientAPI",

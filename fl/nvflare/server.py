@@ -46,11 +46,11 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.app_common.workflows.model_controller import ModelController
 
-from dp.budget import PrivacyBudget
 from dp.policy import refusal_summary
 from fl.errors import NothingReleased
 from fl.nvflare.common import (
     PAYLOAD,
+    PROOF,
     REFUSAL_HEADER,
     SESSION,
     SETUP_HEADER,
@@ -61,16 +61,21 @@ from fl.nvflare.common import (
 from fl.round_setup import (
     DistributedDP,
     RoundSetup,
+    charged_event,
+    check_norm_bound,
     decode_sum,
     encoded_dim,
     fixed_setup,
     round_plan,
+    whose_noise,
     with_distributed_dp,
+    with_norm_bound,
 )
-from fl.site.privacy import DistributedPlan
+from fl.site.privacy import DistributedPlan, make_budget
 from fl.strategies import ADAPTIVE, ServerStrategy
 from fl.vector import ArrayLayout
 from secagg import (
+    InputRefused,
     ProtocolAbort,
     ProtocolError,
     Server,
@@ -114,10 +119,15 @@ class RoundReport:
     ``dropped`` (site -> the stage it dropped in), ``seconds`` per stage, ``bytes_up`` /
     ``bytes_down`` (secagg payload bytes each site sent / was sent; the train task's model
     is not counted), ``total`` (the modular sum, None if the round aborted), ``epsilon``
-    (the budget spent after the round, distributed DP with a budget), ``metrics`` (the train
+    (the budget spent after the round, distributed DP with a budget), ``node_epsilon``
+    (distributed DP: the epsilon each site's ledger holds after the job's released rounds,
+    :func:`fl.round_setup.charged_event`; the budget is planned and spent at that figure, so
+    ``epsilon`` equals it), ``metrics`` (the train
     metrics averaged securely, ``metrics=[...]``), ``skipped`` (why a round was not run),
     and the round's protocol: ``security``, ``encoding`` (``fixed`` or
-    ``ddp``), ``bits``, ``threshold``, ``neighbors`` (None: the complete graph)."""
+    ``ddp``), ``bits``, ``threshold``, ``neighbors`` (None: the complete graph);
+    ``input_refused``: with input validation, site -> why its input proof failed (left out
+    of the sum and named; an honest site never is)."""
 
     server_round: int
     sites: tuple[str, ...]
@@ -129,6 +139,7 @@ class RoundReport:
     total: np.ndarray | None = None
     aborted: str | None = None
     epsilon: float | None = None
+    node_epsilon: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     skipped: str | None = None
     security: str = ""
@@ -136,6 +147,7 @@ class RoundReport:
     bits: int = 0
     threshold: int = 0
     neighbors: int | None = None
+    input_refused: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k != "total"}
@@ -159,9 +171,10 @@ class SecureFedAvg(ModelController):
     ``train_timeout`` (the train stage, :data:`DEFAULT_TRAIN_TIMEOUT`),
     ``progress_interval`` (seconds between "waiting for" log lines of a stage). ``dp``:
     client-level distributed DP, a dict of :class:`fl.round_setup.DistributedDP`'s fields
-    (``clip_norm``, ``epsilon``, ``delta``, ``sample_rate``, ``rounds``,
-    ``noise_multiplier``, ``granularity_bits``); with an ``epsilon`` a round that would
-    overshoot the budget is not run. ``report_path``: a JSON-lines file of the round
+    (``clip_norm``, ``epsilon``, ``delta``, ``rounds``, ``noise_multiplier``,
+    ``granularity_bits``); with an ``epsilon`` the noise is planned and the budget spent as
+    each site's ledger charges the rounds, and a round that would overshoot it is not run.
+    ``report_path``: a JSON-lines file of the round
     reports, relative to the job's run directory on the server (:data:`DEFAULT_REPORT_PATH`;
     "" writes none). ``task_request_interval``: seconds a site with no task waits before it
     asks again (:meth:`add_to_fed_job` sets it for the server).
@@ -169,7 +182,11 @@ class SecureFedAvg(ModelController):
     average, moved by ``server_lr``) or a server optimiser of :mod:`fl.strategies`
     (``"fedadam"``, ``"fedyogi"``, ``"fedadagrad"``: Reddi et al. 2021 with ``server_lr``,
     ``server_beta1``, ``server_beta2``, ``server_tau``; None: its defaults), its state kept
-    across the job's rounds."""
+    across the job's rounds. ``norm_bound``: input validation (docs/protocol.md 10), each
+    site proves in zero knowledge that what it masks is within the bound (a number: the L2
+    norm of its row ``[w * arrays, w * metrics, w]``; ``"clip"`` with ``dp``: the clip,
+    noise included); a site whose proof fails is left out of the sum and named in the
+    round's report (``input_refused``) and the log."""
 
     def __init__(self, *, num_rounds: int = 1, min_clients: int = 0,
                  num_clients: int | None = None, start_round: int = 0,
@@ -186,7 +203,8 @@ class SecureFedAvg(ModelController):
                  server_lr: float = 1.0, server_beta1: float | None = None,
                  server_beta2: float | None = None, server_tau: float | None = None,
                  persistor_id: str = AppConstants.DEFAULT_PERSISTOR_ID,
-                 progress_interval: float = 30.0, **fedavg_only: Any) -> None:
+                 progress_interval: float = 30.0, norm_bound: float | str | None = None,
+                 **fedavg_only: Any) -> None:
         super().__init__(persistor_id=persistor_id, ignore_result_error=True,
                          task_check_period=0.05)
         for name, value in fedavg_only.items():
@@ -218,6 +236,7 @@ class SecureFedAvg(ModelController):
         if self.privacy is not None and self.privacy.epsilon is None \
                 and self.privacy.noise_multiplier is None:
             raise ValueError("dp needs an epsilon (a budget) or a noise_multiplier")
+        check_norm_bound(norm_bound, self.privacy)
         if strategy not in ("fedavg", *ADAPTIVE):
             raise ValueError(f"strategy={strategy!r}: use one of "
                              f"{', '.join(('fedavg', *ADAPTIVE))}")
@@ -246,6 +265,7 @@ class SecureFedAvg(ModelController):
         self.report_path = report_path
         self.task_request_interval = task_request_interval
         self.strategy = strategy
+        self.norm_bound = norm_bound
         # (NVFlare's job export reads each __init__ argument back from the attribute of its name)
         self.server_lr, self.server_beta1 = server_lr, server_beta1
         self.server_beta2, self.server_tau = server_beta2, server_tau
@@ -253,14 +273,16 @@ class SecureFedAvg(ModelController):
                  "tau": server_tau}  # None: ServerStrategy's default
         self.optimizer_args = {k: v for k, v in given.items() if v is not None}
         self.optimizer: ServerStrategy | None = None
-        self.budget = (PrivacyBudget(self.privacy.epsilon, self.privacy.delta)
-                       if self.privacy is not None and self.privacy.epsilon is not None
-                       else None)
+        self._spent = (None if self.privacy is None
+                       else make_budget(self.privacy.epsilon, self.privacy.delta))
+        """What each site's ledger holds: the rounds released, as the sites charge them."""
+        self.budget = (self._spent if self.privacy is not None
+                       and self.privacy.epsilon is not None else None)
         self.reports: list[RoundReport] = []
         self._refusals: dict[int, dict[str, str]] = {}
         """Per round, each refusing site's public reason (its error reply's header)."""
         self._last_setup: RoundSetup | None = None
-        self._plans: dict[tuple[int, int, int], DistributedPlan] = {}
+        self._plans: dict[tuple[int, int, int, str], DistributedPlan] = {}
         self._lock = threading.Lock()
 
     def add_to_fed_job(self, job: Any, ctx: Any, **kwargs: Any) -> Any:
@@ -398,13 +420,18 @@ class SecureFedAvg(ModelController):
         except ProtocolAbort as exc:
             report.aborted = str(exc)
         report.dropped = {site_of(cid): st.label for cid, st in server.dropped.items()}
+        report.input_refused = {site_of(cid): reason for cid, reason in server.refused.items()}
         result = server.result
         if result is not None and report.aborted is None:
             report.total = result.total
             report.included = tuple(sorted(site_of(c) for c in result.included))
-            if self.budget is not None and setup.dp is not None:
-                self.budget.spend(round_plan(self.privacy, setup, self._plans).event())
-                report.epsilon = self.budget.spent[0]
+            event = charged_event(setup)
+            if self._spent is not None and event is not None:
+                report.node_epsilon = self._spent.spend(event)[0]
+                if self.budget is not None:
+                    report.epsilon = report.node_epsilon
+                self.warning(f"round {server_round}: each site's ledger holds epsilon "
+                             f"{report.node_epsilon:.4g} ({whose_noise(setup)})")
         return report
 
     def _exchange(self, server: Server, setup: RoundSetup, report: RoundReport, stage: Stage,
@@ -435,10 +462,17 @@ class SecureFedAvg(ModelController):
                 self.warning(f"site {name} dropped in {stage.label} of round "
                              f"{report.server_round}: its answer carries no payload")
                 return
+            proof = result.get(PROOF)
             with self._lock:
                 report.bytes_up[name] = report.bytes_up.get(name, 0) + len(payload)
                 try:
+                    if isinstance(proof, bytes):  # input validation: before the masked input
+                        report.bytes_up[name] += len(proof)
+                        server.receive(setup.client_id(site_id(name)), proof)
                     server.receive(setup.client_id(site_id(name)), payload)
+                except InputRefused as exc:
+                    self.warning(f"site {name} refused in {stage.label} of round "
+                                 f"{report.server_round}: its input proof failed: {exc}")
                 except (ValueError, ProtocolError) as exc:
                     self.warning(f"site {name} dropped in {stage.label} of round "
                                  f"{report.server_round}: its answer was rejected: {exc}")
@@ -500,9 +534,10 @@ class SecureFedAvg(ModelController):
             dropout_rate=self.dropout_rate, corrupt_rate=self.corrupt_rate,
             security=self.security, bits=self.bits, frac_bits=self.frac_bits,
             verify_keys={name: bytes.fromhex(key) for name, key in self.verify_keys.items()})
-        if self.privacy is None:
-            return setup
-        plan = round_plan(self.privacy, setup, self._plans)
-        if self.budget is not None and not self.budget.can_run(plan.event()):
-            return None
-        return with_distributed_dp(setup, plan, b"nvflare-rotation|")
+        if self.privacy is not None:
+            setup = with_distributed_dp(setup, round_plan(self.privacy, setup, self._plans),
+                                        b"nvflare-rotation|")
+            event = charged_event(setup)
+            if self.budget is not None and event is not None and not self.budget.can_run(event):
+                return None
+        return setup if self.norm_bound is None else with_norm_bound(setup, self.norm_bound)

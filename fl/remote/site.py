@@ -48,7 +48,8 @@ from fl.remote.messages import (
     site_will,
 )
 from fl.site.core import SiteCore
-from secagg import Config, Stage
+from fl.site.session import SiteSession
+from secagg import Config
 from secagg.client import Client
 from transport.client_driver import ClientDriver
 from transport.control import Offline, encode_control
@@ -62,8 +63,12 @@ logger = logging.getLogger(__name__)
 Log = Callable[[str], None]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SiteOptions:
+    guard: SiteCore
+    """The site's core: its operator's privacy policy and ledger (:class:`fl.site.core.SiteCore`,
+    every check of it runs in this role). Mandatory: there is no site without one (a missing
+    ``guard`` is a ``TypeError``, anything but a ``SiteCore`` a ``ValueError``)."""
     federation: str = "fl"
     insecure_verify: bool = False
     require_dp: str | None = None
@@ -73,10 +78,6 @@ class SiteOptions:
     """Give up waiting for a round's ``go`` (or its blob) after this long."""
     stage_timeout: float = 60.0
     max_payload: int = DEFAULT_MAX_PAYLOAD
-    guard: SiteCore | None = None
-    """The site's core: its operator's privacy policy and ledger (:class:`fl.site.core.SiteCore`,
-    every check of it runs in this role). Mandatory: a site never runs without one
-    (:class:`SiteProcess` refuses ``None``)."""
     identity: Any = None
     """The site's key and its operator's federation roster (:class:`fl.site.identity.SiteIdentity`):
     rounds run in secagg's malicious mode with the peers' keys from the site's own directory,
@@ -100,7 +101,6 @@ class SiteProcess:
         self.site_id = data.site_id
         self.name = site_name(data.site_id)
         self.options = options
-        assert options.guard is not None  # SiteOptions refuses None
         self.guard: SiteCore = options.guard
         if options.insecure_verify and set(self.guard.policy.modes) - {"none"}:
             raise ValueError(
@@ -110,6 +110,9 @@ class SiteProcess:
                 "--insecure-verify, or run the test with --dp none on both sides")
         # the charge follows how the roster is authenticated
         self.guard.authenticated_roster = options.identity is not None
+        self.session = SiteSession(lambda: self.guard, runtime="site", log=log)
+        """The site session's rules (replay: :func:`fl.remote.inputs.site_input`;
+        withdrawal: :meth:`_ended`), the code the Flower and NVFlare sites run."""
         self.topics = FedTopics(options.federation)
         self.network = network
         self.log = log
@@ -297,11 +300,15 @@ class SiteProcess:
         await self._party.publish(self.topics.upstream(self.site_id, DECLINE), framed(
             Decline(ann.run, ann.round, ann.attempt, ann.kind, reason[:1000])))
 
-    def _not_sent(self, ann: Announce, clear: bytes | None, reason: str) -> None:
-        """The round moved on before this site's input left: withdraw its ledger charge
-        (not when the input went out in the clear for --insecure-verify)."""
-        if clear is None:
-            self.guard.not_sent(ann.key, reason)
+    def _ended(self, ann: Announce, clear: bytes | None, client: Client | None,
+               reason: str) -> None:
+        """The round of ``ann`` ended for this site: the site session's withdrawal rule
+        (:meth:`fl.site.session.SiteSession.abandon`, the code every runtime runs) withdraws
+        its charge when its masked input never existed (``client`` None: it never
+        advertised), never when the input went out in the clear for --insecure-verify."""
+        entry = self.guard.pending.pop(ann.key, None)
+        if clear is None and entry is not None:
+            self.session.abandon(client, entry[0].id, reason, self.guard)
 
     def _check_roster(self, ann: Announce, ids: tuple[int, ...], what: str) -> None:
         """With the operator's peer keys: only malicious-mode rounds whose ``ids`` all have a
@@ -365,7 +372,7 @@ class SiteProcess:
                                  encode_message(ready), self.options.max_payload)
             go = await self._go(ann)
             if go is None or self.site_id not in go.roster or go.blob != ann.blob:
-                self._not_sent(ann, clear, "not in the round's roster")
+                self._ended(ann, clear, None, "not in the round's roster")
                 self.log(f"{label}: not in the round's roster; sitting it out")
                 return
             identity = self.options.identity
@@ -384,7 +391,7 @@ class SiteProcess:
                                 verify_keys=None if identity is None else
                                 identity.verify_keys(go.roster))
             except (ValueError, PrivacyError) as exc:
-                self._not_sent(ann, clear, f"refused at go: {exc}")
+                self._ended(ann, clear, None, f"refused at go: {exc}")
                 await self._decline(ann, label, str(exc))
                 return
             driver = ClientDriver(client, view, topics,
@@ -392,10 +399,9 @@ class SiteProcess:
                                       self.options.stage_timeout, clients=config.num_clients,
                                       dim=config.dim, malicious=config.malicious),
                                   max_payload=self.options.max_payload)
-            outcome = await driver.run()
-            if client.stage < Stage.MASKED_INPUT:  # e.g. a peer's signature failed
-                self._not_sent(ann, clear, f"the round ended ({outcome.status}) before this "
-                               "site's masked input existed")
+            outcome = await driver.run()  # e.g. a peer's signature failed before masking
+            self._ended(ann, clear, client, f"the round ended ({outcome.status}) before this "
+                        "site's masked input existed")
         if outcome.status == "done":
             self.rounds += 1
             if ann.kind == "train":

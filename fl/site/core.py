@@ -84,6 +84,12 @@ def site_proposal(task: Any, *, secagg_threshold: int, label: str = "",
                           label=label)
 
 
+def own_share(params: EncodingParams) -> EncodingParams:
+    """``params`` as a site counts them when the coordinator alone picks the roster: its own
+    noise share only (calibration threshold 1; :func:`lone_share`)."""
+    return replace(params, threshold=1)
+
+
 def lone_share(task: Any, proposal: Proposal) -> Proposal:
     """``proposal`` as a site must count it when the coordinator alone picks the roster: it
     may fill the round with sites it simulates (zero noise), so only this site's own share
@@ -94,7 +100,7 @@ def lone_share(task: Any, proposal: Proposal) -> Proposal:
     if task is None or task.mode != "distributed":
         return proposal
     count = getattr(task, "count_stddev", None)  # this site's own share of the count's
-    alone = Proposal.distributed(replace(task.params, threshold=1),
+    alone = Proposal.distributed(own_share(task.params),
                                  sample_rate=task.sample_rate,
                                  secagg_threshold=proposal.secagg_threshold,
                                  label=proposal.label,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -180,6 +180,7 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
                      noise_multiplier: float | None, granularity_bits: int = 12,
                      prior: Sequence[Event] = (), target_quantile: float | None = None,
                      count_stddev: float | None = None, max_weight: float = 1.0,
+                     charged: Callable[[EncodingParams], EncodingParams] | None = None,
                      mechanism: str = "dgauss") -> DistributedPlan:
     """Per-site noise for ``rounds`` rounds within epsilon, and the bits the sum needs.
 
@@ -191,8 +192,13 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
     ``target_quantile``: private adaptive clipping; the rounds' noise is calibrated with its
     count accounted jointly. ``count_stddev`` defaults to 10 times the central noise
     multiplier the rounds would need without the count (the count then costs about 1/400 of
-    a round, as in site mode).
+    a round, as in site mode). ``charged``: the encoding as the budget is spent on it, when
+    that is not the encoding itself (a Flower or NVFlare node charges its one row at the
+    replace-one sensitivity, and its own noise share only without an authenticated roster:
+    :func:`fl.round_setup.charged_params`); the noise is the least whose ``rounds`` fit
+    ``epsilon`` as charged.
     """
+    as_charged = charged or (lambda params: params)
     encoding_clip = max_weight * clip_norm
     scale = 2.0**granularity_bits / encoding_clip
     template = EncodingParams(dim=model_dim + 1, clip_norm=encoding_clip, scale=scale,
@@ -201,8 +207,9 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
     if noise_multiplier is None:
         if epsilon is None:
             raise ValueError("distributed DP needs --epsilon (or --noise-multiplier)")
-        params = noise_for_budget(template, epsilon, delta, sample_rate, rounds,
-                                  _prior_rdp(prior))
+        params = replace(template, noise_stddev=noise_for_budget(
+            as_charged(template), epsilon, delta, sample_rate, rounds,
+            _prior_rdp(prior)).noise_stddev)
     else:
         per_site = calibrate(noise_multiplier, encoding_clip, num_sites,
                              threshold).per_site_stddev
@@ -215,8 +222,9 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
         if noise_multiplier is None:  # the rounds and their counts fit epsilon together
             clipper = QuantileClipper(clip_norm=clip_norm, target_quantile=target_quantile,
                                       count_stddev=count_stddev, threshold=threshold)
-            params = noise_for_budget(template, epsilon or 0.0, delta, sample_rate, rounds,
-                                      _prior_rdp(prior), clipper=clipper)
+            params = replace(template, noise_stddev=noise_for_budget(
+                as_charged(template), epsilon or 0.0, delta, sample_rate, rounds,
+                _prior_rdp(prior), clipper=clipper).noise_stddev)
     bits = choose_bits(dim=model_dim + 1, clip_norm=encoding_clip, scale=scale,
                        noise_stddev=params.noise_stddev, num_sites=num_sites,
                        units_per_site=max(1, max_units_per_site), mechanism=mechanism).bits

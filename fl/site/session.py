@@ -50,7 +50,8 @@ from fl.round_setup import (
     round_release,
 )
 from fl.site.core import SiteCore
-from secagg import Client, Config, ProtocolAbort, Stage, encode
+from secagg import Client, Config, MaskedStream, ProtocolAbort, Stage, encode
+from secagg.messages import MaskedInput
 from secagg.session import derive_session_id
 
 F64 = npt.NDArray[np.float64]
@@ -210,6 +211,19 @@ class SiteSession:
         except ProtocolAbort as exc:
             self.abandon(client, charge, f"the round aborted: {exc}")
             raise
+
+    def answer_with_proof(self, client: Client, payload: bytes, charge: int
+                          ) -> tuple[bytes | None, Any]:
+        """:meth:`answer`, and in a round with input validation (the setup's ``norm_bound``,
+        docs/protocol.md 10) the encoded ``InputProof`` the runtime sends before the masked
+        input it answers (None otherwise, and for every other stage)."""
+        message = self.answer(client, payload, charge)
+        if client.config.norm_bound is None or not isinstance(message, MaskedInput):
+            return None, message
+        stream = client.stream(payload)  # the same answer again, with its proof
+        if not isinstance(stream, MaskedStream) or stream.proof is None:
+            return None, message
+        return encode(stream.proof), message
 
     def abandon(self, client: Client | int | None, charge: int, reason: str,
                 core: SiteCore | None = None) -> None:

@@ -86,7 +86,7 @@ def test_a_replayed_announcement_is_refused_and_a_never_sent_round_is_withdrawn(
         _input(guard, 3.0, run)  # the same announcement again: neither charged nor computed
     assert guard.ledger.releases == 1
     _, ann = _round(3.0, run)
-    guard.not_sent(ann.key, "not in the round's roster")  # what SiteProcess calls at go
+    guard.not_sent(ann.key, "not in the round's roster")  # SiteProcess: the session's abandon
     (charge,) = guard.ledger.charges
     assert charge.withdrawn == "not in the round's roster"
     with pytest.raises(WireError, match="already joined this round"):
@@ -133,8 +133,10 @@ def test_a_release_above_the_cap_per_release_is_refused_naming_the_rule() -> Non
 
 
 def test_a_site_never_runs_without_its_core() -> None:
+    with pytest.raises(TypeError, match="guard"):
+        SiteOptions(federation="fed")  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="site core"):
-        SiteOptions(federation="fed")
+        SiteOptions(federation="fed", guard=None)  # type: ignore[arg-type]
 
 
 def test_secagg_train_asking_exact_sums_from_default_sites_fails_naming_the_opt_in() -> None:

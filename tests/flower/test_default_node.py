@@ -188,3 +188,14 @@ def test_the_server_reports_the_epsilon_each_nodes_ledger_holds() -> None:
     for node in grid.nodes:
         assert _ledger(grid, node)[-1]["epsilon_after"] == pytest.approx(last.node_epsilon,
                                                                           rel=1e-9)
+
+
+def test_a_server_cannot_plan_on_node_sampling_the_nodes_do_not_count() -> None:
+    """A node charges every round it joins at sample rate 1 (it cannot verify it was
+    sampled), so a server plan amplified by a node sample rate would report less than every
+    ledger holds: refused, naming the field."""
+    from fl.round_setup import SetupError
+
+    with pytest.raises(SetupError, match=r"sample_rate=0\.5"):
+        DistributedDP(clip_norm=1.0, epsilon=8.0, rounds=10, sample_rate=0.5)
+    assert DistributedDP(clip_norm=1.0, epsilon=8.0, rounds=10).sample_rate == 1.0

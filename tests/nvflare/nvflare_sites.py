@@ -29,7 +29,8 @@ HERE = Path(__file__).resolve().parent
 
 PLAN_ENV = "SECAGG_TEST_PLAN"
 """A JSON file: {"record": dir, "zero_round": round, "drops": {site: {round: [stage label,
-"fail" | "kill" | "stall", seconds]}}}."""
+"fail" | "kill" | "stall", seconds]}}, "scaling": [site, ...]}: the scaling sites run the
+attacker's session (tests/scaling_site.py)."""
 
 STAGES = ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmasking")
 
@@ -44,6 +45,14 @@ class RecordingExecutor(SecAggExecutor):
 
     def _plan(self) -> dict[str, Any]:
         return json.loads(Path(os.environ[PLAN_ENV]).read_text())
+
+    def session(self, fl_ctx: Any) -> Any:
+        session = super().session(fl_ctx)
+        if self.site in self._plan().get("scaling", []):
+            from tests.scaling_site import scaling
+
+            return scaling(session)
+        return session
 
     def on_input(self, setup: RoundSetup, vector: np.ndarray) -> None:
         record = Path(self._plan()["record"])
@@ -132,7 +141,8 @@ class MetaPersistor(NPModelPersistor):
 
 def run_job(tmp: Path, monkeypatch: Any, server: Any, sites: dict[str, dict],
             drops: dict[str, dict[str, list[Any]]], zero_round: int = -1,
-            script: str = "train_script.py", persistor: Any = None) -> Path:
+            script: str = "train_script.py", persistor: Any = None,
+            scaling: tuple[str, ...] = ()) -> Path:
     """Run a job of ``server`` on the simulator: ``sites``: site name -> its policy JSON,
     ``drops`` the plan's, ``script`` the training script here; returns the workspace
     (``run_job.status``: the simulator's exit status)."""
@@ -142,7 +152,8 @@ def run_job(tmp: Path, monkeypatch: Any, server: Any, sites: dict[str, dict],
     record = tmp / "record"
     record.mkdir()
     (tmp / "plan.json").write_text(json.dumps({"record": str(record), "drops": drops,
-                                               "zero_round": zero_round}))
+                                               "zero_round": zero_round,
+                                               "scaling": list(scaling)}))
     monkeypatch.setenv(PLAN_ENV, str(tmp / "plan.json"))
     monkeypatch.setenv(DIR_ENV, str(tmp / "sites"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(

@@ -114,3 +114,69 @@ def test_a_site_executor_shipped_in_the_job_is_refused(tmp_path: Path) -> None:
         del sys.modules["sneaky"]
     with pytest.raises(NVFlareSecAggError, match="not a SecAggExecutor"):
         check_site_app(_plain(), app, "train")
+
+
+class _Engine:
+    """What START_RUN reads of NVFlare's client engine: the trainer component; events
+    (a system panic) are recorded."""
+
+    def __init__(self, trainer: object) -> None:
+        self.trainer = trainer
+        self.events: list[str] = []
+
+    def get_component(self, component_id: str) -> object:
+        return self.trainer if component_id == "secagg_trainer" else None
+
+    def fire_event(self, event_type: str, fl_ctx: object) -> None:
+        self.events.append(event_type)
+
+
+def _started(app: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+             ) -> tuple[SecAggExecutor, _Engine]:
+    """A site's SecAggExecutor after NVFlare's START_RUN on the job's app folder ``app``."""
+    from nvflare.apis.event_type import EventType
+    from nvflare.apis.fl_constant import FLContextKey, ReservedKey
+    from nvflare.apis.fl_context import FLContext
+
+    monkeypatch.setenv("SECAGG_NVFLARE_DIR", str(tmp_path / "sites"))
+    engine = _Engine(_plain())
+    ctx = FLContext()
+    ctx.set_prop(ReservedKey.ENGINE, engine, private=True, sticky=False)
+    ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-1", private=False, sticky=False)
+    ctx.set_prop(FLContextKey.APP_ROOT, str(app), private=True, sticky=False)
+    executor = SecAggExecutor()
+    executor.handle_event(EventType.START_RUN, ctx)
+    return executor, engine
+
+
+def test_the_site_checks_the_job_at_start_run_and_refuses_to_train_past_its_session(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check runs in the executor itself: at START_RUN a site whose job routes the
+    train task past its session (or ships the project) panics, keeps no policy and trains
+    nothing; a job built with SecureScriptRunner starts."""
+    from nvflare.apis.event_type import EventType
+    from nvflare.apis.fl_constant import ReturnCode
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.apis.shareable import Shareable
+    from nvflare.apis.signal import Signal
+
+    from fl.nvflare.common import REFUSAL_HEADER
+
+    def past(job: FedJob) -> None:
+        carry_only_user_code(job)
+        job.to_clients(ScriptRunner(SCRIPT, framework=FrameworkType.NUMPY))
+        job.to_clients(SecAggExecutor(), tasks=[STAGE_TASK])
+
+    good, _ = _started(_export(tmp_path / "good"), tmp_path, monkeypatch)
+    assert good.config is not None and good.trainer is not None
+    for build in (past, None):
+        app = _export(tmp_path / ("past" if build else "shipped"), build)
+        if build is None:  # the same job, with the project copied into custom/
+            (app / "custom" / "fl").mkdir(parents=True)
+            (app / "custom" / "fl" / "__init__.py").write_text("")
+        executor, engine = _started(app, tmp_path, monkeypatch)
+        assert EventType.FATAL_SYSTEM_ERROR in engine.events
+        assert executor.config is None and executor.trainer is None
+        reply = executor.execute("train", Shareable(), FLContext(), Signal())
+        assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+        assert "not started" in str(reply.get_header(REFUSAL_HEADER))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -408,8 +409,15 @@ def test_password_checks_are_shared_round_robin_across_addresses_and_usernames()
         started: list[str] = []
         running = [0, 0]  # now, peak
 
+        # The flood's checks wait until the three other logins are queued: on a loaded
+        # host the first flood check could otherwise end, and hand its thread to the
+        # flood's next one, before the "same" login had even asked (a later arrival).
+        queued = threading.Event()
+
         def check(tag: str) -> Callable[[], bool]:
             def run_check() -> bool:
+                if tag == "flood":
+                    queued.wait(30)
                 started.append(tag)
                 running[0] += 1
                 running[1] = max(running)
@@ -425,6 +433,8 @@ def test_password_checks_are_shared_round_robin_across_addresses_and_usernames()
         same = asyncio.create_task(queue.run("10.0.0.2", b"site-1", check("same")))
         gone = asyncio.create_task(queue.run("10.0.0.2", b"site-2", check("gone"),
                                              wanted=lambda: False))
+        await asyncio.sleep(0)  # each has asked for its turn
+        queued.set()
         results = await asyncio.gather(*flood, other, same, gone, return_exceptions=True)
         assert isinstance(results[-1], ConnectionAbortedError)  # never run
         assert len(queue) == 0 and queue.performed == 102

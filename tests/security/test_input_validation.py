@@ -18,8 +18,10 @@ from secagg import Config, simulate
 
 pytest.importorskip("py_arkworks_bls12381")
 
+from fl.round_setup import RoundSetup, dp_params, encode_reply, encoded_dim, with_norm_bound
 from secagg.errors import InputMismatch
 from secagg.validation import NormStatement, norm
+from tests.fl.test_input_bound import _dp as dp_setup
 from tests.secagg.test_validation import (
     BITS,
     encode_signed,
@@ -125,3 +127,72 @@ def test_in_bound_backdoor_is_bounded_not_prevented() -> None:
     shift = np.asarray(norm.centered((result.total - others) % (1 << BITS), BITS))
     assert np.linalg.norm(shift) <= BOUND  # bounded ...
     raise AttackSucceeded("... but accepted: the trigger is in the sum")
+
+
+# --- with distributed DP: the bound is the clip, noise included (docs/protocol.md 10.6) ----
+
+
+def _dp_round() -> tuple[RoundSetup, Config, dict[int, np.ndarray]]:
+    """A 4-site distributed-DP round setup with the bound at the clip (tests/fl's), and each
+    site's honest contribution: an update far beyond the clip, clipped to it, plus noise."""
+    setup = with_norm_bound(dp_setup(), "clip")
+    rng = np.random.default_rng(5)
+    sent = np.zeros(setup.model_dim)
+    inputs = {cid: encode_reply(setup, rng.normal(size=setup.model_dim) * 30, {}, 1.0, sent)
+              for cid in range(1, setup.num_clients + 1)}
+    return setup, setup.config(encoded_dim(setup)), inputs
+
+
+def _forge(vector: np.ndarray, bits: int) -> object:
+    def attack(cid: int, parties: object, stream: object) -> tuple[bytes, bool]:
+        server = parties.server  # type: ignore[attr-defined]
+        cfg = server.config
+        statement = NormStatement(server.session_id, cid, cfg.dim, bits, cfg.norm_bound,
+                                  server._advert_digests[cid])
+        stream._client._secrets.input[:] = vector  # type: ignore[attr-defined]
+        return norm.prove_relation(statement, norm.centered(vector, bits)
+                                   + [0] * norm.SLACK, 1), True
+    return attack
+
+
+@threat(attack="Model replacement under distributed DP",
+        adversary="malicious client",
+        controls="its noised contribution, scaled by 10 (and its proof for it)",
+        protocol="norm_bound at the DP clip, the noise's tail included (fl/input_bound.py): "
+                 "honest sites at the clip pass, the scaled one is refused and named")
+def test_under_dp_an_honest_site_at_the_clip_passes_and_a_scaled_one_is_refused() -> None:
+    _, config, inputs = _dp_round()
+    bits = config.bits
+    scaled = ((np.asarray(norm.centered(inputs[ATTACKER], bits), dtype=object) * 10)
+              % (1 << bits)).astype(np.uint64)
+    parties, refusals = run_round(config, inputs, {ATTACKER: _forge(scaled, bits)})
+    result = parties.server.result
+    assert result is not None and set(result.refused) == {ATTACKER} == set(refusals)
+    honest = set(inputs) - {ATTACKER}
+    assert result.included == frozenset(honest)
+    total = np.zeros(config.dim, dtype=object)
+    for cid in honest:
+        total = total + inputs[cid].astype(object)
+    assert np.array_equal(result.total, (total % (1 << bits)).astype(np.uint64))
+
+
+@threat(attack="Under distributed DP, a site leaves out its noise",
+        adversary="malicious client",
+        controls="its contribution: no noise, a signal of norm up to the bound instead",
+        protocol="accepted: the bound covers the noised contribution, so a noiseless site "
+                 "can send up to B_int (4.1x the clip's norm here); verifiable noise is not "
+                 "done (docs/protocol.md 10.6)", shows="limitation")
+@documented_limitation("under DP the bound is the clip plus the noise's tail, not the clip")
+def test_under_dp_a_noiseless_site_sends_more_than_the_clip() -> None:
+    setup, config, inputs = _dp_round()
+    p = dp_params(setup)
+    trigger = np.zeros(config.dim, dtype=np.int64)
+    trigger[:4] = config.norm_bound // 2  # norm exactly the bound, no noise
+    inputs[ATTACKER] = (trigger % (1 << config.bits)).astype(np.uint64)
+    result = simulate(config, inputs, seed=6)
+    assert result.refused == {} and ATTACKER in result.included
+    if np.linalg.norm(trigger) > p.rounded_l2_bound:
+        raise AttackSucceeded(f"accepted a signal of norm {np.linalg.norm(trigger):.0f}, "
+                              f"{np.linalg.norm(trigger) / p.rounded_l2_bound:.1f}x the "
+                              "clip's")
+
