@@ -2,12 +2,8 @@
 
 * Sampled Gaussian (site mode, and the central reference): Opacus' ``RDPAccountant``
   (Mironov, Talwar, Zhang 2019) and ``PRVAccountant`` (Gopi, Lee, Wutschitz 2021).
-* Distributed discrete Gaussian: Kairouz, Liu, Steinke 2021, Prop. 14 / Eq. (17): for ``n``
-  sites each adding N_Z(0, sigma**2) the sum satisfies RDP of order ``a`` with
-  ``min(a/2 r2**2 + tau d, a/2 (r2**2 + 2 r1 tau + tau**2 d), a/2 (r2 + sqrt(d) tau)**2)``,
-  ``r_p = Delta_p / (sqrt(n) sigma)``, ``tau = 10 sum_{k<n} exp(-2 pi**2 sigma**2 k/(k+1))``.
-* Skellam: Agarwal, Kairouz, Liu 2021, Thm. 3.5, for total variance ``V``:
-  ``a Delta_2**2/(2V) + min(((2a-1) Delta_2**2 + 6 Delta_1)/(4 V**2), 3 Delta_1/(2V))``.
+* The integer mechanisms of distributed DP (distributed discrete Gaussian, Skellam): each
+  owns its per-step RDP bound (:mod:`dp.mechanisms`); this module subsamples and composes it.
 * Poisson subsampling of a general RDP mechanism: Zhu, Wang, ICML 2019, Thm. 6 (upper bound).
 * RDP -> (epsilon, delta): Canonne, Kamath, Steinke 2020, Prop. 12 (= Balle et al. 2020,
   Thm. 21), the conversion Opacus uses.
@@ -21,8 +17,9 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -30,7 +27,7 @@ import numpy.typing as npt
 from dp.errors import MissingExtra, PrivacyConfigError, require_opacus
 
 F64 = npt.NDArray[np.float64]
-Accountant = Literal["rdp", "prv"]
+History = Sequence[tuple[float, float, int]]
 
 #: The RDP orders used throughout (Opacus' defaults plus large orders for tiny epsilons).
 ORDERS: tuple[float, ...] = (
@@ -51,10 +48,129 @@ def _check(noise_multiplier: float, sample_rate: float, steps: int, delta: float
         raise PrivacyConfigError(f"delta must be in (0, 1), got {delta}")
 
 
-def check_accountant(accountant: str) -> Accountant:
-    if accountant not in ("rdp", "prv"):
-        raise PrivacyConfigError(f"accountant must be 'rdp' or 'prv', got {accountant!r}")
-    return accountant  # type: ignore[return-value]
+# --- accountants, by name (after Opacus' accountants registry) ---------------------------
+class Accountant(ABC):
+    """How a run's sampled Gaussian steps compose into epsilon: one registered object per
+    ``--accountant`` name (``secagg budget`` and ``secagg train`` offer the same names,
+    :func:`accountant_names`)."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    composes_rdp: ClassVar[bool] = False
+    """Composes any release by adding RDP curves at :data:`ORDERS` (so integer mechanisms
+    and earlier releases too); otherwise only sampled Gaussian steps compose."""
+
+    @abstractmethod
+    def epsilon(self, history: History, delta: float) -> float:
+        """Epsilon of an Opacus-style ``[(noise_multiplier, sample_rate, steps), ...]``
+        (every ``steps >= 1``)."""
+
+    def noise_multiplier(self, epsilon: float, delta: float, sample_rate: float, steps: int
+                         ) -> float:
+        """The smallest noise multiplier whose ``steps`` fit in ``epsilon`` (bisection)."""
+        return _bisect_noise(
+            lambda z: self.epsilon([(z, sample_rate, steps)], delta) <= epsilon, epsilon)
+
+
+class _OpacusAccountant(Accountant):
+    def noise_multiplier(self, epsilon: float, delta: float, sample_rate: float, steps: int
+                         ) -> float:
+        require_opacus()
+        from opacus.accountants.utils import get_noise_multiplier
+
+        try:
+            with warnings.catch_warnings():
+                # Opacus' search probes noise far above the answer, where the best order is
+                # the largest of ORDERS; at the answer it is inside them for epsilon above
+                # ~0.05 (order 256's conversion term at delta 1e-5 is log(1/delta)/255 =
+                # 0.045) (high epsilon puts it at the smallest: rdp_optimal_order says so)
+                warnings.filterwarnings("ignore", message="Optimal order is the (largest|"
+                                                          "smallest) alpha")
+                return float(get_noise_multiplier(
+                    target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
+                    steps=steps, accountant=self.name, epsilon_tolerance=epsilon * 1e-3,
+                    **({"alphas": list(ORDERS)} if self.name == "rdp" else {})))
+        except ValueError as exc:
+            raise PrivacyConfigError(
+                f"no noise multiplier up to 1e6 reaches epsilon={epsilon}: raise epsilon or "
+                "delta, or lower the sample rate or the rounds"
+            ) from exc
+
+
+class RdpAccountant(_OpacusAccountant):
+    name = "rdp"
+    description = "Renyi DP (Opacus' analysis, CKS 2020 conversion)"
+    composes_rdp = True
+
+    def epsilon(self, history: History, delta: float) -> float:
+        require_opacus()  # Opacus' conversion, without its warning about the orders
+        return rdp_to_epsilon(sum((gaussian_rdp(z, q, n) for z, q, n in history),
+                                  np.zeros(len(ORDERS))), delta)
+
+
+class PrvAccountant(_OpacusAccountant):
+    name = "prv"
+    description = "privacy random variables (Opacus' PRVAccountant: tighter)"
+
+    def epsilon(self, history: History, delta: float) -> float:
+        require_opacus()
+        from opacus.accountants import PRVAccountant
+
+        acc = PRVAccountant()
+        acc.history = list(history)
+        return float(acc.get_epsilon(delta=delta))
+
+
+class PldAccountant(Accountant):
+    name = "pld"
+    description = "privacy loss distribution (dp-accounting's PLDAccountant)"
+
+    def epsilon(self, history: History, delta: float) -> float:
+        try:
+            import dp_accounting
+        except ImportError as exc:  # pragma: no cover - the torch and test extras install it
+            raise MissingExtra("PLD accounting needs dp-accounting: pip install "
+                               "dp-accounting") from exc
+        acc = dp_accounting.pld.PLDAccountant()
+        for z, q, n in history:
+            step: Any = dp_accounting.GaussianDpEvent(z)
+            if q < 1:
+                step = dp_accounting.PoissonSampledDpEvent(q, step)
+            acc.compose(step, int(n))
+        return float(acc.get_epsilon(delta))
+
+
+_ACCOUNTANTS: dict[str, Accountant] = {}
+
+
+def register_accountant(acc: Accountant) -> Accountant:
+    """Make ``acc`` findable by its name (a taken name raises PrivacyConfigError)."""
+    if acc.name in _ACCOUNTANTS and _ACCOUNTANTS[acc.name] is not acc:
+        raise PrivacyConfigError(f"an accountant named {acc.name!r} is already registered")
+    _ACCOUNTANTS[acc.name] = acc
+    return acc
+
+
+for _acc in (RdpAccountant(), PrvAccountant(), PldAccountant()):
+    register_accountant(_acc)
+
+
+def accountant_names() -> tuple[str, ...]:
+    """The names ``--accountant`` takes, in every command."""
+    return tuple(_ACCOUNTANTS)
+
+
+def get_accountant(name: str) -> Accountant:
+    """The accountant called ``name``; an unknown name raises PrivacyConfigError."""
+    found = _ACCOUNTANTS.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise PrivacyConfigError(f"accountant must be one of {accountant_names()}, got "
+                                 f"{name!r}")
+    return found
+
+
+def check_accountant(accountant: str) -> str:
+    return get_accountant(accountant).name
 
 
 # --- sampled Gaussian, through Opacus ----------------------------------------------------
@@ -88,20 +204,13 @@ def gaussian_epsilon(
 def epsilon_of_history(
     history: Sequence[tuple[float, float, int]], delta: float, accountant: str = "rdp"
 ) -> float:
-    """Epsilon of an Opacus-style history ``[(noise_multiplier, sample_rate, steps), ...]``."""
-    accountant = check_accountant(accountant)
+    """Epsilon of an Opacus-style history ``[(noise_multiplier, sample_rate, steps), ...]``
+    by the accountant named ``accountant``."""
+    acc = get_accountant(accountant)
     history = [h for h in history if h[2] > 0]
     if not history:
         return 0.0
-    require_opacus()
-    from opacus.accountants import PRVAccountant
-
-    if accountant == "rdp":  # Opacus' conversion, without its warning about the orders
-        return rdp_to_epsilon(sum((gaussian_rdp(z, q, n) for z, q, n in history),
-                                  np.zeros(len(ORDERS))), delta)
-    acc = PRVAccountant()
-    acc.history = list(history)
-    return float(acc.get_epsilon(delta=delta))
+    return acc.epsilon(history, delta)
 
 
 def noise_multiplier_for(
@@ -116,9 +225,9 @@ def noise_multiplier_for(
         raise PrivacyConfigError(f"rounds must be >= 1, got {steps}")
     if not epsilon > 0:
         raise PrivacyConfigError(f"epsilon must be > 0, got {epsilon}")
-    accountant = check_accountant(accountant)
+    acc = get_accountant(accountant)
     if prior_rdp is not None:
-        if accountant != "rdp":
+        if not acc.composes_rdp:
             raise PrivacyConfigError("earlier releases compose with the rdp accountant only")
         prior = np.asarray(prior_rdp, dtype=np.float64)
 
@@ -126,27 +235,7 @@ def noise_multiplier_for(
             return rdp_to_epsilon(prior + gaussian_rdp(z, sample_rate, steps), delta) <= epsilon
 
         return _bisect_noise(fits, epsilon)
-    require_opacus()
-    from opacus.accountants.utils import get_noise_multiplier
-
-    try:
-        with warnings.catch_warnings():
-            # Opacus' search probes noise far above the answer, where the best order is the
-            # largest of ORDERS; at the answer it is inside them for epsilon above ~0.05
-            # (order 256's conversion term at delta 1e-5 is log(1/delta)/255 = 0.045)
-            # (high epsilon puts it at the smallest: rdp_optimal_order says so in words)
-            warnings.filterwarnings("ignore", message="Optimal order is the (largest|smallest) "
-                                                      "alpha")
-            z = float(get_noise_multiplier(
-                target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
-                steps=steps, accountant=accountant, epsilon_tolerance=epsilon * 1e-3,
-                **({"alphas": list(ORDERS)} if accountant == "rdp" else {})))
-        return z
-    except ValueError as exc:
-        raise PrivacyConfigError(
-            f"no noise multiplier up to 1e6 reaches epsilon={epsilon}: raise epsilon or "
-            "delta, or lower the sample rate or the rounds"
-        ) from exc
+    return acc.noise_multiplier(epsilon, delta, sample_rate, steps)
 
 
 def _bisect_noise(fits: Callable[[float], bool], epsilon: float) -> float:
@@ -179,7 +268,7 @@ def rounds_for(
     if not epsilon > 0:
         raise PrivacyConfigError(f"epsilon must be > 0, got {epsilon}")
 
-    if check_accountant(accountant) == "rdp":
+    if get_accountant(accountant).composes_rdp:
         per_step = gaussian_rdp(noise_multiplier, sample_rate, 1)  # RDP composes linearly
 
         def fits(r: int) -> bool:
@@ -231,54 +320,7 @@ def rdp_to_epsilon(rdp: F64, delta: float, orders: Sequence[float] = ORDERS) -> 
     return float(max(0.0, eps)) if math.isfinite(eps) else math.inf
 
 
-# --- integer mechanisms, from the papers ---------------------------------------------
-def ddg_tau(sigma: float, num_clients: int) -> float:
-    """KLS 2021 Thm. 1: ``tau = 10 sum_{k=1}^{n-1} exp(-2 pi^2 sigma^2 k / (k+1))``."""
-    return 10.0 * sum(
-        math.exp(-2.0 * math.pi**2 * sigma**2 * k / (k + 1)) for k in range(1, num_clients)
-    )
-
-
-def ddg_rdp_fn(
-    l2_sensitivity: float, l1_sensitivity: float, sigma: float, num_clients: int, dim: int
-) -> Callable[[int], float]:
-    """Per-step RDP (as a function of the integer order) of the distributed discrete Gaussian.
-
-    ``sigma`` is each client's integer-domain standard deviation; sensitivities are in the
-    integer domain. ``num_clients`` should be the calibration threshold (fewest summands).
-    KLS 2021 Thm. 1 (hence this bound) assumes ``sigma >= 1/2``: smaller is refused.
-    """
-    if not sigma >= 0.5:
-        raise PrivacyConfigError(
-            f"the distributed discrete Gaussian bound (KLS 2021, Thm. 1) needs each site's "
-            f"integer-domain stddev >= 1/2, got {sigma:.4g}: raise the noise or the scale")
-    tau = ddg_tau(sigma, num_clients)
-    r2 = l2_sensitivity / (math.sqrt(num_clients) * sigma)
-    r1 = l1_sensitivity / (math.sqrt(num_clients) * sigma)
-
-    def eps(a: int) -> float:
-        return min(
-            a / 2 * r2**2 + tau * dim,
-            a / 2 * (r2**2 + 2 * r1 * tau + tau**2 * dim),
-            a / 2 * (r2 + math.sqrt(dim) * tau) ** 2,
-        )
-
-    return eps
-
-
-def skellam_rdp_fn(
-    l2_sensitivity: float, l1_sensitivity: float, variance: float
-) -> Callable[[int], float]:
-    """Per-step RDP of the (multi-dimensional) Skellam mechanism with total ``variance``."""
-    d2, d1, v = l2_sensitivity, l1_sensitivity, variance
-
-    def eps(a: int) -> float:
-        return a * d2**2 / (2 * v) + min(((2 * a - 1) * d2**2 + 6 * d1) / (4 * v**2),
-                                         3 * d1 / (2 * v))
-
-    return eps
-
-
+# --- subsampling and composition of integer mechanisms (dp.mechanisms) ------------------
 def _log_comb(n: int, k: int) -> float:
     return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
 

@@ -25,12 +25,15 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from dp.accounting import ddg_rdp_fn
 from dp.errors import PrivacyConfigError, TooFewSurvivors
+from dp.mechanisms.dgauss import DGAUSS
 from dp.randomness import RandomSource, SystemRandom
-from dp.samplers import discrete_gaussian
+from secagg.crypto import MAX_BITS, MIN_BITS
 
 U64 = npt.NDArray[np.uint64]
+
+COUNT_MECHANISM = DGAUSS
+"""The noise of the clip count (the audit export describes the count by it)."""
 
 
 @dataclass
@@ -58,8 +61,9 @@ class QuantileClipper:
                                      f"{self.target_quantile}")
         if not self.count_stddev > 0 or not self.expected_units > 0:
             raise PrivacyConfigError("count_stddev and expected_units must be > 0")
-        if self.threshold < 1 or not 8 <= self.bits <= 64:
-            raise PrivacyConfigError("threshold must be >= 1 and bits in [8, 64]")
+        if self.threshold < 1 or not MIN_BITS <= self.bits <= MAX_BITS:
+            raise PrivacyConfigError(f"threshold must be >= 1 and bits in [{MIN_BITS}, "
+                                     f"{MAX_BITS}]")
         if self.per_site_variance < 0.25:
             raise PrivacyConfigError(
                 f"each site's count noise stddev {math.sqrt(self.per_site_variance):.3g} is "
@@ -74,7 +78,7 @@ class QuantileClipper:
         """This site's masked-ready count ``sum(2b - 1)`` plus its noise share, mod 2**bits."""
         norms = np.asarray(unit_norms, dtype=np.float64)
         count = 2 * int(np.count_nonzero(norms <= self.clip_norm)) - norms.size
-        noise = int(discrete_gaussian(self.per_site_variance, 1, source or SystemRandom())[0])
+        noise = int(COUNT_MECHANISM.sample(self.per_site_variance, 1, source or SystemRandom())[0])
         return np.array([(count + noise) % (1 << self.bits)], dtype=np.uint64)
 
     def update(self, modular_sum: U64, num_included: int, units: float | None = None) -> float:
@@ -96,4 +100,5 @@ class QuantileClipper:
     def count_rdp_fn(self) -> Callable[[int], float]:
         """Per-step unsubsampled RDP of the count (sensitivity 1 on the ``2b - 1`` scale);
         compose it with the update's before subsampling (:func:`dp.distributed.round_rdp`)."""
-        return ddg_rdp_fn(1.0, 1.0, math.sqrt(self.per_site_variance), self.threshold, 1)
+        return COUNT_MECHANISM.rdp_fn(1.0, 1.0, math.sqrt(self.per_site_variance),
+                                      self.threshold, 1)

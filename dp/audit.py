@@ -11,12 +11,14 @@ events with dp-accounting's own RDP or PLD accountant.
   steps)``; with adaptive clipping the inner event is ``Composed([Gaussian(z_u),
   Gaussian(2 sigma_b)])`` (both queries on the same sample). dp-accounting composes these
   exactly.
-* Distributed discrete Gaussian: per step the sum is zCDP with ``rho = r2^2 / 2`` and
-  ``xi = tau d`` (the first form of KLS 2021 Prop. 14); Skellam: ``rho = D2^2 / (2V)``,
-  ``xi = 3 D1 / (2V)`` (Agarwal et al. 2021 Thm. 3.5). Both are exported as ``ZCDpEvent``
-  inside ``PoissonSampledDpEvent``. dp-accounting 0.6 composes a ``ZCDpEvent`` but refuses to
-  subsample one (it amplifies only Gaussians), so for ``q < 1`` these rounds are recomputed
-  here with Zhu & Wang's bound, and an auditor checks them with :mod:`dp.accounting`.
+* Distributed integer mechanisms (:mod:`dp.mechanisms`): per step the sum is zCDP with the
+  mechanism's own ``(rho, xi)`` (:meth:`~dp.mechanisms.base.IntegerMechanism.zcdp`: for the
+  discrete Gaussian ``rho = r2^2 / 2``, ``xi = tau d``, the first form of KLS 2021 Prop. 14;
+  for Skellam ``rho = D2^2 / (2V)``, ``xi = 3 D1 / (2V)``, Agarwal et al. 2021 Thm. 3.5),
+  exported as ``ZCDpEvent`` inside ``PoissonSampledDpEvent``. dp-accounting 0.6 composes a
+  ``ZCDpEvent`` but refuses to subsample one (it amplifies only Gaussians), so for ``q < 1``
+  these rounds are recomputed here with Zhu & Wang's bound, and an auditor checks them
+  with :mod:`dp.accounting`.
 * Patient-idp (a rate group's steps, in a ``--role all`` report or a site role's ledger):
   ``SelfComposed(MixtureOfGaussians(z, m, Binomial(k, q)), steps)``
   (:func:`dp.accounting.group_gaussian_event`); dp-accounting's PLD composes it.
@@ -36,16 +38,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from dp.accounting import (
-    ORDERS,
-    PLD_INTERVAL,
-    ddg_tau,
-    group_gaussian_event,
-    integer_rdp,
-    rdp_to_epsilon,
-)
+from dp.accounting import ORDERS, PLD_INTERVAL, group_gaussian_event, integer_rdp, rdp_to_epsilon
+from dp.adaptive_clip import COUNT_MECHANISM
 from dp.budget import Event, GaussianRound, RdpRound
 from dp.errors import MissingExtra, PrivacyConfigError
+from dp.mechanisms import IntegerMechanism, registered
 
 
 def distributed_event(params: Any, sample_rate: float, steps: int = 1,
@@ -64,13 +61,10 @@ def distributed_event(params: Any, sample_rate: float, steps: int = 1,
     return RdpRound.from_array(rdp, params.mechanism, spec)
 
 
-def _zcdp(mechanism: str, l2: float, l1: float, sigma: float, n: int, dim: int
+def _zcdp(mech: IntegerMechanism, l2: float, l1: float, sigma: float, n: int, dim: int
           ) -> dict[str, Any]:
-    if mechanism == "dgauss":
-        r2 = l2 / (math.sqrt(n) * sigma)
-        return {"class_name": "ZCDpEvent", "rho": r2**2 / 2, "xi": ddg_tau(sigma, n) * dim}
-    v = n * sigma**2
-    return {"class_name": "ZCDpEvent", "rho": l2**2 / (2 * v), "xi": 3 * l1 / (2 * v)}
+    rho, xi = mech.zcdp(l2, l1, sigma, n, dim)
+    return {"class_name": "ZCDpEvent", "rho": rho, "xi": xi}
 
 
 def event_json(event: Event) -> dict[str, Any]:
@@ -89,13 +83,14 @@ def event_json(event: Event) -> dict[str, Any]:
                                  "steps"} <= set(spec):
         return group_gaussian_event(float(spec["noise_multiplier"]), float(spec["sample_rate"]),
                                     int(spec["records"]), int(spec["steps"]))
-    if event.label not in ("dgauss", "skellam") or "sigma" not in spec:
+    mech = registered().get(event.label)
+    if mech is None or "sigma" not in spec:
         return {"class_name": "UnsupportedDpEvent", "label": event.label}
     n, dim = int(spec["threshold"]), int(spec["dim"])
-    inner = _zcdp(event.label, spec["l2"], spec["l1"], spec["sigma"], n, dim)
+    inner = _zcdp(mech, spec["l2"], spec["l1"], spec["sigma"], n, dim)
     if "count_sigma" in spec:
         inner = {"class_name": "ComposedDpEvent", "events": [
-            inner, _zcdp("dgauss", 1.0, 1.0, spec["count_sigma"], n, 1)]}
+            inner, _zcdp(COUNT_MECHANISM, 1.0, 1.0, spec["count_sigma"], n, 1)]}
     q = spec["sample_rate"]
     step = inner if q >= 1 else {"class_name": "PoissonSampledDpEvent",
                                  "sampling_probability": q, "event": inner}

@@ -8,8 +8,9 @@ unchanged) and reports the spent ``(epsilon, delta)`` after every round.
 Events: :class:`GaussianRound` (site mode, or a central sampled Gaussian), and
 :class:`RdpRound` (any mechanism given by its RDP curve, e.g. the distributed discrete
 Gaussian or Skellam from :func:`dp.distributed.round_rdp`, or the adaptive-clipping count).
-With ``accountant="prv"`` only Gaussian rounds compose (Opacus' PRV accountant); with
-``"rdp"`` everything composes by adding RDP curves (Mironov 2017, Prop. 1).
+The budget composes with a registered accountant (:func:`dp.accounting.get_accountant`):
+with ``"rdp"`` everything composes by adding RDP curves (Mironov 2017, Prop. 1); with
+``"prv"`` (Opacus' PRV accountant) or ``"pld"`` (dp-accounting's) only Gaussian rounds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -25,9 +26,9 @@ from dp.accounting import (
     F64,
     ORDERS,
     adaptive_clip_noise_multiplier,
-    check_accountant,
     epsilon_of_history,
     gaussian_rdp,
+    get_accountant,
     rdp_to_epsilon,
 )
 from dp.errors import BudgetExceeded, PrivacyConfigError
@@ -102,10 +103,28 @@ class RdpRound:
 
 
 Event = GaussianRound | RdpRound
+R_contra = TypeVar("R_contra", contravariant=True)
+
+
+class Budget(Protocol[R_contra]):
+    """The one spend signature of every budget: :class:`PrivacyBudget` (a run's, per
+    :class:`Event`), :class:`dp.idp.GroupLedger` (a site's rate groups, per number of
+    DP-SGD steps) and the coordinator's patient-idp budget (``fl.site.idp``, per round).
+
+    ``spend(release)`` records the release and returns the spent ``(epsilon, delta)``, or
+    raises :class:`dp.errors.BudgetExceeded` and records nothing; ``can_run(release)`` asks
+    the same question without recording."""
+
+    @property
+    def spent(self) -> tuple[float, float]: ...
+
+    def can_run(self, release: R_contra, /) -> bool: ...
+
+    def spend(self, release: R_contra, /) -> tuple[float, float]: ...
 
 
 @dataclass
-class PrivacyBudget:
+class PrivacyBudget(Budget[Event]):
     """``(epsilon, delta)`` per unit (patient by default), fixed at construction."""
 
     epsilon: float
@@ -122,7 +141,7 @@ class PrivacyBudget:
             raise PrivacyConfigError(
                 f"delta must be in (0, 1), e.g. below 1/number of patients; got {self.delta}"
             )
-        self.accountant = check_accountant(self.accountant)
+        self.accountant = get_accountant(self.accountant).name
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -140,7 +159,7 @@ class PrivacyBudget:
 
     def epsilon_after(self, event: Event) -> float:
         """The epsilon that would be spent if ``event`` ran next."""
-        if self.accountant == "rdp":  # the curves add: the cost does not grow with history
+        if self._adds_rdp:  # the curves add: the cost does not grow with history
             return self._epsilon_of([], self._rdp + event.rdp())
         return self._epsilon_of([*self._events, event], None)
 
@@ -149,6 +168,10 @@ class PrivacyBudget:
         other = PrivacyBudget(self.epsilon, self.delta, self.accountant)
         other._events, other._rdp, other._spent = list(self._events), self._rdp.copy(), self._spent
         return other
+
+    @property
+    def _adds_rdp(self) -> bool:
+        return get_accountant(self.accountant).composes_rdp
 
     def can_run(self, event: Event) -> bool:
         return self.epsilon_after(event) <= self.epsilon
@@ -159,7 +182,7 @@ class PrivacyBudget:
 
         Raises :class:`BudgetExceeded` (and records nothing) if it would overshoot.
         """
-        rdp = self._rdp + event.rdp() if self.accountant == "rdp" else None
+        rdp = self._rdp + event.rdp() if self._adds_rdp else None
         after = self._epsilon_of([] if rdp is not None else [*self._events, event], rdp)
         if not after <= self.epsilon:
             raise BudgetExceeded(
@@ -181,11 +204,11 @@ class PrivacyBudget:
         for e in events:
             if not isinstance(e, GaussianRound):
                 raise PrivacyConfigError(
-                    "the PRV accountant only composes Gaussian rounds; use accountant='rdp' "
-                    "for distributed (discrete Gaussian / Skellam) rounds"
+                    f"the {self.accountant.upper()} accountant only composes Gaussian rounds; "
+                    "use accountant='rdp' for distributed (discrete Gaussian / Skellam) rounds"
                 )
             history.append((e.effective_noise_multiplier, e.sample_rate, e.steps))
-        return epsilon_of_history(history, self.delta, "prv")
+        return epsilon_of_history(history, self.delta, self.accountant)
 
 
 # --- persistence (checkpoints, site ledgers) -------------------------------------------

@@ -14,18 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dp.accounting import (
-    F64,
-    ORDERS,
-    ddg_rdp_fn,
-    integer_rdp,
-    joint_rdp_fn,
-    rdp_to_epsilon,
-    skellam_rdp_fn,
-)
+from dp.accounting import F64, ORDERS, integer_rdp, joint_rdp_fn, rdp_to_epsilon
 from dp.adaptive_clip import QuantileClipper
-from dp.encoding import EncodingParams, Mechanism
+from dp.encoding import EncodingParams
 from dp.errors import PrivacyConfigError
+from dp.mechanisms import mechanism as find_mechanism
 from dp.rotation import padded_dim
 
 
@@ -82,7 +75,7 @@ def choose_bits(
     noise_stddev: float,
     num_sites: int,
     units_per_site: int = 1,
-    mechanism: Mechanism = "dgauss",
+    mechanism: str = "dgauss",
     wrap_probability: float = 2.0**-40,
 ) -> BitsChoice:
     """Smallest bits such that the modular sum wraps with probability <= ``wrap_probability``.
@@ -92,8 +85,9 @@ def choose_bits(
     the rotated signal (norm <= ``m * scale * clip``) is sub-Gaussian with proxy
     ``||x||^2 / D`` (Hoeffding over the random signs; KLS 2021 Lemma 29), the rounding errors
     are ``m`` independent terms of range < 2 (Hoeffding), and the noise of ``num_sites``
-    shares is sub-Gaussian (discrete Gaussian, CKS 2020 Cor. 9) or sub-gamma (Skellam,
-    Bernstein). The centred range ``[-2**(b-1), 2**(b-1))`` must hold the sum of the three.
+    shares is bounded by the mechanism's own tail
+    (:meth:`dp.mechanisms.base.IntegerMechanism.tail_bound`). The centred range
+    ``[-2**(b-1), 2**(b-1))`` must hold the sum of the three.
     """
     if num_sites < 1 or units_per_site < 1:
         raise PrivacyConfigError("num_sites and units_per_site must be >= 1")
@@ -106,10 +100,7 @@ def choose_bits(
     a_signal = signal_norm * math.sqrt(2 * log_term / d)
     a_round = math.sqrt(2 * m * log_term)
     var = num_sites * (scale * noise_stddev) ** 2
-    if mechanism == "dgauss":
-        a_noise = math.sqrt(2 * var * log_term)
-    else:  # Bernstein: a^2 / (2 (V + a/3)) >= log_term
-        a_noise = log_term / 3 + math.sqrt((log_term / 3) ** 2 + 2 * var * log_term)
+    a_noise = find_mechanism(mechanism).tail_bound(var, log_term)
     total = a_signal + a_round + a_noise
     bits = max(2, math.ceil(math.log2(total + 1)) + 1)
     if bits > 64:
@@ -121,14 +112,14 @@ def choose_bits(
 
 def round_rdp_fn(params: EncodingParams) -> Callable[[int], float] | None:
     """Per-step, unsubsampled RDP of the integer mechanism ``params`` describes (None when no
-    bound is known: no noise, or a discrete Gaussian share below 1/2)."""
+    bound is known: no noise, or a share below the mechanism's ``min_stddev``, e.g. a
+    discrete Gaussian share below 1/2)."""
+    mech = find_mechanism(params.mechanism)
     sigma = params.scale * params.noise_stddev
-    if sigma <= 0 or (params.mechanism == "dgauss" and sigma < 0.5):
+    if sigma <= 0 or sigma < mech.min_stddev:
         return None
-    l2, l1 = params.rounded_l2_bound, params.rounded_l1_bound
-    if params.mechanism == "dgauss":
-        return ddg_rdp_fn(l2, l1, sigma, params.threshold, params.encoded_dim)
-    return skellam_rdp_fn(l2, l1, params.threshold * sigma**2)
+    return mech.rdp_fn(params.rounded_l2_bound, params.rounded_l1_bound, sigma,
+                       params.threshold, params.encoded_dim)
 
 
 def round_rdp(

@@ -10,8 +10,8 @@ Discrete Gaussian Mechanism for Federated Learning with Secure Aggregation", ICM
 4. conditional stochastic rounding: round each coordinate up with probability its fractional
    part, and redraw until the rounded vector's L2 norm is at most ``rounded_l2_bound``
    (KLS 2021, Sec. 4.1 and Thm. 33; the retry makes that bound the sensitivity);
-then the site adds its unit vectors, adds one share of integer noise (discrete Gaussian or
-Skellam) and wraps the result into ``[0, 2**bits)``.
+then the site adds its unit vectors, adds one share of integer noise (the round's mechanism,
+:mod:`dp.mechanisms`: discrete Gaussian or Skellam) and wraps the result into ``[0, 2**bits)``.
 
 Server side, :meth:`IntegerEncoder.decode` is the exact inverse: centred unwrap mod
 ``2**bits``, unscale, inverse rotation. It refuses a sum over fewer sites than the noise was
@@ -22,20 +22,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
 from dp.errors import PrivacyConfigError, TooFewSurvivors
+from dp.mechanisms import mechanism, names
 from dp.randomness import RandomSource, SystemRandom, uniform_words
 from dp.rotation import padded_dim, rotate, unrotate
-from dp.samplers import sample_noise
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
-Mechanism = Literal["dgauss", "skellam"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class EncodingParams:
     bits: int
     noise_stddev: float
     rotation_seed: int
-    mechanism: Mechanism = "dgauss"
+    mechanism: str = "dgauss"
     beta: float = math.exp(-0.5)
     threshold: int = 1
     encoded_dim: int = field(init=False)
@@ -69,9 +68,9 @@ class EncodingParams:
             raise PrivacyConfigError(f"bits must be in [2, 64] (secagg's modulus), got {self.bits}")
         if not (self.noise_stddev >= 0 and math.isfinite(self.noise_stddev)):
             raise PrivacyConfigError(f"noise_stddev must be >= 0, got {self.noise_stddev}")
-        if self.mechanism not in ("dgauss", "skellam"):
+        if self.mechanism not in names():
             raise PrivacyConfigError(
-                f"mechanism must be 'dgauss' or 'skellam', got {self.mechanism!r}"
+                f"mechanism must be one of {names()} (dp.mechanisms), got {self.mechanism!r}"
             )
         if not 0 <= self.beta < 1:
             raise PrivacyConfigError(f"beta must be in [0, 1), got {self.beta}")
@@ -131,7 +130,7 @@ def clip_rows(x: F64, clip_norm: float) -> F64:
     """Scale each row down to L2 norm at most ``clip_norm`` (rows already inside unchanged)."""
     norms = np.linalg.norm(x, axis=-1, keepdims=True)
     factor = np.minimum(1.0, clip_norm / np.maximum(norms, 1e-300))
-    return x * factor
+    return cast(F64, x * factor)
 
 
 class IntegerEncoder:
@@ -183,7 +182,7 @@ class IntegerEncoder:
         p = self.params
         if not noise or p.noise_stddev == 0:
             return np.zeros(p.encoded_dim, dtype=np.int64)
-        return sample_noise(p.mechanism, p.noise_variance, p.encoded_dim, self.source)
+        return mechanism(p.mechanism).sample(p.noise_variance, p.encoded_dim, self.source)
 
     def _conditional_round(self, x: F64) -> I64:
         floor = np.floor(x)
@@ -194,8 +193,8 @@ class IntegerEncoder:
         for _ in range(self.max_rounding_retries):
             if not pending.size:
                 return out
-            u = (uniform_words(self.source, pending.size * x.shape[1]) >> np.uint64(11))
-            u = (u.astype(np.float64) / 2.0**53).reshape(pending.size, x.shape[1])
+            words = uniform_words(self.source, pending.size * x.shape[1]) >> np.uint64(11)
+            u = (words.astype(np.float64) / 2.0**53).reshape(pending.size, x.shape[1])
             r = floor[pending] + (u < frac[pending])
             ok = np.einsum("ij,ij->i", r, r) <= bound_sq
             out[pending[ok]] = r[ok].astype(np.int64)

@@ -46,9 +46,9 @@ This module needs no torch; the training step is :mod:`dp.idp_engine`.
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -63,7 +63,15 @@ from dp.accounting import (
     group_gaussian_rdp,
     rdp_to_epsilon,
 )
+from dp.budget import Budget, PrivacyBudget, RdpRound
 from dp.errors import PrivacyConfigError
+from dp.idp_groups import DEFAULT_MAX_RECORDS as DEFAULT_MAX_RECORDS
+from dp.idp_groups import EXACT_RECORDS as EXACT_RECORDS
+from dp.idp_groups import IdpClasses as IdpClasses
+from dp.idp_groups import PatientGroups as PatientGroups
+from dp.idp_groups import accounted_records as accounted_records
+from dp.idp_groups import group_patients as group_patients
+from dp.idp_search import largest, largest_log, largest_log_in, log_ratio
 from dp.randomness import RandomSource, SystemRandom, uniform_words
 
 METHODS = ("sampling", "clipping", "uniform")
@@ -74,13 +82,6 @@ MAX_ORDER = 64
 _INTEGER_ORDERS = (*range(2, 65), 72, 80, 96, 112, 128)
 #: Noise multipliers searched by the planner.
 Z_RANGE = (0.3, 500.0)
-#: Patients with up to this many records are grouped by their exact count; above it by
-#: :func:`accounted_records`.
-EXACT_RECORDS = 16
-#: The records-per-patient cut K when the operator declares none (``--max-records-per-patient``):
-#: a patient's first K records are used, the rest never sampled; the record classes are
-#: ``accounted_records(1..K)``.
-DEFAULT_MAX_RECORDS = 8
 #: The smallest per-record rate the planner gives a group: a group that cannot meet its
 #: target at this rate is infeasible at that noise.
 MIN_RATE = 1e-6
@@ -213,8 +214,6 @@ class IdpPlan:
     def group_events(self, steps: int) -> list[Any]:
         """One :class:`dp.budget.RdpRound` per group: ``steps`` steps for one of its patients
         (what :class:`GroupLedger` and a site's :class:`dp.policy.Ledger` compose)."""
-        from dp.budget import RdpRound
-
         return [RdpRound.from_array(self.group_rdp(g, steps), "idp",
                                     {"records": g.records, "sample_rate": g.sample_rate,
                                      "noise_multiplier": self.noise_multiplier * self.clip_norm
@@ -265,194 +264,6 @@ PLAN_SOURCES = {
 }
 
 
-@dataclass(frozen=True)
-class PatientGroups:
-    """Which rate group each patient (and each record) belongs to, and which records are kept."""
-
-    keys: list[Hashable]
-    """Distinct patients, in order of first appearance."""
-    group_of_patient: npt.NDArray[np.int64]
-    record_group: npt.NDArray[np.int64]
-    """Group index of every record; -1 for a record beyond the cut-off (never used)."""
-    sizes: tuple[tuple[int, float, int], ...]
-    """``(records, target_epsilon, patients)`` per group, in group-index order. With declared
-    classes the groups are every declared class (a class may hold no patient); the patient
-    counts stay at the site (reports), the planner never reads them."""
-    excluded_patients: int = 0
-    """Patients whose target is below the smallest declared target class (never sampled)."""
-
-    @property
-    def dropped_records(self) -> int:
-        """Records beyond the cut-off (never sampled)."""
-        return int(np.count_nonzero(self.record_group < 0))
-
-    def digest(self) -> str:
-        """SHA-256 of which patient is in which group (a site's ledger matches its per-group
-        spending to the same grouping only; it stays at the site)."""
-        import hashlib
-
-        text = "\n".join(f"{k!r}\t{self.sizes[g][0]}\t{self.sizes[g][1]!r}"
-                         for k, g in zip(self.keys, self.group_of_patient.tolist(), strict=True))
-        return hashlib.sha256(text.encode()).hexdigest()
-
-
-def accounted_records(records: int) -> int:
-    """The group size a patient with ``records`` kept records is accounted at: exact up to
-    :data:`EXACT_RECORDS`, above it the next of four sizes per doubling (17..20 -> 20,
-    21..24 -> 24, ..., 81..96 -> 96). A larger group only overstates the patient's loss (an
-    upper bound) and keeps a heavy-tailed table (1 to 92 records) at ~26 rate groups, each
-    planned on its own."""
-    if records <= EXACT_RECORDS:
-        return records
-    step = 1 << max(0, (records - 1).bit_length() - 3)  # a quarter of the enclosing power
-    return -(-records // step) * step
-
-
-@dataclass(frozen=True)
-class IdpClasses:
-    """The operator's declared rate classes: public, fixed before the data is read.
-
-    ``max_records``: the cut K (a patient's first K records are used); the record classes are
-    ``accounted_records(1..K)``. ``targets``: the target-epsilon classes (a patient's budget
-    is rounded down to the largest class at or below it; below the smallest class a patient
-    is never sampled). ``weights``: one public weight per class (in :meth:`classes` order) for
-    the planner's mean rate; default: 1 on each one-record class, 0 elsewhere (so
-    ``sample_rate`` is the rate of a patient with one record)."""
-
-    max_records: int = DEFAULT_MAX_RECORDS
-    targets: tuple[float, ...] = ()
-    weights: tuple[float, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_records, int) or self.max_records < 1:
-            raise PrivacyConfigError(f"max_records must be an integer >= 1, got "
-                                     f"{self.max_records}")
-        if not self.targets or not all(math.isfinite(t) and t > 0 for t in self.targets):
-            raise PrivacyConfigError(f"declare at least one positive target class, got "
-                                     f"{list(self.targets)}")
-        if self.weights is not None and (len(self.weights) != len(self.classes())
-                                         or min(self.weights) < 0 or sum(self.weights) <= 0):
-            raise PrivacyConfigError(f"need {len(self.classes())} non-negative class weights "
-                                     "(one per declared class), not all zero")
-
-    def record_classes(self) -> list[int]:
-        return sorted({accounted_records(k) for k in range(1, self.max_records + 1)})
-
-    def classes(self) -> list[tuple[int, float]]:
-        """Every declared ``(records, target)`` class, in group-index order."""
-        return [(k, t) for t in sorted(set(self.targets)) for k in self.record_classes()]
-
-    def class_weights(self) -> list[float]:
-        if self.weights is not None:
-            return list(self.weights)
-        return [1.0 if k == 1 else 0.0 for k, _ in self.classes()]
-
-    def target_class(self, target: float) -> float | None:
-        """The largest declared target at or below ``target`` (None: below them all)."""
-        below = [t for t in self.targets if t <= target * (1 + 1e-12)]
-        return max(below) if below else None
-
-    def report(self) -> dict[str, Any]:
-        return {"max_records": self.max_records, "targets": sorted(set(self.targets)),
-                "record_classes": self.record_classes(), "weights": self.class_weights()}
-
-
-def group_patients(patient_ids: Sequence[Hashable], target_epsilon: float | Sequence[float],
-                   max_records: int | None = None, classes: IdpClasses | None = None
-                   ) -> PatientGroups:
-    """Rate groups by (kept records, target). ``target_epsilon`` is one number or one per
-    *record* (a budget column: it must be the same for all records of a patient).
-
-    With ``classes`` (what every run uses) the groups are the declared classes, whatever the
-    table holds, and ``max_records`` is the classes' cut. Without, the groups are the
-    (records, target) pairs found in the table: for experiments only, since then the set of
-    groups, hence the plan, depends on the records.
-
-    With ``max_records`` a patient keeps the first ``max_records`` of its records (in table
-    order); the rest are never sampled.
-    """
-    if classes is not None:
-        if max_records is not None and max_records != classes.max_records:
-            raise PrivacyConfigError(f"max_records {max_records} differs from the declared "
-                                     f"classes' cut {classes.max_records}")
-        max_records = classes.max_records
-    n = len(patient_ids)
-    if n == 0:
-        raise PrivacyConfigError("no records")
-    if max_records is not None and max_records < 1:
-        raise PrivacyConfigError(f"max_records must be >= 1, got {max_records}")
-    targets = (np.full(n, float(target_epsilon)) if np.isscalar(target_epsilon)
-               else np.asarray(target_epsilon, dtype=np.float64))
-    if targets.shape != (n,):
-        raise PrivacyConfigError(f"need one target epsilon per record ({n}), got "
-                                 f"{targets.shape}")
-    if not np.all(np.isfinite(targets) & (targets > 0)):
-        bad = targets[~(np.isfinite(targets) & (targets > 0))][:3].tolist()
-        raise PrivacyConfigError(f"target epsilons must be positive numbers, got {bad}")
-    keys = list(dict.fromkeys(patient_ids))
-    position = {k: i for i, k in enumerate(keys)}
-    patient_of = np.fromiter((position[p] for p in patient_ids), dtype=np.int64, count=n)
-    first = np.full(len(keys), np.nan)
-    seen = np.zeros(len(keys), dtype=np.int64)
-    kept = np.zeros(n, dtype=bool)
-    for i, p in enumerate(patient_of):
-        if math.isnan(first[p]):
-            first[p] = targets[i]
-        elif targets[i] != first[p]:
-            raise PrivacyConfigError(
-                f"patient {keys[p]!r} has two target epsilons ({first[p]:g} and "
-                f"{targets[i]:g}); a patient's budget must be the same on all its records")
-        if max_records is None or seen[p] < max_records:
-            kept[i] = True
-            seen[p] += 1
-    labels: list[tuple[int, float | None]] = list(zip(
-        [accounted_records(int(k)) for k in seen.tolist()],
-        [classes.target_class(t) if classes is not None else t for t in first.tolist()],
-        strict=True))
-    if classes is not None:
-        order = classes.classes()
-    else:
-        order = sorted({(k, t) for k, t in labels if t is not None}, key=lambda g: (g[1], g[0]))
-    index = {t: i for i, t in enumerate(order)}
-    group_of_patient = np.array([index.get(t, -1) for t in labels], dtype=np.int64)
-    counts = Counter(labels)
-    record_group = np.where(kept & (group_of_patient[patient_of] >= 0),
-                            group_of_patient[patient_of], -1)
-    return PatientGroups(keys, group_of_patient, record_group,
-                         tuple((k, e, counts[(k, e)]) for k, e in order),
-                         int(np.count_nonzero(group_of_patient < 0)))
-
-
-def _largest(fits: Callable[[float], float], lo: float, hi: float, rel: float = 1e-4) -> float:
-    """Largest x in [lo, hi] with ``fits(x) <= 0`` (``fits`` increasing in x); 0 if none.
-
-    Regula falsi with the Illinois modification: the bracket shrinks from both sides.
-    """
-    f_hi = fits(hi)
-    if f_hi <= 0:
-        return hi
-    f_lo = fits(lo)
-    if f_lo > 0:
-        return 0.0
-    side = 0
-    while hi - lo > rel * hi:
-        x = hi - f_hi * (hi - lo) / (f_hi - f_lo)
-        if not lo < x < hi:
-            x = (lo + hi) / 2
-        f_x = fits(x)
-        if f_x <= 0:
-            lo, f_lo = x, f_x
-            if side == -1:
-                f_hi /= 2
-            side = -1
-        else:
-            hi, f_hi = x, f_x
-            if side == 1:
-                f_lo /= 2
-            side = 1
-    return lo
-
-
 def plan_idp(groups: PatientGroups, *, delta: float, sample_rate: float, steps: int,
              clip_norm: float = 1.0, method: str = "sampling", bound: str = "rdp",
              max_records: int | None = None, noise_multiplier: float | None = None,
@@ -494,8 +305,11 @@ def plan_idp(groups: PatientGroups, *, delta: float, sample_rate: float, steps: 
         clips = [clip_norm] * len(sizes)
     else:
         # z_g: the smallest noise multiplier (relative to the group's own clip) that fits.
-        scale = [_largest(lambda s, k=k, t=t: eps(1.0 / s, sample_rate, k, t) - t,
-                          1 / Z_RANGE[1], 1 / Z_RANGE[0]) for k, t, _ in sizes]
+        def excess(s: float, k: int, t: float) -> float:
+            return eps(1.0 / s, sample_rate, k, t) - t
+
+        scale = [largest(partial(excess, k=k, t=t), 1 / Z_RANGE[1], 1 / Z_RANGE[0])
+                 for k, t, _ in sizes]
         if min(scale) <= 0:
             raise PrivacyConfigError(f"no noise multiplier up to {Z_RANGE[1]:g} meets the "
                                      "targets: raise them, or lower the sample rate or steps")
@@ -523,61 +337,10 @@ def plan_idp(groups: PatientGroups, *, delta: float, sample_rate: float, steps: 
                    max_records, tuple(out), tuple(float(w) for w in weight))
 
 
-def _largest_log(fits: Callable[[float], float], lo: float, hi: float,
-                 rel: float = 1e-3) -> float:
-    """Largest x in [lo, hi] (0 < lo <= hi) with ``fits(x) <= 0`` (``fits`` increasing), to
-    a relative ``rel``; 0 if none."""
-    return _largest_log_in(fits, lo, hi, lo, hi, rel)
-
-
-def _largest_log_in(fits: Callable[[float], float], lo_guess: float, hi_guess: float,
-                    lo_limit: float, hi_limit: float, rel: float = 1e-3, grow: float = 4.0
-                    ) -> float:
-    """:func:`_largest_log` in [``lo_limit``, ``hi_limit``] from a warm bracket
-    ``[lo_guess, hi_guess]`` (a guess: it grows by ``grow`` until it holds the answer).
-    Regula falsi with the Illinois modification in log x."""
-    lo, hi = max(lo_limit, min(lo_guess, hi_limit)), min(hi_limit, max(hi_guess, lo_limit))
-    f_hi = fits(hi)
-    while f_hi <= 0:
-        if hi >= hi_limit:
-            return hi
-        lo, hi = hi, min(hi_limit, hi * grow)
-        f_hi = fits(hi)
-    f_lo = fits(lo) if lo < hi else f_hi
-    while f_lo > 0:
-        if lo <= lo_limit:
-            return 0.0
-        hi, f_hi = lo, f_lo
-        lo = max(lo_limit, lo / grow)
-        f_lo = fits(lo)
-    u_lo, u_hi, tol = math.log(lo), math.log(hi), math.log1p(rel)
-    side, width = 0, u_hi - u_lo
-    while u_hi - u_lo > tol:
-        u = u_hi - f_hi * (u_hi - u_lo) / (f_hi - f_lo)
-        if not u_lo + tol / 4 < u < u_hi - tol / 4 or u_hi - u_lo > width / 2:
-            u = (u_lo + u_hi) / 2  # bisect when interpolation stalls (a kinked curve)
-        width = u_hi - u_lo
-        f_u = fits(math.exp(u))
-        if f_u <= 0:
-            u_lo, f_lo = u, f_u
-            if side == -1:
-                f_hi /= 2
-            side = -1
-        else:
-            u_hi, f_hi = u, f_u
-            if side == 1:
-                f_lo /= 2
-            side = 1
-    return math.exp(u_lo)
-
-
-def _log_ratio(value: float, target: float) -> float:
-    """``log(value / target)``, finite (an increasing score for the searches)."""
-    if value <= 0:
-        return -50.0
-    if not math.isfinite(value):
-        return 50.0
-    return max(-50.0, min(50.0, math.log(value / target)))
+def _at(ratio: Callable[[float, float, int, float], float], q: float, s: float, *, k: int,
+        t: float) -> float:
+    """``ratio`` at rate ``q`` and noise multiplier ``1 / s`` (a search in ``s``)."""
+    return ratio(q, 1.0 / s, k, t)
 
 
 def _predict(known: dict[float, list[float]], z: float, i: int) -> float | None:
@@ -609,6 +372,9 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
     total = float(weight.sum())
     known: dict[float, list[float]] = {}
 
+    def ratio(q: float, z: float, k: int, t: float) -> float:
+        return log_ratio(eps(z, q, k, t), t)
+
     def largest_rates(z: float) -> list[float]:
         if z in known:
             return known[z]
@@ -624,9 +390,8 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
             guess = _predict(known, z, i)
             if guess is not None:  # a narrow bracket around log q interpolated in log z
                 lo, hi = max(lo, guess / 1.02), min(hi, guess * 1.02)
-            out.append(_largest_log_in(
-                lambda q, k=k, t=t: _log_ratio(eps(z, q, k, t), t), lo, hi * 1.001,
-                MIN_RATE, 1.0, rel=5e-3, grow=1.5))
+            out.append(largest_log_in(partial(ratio, z=z, k=k, t=t), lo, hi * 1.001,
+                                       MIN_RATE, 1.0, rel=5e-3, grow=1.5))
         known[z] = out
         return out
 
@@ -642,26 +407,25 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
         # a lower bound to start from: one record at rate q for the strictest target
         # (some group of the plan samples at a rate >= q)
         t_min = min(t for _, t, _ in sizes)
-        s_rec = _largest_log(lambda s: _log_ratio(eps(1.0 / s, sample_rate, 1, t_min), t_min),
+        s_rec = largest_log(lambda s: log_ratio(eps(1.0 / s, sample_rate, 1, t_min), t_min),
                              1.0 / Z_RANGE[1], 1.0 / Z_RANGE[0], rel=1e-2)
         s_rec = s_rec or 1.0 / Z_RANGE[1]
-        s = _largest_log_in(lambda s: _log_ratio(sample_rate, mean(1.0 / s) or 1e-300),
+        s = largest_log_in(lambda s: log_ratio(sample_rate, mean(1.0 / s) or 1e-300),
                             s_rec / 1.1, s_rec, 1.0 / Z_RANGE[1], 1.0 / Z_RANGE[0], rel=1e-2,
                             grow=1.2)
         z = 1.0 / s if s > 0 else Z_RANGE[1]
         for i, r in enumerate(largest_rates(z)):
             if r <= 0:  # then raise z until this group is feasible too
                 k, t, _ = sizes[i]
-                s = _largest_log_in(lambda s, k=k, t=t: _log_ratio(
-                    eps(1.0 / s, MIN_RATE, k, t), t), 1.0 / z, 1.0 / z,
-                    1.0 / Z_RANGE[1], 1.0 / z, rel=5e-3, grow=1.3)
+                s = largest_log_in(partial(_at, ratio, MIN_RATE, k=k, t=t), 1.0 / z,
+                                    1.0 / z, 1.0 / Z_RANGE[1], 1.0 / z, rel=5e-3, grow=1.3)
                 z = 1.0 / s if s > 0 else Z_RANGE[1]
     if not feasible(z):
         worst = [i for i, r in enumerate(largest_rates(z)) if r <= 0]
         k, t, _ = max((sizes[i] for i in worst), key=lambda g: g[0] / g[1])
         floor = eps(Z_RANGE[1], MIN_RATE, k, t)
         if fixed_z is not None and floor <= t:
-            s = _largest_log(lambda s: _log_ratio(eps(1.0 / s, MIN_RATE, k, t), t),
+            s = largest_log(lambda s: log_ratio(eps(1.0 / s, MIN_RATE, k, t), t),
                              1.0 / Z_RANGE[1], 1.0 / fixed_z)
             raise PrivacyConfigError(
                 f"noise multiplier {fixed_z:g} cannot meet the target {t:g} of patients with "
@@ -675,7 +439,7 @@ def _plan_rates(eps: Callable[[float, float, int, float], float],
     return z, [r * scale for r in rates]
 
 
-class GroupLedger:
+class GroupLedger(Budget[int]):
     """Every rate group's spending under a plan, kept across rounds (one per site).
 
     With ``bound="rdp"`` each group holds a :class:`dp.budget.PrivacyBudget` at its target
@@ -685,8 +449,6 @@ class GroupLedger:
     """
 
     def __init__(self, plan: IdpPlan) -> None:
-        from dp.budget import PrivacyBudget
-
         self.plan = plan
         self.budgets = [PrivacyBudget(g.target_epsilon, plan.delta) for g in plan.groups]
         self.steps_done = 0
@@ -715,14 +477,22 @@ class GroupLedger:
             f"{after[i]:.4g} > their target {g.target_epsilon:g}; stop training here",
             epsilon_limit=g.target_epsilon, epsilon_after=after[i])
 
-    def spend(self, steps: int) -> list[float]:
-        """Record ``steps`` steps (checked first); returns every group's epsilon."""
+    def spend(self, steps: int) -> tuple[float, float]:
+        """Record ``steps`` steps (checked first, :class:`dp.budget.Budget`); returns the
+        largest group's spent ``(epsilon, delta)`` (:meth:`epsilons`: every group's)."""
         self.check(steps)
         if self.plan.bound == "rdp":
             for budget, event in zip(self.budgets, self._events(steps), strict=True):
                 budget.spend(event)
         self.steps_done += steps
-        return self.epsilons()
+        return self.spent
+
+    @property
+    def spent(self) -> tuple[float, float]:
+        """The largest epsilon any rate group has spent, at the plan's delta."""
+        if not self.steps_done:
+            return (0.0, 0.0)
+        return (max(self.epsilons()), self.plan.delta)
 
     def epsilons(self) -> list[float]:
         """Patient-level epsilon spent so far, per rate group."""

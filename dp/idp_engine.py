@@ -16,6 +16,8 @@ Needs torch and opacus (the ``torch`` extra).
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -118,7 +120,8 @@ class IdpSgd:
         self.ledger.check(steps)
         for _ in range(steps):
             self.step()
-        return self.ledger.spend(steps)
+        self.ledger.spend(steps)
+        return self.ledger.epsilons()
 
     def epsilons(self) -> list[float]:
         """Patient-level epsilon spent so far, per rate group."""
@@ -126,7 +129,7 @@ class IdpSgd:
 
     @property
     def model(self) -> torch.nn.Module:
-        return self.module._module
+        return cast(torch.nn.Module, self.module._module)
 
     def close(self) -> None:
         """Remove Opacus' hooks from the wrapped model."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 import torch
 from opacus import GradSampleModule
@@ -55,7 +56,7 @@ from dp.randomness import RandomSource, SystemRandom, secure_normal
 from dp.units import LossFn, UnitIndex, per_unit_gradients
 
 
-class SecureNoiseOptimizer(DPOptimizer):
+class SecureNoiseOptimizer(DPOptimizer):  # type: ignore[misc]  # Opacus has no types
     """Opacus' ``DPOptimizer`` drawing its Gaussian noise from a cryptographic source."""
 
     noise_source: RandomSource
@@ -230,5 +231,5 @@ class SitePrivacyEngine:
 
     @property
     def model(self) -> torch.nn.Module:
-        return self.module._module
+        return cast(torch.nn.Module, self.module._module)
 

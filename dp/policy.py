@@ -15,16 +15,22 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from dp.budget import Event, GaussianRound
 from dp.errors import PrivacyConfigError, PrivacyError
+from dp.mechanisms import names as integer_mechanisms
 
 MODES = ("none", "site", "distributed")
-MECHANISMS = ("gaussian", "dgauss", "skellam")
+"""The privacy modes of a release: an exact sum, DP-SGD at each site, distributed DP."""
+GAUSSIAN = "gaussian"
+"""Site mode's mechanism: the sampled Gaussian of DP-SGD (Opacus)."""
 UNITS = ("patient", "record", "patient-idp")
+"""The privacy units a site's policy can name: whose data one unit of sensitivity
+covers (``patient-idp``: the patient, by individual per-record sampling rates per rate group,
+:mod:`dp.idp`; accounted per group)."""
 DEFAULT_MIN_NOISE_MULTIPLIER = 0.5
 """The noise floor of a site nobody configured: the Gaussian-equivalent noise standard
 deviation over the release's sensitivity (the clip, or twice it for a replace-one release)
@@ -38,9 +44,12 @@ OPT_IN = ("secagg-dp='none' in the Flower node config, \"modes\": [\"none\"] in 
           "NVFlare site's policy.json, or --dp none on secagg train --role site")
 """How a site's operator opts in to exact sums, in every runtime (named by every
 ``[exact-release]`` refusal)."""
-"""The privacy units a site's policy can name: whose data one unit of sensitivity covers
-(``patient-idp``: the patient, by individual per-record sampling rates per rate group,
-:mod:`dp.idp`; accounted per group)."""
+
+
+def all_mechanisms() -> tuple[str, ...]:
+    """Every mechanism a policy can name: site mode's Gaussian and the registered integer
+    mechanisms of distributed mode (:mod:`dp.mechanisms`)."""
+    return (GAUSSIAN, *integer_mechanisms())
 
 
 FIXES = {
@@ -153,7 +162,7 @@ class Proposal:
         events = plan.group_events(steps) if steps >= 1 else []
         groups = tuple((g.key, g.target_epsilon, e)
                        for g, e in zip(plan.groups, events, strict=True))
-        return cls("train", "site", "gaussian", plan.noise_multiplier,
+        return cls("train", "site", GAUSSIAN, plan.noise_multiplier,
                    max(g.sample_rate for g in plan.groups), steps,
                    max(g.clip_norm for g in plan.groups), None, secagg_threshold, None, label,
                    "patient-idp", groups, patients)
@@ -168,7 +177,7 @@ class Proposal:
         if z > 0 and 0 < sample_rate <= 1 and steps >= 1:
             event = GaussianRound(z, sample_rate, steps, count_stddev)
             z = event.effective_noise_multiplier
-        return cls("train", "site", "gaussian", z, sample_rate, steps, clip_norm, None,
+        return cls("train", "site", GAUSSIAN, z, sample_rate, steps, clip_norm, None,
                    secagg_threshold, event, label, unit)
 
     @classmethod
@@ -229,7 +238,7 @@ class SitePolicy:
     """
 
     modes: tuple[str, ...] = ("site", "distributed")
-    mechanisms: tuple[str, ...] = MECHANISMS
+    mechanisms: tuple[str, ...] = field(default_factory=all_mechanisms)
     min_noise_multiplier: float = DEFAULT_MIN_NOISE_MULTIPLIER
     min_threshold: int = 2
     max_sample_rate: float = 1.0
@@ -249,8 +258,8 @@ class SitePolicy:
             problems.append(f"modes must be among {MODES}, got {self.modes}")
         if self.unit not in UNITS:
             problems.append(f"unit must be one of {UNITS}, got {self.unit!r}")
-        if not self.mechanisms or set(self.mechanisms) - set(MECHANISMS):
-            problems.append(f"mechanisms must be among {MECHANISMS}, got {self.mechanisms}")
+        if not self.mechanisms or set(self.mechanisms) - set(all_mechanisms()):
+            problems.append(f"mechanisms must be among {all_mechanisms()}, got {self.mechanisms}")
         if not (self.min_noise_multiplier >= 0 and math.isfinite(self.min_noise_multiplier)):
             problems.append(f"min_noise_multiplier must be >= 0, got "
                             f"{self.min_noise_multiplier}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -85,4 +85,4 @@ def secure_normal(source: RandomSource, n: int) -> npt.NDArray[np.float64]:
     radius = np.sqrt(-2.0 * np.log(u[:pairs]))
     angle = 2.0 * np.pi * u[pairs:]
     normals = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:m]
-    return normals.reshape(4, n).sum(axis=0) / 2.0
+    return cast(npt.NDArray[np.float64], normals.reshape(4, n).sum(axis=0) / 2.0)

@@ -12,6 +12,7 @@ independently of numpy's version.
 from __future__ import annotations
 
 import hashlib
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -56,10 +57,10 @@ def rotate(x: F64, seed: int) -> F64:
     n = padded_dim(d)
     padded = np.zeros((*x.shape[:-1], n))
     padded[..., :d] = x
-    return _fwht(padded * rotation_signs(seed, n)) / np.sqrt(n)
+    return cast(F64, _fwht(padded * rotation_signs(seed, n)) / np.sqrt(n))
 
 
 def unrotate(y: F64, seed: int, dim: int) -> F64:
     """Inverse of :func:`rotate`: ``D H y / sqrt(D)``, truncated to the first ``dim`` entries."""
     n = y.shape[-1]
-    return (_fwht(y) / np.sqrt(n) * rotation_signs(seed, n))[..., :dim]
+    return cast(F64, (_fwht(y) / np.sqrt(n) * rotation_signs(seed, n))[..., :dim])

@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable
 from decimal import Decimal, localcontext
 from fractions import Fraction
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -88,9 +89,11 @@ def discrete_laplace(source: RandomSource, scale: int, n: int) -> I64:
         m = pending.size
         u = uniform_below(source, scale, m).astype(np.int64)
         g = u / scale
-        d = bernoulli_exp(
-            source, g, 1e-15 * g, lambda i, u=u: rational_gamma(Fraction(int(u[i]), scale))
-        )
+
+        def exact_u(i: int, u: I64 = u) -> ExactGamma:
+            return rational_gamma(Fraction(int(u[i]), scale))
+
+        d = bernoulli_exp(source, g, 1e-15 * g, exact_u)
         x = u + scale * _geometric_exp1(source, m)
         b = (uniform_words(source, m) & np.uint64(1)).astype(bool)
         ok = d & ~(b & (x == 0))
@@ -185,13 +188,16 @@ def poisson(lam: float, n: int, source: RandomSource | None = None) -> I64:
         k = env.c + discrete_laplace(source, env.t, pending.size)
         valid = k >= 0
         kk = np.where(valid, k, 0)
-        lf = _lgamma(kk + 1.0).astype(np.float64)
+        lf = cast(npt.NDArray[np.object_], _lgamma(kk + 1.0)).astype(np.float64)
         term = kk * env.log_lam
         dist = np.abs(kk - env.c) / env.t
         g = env.g_max - (term - lam - lf + dist)
         err = 1e-13 * (np.abs(term) + lam + lf + dist + abs(env.g_max) + 1.0)
-        c = bernoulli_exp(source, np.maximum(g, 0.0), err,
-                          lambda i, kk=kk: env.gamma_exact(int(kk[i])))
+
+        def exact_k(i: int, kk: I64 = kk) -> ExactGamma:
+            return env.gamma_exact(int(kk[i]))
+
+        c = bernoulli_exp(source, np.maximum(g, 0.0), err, exact_k)
         ok = valid & c
         out[pending[ok]] = k[ok]
         pending = pending[~ok]
@@ -208,13 +214,3 @@ def skellam(variance: float, n: int, source: RandomSource | None = None) -> I64:
     lam = variance / 2.0
     return poisson(lam, n, source) - poisson(lam, n, source)
 
-
-def sample_noise(
-    mechanism: str, variance: float, n: int, source: RandomSource | None = None
-) -> I64:
-    """Integer noise of the named mechanism (``"dgauss"`` or ``"skellam"``) and variance."""
-    if mechanism == "dgauss":
-        return discrete_gaussian(variance, n, source)
-    if mechanism == "skellam":
-        return skellam(variance, n, source)
-    raise ValueError(f"mechanism must be 'dgauss' or 'skellam', got {mechanism!r}")

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from dp.accounting import _bisect_noise, ddg_rdp_fn, integer_rdp, rdp_to_epsilon
+from dp.accounting import _bisect_noise, integer_rdp, rdp_to_epsilon
 from dp.budget import RdpRound
 from dp.errors import PrivacyConfigError
+from dp.mechanisms.dgauss import DGAUSS
 from dp.randomness import RandomSource, SystemRandom
-from dp.samplers import discrete_gaussian
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -73,10 +73,10 @@ class HistogramRelease:
     def event(self) -> RdpRound:
         """The release's budget event: one unsubsampled (discrete) Gaussian of sensitivity
         ``sqrt(2)``, described for the audit export as a zCDP release (:mod:`dp.audit`)."""
-        fn = ddg_rdp_fn(HISTOGRAM_L2, HISTOGRAM_L1, self.noise_stddev, 1, self.bins + 1)
+        fn = DGAUSS.rdp_fn(HISTOGRAM_L2, HISTOGRAM_L1, self.noise_stddev, 1, self.bins + 1)
         spec = {"sample_rate": 1.0, "steps": 1.0, "l2": HISTOGRAM_L2, "l1": HISTOGRAM_L1,
                 "sigma": self.noise_stddev, "threshold": 1.0, "dim": float(self.bins + 1)}
-        return RdpRound.from_array(integer_rdp(fn, 1.0, 1), "dgauss", spec)
+        return RdpRound.from_array(integer_rdp(fn, 1.0, 1), DGAUSS.name, spec)
 
     def release(self, cells: npt.ArrayLike, source: RandomSource | None = None) -> I64:
         """A site's release: ``[noised count per cell..., noised patient count]`` from its
@@ -86,7 +86,7 @@ class HistogramRelease:
             raise PrivacyConfigError(f"a patient's cell is outside the public grid of "
                                      f"{self.bins} cells: clip the scalar to the grid first")
         counts = np.append(np.bincount(index, minlength=self.bins), index.size)
-        noise = discrete_gaussian(self.noise_stddev**2, self.bins + 1,
+        noise = DGAUSS.sample(self.noise_stddev**2, self.bins + 1,
                                   source or SystemRandom())
         return (counts + noise).astype(np.int64)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Hashable, Sequence
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -99,7 +100,7 @@ def per_unit_gradients(module: GradSampleModule, loss_fn: LossFn, inputs: torch.
         # capture exactly the per-sample gradients they should (tests/dp/test_units.py)
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         loss = loss_fn(module(inputs), targets)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
     regroup_grad_samples(module, torch.as_tensor(position, dtype=torch.long), num_units)
 
 
@@ -107,13 +108,14 @@ def flat_unit_gradients(module: GradSampleModule) -> npt.NDArray[np.float64]:
     """``(num_units, d)`` matrix of the grouped per-unit gradients (flattened parameters)."""
     rows = [p.grad_sample.reshape(p.grad_sample.shape[0], -1)
             for p in module.parameters() if getattr(p, "grad_sample", None) is not None]
-    return torch.cat(rows, dim=1).detach().double().cpu().numpy()
+    return cast(npt.NDArray[np.float64], torch.cat(rows, dim=1).detach().double().cpu().numpy())
 
 
 def clipped_unit_sum(grads: npt.NDArray[np.float64], clip_norm: float) -> npt.NDArray[np.float64]:
     """Sum of the per-unit gradients, each clipped to L2 norm ``clip_norm`` (sensitivity C)."""
     norms = np.linalg.norm(grads, axis=1, keepdims=True)
-    return (grads * np.minimum(1.0, clip_norm / np.maximum(norms, 1e-300))).sum(axis=0)
+    return cast(npt.NDArray[np.float64],
+                (grads * np.minimum(1.0, clip_norm / np.maximum(norms, 1e-300))).sum(axis=0))
 
 
 def site_unit_gradients(model: torch.nn.Module | GradSampleModule, loss_fn: LossFn,
@@ -135,4 +137,4 @@ def site_unit_gradients(model: torch.nn.Module | GradSampleModule, loss_fn: Loss
         return index.keys, rows
     finally:
         if owned:
-            gsm._close()  # remove Opacus' hooks so the caller's model is unchanged
+            gsm._close()  # type: ignore[operator]  # remove Opacus' hooks (caller's model unchanged)

@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from dp.encoding import EncodingParams, IntegerEncoder
 from dp.randomness import RandomSource
-from secagg.crypto import dtype_for_bits
+from secagg.crypto import MAX_BITS, MIN_BITS, dtype_for_bits
 
 from .errors import FLError
 
@@ -53,8 +53,8 @@ class FixedPointCodec:
 
     def __init__(self, dim: int, *, bits: int = 64, frac_bits: int = 24,
                  max_summands: int = 1) -> None:
-        if not 8 <= bits <= 64:
-            raise ValueError(f"bits must be in [8, 64], got {bits}")
+        if not MIN_BITS <= bits <= MAX_BITS:
+            raise ValueError(f"bits must be in [{MIN_BITS}, {MAX_BITS}], got {bits}")
         if not 0 <= frac_bits < bits - 2:
             raise ValueError(f"frac_bits must be in [0, bits - 2), got {frac_bits}")
         self.dim = dim

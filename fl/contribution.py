@@ -35,6 +35,8 @@ import torch
 
 from dp.adaptive_clip import QuantileClipper
 from dp.encoding import EncodingParams
+from dp.mechanisms import names as mechanism_names
+from dp.policy import MODES, UNITS
 from fl.codec import (
     DistributedCodec,
     FixedPointCodec,
@@ -46,14 +48,13 @@ from fl.settings import STRATEGIES, TrainSettings
 from fl.site.privacy import DistributedPlan, Plan, SiteDpPlan
 from fl.site.training import Scaler
 from fl.vector import ParameterLayout
+from secagg import MAX_BITS, MIN_BITS
 from transport import fields
 
 from .errors import FLError
 
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
-MODES = ("none", "site", "distributed")
-UNITS = ("patient", "record", "patient-idp")
 SCALER_FRAC_BITS = 12
 Decoder = Callable[[U64, int], tuple[F64, float]]
 
@@ -189,7 +190,7 @@ class RoundTask:
             params = encoding_params(body.get("params"), model_dim + 1)
             max_units = _int(body, "max_units", 1, 1 << 40)
         weighting = _weights(body) if mode == "distributed" else {}
-        if _int(body, "bits", 8, 64) != (64 if params is None else params.bits):
+        if _int(body, "bits", MIN_BITS, MAX_BITS) != (64 if params is None else params.bits):
             raise TaskError("task field 'bits' differs from the encoding's modulus")
         unit = _str(body, "unit", UNITS)
         plan_steps = None
@@ -371,10 +372,10 @@ def encoding_params(raw: Any, dim: int) -> EncodingParams:
             dim=_int(raw, "dim", dim, dim),
             clip_norm=_float(raw, "clip_norm", low_open=True),
             scale=_float(raw, "scale", low_open=True),
-            bits=_int(raw, "bits", 8, 64),
+            bits=_int(raw, "bits", MIN_BITS, MAX_BITS),
             noise_stddev=_float(raw, "noise_stddev"),
             rotation_seed=_int(raw, "rotation_seed", 0, (1 << 63) - 1),
-            mechanism=_str(raw, "mechanism", ("dgauss", "skellam")),  # type: ignore[arg-type]
+            mechanism=_str(raw, "mechanism", mechanism_names()),
             beta=_float(raw, "beta", 0, 1),
             threshold=_int(raw, "threshold", 1, 1 << 16))
     except ValueError as exc:

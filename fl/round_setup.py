@@ -34,6 +34,7 @@ import numpy.typing as npt
 
 from dp.budget import Event
 from dp.encoding import EncodingParams
+from dp.mechanisms import names as mechanism_names
 from dp.policy import SitePolicy
 from fl.codec import (
     DistributedCodec,
@@ -47,7 +48,14 @@ from fl.input_bound import bits_for, capped_weight, dp_bound, fixed_bound
 from fl.site.core import SecureSum, charged_proposal, own_share
 from fl.site.privacy import DistributedPlan, distributed_plan
 from fl.vector import ArraySpec
-from secagg import Config, RoundNonce, secagg_plus_parameters
+from secagg import (
+    MAX_BITS,
+    MIN_BITS,
+    SECURITY_MODES,
+    Config,
+    RoundNonce,
+    secagg_plus_parameters,
+)
 from transport import fields
 
 F64 = npt.NDArray[np.float64]
@@ -55,8 +63,6 @@ U64 = npt.NDArray[np.uint64]
 
 VERSION = 1
 ENCODINGS = ("fixed", "ddp")
-SECURITY = ("semi-honest", "malicious")
-MECHANISMS = ("dgauss", "skellam")
 MAX_ROSTER = 1 << 16
 MAX_ARRAYS = 1 << 12
 MAX_DIM = 1 << 28
@@ -231,8 +237,8 @@ class RoundSetup:
         if encoding not in ENCODINGS:
             raise SetupError(f"encoding {encoding!r}: use one of {ENCODINGS}")
         security = _str(body, "security")
-        if security not in SECURITY:
-            raise SetupError(f"security {security!r}: use one of {SECURITY}")
+        if security not in SECURITY_MODES:
+            raise SetupError(f"security {security!r}: use one of {SECURITY_MODES}")
         keys = body.get("vk")
         if not isinstance(keys, list) or not all(isinstance(k, bytes) and len(k) == 32
                                                  for k in keys):
@@ -250,7 +256,7 @@ class RoundSetup:
                              "no noise); send none")
         if encoding == "fixed" and body.get("dp") is not None:
             raise SetupError("a fixed-point round carries no DP parameters")
-        if dp is not None and dp.bits != _int(body, "bits", 8, 64):
+        if dp is not None and dp.bits != _int(body, "bits", MIN_BITS, MAX_BITS):
             raise SetupError("the DP encoding's modulus (dp bits) must be the secure sum's "
                              "(bits): a sum over a wider modulus than the encoding's does not "
                              "wrap as the noise calibration assumes")
@@ -269,7 +275,8 @@ class RoundSetup:
         return cls(run_id=_int(body, "run", 0, (1 << 64) - 1),
                    server_round=_int(body, "round", 0, (1 << 63) - 1), nonce=nonce,
                    roster=tuple(roster), threshold=_int(body, "t", 1, MAX_ROSTER),
-                   neighbors=k or None, bits=_int(body, "bits", 8, 64), security=security,
+                   neighbors=k or None, bits=_int(body, "bits", MIN_BITS, MAX_BITS),
+                   security=security,
                    arrays=specs, metrics=tuple(metrics), weight_key=weight,
                    encoding=encoding, frac_bits=frac_bits, dp=dp,
                    dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
@@ -316,9 +323,9 @@ def _dp_spec(item: object) -> DpSpec:
     dp = dict(zip(("clip_norm", "scale", "bits", "noise_stddev", "rotation_seed",
                    "mechanism", "beta", "threshold"), item, strict=True))
     return DpSpec(_float(dp, "clip_norm", 0.0, low_open=True),
-                  _float(dp, "scale", 0.0, low_open=True), _int(dp, "bits", 8, 64),
+                  _float(dp, "scale", 0.0, low_open=True), _int(dp, "bits", MIN_BITS, MAX_BITS),
                   _float(dp, "noise_stddev", 0.0), _int(dp, "rotation_seed", 0, (1 << 63) - 1),
-                  fields.text(dp, "mechanism", MECHANISMS, error=SetupError,
+                  fields.text(dp, "mechanism", mechanism_names(), error=SetupError,
                               what="DP parameter"),
                   _float(dp, "beta", 0.0, 0.999999), _int(dp, "threshold", 1, MAX_ROSTER))
 
@@ -357,7 +364,7 @@ def dp_params(setup: RoundSetup) -> EncodingParams:
         return EncodingParams(dim=setup.model_dim + 1, clip_norm=spec.clip_norm,
                               scale=spec.scale, bits=spec.bits, noise_stddev=spec.noise_stddev,
                               rotation_seed=spec.rotation_seed,
-                              mechanism=spec.mechanism,  # type: ignore[arg-type]
+                              mechanism=spec.mechanism,
                               beta=spec.beta, threshold=spec.threshold)
     except ValueError as exc:
         raise SetupError(f"distributed-DP parameters: {exc}") from None
@@ -501,8 +508,13 @@ class DistributedDP:
     site_weights: float | None = None
     """DP-FedAvg+'s private adaptive clip and site weights: not carried by this round setup
     yet (``secagg train`` runs them); asking for them is refused, never ignored."""
+    mechanism: str = "dgauss"
+    """The integer noise, by its name in :mod:`dp.mechanisms` (``"dgauss"``, ``"skellam"``)."""
 
     def __post_init__(self) -> None:
+        if self.mechanism not in mechanism_names():
+            raise SetupError(f"mechanism {self.mechanism!r}: use one of {mechanism_names()} "
+                             "(dp.mechanisms)")
         if self.sample_rate != 1.0:
             raise SetupError(f"sample_rate={self.sample_rate!r}: a node charges every round it "
                              "joins at sample rate 1 (the server picks the roster; a node "
@@ -578,7 +590,8 @@ def round_plan(privacy: DistributedDP, setup: RoundSetup,
             threshold=setup.threshold, max_units_per_site=1,
             noise_multiplier=privacy.noise_multiplier,
             granularity_bits=privacy.granularity_bits,
-            charged=partial(charged_params, security=setup.security))
+            charged=partial(charged_params, security=setup.security),
+            mechanism=privacy.mechanism)
     return cache[key]
 
 

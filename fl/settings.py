@@ -6,10 +6,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dp.accounting import accountant_names
+from dp.policy import MODES as DP_MODES
+from dp.policy import UNITS
 from secagg.config import SECURITY_MODES, Config
 
-DP_MODES = ("none", "site", "distributed")
-UNITS = ("patient", "record", "patient-idp")
 # fl.models.MODELS (kept here without torch)
 MODELS = ("logreg", "mlp", "cnn", "cox", "discrete-time")
 STRATEGIES = ("fedavg", "fedprox", "scaffold", "fedadam", "fedyogi", "fedadagrad")
@@ -113,8 +114,9 @@ class TrainSettings:
                                   or self.adaptive_clip is not None):
             problems.append("--epsilon/--noise-multiplier/--adaptive-clip without --dp would "
                             "train without privacy: add --dp site or --dp distributed")
-        if self.accountant not in ("rdp", "prv", "pld"):
-            problems.append(f"--accountant {self.accountant}: use rdp, prv or pld")
+        if self.accountant not in accountant_names():
+            problems.append(f"--accountant {self.accountant}: use one of "
+                            f"{', '.join(accountant_names())}")
         elif self.unit == "patient-idp" and self.accountant == "prv":
             problems.append("--unit patient-idp accounts its rate groups with rdp or pld "
                             "(dp-accounting's PLD of the patient's mixture), not prv")

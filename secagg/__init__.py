@@ -12,7 +12,7 @@ The state machines ``Client`` and ``Server`` are for embedding the protocol in a
 
 from .client import Client, MaskedStream
 from .config import Config, required_bits
-from .crypto import SigningKey
+from .crypto import MAX_BITS, MIN_BITS, SigningKey
 from .errors import (
     CryptoError,
     DecodeError,
@@ -24,13 +24,16 @@ from .errors import (
     ShamirError,
     StaleSnapshot,
 )
-from .graph import GraphParameters, secagg_plus_parameters
+from .graph import SECURITY_MODES, GraphParameters, secagg_plus_parameters
 from .messages import decode, encode
 from .server import AggregateResult, RoundNonce, Server
 from .simulate import LocalRound, SimulationResult, simulate
 from .stage import Stage, round_stages
 
 __all__ = [
+    "MAX_BITS",
+    "MIN_BITS",
+    "SECURITY_MODES",
     "AggregateResult",
     "Client",
     "Config",

@@ -10,9 +10,9 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from .graph import check_complete, check_pair, minimum_threshold, threshold_floor
+from .crypto import MAX_BITS, MIN_BITS
+from .graph import SECURITY_MODES, check_complete, check_pair, minimum_threshold, threshold_floor
 
-SECURITY_MODES = ("semi-honest", "malicious")
 MAX_CLIENTS = 1 << 20
 MAX_DIM = 1 << 31
 
@@ -79,8 +79,9 @@ class Config:
             raise ValueError(f"num_clients={n}: at most {MAX_CLIENTS} clients are supported")
         if not _is_int(self.dim) or not 1 <= self.dim <= MAX_DIM:
             raise ValueError(f"dim={self.dim!r}: need an integer in 1..{MAX_DIM}")
-        if not _is_int(self.bits) or not 8 <= self.bits <= 64:
-            raise ValueError(f"bits={self.bits!r}: the modulus is 2**bits with 8 <= bits <= 64")
+        if not _is_int(self.bits) or not MIN_BITS <= self.bits <= MAX_BITS:
+            raise ValueError(f"bits={self.bits!r}: the modulus is 2**bits with {MIN_BITS} <= "
+                             f"bits <= {MAX_BITS}")
         if self.security not in SECURITY_MODES:
             raise ValueError(
                 f"security={self.security!r}: use 'semi-honest' or 'malicious'")

@@ -33,6 +33,10 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from .errors import CryptoError as CryptoError  # re-exported
 from .stage import Stage
 
+MIN_BITS, MAX_BITS = 8, 64
+"""The modulus of a secure sum is ``2**bits`` with ``MIN_BITS <= bits <= MAX_BITS`` (every
+layer checks a bit width against these two)."""
+
 PROTOCOL = b"secagg/v1"
 KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -221,7 +225,7 @@ def dtype_for_bits(bits: int) -> np.dtype[np.unsignedinteger]:
     for width in (8, 16, 32, 64):
         if bits <= width:
             return np.dtype(f"<u{width // 8}")
-    raise ValueError(f"bits={bits} must be at most 64")
+    raise ValueError(f"bits={bits} must be at most {MAX_BITS}")
 
 
 _ZERO_COUNTER = modes.CTR(b"\x00" * 16)  # each mask key is used for exactly one stream

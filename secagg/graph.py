@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+SECURITY_MODES = ("semi-honest", "malicious")
+"""The threat models a round runs under (docs/security.md)."""
+
 SECURITY_BITS = 40
 CORRECTNESS_BITS = 20
 _SMALL = 1e-14
@@ -247,8 +250,8 @@ def _check_rates(dropout_rate: float, corrupt_rate: float, security: str) -> Non
         raise ValueError(f"dropout_rate={dropout_rate} must be in [0, 1)")
     if not 0.0 <= corrupt_rate < 1.0:
         raise ValueError(f"corrupt_rate={corrupt_rate} must be in [0, 1)")
-    if security not in ("semi-honest", "malicious"):
-        raise ValueError(f"security={security!r}: use 'semi-honest' or 'malicious'")
+    if security not in SECURITY_MODES:
+        raise ValueError(f"security={security!r}: use one of {SECURITY_MODES}")
 
 
 def minimum_threshold(holders: int, security: str) -> int:

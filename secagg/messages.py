@@ -21,7 +21,7 @@ from typing import Any, cast
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-from .crypto import KEY_BYTES, SIGNATURE_BYTES
+from .crypto import KEY_BYTES, MAX_BITS, MIN_BITS, SIGNATURE_BYTES
 from .errors import DecodeError
 from .shamir import SHARE_BYTES
 from .stage import Stage
@@ -356,8 +356,8 @@ class _Blob(_Field):
 class _Bits(_Field):
     def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
         bits = r.uint(self.what)
-        if not 8 <= bits <= 64:
-            raise _fail(f"{self.what} must be in 8..64")
+        if not MIN_BITS <= bits <= MAX_BITS:
+            raise _fail(f"{self.what} must be in {MIN_BITS}..{MAX_BITS}")
         return bits
 
 

@@ -100,9 +100,11 @@ def test_the_readme_and_docs_import_only_from_front_doors() -> None:
     assert bad == [], "import these names from the layer's front door instead"
 
 
-def _imports(module: str, path: Path, modules: set[str]) -> set[str]:
+def _imports(module: str, path: Path, modules: set[str], *, annotations: bool = False
+             ) -> set[str]:
     """The package modules ``module`` imports when it runs (module level and inside
-    functions; ``if TYPE_CHECKING:`` blocks are annotations only and do not count)."""
+    functions; ``if TYPE_CHECKING:`` blocks are annotations only and count only with
+    ``annotations``)."""
     import ast
 
     found: set[str] = set()
@@ -110,7 +112,8 @@ def _imports(module: str, path: Path, modules: set[str]) -> set[str]:
 
     def visit(nodes: list[ast.stmt]) -> None:
         for node in nodes:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            if (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                    and not annotations):
                 visit(node.orelse)
                 continue
             if isinstance(node, ast.Import):
@@ -133,14 +136,14 @@ def _imports(module: str, path: Path, modules: set[str]) -> set[str]:
     return found - {module}
 
 
-def test_no_import_circles() -> None:
-    """No module of the four layers imports, at run time, one that imports it back."""
+def _circles(layers: tuple[str, ...], *, annotations: bool = False) -> list[str]:
+    """Every import circle among the modules of ``layers`` (one per module on it)."""
     paths = {}
-    for layer in LAYERS:
+    for layer in layers:
         for path in (ROOT / layer).rglob("*.py"):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             paths[name.removesuffix(".__init__")] = path
-    graph = {m: _imports(m, p, set(paths)) for m, p in paths.items()}
+    graph = {m: _imports(m, p, set(paths), annotations=annotations) for m, p in paths.items()}
     circles = []
     for start in graph:  # a depth-first search back to the start, from each module
         stack, seen = [(start, (start,))], set()
@@ -152,4 +155,24 @@ def test_no_import_circles() -> None:
                 elif nxt not in seen:
                     seen.add(nxt)
                     stack.append((nxt, (*trail, nxt)))
-    assert circles == []
+    return circles
+
+
+def test_no_import_circles() -> None:
+    """No module of the four layers imports, at run time, one that imports it back."""
+    assert _circles(tuple(LAYERS)) == []
+
+
+# The one circle left, by an annotation only: secagg.resume types its functions with the
+# Client whose snapshot()/restore() call them (resume reads 14 of the client's private
+# members; untying it means a Protocol of those and MaskedStream in a module of its own).
+ANNOTATION_CIRCLES = {"secagg": {"secagg.client -> secagg.resume -> secagg.client",
+                                 "secagg.resume -> secagg.client -> secagg.resume"}}
+
+
+@pytest.mark.parametrize("layer", ["dp", "secagg"])
+def test_no_import_circles_even_through_annotations(layer: str) -> None:
+    """Within dp/ and secagg/ not even an ``if TYPE_CHECKING:`` import closes a circle: a
+    circle hidden from the interpreter is still one a reader (and a refactor) must untangle.
+    The known one is listed exactly, so a new circle fails and untying it updates the list."""
+    assert set(_circles((layer,), annotations=True)) == ANNOTATION_CIRCLES.get(layer, set())

@@ -20,6 +20,7 @@ import math
 import sys
 from typing import Any
 
+from dp.accounting import accountant_names
 from fl.cli._common import error
 
 MECHANISM = ("Poisson-sampled Gaussian, one step per round (--dp site with one DP-SGD step "
@@ -42,8 +43,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--noise-multiplier", type=float, help="noise stddev / clip norm")
     group.add_argument("--rounds", type=int, help="number of rounds to fit in the budget")
-    p.add_argument("--accountant", choices=("rdp", "prv"), default="rdp",
-                   help="rdp (Opacus RDP, default) or prv (Opacus PRV: tighter)")
+    p.add_argument("--accountant", choices=accountant_names(), default="rdp",
+                   help="rdp (Opacus RDP, default), prv (Opacus PRV: tighter) or pld "
+                        "(dp-accounting's privacy loss distribution)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(command="budget")
     return p

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from secagg import Config, Stage, round_stages
+from secagg import SECURITY_MODES, Config, Stage, round_stages
 from secagg.crypto import dtype_for_bits
 
 from ..errors import FLError
@@ -57,7 +57,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="the sum is mod 2**B (default 32)")
     parser.add_argument("--neighbors", type=int, metavar="K",
                         help="SecAgg+ neighbourhood size (default: complete graph)")
-    parser.add_argument("--security", choices=("semi-honest", "malicious"),
+    parser.add_argument("--security", choices=SECURITY_MODES,
                         default="semi-honest",
                         help="threat model: semi-honest (default), or malicious (signed "
                              "messages and a consistency check)")

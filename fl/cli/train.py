@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dp.accounting import accountant_names
 from fl.cli._common import (
     Stopped,
     UsageError,
@@ -207,7 +208,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--noise-multiplier", type=float, metavar="Z",
                    help="DP: fix the noise instead of calibrating it to --epsilon/--rounds "
                         "(epsilon is still accounted and reported)")
-    r.add_argument("--accountant", choices=("rdp", "prv", "pld"), default=d.accountant,
+    r.add_argument("--accountant", choices=accountant_names(), default=d.accountant,
                    help="rdp (default) or prv (tighter; --dp site, the sampled Gaussian); "
                         "--unit patient-idp: rdp or pld (dp-accounting's privacy loss "
                         "distribution of each rate group: tighter for patients with many "

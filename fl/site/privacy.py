@@ -28,6 +28,7 @@ from dp.budget import GaussianRound, PrivacyBudget, RdpRound, event_from_json
 from dp.budget import event_to_json as event_to_json  # re-exported for checkpoints
 from dp.distributed import calibrate, choose_bits, noise_for_budget
 from dp.encoding import EncodingParams
+from dp.mechanisms import mechanism
 from fl.codec import DistributedCodec
 
 Event = GaussianRound | RdpRound
@@ -179,14 +180,15 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
                      noise_multiplier: float | None, granularity_bits: int = 12,
                      prior: Sequence[Event] = (), target_quantile: float | None = None,
                      count_stddev: float | None = None, max_weight: float = 1.0,
-                     charged: Callable[[EncodingParams], EncodingParams] | None = None
-                     ) -> DistributedPlan:
+                     charged: Callable[[EncodingParams], EncodingParams] | None = None,
+                     mechanism: str = "dgauss") -> DistributedPlan:
     """Per-site noise for ``rounds`` rounds within epsilon, and the bits the sum needs.
 
     ``scale`` puts the encoding's clip at ``2**granularity_bits`` integer units, fine enough
     that rounding adds little to the sensitivity; ``choose_bits`` then bounds the sum of the
     largest possible site contributions (every patient sampled) so it never wraps.
     ``max_weight``: the encoding's clip is ``max_weight * clip_norm`` (site weights).
+    ``mechanism``: the integer noise's name in :mod:`dp.mechanisms`.
     ``target_quantile``: private adaptive clipping; the rounds' noise is calibrated with its
     count accounted jointly. ``count_stddev`` defaults to 10 times the central noise
     multiplier the rounds would need without the count (the count then costs about 1/400 of
@@ -200,7 +202,8 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
     encoding_clip = max_weight * clip_norm
     scale = 2.0**granularity_bits / encoding_clip
     template = EncodingParams(dim=model_dim + 1, clip_norm=encoding_clip, scale=scale,
-                              bits=64, noise_stddev=0.0, rotation_seed=0, threshold=threshold)
+                              bits=64, noise_stddev=0.0, rotation_seed=0, threshold=threshold,
+                              mechanism=mechanism)
     if noise_multiplier is None:
         if epsilon is None:
             raise ValueError("distributed DP needs --epsilon (or --noise-multiplier)")
@@ -224,7 +227,7 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
                 _prior_rdp(prior), clipper=clipper).noise_stddev)
     bits = choose_bits(dim=model_dim + 1, clip_norm=encoding_clip, scale=scale,
                        noise_stddev=params.noise_stddev, num_sites=num_sites,
-                       units_per_site=max(1, max_units_per_site)).bits
+                       units_per_site=max(1, max_units_per_site), mechanism=mechanism).bits
     return DistributedPlan(replace(params, bits=max(bits, 8)), sample_rate,
                            target_quantile=target_quantile, count_stddev=count_stddev,
                            max_weight=max_weight)
@@ -257,8 +260,7 @@ def mechanism_of(plan: Plan) -> str:
         return "sampled Gaussian (Opacus DP-SGD at each site)" + (
             " with adaptive clipping" if plan.count_stddev is not None else "")
     if isinstance(plan, DistributedPlan):
-        return {"dgauss": "distributed discrete Gaussian",
-                "skellam": "distributed Skellam"}[plan.params.mechanism] + " (secure sum)"
+        return f"{mechanism(plan.params.mechanism).title} (secure sum)"
     return "none: exact secure sum"
 
 

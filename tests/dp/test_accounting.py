@@ -13,17 +13,17 @@ pytest.importorskip("opacus")
 
 from dp.accounting import (
     ORDERS,
-    ddg_rdp_fn,
     gaussian_epsilon,
     gaussian_rdp,
     noise_multiplier_for,
     rdp_to_epsilon,
     rounds_for,
-    skellam_rdp_fn,
     subsampled_rdp,
 )
 from dp.distributed import round_epsilon
 from dp.encoding import EncodingParams
+from dp.mechanisms.dgauss import ddg_rdp_fn
+from dp.mechanisms.skellam import skellam_rdp_fn
 
 TABLE = [  # (q, z, steps, delta)
     (0.01, 4.0, 10_000, 1e-5),

@@ -97,3 +97,28 @@ def test_budget_validation_messages() -> None:
     assert PrivacyBudget(1.0, 1e-5).spent == (0.0, 0.0)
     assert math.isinf(round_rdp(EncodingParams(dim=4, clip_norm=1.0, scale=1.0, bits=16,
                                                noise_stddev=0.0, rotation_seed=0), 0.1)[0])
+
+
+def _budgets() -> list[tuple[object, object, object]]:
+    """(budget, a release that fits, a release that does not) of each Budget."""
+    from dp.idp import GroupLedger, group_patients, plan_idp
+
+    plan = plan_idp(group_patients([f"p{i % 10}" for i in range(20)], 2.0), delta=1e-5,
+                    sample_rate=0.1, steps=20)
+    return [(PrivacyBudget(1.0, 1e-5), GaussianRound(2.0, 0.01, 10),
+             GaussianRound(0.6, 1.0, 50)),
+            (GroupLedger(plan), 10, 40)]
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_every_budget_spends_with_one_signature(index: int) -> None:
+    """``spend(release)`` returns the spent (epsilon, delta), or raises BudgetExceeded and
+    records nothing; ``can_run`` answers the same question (dp.budget.Budget)."""
+    budget, fits, too_much = _budgets()[index]
+    assert budget.spent == (0.0, 0.0)  # type: ignore[attr-defined]
+    assert budget.can_run(fits) and not budget.can_run(too_much)  # type: ignore[attr-defined]
+    spent = budget.spend(fits)  # type: ignore[attr-defined]
+    assert spent == budget.spent and spent[0] > 0 and spent[1] == 1e-5  # type: ignore[attr-defined]
+    with pytest.raises(BudgetExceeded):
+        budget.spend(too_much)  # type: ignore[attr-defined]
+    assert budget.spent == spent  # type: ignore[attr-defined]

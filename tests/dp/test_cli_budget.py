@@ -101,3 +101,37 @@ def test_a_budget_whose_best_order_is_the_smallest_says_so_in_words_not_opacus_w
     usual = budget_cli("--epsilon", "4", "--sample-rate", "0.1", "--rounds", "10")
     assert usual.returncode == 0 and "Renyi order" not in usual.stdout
     assert "Optimal order" not in usual.stderr
+
+
+def _accountant_choices(command: str) -> tuple[str, ...]:
+    from fl.cli.app import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    action = next(a for a in sub.choices[command]._actions if a.dest == "accountant")
+    return tuple(action.choices or ())
+
+
+def test_budget_and_train_take_the_same_accountants() -> None:
+    from dp.accounting import accountant_names
+
+    assert _accountant_choices("budget") == _accountant_choices("train") == accountant_names()
+    assert set(accountant_names()) >= {"rdp", "prv", "pld"}
+
+
+def test_budget_with_the_pld_accountant_is_dp_accountings_pld(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    dpa = pytest.importorskip("dp_accounting")
+    rc, out, _ = _run(["--epsilon", "3", "--delta", "1e-5", "--sample-rate", "0.5",
+                       "--noise-multiplier", "3", "--json", "--accountant", "pld"], capsys)
+    assert rc == 0
+    result = json.loads(out)
+    rounds = result["rounds"]
+    assert result["accountant"] == "pld" and rounds > 0
+
+    def theirs(steps: int) -> float:
+        event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(
+            0.5, dpa.GaussianDpEvent(3.0)), steps)
+        return float(dpa.pld.PLDAccountant().compose(event).get_epsilon(1e-5))
+
+    assert theirs(rounds) <= 3.0 < theirs(rounds + 1)

@@ -16,7 +16,6 @@ from dp.accounting import (  # noqa: E402
     adaptive_clip_noise_multiplier,
     adaptive_clip_update_noise,
     check_delta,
-    ddg_rdp_fn,
     gaussian_rdp,
     rdp_to_epsilon,
     subsampled_rdp,
@@ -26,6 +25,7 @@ from dp.budget import GaussianRound, PrivacyBudget  # noqa: E402
 from dp.distributed import round_epsilon  # noqa: E402
 from dp.encoding import EncodingParams  # noqa: E402
 from dp.errors import PrivacyConfigError  # noqa: E402
+from dp.mechanisms.dgauss import ddg_rdp_fn  # noqa: E402
 
 
 @pytest.mark.parametrize("q", [0.95, 0.99, 0.999999, 1.0])

@@ -9,8 +9,9 @@ import pytest
 
 import dp.samplers as samplers
 from dp.distributed import calibrate
+from dp.mechanisms import sample_noise
 from dp.randomness import SeededRandom, SystemRandom, uniform_below
-from dp.samplers import discrete_gaussian, poisson, sample_noise, skellam
+from dp.samplers import discrete_gaussian, poisson, skellam
 
 N = 40_000
 

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dp.accounting import ORDERS, ddg_tau, rdp_to_epsilon
+from dp.accounting import ORDERS, rdp_to_epsilon
 from dp.errors import BudgetExceeded
+from dp.mechanisms.dgauss import ddg_tau
 from dp.policy import PolicyRefused, SitePolicy
 from dp.site_weights import release_for_budget, site_weights
 from fl.cli import main
