@@ -125,3 +125,13 @@ def test_ledger_benchmark_reports_cost_per_charge() -> None:
     assert (first["at"], last["at"]) == (10, 20)
     assert all(row["cpu_ms"] > 0 and row["bytes"] > 0 for row in (first, last))
     assert size["file_mb"] > 0
+
+
+def test_server_cost_benchmark_runs_a_round_and_counts_every_message() -> None:
+    """benchmarks/bench_simulate_scale.py --server-cost: one in-process round with
+    dropouts ends with the exact sum and reports each stage's messages and CPU."""
+    bench = _load("bench_simulate_scale")
+    got = bench.server_round(30, 20)
+    assert got["correct"] is True and 0 < got["included"] < 30
+    assert got["messages"]["advertise_keys"] > got["messages"]["unmasking"] > 0
+    assert set(got["receive"]) == set(got["advance"]) == set(got["messages"])
