@@ -85,6 +85,9 @@ class EmbeddedBroker:
         self._server: asyncio.Server | None = None
         self._port: int | None = None
         self._sessions: dict[SessionKey, Session] = {}
+        # the same sessions by username: the per-user cap looks at one user's sessions
+        # (O(1) per login for a roster of users, not O(sessions): 10,000 sites log in)
+        self._user_sessions: dict[str, dict[SessionKey, Session]] = {}
         self._handlers: set[asyncio.Task[None]] = set()
         self._connections: set[Connection] = set()
         self._per_user: dict[str, int] = {}
@@ -169,6 +172,7 @@ class EmbeddedBroker:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(server.wait_closed(), 5.0)
         self._sessions.clear()
+        self._user_sessions.clear()
         logger.info("embedded MQTT broker on port %s stopped", self._port)
 
     async def serve_forever(self) -> None:
@@ -217,6 +221,7 @@ class EmbeddedBroker:
                               max_queued_bytes=self.limits.max_queued_bytes,
                               max_queue=self.limits.max_session_queue)
             self._sessions[key] = session
+            self._user_sessions.setdefault(connection.username, {})[key] = session
         self._per_user[connection.username] = self.user_connections(connection.username) + 1
         self._pending.pop(connection, None)
         return session, present
@@ -229,7 +234,7 @@ class EmbeddedBroker:
 
     def _evict_offline(self, username: str) -> None:
         """At most ``max_sessions_per_user`` sessions per user: the oldest offline go."""
-        mine = [s for s in self._sessions.values() if s.username == username]
+        mine = list(self._user_sessions.get(username, {}).values())
         if len(mine) < self.limits.max_sessions_per_user:
             return
         offline = sorted((s for s in mine if s.connection is None), key=lambda s: s.detached_at)
@@ -243,6 +248,10 @@ class EmbeddedBroker:
         session.subscriptions.clear()
         if self._sessions.get(session.key) is session:
             del self._sessions[session.key]
+            mine = self._user_sessions[session.username]
+            del mine[session.key]
+            if not mine:
+                del self._user_sessions[session.username]
 
     async def _run_writer(self, connection: Connection) -> None:
         try:
