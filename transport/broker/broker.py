@@ -15,7 +15,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from .auth import Authenticator, LoginThrottle
 from .config import BrokerLimits, BrokerStats
@@ -93,6 +93,9 @@ class EmbeddedBroker:
         self._per_user: dict[str, int] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self._pending: dict[Connection, None] = {}  # not logged in yet, oldest first
+        # the same by peer address (oldest first): a login's room is made among its own
+        # address's connections in O(1), not by scanning every pending login
+        self._pending_by_host: dict[str, dict[Connection, None]] = {}
         self._stopping = False
 
     # -- public ------------------------------------------------------------------------
@@ -223,7 +226,7 @@ class EmbeddedBroker:
             self._sessions[key] = session
             self._user_sessions.setdefault(connection.username, {})[key] = session
         self._per_user[connection.username] = self.user_connections(connection.username) + 1
-        self._pending.pop(connection, None)
+        self._unpend(connection)
         return session, present
 
     def spawn_writer(self, connection: Connection) -> None:
@@ -332,6 +335,7 @@ class EmbeddedBroker:
         connection = Connection(self, stream)
         self._connections.add(connection)
         self._pending[connection] = None
+        self._pending_by_host.setdefault(stream.peer_host, {})[connection] = None
         task = asyncio.get_running_loop().create_task(self._handle(connection))
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
@@ -341,11 +345,11 @@ class EmbeddedBroker:
         from one address) wait to log in; a newcomer evicts the oldest of them that has not
         even sent its CONNECT (an honest client sends it at once, a lurker never does)."""
         limits = self.limits
-        same = [c for c in self._pending if c.stream.peer_host == address]
+        same = self._pending_by_host.get(address, {})
         if len(same) >= limits.max_pending_logins_per_address:
-            candidates = same
+            candidates: Iterable[Connection] = same
         elif len(self._pending) >= limits.max_pending_logins:
-            candidates = list(self._pending)
+            candidates = self._pending
         else:
             return True
         victim = next((c for c in candidates if not c.authenticating), None)
@@ -353,9 +357,20 @@ class EmbeddedBroker:
             return False
         logger.info("%r evicted: it did not log in and a new connection needs its place",
                     victim)
-        self._pending.pop(victim, None)
+        self._unpend(victim)
         victim.abort()
         return True
+
+    def _unpend(self, connection: Connection) -> None:
+        """``connection`` no longer waits to log in (logged in, evicted or closed)."""
+        if connection not in self._pending:
+            return
+        del self._pending[connection]
+        host = connection.stream.peer_host
+        mine = self._pending_by_host[host]
+        del mine[connection]
+        if not mine:
+            del self._pending_by_host[host]
 
     async def _handle(self, connection: Connection) -> None:
         """Per-connection task: whatever the peer sends, only this connection is affected."""
@@ -382,7 +397,7 @@ class EmbeddedBroker:
         connection.closed = True
         connection.outbox.close()
         self._connections.discard(connection)
-        self._pending.pop(connection, None)
+        self._unpend(connection)
         self.stats.connections_current -= 1
         session = connection.session
         if session is not None:
