@@ -682,14 +682,26 @@ class _Reader:
 
     def id_list(self, what: str, limit: int) -> tuple[int, ...]:
         count = self.array(what, limit)
-        ids = []
-        last = 0
+        ids: list[int] = []
+        data, pos, last = self.data, self.pos, 0
+        end = len(data)
+        # one tight loop (an unmasking request lists every survivor: n ids for each of n
+        # clients); canonical 1- and 2-byte ids inline, anything else through client_id
         for _ in range(count):
-            value = self.client_id(what)
+            lead = data[pos] if pos < end else -1
+            if 0 < lead < 0x80:
+                value, pos = lead, pos + 1
+            elif lead == 0xCD and pos + 3 <= end and data[pos + 1]:
+                value, pos = (data[pos + 1] << 8) | data[pos + 2], pos + 3
+            else:
+                self.pos = pos
+                value = self.client_id(what)
+                pos = self.pos
             if value <= last:
                 raise _fail(f"{what} must be sorted and must not repeat a client id")
             last = value
             ids.append(value)
+        self.pos = pos
         return tuple(ids)
 
 

@@ -14,8 +14,9 @@ one stage is rejected. ``ProtocolAbort`` means the round cannot finish.
 
 from __future__ import annotations
 
+import heapq
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 
@@ -255,6 +256,12 @@ class Server:
         self._stage = Stage.ADVERTISE_KEYS
         self._expected: set[int] = set(self.roster)
         self._inbox: dict[int, ClientMessage] = {}
+        # _expected minus _inbox, kept as messages arrive: what a transport asks after
+        # every message (``pending_count``, ``is_pending``) costs O(1), not O(n)
+        self._pending: set[int] = set(self.roster)
+        # stage masked_input: ids not yet granted an upload slot, a heap (lowest id first),
+        # built at the first grant; each id leaves it once (``grant_uploads``)
+        self._grant_queue: list[int] | None = None
         # sha256 of each accepted message (this stage, previous stage): a redelivery is the
         # same bytes, hashed only when the sender already has an accepted message. A digest,
         # not the bytes: n whole masked inputs must not stay behind (docs/protocol.md 6.3)
@@ -313,8 +320,18 @@ class Server:
 
     @property
     def pending(self) -> frozenset[int]:
-        """Clients whose message for the current stage has not arrived yet."""
-        return frozenset(self._expected - set(self._inbox))
+        """Clients whose message for the current stage has not arrived yet (a copy, O(n):
+        per message, ask ``pending_count`` or ``is_pending``)."""
+        return frozenset(self._pending)
+
+    @property
+    def pending_count(self) -> int:
+        """``len(pending)`` in O(1)."""
+        return len(self._pending)
+
+    def is_pending(self, client_id: int) -> bool:
+        """``client_id in pending`` in O(1)."""
+        return client_id in self._pending
 
     @property
     def received(self) -> frozenset[int]:
@@ -399,6 +416,7 @@ class Server:
             return self._take_masked(client_id, msg, raw)
         self._validate(client_id, msg)
         self._inbox[client_id] = msg
+        self._pending.discard(client_id)
         self._accepted_digest[client_id] = digest or sha256(raw)
         if isinstance(msg, AdvertiseKeys):
             self._advert_digests[client_id] = advertisement_digest(
@@ -456,19 +474,29 @@ class Server:
 
     @property
     def uploading(self) -> frozenset[int]:
-        """Senders granted an upload slot whose masked input has not completed."""
+        """Senders granted an upload slot whose masked input has not completed (a copy:
+        per message, ask ``is_uploading``)."""
         return frozenset(self._uploads)
 
+    def is_uploading(self, client_id: int) -> bool:
+        """``client_id in uploading`` in O(1)."""
+        return client_id in self._uploads
+
     def grant_uploads(self, client_ids: Iterable[int] | None = None, *,
+                      exclude: Container[int] = (),
                       chunk_elements: int | None = None) -> list[int]:
         """Stage masked_input: give free upload slots to clients still expected (of
-        ``client_ids``, default all; lowest id first) and return them. Only a granted
+        ``client_ids``, default all; none in ``exclude``, e.g. clients known to be gone,
+        which later calls consider again; lowest id first) and return them. Only a granted
         client may stream chunks; a whole ``MaskedInput`` needs no grant (it completes in
         one message). The transport tells each granted client, which waits for its grant
         instead of being dropped: a slow server slows its senders (docs/deployment.md,
         flow control). With ``chunk_elements`` the grant is for chunks of that many
         elements: any other chunk but the last (which may be shorter) is refused, so a
-        sender cannot make the server's per-chunk work and state per element."""
+        sender cannot make the server's per-chunk work and state per element.
+
+        Without ``client_ids`` a call costs O((granted + excluded ids met) log n), not
+        O(n): a transport may call it after every message."""
         if chunk_elements is not None and chunk_elements < 1:
             raise ValueError("chunk_elements must be a positive number of elements")
         if self._stage is not Stage.MASKED_INPUT or self.result is not None \
@@ -478,14 +506,31 @@ class Server:
         if free <= 0:
             return []
         granted: list[int] = []
-        eligible = self._expected - set(self._inbox) - set(self._uploads)
         if client_ids is not None:
-            eligible &= set(client_ids)
-        for cid in sorted(eligible):
-            if len(granted) == free:
-                break
+            eligible = (self._pending & set(client_ids)) - self._uploads.keys()
+            for cid in sorted(eligible):
+                if len(granted) == free:
+                    break
+                if cid not in exclude:
+                    self._uploads[cid] = _Upload(chunk_elements)
+                    granted.append(cid)
+            return granted
+        if self._grant_queue is None:
+            self._grant_queue = sorted(self._pending - self._uploads.keys())  # a heap
+        queue, passed = self._grant_queue, []
+        while queue and len(granted) < free:
+            cid = heapq.heappop(queue)
+            # granted once or no longer expected: neither is ever eligible again this stage
+            # (an upload ends in the inbox or in a cancel, which drops the client)
+            if cid not in self._pending or cid in self._uploads:
+                continue
+            if cid in exclude:
+                passed.append(cid)  # for a later call
+                continue
             self._uploads[cid] = _Upload(chunk_elements)
             granted.append(cid)
+        for cid in passed:
+            heapq.heappush(queue, cid)
         return granted
 
     def cancel_upload(self, client_id: int, reason: str) -> bool:
@@ -496,6 +541,7 @@ class Server:
         if self._uploads.pop(client_id, None) is None:
             return False
         self._expected.discard(client_id)
+        self._pending.discard(client_id)
         self.dropped.setdefault(client_id, Stage.MASKED_INPUT)
         self.rejected.append((client_id, reason))
         return True
@@ -533,6 +579,7 @@ class Server:
             reason = f"input proof refused (norm_bound={cfg.norm_bound}): {exc}"
             self.refused[cid] = reason
             self._expected.discard(cid)
+            self._pending.discard(cid)
             self._uploads.pop(cid, None)
             self.dropped.setdefault(cid, Stage.MASKED_INPUT)
             self.rejected.append((cid, reason))
@@ -650,6 +697,7 @@ class Server:
         if last:
             # kept without its vector (in the sum now), so n whole inputs never stay behind
             self._inbox[cid] = replace(msg, masked=b"")
+            self._pending.discard(cid)
             self._accepted_digest[cid] = sha256(raw)
         return True
 
@@ -705,6 +753,8 @@ class Server:
         self._inbox = {}
         self._stage = stage
         self._expected = set(recipients)
+        self._pending = set(self._expected)
+        self._grant_queue = None
 
     def advance(self) -> dict[int, ServerMessage]:
         """Close the current stage; return the next messages by recipient."""

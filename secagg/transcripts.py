@@ -82,9 +82,16 @@ def survivors_transcript(session_id: bytes, signer: int, survivors: Iterable[int
                          signer_advertisement: bytes) -> bytes:
     """The consistency-check signature: over the whole survivor list, bound to the signer's
     own advertisement digest."""
-    payload = b"".join(u32(c) for c in sorted(survivors))
+    key = survivors if isinstance(survivors, (tuple, frozenset)) else tuple(survivors)
     return transcript(b"survivors", session_id, Stage.CONSISTENCY_CHECK, signer,
-                      sha256(payload), signer_advertisement)
+                      _survivors_digest(key), signer_advertisement)
+
+
+@lru_cache(maxsize=8)
+def _survivors_digest(survivors: tuple[int, ...] | frozenset[int]) -> bytes:
+    """SHA-256 of the sorted survivor list, once per list: the server checks n signatures
+    over one list and a client k, so it is not sorted and hashed (O(n)) for each."""
+    return sha256(b"".join(u32(c) for c in sorted(survivors)))
 
 
 def payload_digest(message: ShareKeys | MaskedInput | UnmaskingShares | InputProof) -> bytes:

@@ -147,3 +147,13 @@ def test_attack_benchmark_runs_and_writes_its_section(tmp_path: Path) -> None:
     bench.write(out, section)
     text = out.read_text()
     assert text.count(bench.START) == 1 and "| 1 of 1 rounds |" in text
+
+
+def test_server_cost_benchmark_runs_a_round_and_counts_every_message() -> None:
+    """benchmarks/bench_simulate_scale.py --server-cost: one in-process round with
+    dropouts ends with the exact sum and reports each stage's messages and CPU."""
+    bench = _load("bench_simulate_scale")
+    got = bench.server_round(30, 20)
+    assert got["correct"] is True and 0 < got["included"] < 30
+    assert got["messages"]["advertise_keys"] > got["messages"]["unmasking"] > 0
+    assert set(got["receive"]) == set(got["advance"]) == set(got["messages"])

@@ -93,10 +93,12 @@ class SimulationSpec:
     log_level: int = logging.WARNING
     connect_timeout: float = 120.0
     stall: float | None = None
-    """Logical deadlines: set, no stage closes on the clock (``timeouts`` then only sizes
-    the wait for every site to connect, ``timeouts.start``) and the run fails with
-    ``SimulationStalled`` once the server has received nothing for ``stall`` seconds.
-    None: the wall-clock ``timeouts`` of a deployment, under which a slow host drops sites."""
+    """Logical deadlines: set, no stage closes on the clock and the run fails with
+    ``SimulationStalled`` once the server has received nothing for ``stall`` seconds; the
+    sites' logins likewise, once none joined for the longer of ``stall`` and
+    ``timeouts.start`` (``connect_timeout``), however long all of them take.
+    None: the wall-clock ``timeouts`` of a deployment, under which a slow host drops sites,
+    and every site must have joined within ``timeouts.start`` (``connect_timeout``)."""
 
 
 def _partition(spec: SimulationSpec) -> list[tuple[tuple[int, ...], bool]]:
@@ -173,7 +175,8 @@ async def run_simulation(spec: SimulationSpec,
             try:
                 # the sites wait timeouts.start for the round (sized for every login)
                 await _wait_ready(workers, server_task, server_ready,
-                                  max(spec.connect_timeout, spec.timeouts.start), status, run)
+                                  max(spec.connect_timeout, spec.timeouts.start), status,
+                                  spec.stall)
                 seconds["setup"] = time.perf_counter() - wall
                 status(f"{len(roster)} clients connected in {len(specs)} processes; "
                        "round starts")
@@ -287,17 +290,26 @@ def _copy_stats(run: SimulationRun, driver: Any) -> None:
 
 async def _wait_ready(workers: Workers, server_task: asyncio.Task[Any],
                       server_ready: asyncio.Event, timeout: float,
-                      status: Callable[[str], None], run: SimulationRun) -> None:
+                      status: Callable[[str], None], stall: float | None) -> None:
+    """Until every worker's sites and the server have joined: within ``timeout`` seconds
+    (wall-clock deadlines), or, with logical deadlines (``stall``), for as long as sites
+    keep joining, failing once none joined for ``max(timeout, stall)`` seconds (10,000
+    logins on a busy host take longer than any fixed bound, and nobody is dropped)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    limit = timeout if stall is None else max(timeout, stall)
+    deadline = loop.time() + limit
     pending = set(range(len(workers.specs)))
-    connected = 0
+    connected = joined = 0
     total = sum(len(s.clients) for s in workers.specs)
     while pending or not server_ready.is_set():
         if server_task.done():
             server_task.result()  # raises the connection error
         remaining = deadline - loop.time()
         if remaining <= 0:
+            if stall is not None:
+                raise SimulationStalled(
+                    f"no client joined for {limit:.0f} s ({joined} of {total} joined): the "
+                    f"host cannot keep up; run fewer clients or use a less loaded machine")
             raise TransportError(f"only {connected} of {total} clients connected within "
                                  f"{timeout} s")
         try:
@@ -306,7 +318,11 @@ async def _wait_ready(workers: Workers, server_task: asyncio.Task[Any],
         except TimeoutError:
             continue
         kind = message[0]
-        if kind == "ready":
+        if kind == "joined":
+            joined += message[1]
+            if stall is not None:  # progress: the wait starts again
+                deadline = loop.time() + limit
+        elif kind == "ready":
             pending.discard(index)
             connected += message[1]
             status(f"clients connected: {connected}/{total}")

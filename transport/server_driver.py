@@ -8,7 +8,7 @@ import contextlib
 import logging
 import math
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from secagg import ProtocolAbort, ProtocolError, Stage, encode, round_stages
 from secagg.crypto import dtype_for_bits
@@ -123,6 +123,11 @@ class ServerDriver:
         self._upload_seen: dict[int, float] = {}
         self._lease_end: dict[int, float] = {}  # uploading client -> when its grant ends
         self._lease: float | None = None  # seconds each grant of this masked_input lasts
+        # no upload slot can be due for reclaiming by its idle limit or lease before this
+        # time (a lower bound, kept as grants and wills come): the O(uploads) scan runs only
+        # then, not after every message; uploaders that left are checked at once (_recheck)
+        self._reclaim_due = math.inf
+        self._recheck: set[int] = set()
         self.reassembly_peak = 0  # the most bytes the reassembly ever held (its bound)
         self._outbox: dict[int, tuple[Stage, bytes]] = {}
         self._answered: dict[int, bytes] = {}  # client -> digest its outbox message answers
@@ -175,7 +180,10 @@ class ServerDriver:
 
     # -- stages ----------------------------------------------------------------------
 
-    def _waiting_for(self) -> frozenset[int]:
+    def _waiting_for(self) -> bool:
+        """Whether a client the stage expects is not known to be gone (after handling
+        the wills and upload slots now due). O(1) while more clients are pending than
+        gone, O(pending) after: it runs after every message."""
         now = asyncio.get_running_loop().time()
         for cid, at in list(self._wills.items()):
             if now - at >= self.timeouts.will_grace:
@@ -187,15 +195,19 @@ class ServerDriver:
                     # it keeps its slot, should it come back; its idle clock runs from
                     # its will (a killed site loses the slot after upload_idle)
                     self._upload_seen[cid] = min(at, self._upload_seen.get(cid, at))
+                    self._reclaim_due = min(self._reclaim_due,
+                                            at + self.timeouts.upload_idle_limit())
         self._reclaim_uploads(now)
-        return self.server.pending - set(self.gone)
+        if self.server.pending_count > len(self.gone):
+            return True
+        return any(cid not in self.gone for cid in self.server.pending)
+
+    def _missing(self) -> int:
+        """How many clients the stage still waits for (pending, not gone); O(pending)."""
+        return sum(1 for cid in self.server.pending if cid not in self.gone)
 
     def _next_wake(self, deadline: float) -> float:
-        if self._upload_seen:
-            deadline = min(deadline, min(self._upload_seen.values())
-                           + self.timeouts.upload_idle_limit())
-        if self._lease_end:
-            deadline = min(deadline, min(self._lease_end.values()))
+        deadline = min(deadline, self._reclaim_due)
         if not self._wills:
             return deadline
         return min(deadline, min(self._wills.values()) + self.timeouts.will_grace)
@@ -207,9 +219,10 @@ class ServerDriver:
         ``_lease_seconds()`` for its whole stream, in chunks of ``chunk_elements``."""
         server = self.server
         now = asyncio.get_running_loop().time()
-        for cid in server.grant_uploads(server.pending - set(self.gone),
+        for cid in server.grant_uploads(exclude=self.gone,
                                         chunk_elements=self.chunk_elements):
             self._lease_end[cid] = now + self._lease_seconds()
+            self._reclaim_due = min(self._reclaim_due, self._lease_end[cid])
             self._spawn(self._send_grant(cid))
 
     def _lease_seconds(self) -> float:
@@ -219,7 +232,7 @@ class ServerDriver:
         end still leave every later wave its share of the stage; a sender that drips
         or stalls loses its slot to the next wave (docs/deployment.md 6.1)."""
         if self._lease is None:
-            senders = max(1, len(self.server.pending))
+            senders = max(1, self.server.pending_count)
             waves = math.ceil(senders / self.server.upload_slots)
             self._lease = self._deadlines[Stage.MASKED_INPUT.label] / waves
         return self._lease
@@ -234,11 +247,20 @@ class ServerDriver:
         alone does not count, the connection may come back), sent nothing for
         ``timeouts.upload_idle_limit()`` seconds since their last one or ran out of their
         lease (which alone bounds a sender that never starts), and grant
-        them to the next clients."""
-        uploading = self.server.uploading
+        them to the next clients.
+
+        Every slot is examined only once ``_reclaim_due`` has passed (which the scan then
+        moves to the next time any slot can be due); between two, only the senders that
+        left since (``_recheck``): O(1) per message, not O(uploads)."""
         idle = self.timeouts.upload_idle_limit()
-        for cid in list(self._lease_end):
-            if cid not in uploading:
+        if now >= self._reclaim_due:
+            candidates: Iterable[int] = list(self._lease_end)
+            self._reclaim_due = math.inf
+        else:
+            candidates = [cid for cid in self._recheck if cid in self._lease_end]
+        self._recheck.clear()
+        for cid in candidates:
+            if not self.server.is_uploading(cid):
                 self._forget_upload(cid)
                 continue
             if cid in self.gone and cid not in self._gone_by_will:
@@ -251,9 +273,17 @@ class ServerDriver:
                           f"complete within its lease of {self._lease_seconds():g} s (the "
                           f"masked_input deadline shared by the senders that wait)")
             else:
+                self._reclaim_due = min(self._reclaim_due, self._lease_end[cid],
+                                        self._upload_seen.get(cid, math.inf) + idle)
                 continue
             self._revoke(cid, reason)
         self._grant_uploads()
+
+    def _left(self, cid: int, why: str) -> None:
+        """``cid`` is gone for good this stage (signed off, aborted or flooding): the
+        stage stops waiting for it and its upload slot, if any, is taken back."""
+        self.gone[cid] = why
+        self._recheck.add(cid)
 
     def _revoke(self, cid: int, reason: str) -> None:
         """Cancel ``cid``'s upload (its pending chunks discarded: they never count) and
@@ -272,7 +302,7 @@ class ServerDriver:
         stage = self.server.stage
         opened = loop.time()
         deadline = opened + self._deadlines[stage.label]
-        expected = len(self.server.pending)
+        expected = self.server.pending_count
         deadline_hit = False
         while self._waiting_for():
             if self._failure is not None:
@@ -281,7 +311,7 @@ class ServerDriver:
             if remaining <= 0:
                 deadline_hit = True
                 logger.info("%s: deadline passed; %d clients did not answer", stage.label,
-                            len(self._waiting_for()))
+                            self._missing())
                 break
             self._progress.clear()
             wake = self._next_wake(deadline) - loop.time()
@@ -301,6 +331,8 @@ class ServerDriver:
         await asyncio.gather(*(self._send(cid) for cid in encoded))
         self._upload_seen.clear()
         self._lease_end.clear()
+        self._reclaim_due = math.inf
+        self._recheck.clear()
         for cid, digests in self._stream_seen.items():
             self._seen.difference_update((cid, d) for d in digests[:-self.window])
         self._stream_seen.clear()
@@ -416,8 +448,8 @@ class ServerDriver:
             logger.warning("server: client %d sent %d messages that change nothing in this "
                            "stage (last: %s); its messages are dropped unread until the next "
                            "stage, and the stage does not wait for it", cid, waste, why)
-            if cid in self.server.pending and cid not in self.gone:
-                self.gone[cid] = "flooding"  # its answer would be dropped unread anyway
+            if self.server.is_pending(cid) and cid not in self.gone:
+                self._left(cid, "flooding")  # its answer would be dropped unread anyway
                 self._progress.set()
 
     def _on_reconnected(self) -> None:
@@ -433,7 +465,7 @@ class ServerDriver:
         for cid in self.server.pending:
             if cid in self._outbox:
                 self._spawn(self._send(cid))
-            if cid in self.server.uploading:
+            if self.server.is_uploading(cid):
                 self._spawn(self._send_grant(cid))
 
     def _on_delivery(self, cid: int, kind: str, payload: bytes) -> None:
@@ -483,7 +515,7 @@ class ServerDriver:
             if cid in self.server.roster and (cid not in self.gone or after_will):
                 logger.info("server: client %d is offline (%s)", cid, notice.reason)
                 if notice.final:  # a sign-off is final, also after a will
-                    self.gone[cid] = "offline"
+                    self._left(cid, "offline")
                     self._wills.pop(cid, None)
                     self._gone_by_will.discard(cid)
                 else:
@@ -491,7 +523,7 @@ class ServerDriver:
         elif kind == ABORT and isinstance(notice, ClientAbort):
             if cid in self.server.roster:
                 logger.warning("server: client %d aborted: %s", cid, notice.reason)
-                self.gone[cid] = "aborted"
+                self._left(cid, "aborted")
                 self._gone_by_will.discard(cid)
                 self.client_aborts[cid] = notice.reason
         else:
@@ -509,7 +541,7 @@ class ServerDriver:
                 logger.info("server: client %d re-sent its %s message; answering again", cid,
                             self._outbox[cid][0].label)
                 self._spawn(self._send(cid))
-                if cid in self.server.uploading:
+                if self.server.is_uploading(cid):
                     self._spawn(self._send_grant(cid))
             else:
                 self._wasted(cid, "its previous message again, answered moments ago")
@@ -520,11 +552,13 @@ class ServerDriver:
             self._spawn(self._receipt(cid, Receipt(digest, True)))
             return
         stage = self.server.stage
-        uploading = cid in self.server.uploading
+        uploading = self.server.is_uploading(cid)
         try:
             new = self.server.receive(cid, payload)
         except ProtocolError as exc:
             self.rejected += 1
+            if uploading:  # a refused input proof also cancels its upload
+                self._recheck.add(cid)
             self._wasted(cid, "a refused message")
             logger.warning("server: %s", exc)
             # An honest client gives up on its refused message and signs off, which frees
@@ -543,13 +577,16 @@ class ServerDriver:
         counts[stage.label] = counts.get(stage.label, 0) + len(payload)
         if uploading:
             self.chunks += 1
-            self._upload_seen[cid] = asyncio.get_running_loop().time()
+            seen = self._upload_seen[cid] = asyncio.get_running_loop().time()
+            self._reclaim_due = min(self._reclaim_due,
+                                    seen + self.timeouts.upload_idle_limit())
             self._stream_seen.setdefault(cid, []).append(digest)
-        complete = cid in self.server.received
+        complete = not self.server.is_pending(cid)  # accepted, and not a chunk or proof
         if complete and self.on_message is not None:
             self.on_message(cid, stage)
         self._spawn(self._receipt(cid, Receipt(digest, True)))
         if complete and uploading:
+            self._forget_upload(cid)
             self._grant_uploads()  # its slot is free
 
     async def _receipt(self, cid: int, receipt: Receipt) -> None:

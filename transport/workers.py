@@ -179,6 +179,7 @@ async def _worker(spec: WorkerSpec,
 
     def on_ready(driver: ClientDriver) -> None:
         drivers[driver.client_id] = driver
+        conn.send(("joined", 1))  # progress: the runner's login wait counts it
         if len(drivers) == len(clients):
             conn.send(("ready", len(drivers)))
 

@@ -217,6 +217,16 @@ def server_state(server: Server) -> tuple[object, ...]:
             server.finished, bytes(server._sum.tobytes()), dict(server._accepted_digest))
 
 
+def assert_pending_consistent(server: Server) -> None:
+    """The server's O(1) stage queries (kept incrementally as messages arrive) agree with
+    their definition: expected this stage and not received."""
+    want = frozenset(server._expected) - server.received
+    assert server.pending == want
+    assert server.pending_count == len(want)
+    assert all(server.is_pending(c) == (c in want) for c in server.roster)
+    assert all(server.is_uploading(c) == (c in server.uploading) for c in server.roster)
+
+
 def client_state(client: Client) -> tuple[object, ...]:
     """Everything a rejected (not aborting) message must leave unchanged on a client."""
     if client.aborted is not None:  # an aborted client keeps no secrets to compare

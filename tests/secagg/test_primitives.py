@@ -669,3 +669,37 @@ def test_config_refuses_unsafe_sparse_pairs() -> None:
                dropout_rate=0.1, corrupt_rate=0.1)
     with pytest.raises(ValueError):
         Config(num_clients=1000, neighbors=5, threshold=3, dropout_rate=0.1, corrupt_rate=0.1)
+
+
+_ID_LISTS = {  # an unmasking request's survivor list on the wire -> ids, or the error
+    "fixint and 2-byte": (b"\x93\x05\xcc\xc8\xcd\x01\x2c", (5, 200, 300)),
+    "1-byte and 4-byte": (b"\x92\xcc\x80\xce\x00\x01\x00\x00", (128, 65536)),
+    "2-byte not canonical": (b"\x92\x05\xcd\x00\x06", "canonical"),
+    "1-byte not canonical": (b"\x92\x05\xcc\x06", "canonical"),
+    "unsorted 2-byte": (b"\x92\xcd\x01\x2c\xcd\x01\x00", "sorted"),
+    "repeated 2-byte": (b"\x92\xcd\x01\x2c\xcd\x01\x2c", "sorted"),
+    "zero": (b"\x92\x00\x05", "client id in 1.."),
+    "negative": (b"\x92\x05\xff", "non-negative integer"),
+    "truncated 2-byte": (b"\x92\x05\xcd\x01", "truncated"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_ID_LISTS))
+def test_id_lists_decode_exactly_or_name_the_fault(case: str) -> None:
+    """The survivor list's decoder (a tight loop: n ids for each of n clients) takes
+    every canonical width and refuses what the general reader refuses, with its reason."""
+    from secagg.errors import ProtocolError
+    from secagg.messages import UnmaskRequest, decode, encode
+
+    wire, expected = _ID_LISTS[case]
+    honest = encode(UnmaskRequest(b"\x01" * 32, 7, (7, 9), ()))
+    marker = b"\x92\x07\x09"
+    assert honest.count(marker) == 1
+    raw = honest.replace(marker, wire)
+    if case.startswith("truncated"):  # the message ends inside the list
+        raw = honest[:honest.index(marker)] + wire
+    if isinstance(expected, tuple):
+        assert decode(raw).survivors == expected  # type: ignore[union-attr]
+    else:
+        with pytest.raises(ProtocolError, match=expected):
+            decode(raw)

@@ -281,6 +281,13 @@ def test_transcript_table() -> None:
     a7 = _advert(SID, 7, keys[7])
     assert survivors_transcript(SID, 7, [9, 2, 7], a7) == _transcript(
         b"survivors", SID, 3, 7, _u32(2) + _u32(7) + _u32(9), a7)
+    # the list's digest is kept per list (the server checks n signatures over one): any
+    # container or order of the same list gives the same bytes, another list other bytes
+    for same in ((7, 9, 2), frozenset({2, 7, 9}), {9, 7, 2}, (2, 7, 9)):
+        assert survivors_transcript(SID, 7, same, a7) == survivors_transcript(
+            SID, 7, [9, 2, 7], a7)
+    assert survivors_transcript(SID, 7, (2, 7, 9, 11), a7) == _transcript(
+        b"survivors", SID, 3, 7, _u32(2) + _u32(7) + _u32(9) + _u32(11), a7)
 
 
 def test_small_order_list() -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from harness import Round, client_state, digest, server_state
+from harness import Round, assert_pending_consistent, client_state, digest, server_state
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -278,6 +278,11 @@ class SecAggSchedules(RuleBasedStateMachine):
         for owner, holders in by_owner.items():
             assert not (len(holders["s"]) >= self.t and len(holders["k"]) >= self.t), (
                 f"the server could reconstruct both secrets of client {owner}")
+
+    @invariant()
+    def pending_is_expected_minus_received(self) -> None:
+        if hasattr(self, "rnd"):
+            assert_pending_consistent(self.rnd.server)
 
     @invariant()
     def result_is_exact_or_absent(self) -> None:

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from harness import assert_pending_consistent
 
 from secagg import Config, ProtocolError, Stage, encode, simulate
 from secagg.client import Client, MaskedStream
@@ -137,6 +138,38 @@ def test_chunks_go_in_order_and_count_only_when_complete() -> None:
     assert any(cid == 4 and "stopped at element 30 of 40" in why
                for cid, why in server.rejected)
     assert result.total.tolist() == _exact(inputs, frozenset({1, 2, 3}), 32)  # type: ignore[attr-defined]
+
+
+def test_grants_skip_excluded_clients_until_a_later_call() -> None:
+    """``grant_uploads(exclude=...)`` (what a transport passes: the clients it knows are
+    gone) skips them for this call only; every client is granted once, lowest id first,
+    and one that completed, was cancelled or is uploading is never granted again."""
+    config = Config(num_clients=6, threshold=4, dim=30, bits=16)
+    server, clients, streams, inputs = _masked_round(config, upload_budget=30 * 2 * 2)
+    assert server.upload_slots == 2
+    assert server.grant_uploads(exclude={1, 3}) == [2, 4]
+    assert server.grant_uploads(exclude={1, 3}) == []  # both slots taken
+    assert_pending_consistent(server)
+    server.receive(5, encode(streams[5].whole()))  # whole: no slot, never granted after
+    for chunk in streams[2].chunks(8):
+        server.receive(2, encode(chunk))
+    assert not server.is_pending(2) and not server.is_uploading(2)
+    assert server.grant_uploads(exclude={1}) == [3]  # 3 no longer excluded; 5 is done
+    assert server.cancel_upload(4, "stalled") is True
+    assert not server.is_pending(4)
+    assert_pending_consistent(server)
+    assert server.grant_uploads(exclude={1}) == [6]
+    for cid in (3, 6):
+        for chunk in streams[cid].chunks(8):
+            server.receive(cid, encode(chunk))
+    assert server.grant_uploads() == [1]  # back: granted now
+    assert server.grant_uploads() == []
+    for chunk in streams[1].chunks(8):
+        server.receive(1, encode(chunk))
+    assert server.pending_count == 0 and server.pending == frozenset()
+    result = _finish(server, clients)
+    assert result.included == {1, 2, 3, 5, 6}  # type: ignore[attr-defined]
+    assert result.total.tolist() == _exact(inputs, frozenset({1, 2, 3, 5, 6}), 16)  # type: ignore[attr-defined]
 
 
 def test_upload_slots_bound_the_pending_senders() -> None:

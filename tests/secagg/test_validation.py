@@ -347,6 +347,8 @@ def run_round(config: Config, inputs: Mapping[int, np.ndarray],
                     except InputRefused as exc:
                         assert exc.client_id == cid
                         refusals[cid] = str(exc)
+                        # refused: no longer awaited (the O(1) query agrees with the set)
+                        assert not server.is_pending(cid) and cid not in server.pending
                     if send:
                         try:
                             server.receive(cid, encode(reply.whole()))

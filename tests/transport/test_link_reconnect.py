@@ -128,3 +128,36 @@ def test_a_partition_after_connecting_is_not_called_a_certificate_problem() -> N
 
     text = asyncio.run(scenario())
     assert "network" in text and "certificate" not in text, text
+
+
+def test_an_idle_link_pings_every_keepalive_without_waking_every_second(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link's housekeeping (paho's ``loop_misc``: the keepalive ping) runs every quarter
+    keepalive, not every second (a worker holding 5,000 sites woke 5,000 times a second),
+    and an idle link still outlives 1.5 x keepalive, after which the broker would close a
+    silent connection: a message then still arrives without a reconnection."""
+    import paho.mqtt.client as paho
+
+    users = {USER: secrets.token_hex(8)}
+    calls = [0]
+    loop_misc = paho.Client.loop_misc
+
+    def counting(self: paho.Client) -> paho.MQTTErrorCode:
+        calls[0] += 1
+        return loop_misc(self)
+
+    monkeypatch.setattr(paho.Client, "loop_misc", counting)
+
+    async def scenario() -> object:
+        async with EmbeddedBroker(users=users, acl=ACL) as broker:
+            settings = BrokerSettings(port=broker.port, passwords=users, keepalive=8,
+                                      connect_timeout=5.0, publish_timeout=10.0)
+            async with MqttNetwork(settings).connect(USER) as link:
+                await link.subscribe("secagg/x/#")
+                await asyncio.sleep(13.0)  # past 1.5 x keepalive (12 s) with no traffic
+                assert await link.publish("secagg/x/y", b"still here")
+                return await link.receive(10.0)
+
+    event = asyncio.run(scenario())
+    assert getattr(event, "payload", None) == b"still here", event  # not a Reconnected
+    assert calls[0] <= 8  # every 2 s (a quarter keepalive) over 13 s; every 1 s: 13

@@ -20,6 +20,7 @@ import pytest
 
 from secagg import Config, Stage
 from transport.drivers import Timeouts
+from transport.errors import TransportError
 from transport.runner import InputSource, SimulationSpec, SimulationStalled, run_simulation
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,3 +138,23 @@ def test_unasked_dropouts_are_named_as_the_host_not_keeping_up() -> None:
                     {4: "it left the round (offline)"})
     assert text is not None and "could not keep up" in text and "client 4" in text
     assert _overrun(asked, {3: Stage.MASKED_INPUT}, {}) is not None  # the wrong stage
+
+
+def test_logins_slower_than_any_fixed_bound_do_not_fail_a_logical_run() -> None:
+    """Logical deadlines: the sites' logins are waited for as long as sites keep joining
+    (10,000 logins on a busy host take longer than the wall-clock model's login bound).
+    Here that bound is 10 ms, far below what six logins take, and the run completes
+    exactly; the same spec on wall-clock deadlines fails at that bound (the mutation)."""
+    config = Config(num_clients=6, dim=50)
+    timeouts = Timeouts(stage=60.0, start=0.01)
+
+    def spec(stall: float | None) -> SimulationSpec:
+        return SimulationSpec(config, tuple(range(1, 7)), InputSource(seed=2),
+                              {3: Stage.SHARE_KEYS}, processes=2, timeouts=timeouts,
+                              connect_timeout=0.01, stall=stall)
+
+    run = asyncio.run(run_simulation(spec(60.0)))
+    assert run.error is None and run.overrun is None
+    assert run.result is not None and set(run.result.dropped) == {3}
+    with pytest.raises(TransportError, match=r"only \d+ of 6 clients connected within"):
+        asyncio.run(run_simulation(spec(None)))

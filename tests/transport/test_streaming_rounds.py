@@ -20,6 +20,7 @@ from secagg.messages import MaskedChunk
 from secagg.server import Server
 from tests.transport.mqtt_raw import RawClient, publish_packet
 from transport.broker import EmbeddedBroker
+from transport.deadlines import logical_timeouts
 from transport.drivers import UPLOAD_IDLE_SHARE, StageProgress, Timeouts, TimeoutsError
 from transport.framing import HEADER_BYTES, frame
 from transport.memory import MemoryNetwork
@@ -267,3 +268,33 @@ def test_the_server_keeps_a_window_of_each_stream_once_masked_input_closes(
     (driver,) = drivers
     stages = len(driver._deadlines)
     assert len(driver._seen) <= 4 * (driver.window + stages) < report.chunks
+
+
+def test_a_sender_that_signs_off_frees_its_slot_on_logical_deadlines(monkeypatch: Any
+                                                                      ) -> None:
+    """One upload slot, logical deadlines (no lease or idle limit ever ends a grant) and
+    client 1, granted the slot first, signs off at masked_input: its slot goes to the next
+    sender at once (the server re-checks a sender that left, not only on a clock), and
+    every other input arrives."""
+    config = Config(num_clients=4, threshold=3, dim=600, bits=32)
+    inputs = make_inputs(4, config.dim, 32, seed=9)
+    granted: list[int] = []
+    grant = Server.grant_uploads
+
+    def recording(self: Server, *args: Any, **kwargs: Any) -> list[int]:
+        out = grant(self, *args, **kwargs)
+        granted.extend(out)
+        return out
+
+    monkeypatch.setattr(Server, "grant_uploads", recording)
+
+    async def bounded() -> Any:
+        return await asyncio.wait_for(run_round(
+            MemoryNetwork(), config, inputs, {1: Stage.MASKED_INPUT},
+            timeouts=logical_timeouts(FAST), chunk_bytes=400, upload_budget=600 * 4), 30)
+
+    report = asyncio.run(bounded())
+    assert granted[0] == 1  # the premise: the sender that leaves held the only slot
+    assert report.included == {2, 3, 4}
+    assert report.result.dropped[1] is Stage.MASKED_INPUT
+    assert report.result.total.tolist() == exact(inputs, report.included, 32)
