@@ -301,8 +301,13 @@ def report(settings: TrainSettings, plan: Plan, threshold: int, dim: int,
 
 
 def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = None,
-          on_capture: Callable[[RoundCapture], None] | None = None) -> dict[str, Any]:
-    """Run (or resume) federated training; returns the report (``rounds`` per round)."""
+          on_capture: Callable[[RoundCapture], None] | None = None,
+          on_failure: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run (or resume) federated training; returns the report (``rounds`` per round).
+
+    A failure while the rounds run (a round that kept aborting, a checkpoint that could
+    not be written) propagates as raised, after ``on_failure`` got the report of the
+    rounds completed before it (``"failed"`` says why): ``secagg train`` writes it."""
     say = log or (lambda text: None)
     torch.manual_seed(settings.seed)
     split = load_split(settings)
@@ -370,9 +375,23 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
             say("site weights from the DP releases: "
                 + ", ".join(f"{k} {w:.3f}" for k, w in sorted(weights.weights.items()))
                 + f"; epsilon {coordinator.budget.spent[0]:.4g} after them")
-        coordinator.run()
+        try:
+            coordinator.run()
+        except Exception as failure:
+            if on_failure is not None:
+                out = _report(settings, plan, threshold, dim, coordinator, model, split,
+                              sites, idp_text)
+                out["failed"] = str(failure)
+                on_failure(out)
+            raise
     if coordinator.stopped is None and coordinator.round >= settings.rounds:
         say(f"done: {coordinator.round} rounds")
+    return _report(settings, plan, threshold, dim, coordinator, model, split, sites, idp_text)
+
+
+def _report(settings: TrainSettings, plan: Plan, threshold: int, dim: int,
+            coordinator: Coordinator, model: torch.nn.Module, split: Split,
+            sites: dict[int, Site], idp_text: str | None) -> dict[str, Any]:
     out = report(settings, plan, threshold, dim, coordinator, model,
                  in_features=split.train.num_features, labels=_label_names(settings, split))
     return out if idp_text is None else fl_idp.finish_report(settings, sites, out, idp_text)

@@ -451,3 +451,74 @@ def test_requested_drops_are_not_warned_about() -> None:
     assert quiet.returncode == 0, quiet.stderr
     assert "dropped: masked_input 3" in quiet.stdout  # (each left while streaming its input)
     assert "server: client" not in quiet.stderr, quiet.stderr
+
+
+# --------------------------------------------------------------------------- failed workers
+
+FAILING_WORKER = '''
+import multiprocessing, os
+from secagg import client
+
+_stream = client.Client.stream
+
+def stream(self, *args, **kwargs):
+    # only in the one worker process the test names: each of its clients raises when the
+    # round reaches it (a bug, a MemoryError: the worker's event loop survives it)
+    if multiprocessing.current_process().name == os.environ["SECAGG_TEST_FAILING_WORKER"]:
+        raise RuntimeError("injected failure of every client in this worker")
+    return _stream(self, *args, **kwargs)
+
+client.Client.stream = stream
+'''
+
+
+def _simulate_with_a_failing_worker(tmp_path: Path, worker: int,
+                                    *argv: str) -> subprocess.CompletedProcess[str]:
+    """``secagg simulate`` as a user runs it, with every client of worker process
+    ``worker`` raising once the round starts (a ``sitecustomize`` only that process acts on)."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FAILING_WORKER)
+    env = {**os.environ, "SECAGG_TEST_FAILING_WORKER": f"secagg-worker-{worker}",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(inject), str(REPO),
+                                                     os.environ.get("PYTHONPATH")) if p)}
+    entry = ["-m", "fl.cli"] if HAS_TRAIN else ["-c", STUB_TRAIN]
+    # the stall watch would end it after timeouts.give_up (180 s here): far past this bound
+    return subprocess.run([sys.executable, *entry, "simulate", *argv], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=100, check=False)
+
+
+def test_a_worker_whose_clients_all_fail_drops_them_with_their_reason(tmp_path: Path) -> None:
+    rep = tmp_path / "r.json"
+    proc = _simulate_with_a_failing_worker(
+        tmp_path, 3, "--clients", "8", "--dim", "20", "--processes", "4", "--seed", "3",
+        "--report", str(rep))
+    report = json.loads(rep.read_text())
+    # worker 3 ran clients 7 and 8: dropped at the stage they failed in, each with its reason
+    assert report["included"] == [1, 2, 3, 4, 5, 6] and report["correct"] is True
+    assert sorted(report["dropped"]) == ["7", "8"]
+    for cid in ("7", "8"):
+        assert report["client_status"][cid] == "lost"
+        assert "injected failure" in report["reasons"][cid]
+        assert "\n" not in report["reasons"][cid]
+    assert "client 7 not included: lost: RuntimeError: injected failure" in proc.stdout
+    # the simulation was not asked to drop them: it says so and exits 1, not blaming the host
+    assert proc.returncode == 1, proc.stderr
+    assert "failed in their worker process" in proc.stderr
+    assert "no progress" not in proc.stderr and "keep up" not in proc.stderr
+
+
+def test_a_failed_worker_that_leaves_too_few_aborts_the_round_naming_it(
+        tmp_path: Path) -> None:
+    rep = tmp_path / "r.json"
+    proc = _simulate_with_a_failing_worker(
+        tmp_path, 1, "--clients", "6", "--dim", "20", "--seed", "3", "--deadlines", "wall",
+        "--report", str(rep))
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "secagg simulate: " in line]
+    assert len(errors) == 1 and "round aborted" in errors[0], proc.stderr
+    assert "failed in their worker process" in errors[0]
+    assert "injected failure" in errors[0]
+    report = json.loads(rep.read_text())
+    assert report["correct"] is False
+    assert {report["client_status"][c] for c in ("4", "5", "6")} == {"lost"}

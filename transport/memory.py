@@ -178,12 +178,15 @@ class MemoryNetwork:
     async def wait_up(self) -> None:
         await self._up.wait()
 
-    async def restart(self, downtime: float = 0.1) -> None:
-        """Drop every connection and retained message, then let the links reconnect."""
+    async def restart(self, downtime: float = 0.1, *, persistent: bool = False) -> None:
+        """Drop every connection and retained message (``persistent``: a broker that keeps
+        its retained messages across the restart, as Mosquitto with ``persistence true``),
+        then let the links reconnect (each is re-delivered what is retained)."""
         self._up.clear()
         for link in self._links.values():
             link.drop(publish_will=False)
-        self.retained.clear()
+        if not persistent:
+            self.retained.clear()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(downtime)
         self._up.set()

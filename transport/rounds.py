@@ -95,13 +95,16 @@ async def serve_server(network: Network, server: Server, topics: Topics, *,
                        ready: asyncio.Event | None = None,
                        start: asyncio.Event | None = None,
                        on_message: Callable[[int, Stage], None] | None = None,
-                       chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                       on_driver: Callable[[ServerDriver], None] | None = None
                        ) -> ServerDriver:
     """Connect the aggregator (as ``server``), then run the round once ``start`` is set.
 
     Returns the driver (its ``server.result`` holds the aggregate). Raises ``ProtocolAbort``
     or ``TransportError``. ``on_message(client, stage)`` sees every accepted message;
-    masked inputs stream in chunks of ``chunk_bytes`` (``ServerDriver``).
+    masked inputs stream in chunks of ``chunk_bytes`` (``ServerDriver``). ``on_driver``
+    gets the driver as the round starts (to tell it of clients known lost:
+    ``ServerDriver.client_lost``).
     """
     async with network.connect(SERVER_USER, will=server_will(server, topics)) as link:
         await link.subscribe(topics.server_filter)
@@ -112,6 +115,8 @@ async def serve_server(network: Network, server: Server, topics: Topics, *,
         driver = ServerDriver(server, link, topics, timeouts=timeouts,
                               max_payload=max_payload, on_stage=on_stage,
                               on_message=on_message, chunk_bytes=chunk_bytes)
+        if on_driver is not None:
+            on_driver(driver)
         await driver.run()
         return driver
 

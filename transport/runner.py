@@ -27,7 +27,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,8 +70,9 @@ class SimulationRun:
     rejection, or the site's own outcome)."""
     chunks: int = 0  # masked-input chunks the server accepted (the streaming path)
     overrun: str | None = None
-    """Logical deadlines only: why the round's dropouts are not the injected ones (a client
-    that was not asked to drop dropped: the host could not keep up); None when they are."""
+    """Why the round's dropouts are not the injected ones: clients that failed in their
+    worker process (an exception, a worker that died), and under logical deadlines clients
+    that dropped unasked (the host could not keep up); None when they are."""
 
 
 class SimulationStalled(TransportError):
@@ -168,10 +169,12 @@ async def run_simulation(spec: SimulationSpec,
         server_ready, start = asyncio.Event(), asyncio.Event()
         run = SimulationRun(None, None, seconds, {}, [], settings.url)
         async with worker_processes(specs) as workers:
+            reports = _WorkerReports(workers, run)
             server_task = asyncio.create_task(serve_server(
                 network, server, topics, timeouts=timeouts, max_payload=spec.max_payload,
                 on_stage=progress.stage, ready=server_ready, start=start,
-                on_message=progress.message))
+                on_message=progress.message, on_driver=reports.attach))
+            watch: asyncio.Task[None] | None = None
             try:
                 # the sites wait timeouts.start for the round (sized for every login)
                 await _wait_ready(workers, server_task, server_ready,
@@ -182,9 +185,14 @@ async def run_simulation(spec: SimulationSpec,
                        "round starts")
                 start.set()
                 progress.mark()
+                # a worker that fails or ends during the round reports it (or its pipe
+                # closes): the server stops waiting for its clients at once
+                watch = asyncio.create_task(reports.watch())
                 # asyncio.wait: a cancel of this task stays this task's (``await server_task``
                 # would hand it to the server task, whose teardown might absorb it)
                 await progress.wait(server_task, spec.stall)
+                await stop_task(watch)
+                reports.round_over = True
                 try:
                     driver = server_task.result()
                     seconds.update(driver.seconds)
@@ -193,18 +201,23 @@ async def run_simulation(spec: SimulationSpec,
                     run.error = str(exc)
                 except Exception as exc:
                     run.error = f"transport failure: {exc}"
-                await _collect(workers, run, timeout=10.0 if run.error else 60.0)
+                await reports.collect(timeout=10.0 if run.error else 60.0)
             except BaseException:
                 # Interrupted (cancelled) or failed: what the workers compute is moot; they
                 # stop now, while the server's connection closes.
                 workers.terminate()
                 raise
             finally:
+                if watch is not None:
+                    await stop_task(watch)
                 await stop_task(server_task)
     run.result = server.result
     run.reasons = _reasons(server.rejected, run.outcomes, run.gone)
-    if logical and run.result is not None:
-        run.overrun = _overrun(spec.drops, run.result.dropped, run.reasons)
+    if run.error is not None and reports.lost:
+        run.error += f"; {_lost_line(reports.lost)}"
+    if run.result is not None and (logical or reports.lost):
+        run.overrun = _overrun(spec.drops, run.result.dropped, run.reasons, reports.lost,
+                               slow_host=logical)
     seconds["wall"] = time.perf_counter() - wall
     return run
 
@@ -251,18 +264,38 @@ class _Progress:
 
 
 def _overrun(asked: Mapping[int, Stage], dropped: Mapping[int, Stage],
-             reasons: Mapping[int, str]) -> str | None:
-    """Logical deadlines: None if exactly the ``asked`` clients dropped, each at its stage;
-    else what differs (a site that dropped unasked means the host could not keep up)."""
+             reasons: Mapping[int, str], lost: Mapping[int, str] | None = None, *,
+             slow_host: bool = True) -> str | None:
+    """None if exactly the ``asked`` clients dropped, each at its stage; else what differs:
+    clients ``lost`` in their worker process (it failed: under any deadlines), and, with
+    ``slow_host`` (logical deadlines), clients that dropped unasked otherwise (the host
+    could not keep up)."""
     unasked = sorted(c for c, stage in dropped.items() if asked.get(c) != stage)
-    if not unasked:
-        return None
-    shown = "; ".join(f"client {c} at {dropped[c].label}"
-                      + (f" ({reasons[c]})" if c in reasons else "") for c in unasked[:5])
-    more = f" and {len(unasked) - 5} more" if len(unasked) > 5 else ""
-    return (f"the host could not keep up: {len(unasked)} clients dropped that the "
-            f"simulation did not ask to drop ({shown}{more}); they are not protocol "
-            f"outcomes. Run fewer clients per core, or on a less loaded machine")
+    lost = lost or {}
+    slow = [c for c in unasked if c not in lost and slow_host]
+    parts = []
+    if any(c in lost for c in unasked):
+        failed = {c: lost[c] for c in unasked if c in lost}
+        parts.append(f"{_lost_line(failed)}; they are not protocol outcomes")
+    if slow:
+        parts.append(f"the host could not keep up: {len(slow)} clients dropped that the "
+                     f"simulation did not ask to drop ({_shown(slow, reasons, dropped)}); "
+                     f"they are not protocol outcomes. Run fewer clients per core, or on a "
+                     f"less loaded machine")
+    return "; ".join(parts) or None
+
+
+def _shown(clients: Sequence[int], reasons: Mapping[int, str],
+           dropped: Mapping[int, Stage] | None = None) -> str:
+    """The first five of ``clients``, each with its drop stage and reason."""
+    shown = "; ".join(f"client {c}" + (f" at {dropped[c].label}" if dropped else "")
+                      + (f" ({reasons[c]})" if c in reasons else "") for c in clients[:5])
+    return shown + (f" and {len(clients) - 5} more" if len(clients) > 5 else "")
+
+
+def _lost_line(lost: Mapping[int, str]) -> str:
+    clients = sorted(lost)
+    return f"{len(clients)} clients failed in their worker process ({_shown(clients, lost)})"
 
 
 def _reasons(rejected: Any, outcomes: Mapping[int, Mapping[str, Any]],
@@ -333,32 +366,83 @@ async def _wait_ready(workers: Workers, server_task: asyncio.Task[Any],
             logger.debug("worker %d: early message %s", index, kind)
 
 
-async def _collect(workers: Workers, run: SimulationRun, timeout: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    open_ = set(range(len(workers.specs)))
-    while open_:
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            logger.warning("workers %s did not report; giving up on them", sorted(open_))
-            return
-        try:
-            async with asyncio.timeout(remaining):
-                index, message = await workers.events.get()
-        except TimeoutError:
-            continue
+class _WorkerReports:
+    """What the worker processes report over their pipes, read while the round runs
+    (``watch``) and after it (``collect``): outcomes, kills, failures. A worker that fails,
+    or ends, while the server may still wait for its clients loses them: the server's
+    driver (``attach``) stops waiting for each at once with the reason (``lost``), instead
+    of the round stalling until the stall watch blames the host."""
+
+    def __init__(self, workers: Workers, run: SimulationRun) -> None:
+        self.workers = workers
+        self.run = run
+        self.open = set(range(len(workers.specs)))
+        self.killed: set[int] = set()  # workers that SIGKILLed themselves on schedule
+        self.lost: dict[int, str] = {}  # client -> why it failed while the round ran
+        self.round_over = False  # set once the server's round has ended
+        self._driver: Any = None
+
+    def attach(self, driver: Any) -> None:
+        """The server's driver exists: the clients lost before it are declared now."""
+        self._driver = driver
+        for cid, why in self.lost.items():
+            driver.client_lost(cid, why)
+
+    def _lose(self, cid: int, why: str) -> None:
+        if self.round_over:
+            return  # it failed after the round: the aggregate does not depend on it
+        self.lost[cid] = why
+        if self._driver is not None:
+            self._driver.client_lost(cid, why)
+
+    def take(self, index: int, message: tuple[Any, ...]) -> None:
+        run = self.run
+        clients = self.workers.specs[index].clients
         kind = message[0]
         if kind == "outcomes":
             run.outcomes.update(message[1])
+            self.open.discard(index)
+            for cid, outcome in message[1].items():
+                # an exception or a connection lost for good: it will never send again
+                # (a client that was refused or aborted said so to the server itself)
+                if outcome.get("status") == "lost":
+                    self._lose(cid, str(outcome.get("reason")))
         elif kind == "killed":
             run.outcomes.update(message[2])
-            killed = workers.specs[index].clients
-            run.killed.extend(killed)
-            for cid in killed:
+            self.killed.add(index)
+            run.killed.extend(clients)
+            for cid in clients:
                 run.outcomes[cid]["status"] = "killed"
                 run.outcomes[cid]["stage"] = message[1]
-        elif kind == "error":
-            run.worker_errors.append(message[1])
-            open_.discard(index)
-        elif kind == "eof":
-            open_.discard(index)
+        elif kind in ("error", "eof") and index in self.open:
+            self.open.discard(index)
+            if kind == "error":
+                run.worker_errors.append(message[1])
+                lines = str(message[1]).strip().splitlines() or ["?"]
+                why = f"its worker process {index} failed: {lines[-1]}"
+            else:
+                code = self.workers.processes[index].exitcode  # None: not reaped yet
+                why = (f"its worker process {index} ended without a report"
+                       + (f" (exit code {code})" if code is not None else ""))
+            if index in self.killed:
+                return  # on schedule: the broker publishes its sites' wills
+            for cid in clients:
+                if cid not in run.outcomes:
+                    run.outcomes[cid] = {"client_id": cid, "status": "lost", "reason": why,
+                                         "bytes_sent": {}, "wire_bytes": 0,
+                                         "republished": 0, "stage": ""}
+                    self._lose(cid, why)
+
+    async def watch(self) -> None:
+        """Take the workers' reports as they come, until every worker has ended."""
+        while self.open:
+            index, message = await self.workers.events.get()
+            self.take(index, message)
+
+    async def collect(self, timeout: float) -> None:
+        """The reports still to come after the round, for up to ``timeout`` s."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.watch()
+        except TimeoutError:
+            logger.warning("workers %s did not report; giving up on them", sorted(self.open))

@@ -178,6 +178,19 @@ class ServerDriver:
             if self._tasks:
                 await asyncio.wait(self._tasks, timeout=5.0)
 
+    def client_lost(self, cid: int, reason: str) -> None:
+        """The caller knows ``cid`` will send nothing more (its process failed, e.g. every
+        site of a simulation's worker process raised): the round stops waiting for it now,
+        as for a sign-off, and drops it where it stands; ``reason`` is logged."""
+        if cid not in self.server.roster or (cid in self.gone
+                                             and cid not in self._gone_by_will):
+            return
+        logger.warning("server: client %d is lost: %s", cid, reason)
+        self.gone[cid] = "lost"
+        self._gone_by_will.discard(cid)
+        self._wills.pop(cid, None)
+        self._progress.set()
+
     # -- stages ----------------------------------------------------------------------
 
     def _waiting_for(self) -> bool:
@@ -572,7 +585,8 @@ class ServerDriver:
             return
         self._accepted[cid] = digest  # of a stream: its latest chunk
         self._seen.add((cid, digest))
-        self.gone.pop(cid, None)
+        if self.gone.get(cid) != "lost":  # a message it sent before it failed
+            self.gone.pop(cid, None)
         counts = self.bytes_received.setdefault(cid, {})
         counts[stage.label] = counts.get(stage.label, 0) + len(payload)
         if uploading:

@@ -527,13 +527,23 @@ def _run(args: argparse.Namespace) -> int:
     if args.plan:
         return print_plan(args, settings)
     from fl.aggregation import check_broker
+    from fl.errors import RunFailed
     from fl.federation import train
 
     check_broker(settings.broker)
     check_output_paths(args)
     log = progress_log(args, "train")
     setup_logging(args, "train")
-    return _finish(args, settings, train(settings, log=log))
+    completed: list[dict[str, Any]] = []
+    try:
+        report = train(settings, log=log, on_failure=completed.append)
+    except Exception as exc:
+        if not completed or not completed[0]["rounds"]:
+            raise  # no round completed: nothing to write, the failure as it is
+        _finish_failed(args, settings, completed[0])
+        raise RunFailed(exc, completed[0], "continue with --resume" if settings.checkpoint
+                        else "") from exc
+    return _finish(args, settings, report)
 
 
 def run_remote(args: argparse.Namespace) -> int:
@@ -688,7 +698,8 @@ def _site_idp(args: argparse.Namespace, data: Any, guard: Any, log: Any) -> None
 def _run_coordinator(args: argparse.Namespace, settings: TrainSettings,
                      ids: tuple[int, ...], network: Any, log: Any) -> int:
     """``--role coordinator``: announces the rounds and runs the server side."""
-    from fl.remote.coordinator import RemoteOptions, RunFailed, train_coordinator
+    from fl.errors import RunFailed
+    from fl.remote.coordinator import RemoteOptions, train_coordinator
     from fl.site.identity import load_peer_keys
 
     labels = tuple(v.strip() for v in args.labels.split(",")) if args.labels else None
@@ -700,16 +711,21 @@ def _run_coordinator(args: argparse.Namespace, settings: TrainSettings,
                             peer_keys=peer_keys)
     try:
         report = train_coordinator(settings, options, network, log=log)
-    except RunFailed as exc:
-        # Whatever ended the run, the completed rounds' report and model are written
-        # (the sites were not sent home); then the one-line error, exit 1.
-        try:
-            _finish(args, settings, exc.report)
-        except (OSError, ValueError) as unwritten:  # e.g. the same full disk
-            print(f"secagg train: the completed rounds' report or model could not be "
-                  f"written: {unwritten}", file=sys.stderr)
+    except RunFailed as exc:  # (the sites were not sent home)
+        _finish_failed(args, settings, exc.report)
         raise
     return _finish(args, settings, report)
+
+
+def _finish_failed(args: argparse.Namespace, settings: TrainSettings,
+                   report: dict[str, Any]) -> None:
+    """Whatever ended the run, its completed rounds' report and model are written (the
+    caller then raises the one-line error: exit 1)."""
+    try:
+        _finish(args, settings, report)
+    except (OSError, ValueError) as unwritten:  # e.g. the same full disk
+        print(f"secagg train: the completed rounds' report or model could not be "
+              f"written: {unwritten}", file=sys.stderr)
 
 
 def check_output_paths(args: argparse.Namespace) -> None:

@@ -25,7 +25,7 @@ from fl.aggregation import AggregateOutcome
 from fl.contribution import RoundTask, decoder, round_task, scaler_from_sum
 from fl.coordinator import Aggregated, Coordinator, RoundFailed
 from fl.data import Table, csv_schema, load_csv
-from fl.errors import FLError
+from fl.errors import RunFailed
 from fl.federation import (
     load_checkpoint,
     load_split,
@@ -60,22 +60,6 @@ RETRY_MAX_PAUSE = 60.0
 """A failed attempt is retried after a pause that doubles from the first to the most
 (2, 4, 8, 16 s with the default five attempts), ended early once every cohort site is online
 again: sites that are restarting come back before the attempts run out."""
-
-
-class RunFailed(FLError, RuntimeError):
-    """The run stopped on a failure after ``report["rounds"]`` completed rounds: the
-    caller writes that report and model (``fl/cli/train.py``) and exits 1. The sites were
-    not told the run is over: the coordinator resumes it with ``--resume``. A checkpoint
-    that cannot be written (a full disk) is one of these, not a usage error."""
-
-    def __init__(self, failure: Exception, report: dict[str, Any]) -> None:
-        done = len(report["rounds"])
-        written = (f"the report and model of the {done} completed rounds are written; "
-                   if done else "")
-        super().__init__(f"{failure} ({written}the sites were not sent home: restart the "
-                         "coordinator, with --resume to continue its --checkpoint)")
-        self.failure = failure
-        self.report = report
 
 
 @dataclass
@@ -397,5 +381,6 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
     out = fl_idp.remote_report(out) if settings.unit == "patient-idp" else out
     if failure is not None:
         out["failed"] = str(failure)
-        raise RunFailed(failure, out) from failure
+        raise RunFailed(failure, out, "the sites were not sent home: restart the coordinator, "
+                        "with --resume to continue its --checkpoint") from failure
     return out

@@ -55,6 +55,7 @@ class RoundView(_Inbox):
         self.topics = topics
         self.prefix = topics.base + "/"
         self.filters: list[str] = []
+        self.ended = False  # PartyLink.end_round: its driver was told the round is over
 
     @property
     def name(self) -> str:
@@ -83,6 +84,9 @@ class PartyLink(_Inbox):
         self.link = link
         self._round: RoundView | None = None
         self.lost: LinkLost | None = None
+        self.round_heard_at = 0.0
+        """``loop.time()`` of the last delivery on the open round's topics (what the round's
+        server sends: the party hears from it there while the round runs)."""
 
     @property
     def name(self) -> str:
@@ -117,6 +121,16 @@ class PartyLink(_Inbox):
             for topic_filter in list(view.filters):
                 await view.unsubscribe(topic_filter)
 
+    def end_round(self, reason: str) -> None:
+        """The federation says the open round is over for this party (its coordinator moved
+        on, or went silent past the party's idle limit): the round's view fails with
+        ``LinkLost(reason)``, so its driver stops now instead of waiting for a round end
+        that a restarted broker may have lost. No round open: nothing."""
+        view = self._round
+        if view is not None and not view.ended:
+            view.ended = True
+            view.put(LinkLost(reason))
+
     def to_round(self, delivery: Delivery) -> None:
         """Hand the open round a delivery (a forwarded last will); no round: dropped."""
         if self._round is not None:
@@ -133,6 +147,7 @@ class PartyLink(_Inbox):
                         current.put(event)
                 elif isinstance(event, Delivery):
                     if current is not None and event.topic.startswith(current.prefix):
+                        self.round_heard_at = asyncio.get_running_loop().time()
                         current.put(event)
                     else:
                         self.put(event)

@@ -73,7 +73,9 @@ class SiteOptions:
     insecure_verify: bool = False
     require_dp: str | None = None
     idle_timeout: float = 1800.0
-    """Exit (status 1) after this long without hearing from the coordinator."""
+    """Exit (status 1) after this long without hearing from the coordinator (a repeat of its
+    last control message, as a reconnection re-delivers it, is not hearing): it also ends
+    the wait for a round's blob or ``go`` and a round in progress."""
     round_timeout: float = 600.0
     """Give up waiting for a round's ``go`` (or its blob) after this long."""
     stage_timeout: float = 60.0
@@ -123,8 +125,13 @@ class SiteProcess:
         self.fetch = FetchPacer()
         self.changed = asyncio.Event()
         self.heard_at = 0.0
+        """``loop.time()`` of the last news on the federation's topics (a control message
+        that is not a repeat of the last one, a frame of a blob); :meth:`_heard` adds the
+        round's own traffic."""
         self.rounds = 0
         self._party: PartyLink | None = None
+        self._taking: Announce | None = None  # the round _take_part is in
+        self._last_control = b""  # digest of the last control message
         self._run: bytes = b""
         self._control = Reassembler(1 << 20, max_partial=2)
         self._model = Reassembler(256 << 20, max_partial=2)
@@ -179,14 +186,36 @@ class SiteProcess:
                 if self.site_id not in ann.cohort:
                     self.log(f"round {ann.round}: not in this round's cohort")
                 elif ann.phase == "open":
-                    await self._take_part(ann)
-                    self.heard_at = loop.time()
+                    self._taking = ann
+                    try:
+                        await self._take_part(ann)
+                    finally:
+                        self._taking = None
                 continue
-            silent = loop.time() - self.heard_at
+            # A round that gave up on a silent coordinator does not restart the idle clock:
+            # it runs from the last word heard, in the round or out of it.
+            silent = loop.time() - self._heard()
             if silent >= self.options.idle_timeout:
                 self.log(f"no word from the coordinator for {silent:.0f} s; giving up")
                 return 1
             await self._changed(self.options.idle_timeout - silent)
+
+    def _heard(self) -> float:
+        """When this site last heard from the coordinator: on the federation's topics, or
+        from the round's server (``PartyLink.round_heard_at``)."""
+        party = self._party.round_heard_at if self._party is not None else 0.0
+        return max(self.heard_at, self.fetch.heard_at, party)
+
+    def _stop_waiting(self, started: float) -> bool:
+        """Whether a wait for a round's blob or ``go`` begun at ``started`` ends: the round
+        moved on (:meth:`_superseded` is the caller's), the broker is lost, the wait
+        reached ``round_timeout``, or the coordinator has been silent for ``idle_timeout``
+        (counted from the wait's start at the earliest: the site's own computation before
+        it is not the coordinator's silence)."""
+        now = asyncio.get_running_loop().time()
+        return ((self._party is not None and self._party.lost is not None)
+                or now - started > self.options.round_timeout
+                or now - max(started, self._heard()) >= self.options.idle_timeout)
 
     async def _changed(self, timeout: float) -> None:
         self.changed.clear()
@@ -202,12 +231,20 @@ class SiteProcess:
 
     # -- receiving ----------------------------------------------------------------------
     async def _listen(self, party: PartyLink) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            idle = self.options.idle_timeout
             try:
-                event = await party.receive()
+                event = await party.receive(max(0.5, idle - (loop.time() - self._heard())))
             except LinkLost:
                 self.changed.set()
                 return
+            if event is None:
+                silent = loop.time() - self._heard()
+                if silent >= idle:  # even inside a round: idle_timeout bounds every wait
+                    party.end_round(f"no word from the coordinator for {silent:.0f} s")
+                    self.changed.set()
+                continue
             if isinstance(event, Reconnected):
                 await self._hello()
             elif isinstance(event, Delivery) and event.payload:
@@ -236,7 +273,12 @@ class SiteProcess:
         if got is None:
             return
         message = decode_coordinator_message(got.payload)
-        self.heard_at = now
+        if got.digest != self._last_control:
+            # a retained message again (each reconnection re-delivers it; a coordinator
+            # re-publishes it after one) is no news: a site whose connection keeps
+            # failing still reaches its idle limit
+            self._last_control = got.digest
+            self.heard_at = now
         if isinstance(message, CoordinatorOffline):
             self.log(f"the coordinator went offline ({message.reason}); waiting for it")
             if self._party is not None and self.announce is not None:
@@ -255,6 +297,11 @@ class SiteProcess:
             self.done = message
         else:
             self.announce = message if isinstance(message, Announce) else self.announce
+        taking = self._taking
+        if taking is not None and self._party is not None and self._superseded(taking):
+            # The coordinator left that round: a driver still in it (its round end lost
+            # with a restarted broker) stops now, not after its give-up time.
+            self._party.end_round("the coordinator moved on; the round is over")
         self.changed.set()
 
     # -- one round ----------------------------------------------------------------------
@@ -269,28 +316,27 @@ class SiteProcess:
         if the round moved on or it never came."""
         assert self._party is not None
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.options.round_timeout
-        self.fetch.start(loop.time())
+        started = loop.time()
+        self.fetch.start(started)
         while ann.blob not in self.blobs:
-            if self._superseded(ann) or loop.time() > give_up:
+            if self._superseded(ann) or self._stop_waiting(started):
                 return None
             if self.fetch.due(loop.time()):
                 await self._party.publish(self.topics.upstream(self.site_id, FETCH),
                                           framed(Fetch(ann.blob)))
-            await self._changed(self.fetch.wait(loop.time()))
+            await self._changed(min(1.0, self.fetch.wait(loop.time())))
         data = self.blobs[ann.blob]
         if len(data) != ann.size or blob_digest(data) != ann.blob:
             raise WireError("the blob does not match its announcement")
         return data
 
     async def _go(self, ann: Announce) -> Announce | None:
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.options.round_timeout
+        started = asyncio.get_running_loop().time()
         while True:
             current = self.announce
             if current is not None and current.key == ann.key and current.phase == "go":
                 return current
-            if self._superseded(ann) or loop.time() > give_up:
+            if self._superseded(ann) or self._stop_waiting(started):
                 return None
             await self._changed(1.0)
 

@@ -3,14 +3,19 @@ three sites that are each their own ``secagg train`` process, on the embedded br
 Mosquitto: every party finishes or exits by itself within its timeouts, never hangs.
 
 The parties' deadlines are short (``--connect-timeout 10``: each reconnection succeeds or
-gives up within 10 s; ``--ready-timeout 20``, ``--stage-timeout 5``, ``--idle-timeout
-30``), so "by itself" is a bound a hang cannot meet. Before, a site could stay hung after
+gives up within 10 s; ``--stage-timeout 15``, ``--idle-timeout 30``), so "by itself" is a
+bound a hang cannot meet. Before, a site could stay hung after
 "Connection reset by peer" (``MqttLink._run_pump`` awaited aiomqtt's ``__aexit__`` with no
 bound) and the coordinator then stalled for ``--ready-timeout`` every round. Measured here
 (3 of 8 runs hung): aiomqtt waits its whole timeout (30 s) for the CONNACK of a connection
 the restarting broker reset, so every party's one attempt outlasted its reconnect timeout;
 and a site whose link had given up re-published its round message for the round's whole
-give-up time (120 s), each publish waiting the reconnect timeout again.
+give-up time (120 s), each publish waiting the reconnect timeout again. Then (CI, issue 30):
+a broker killed just as the coordinator ended round 5 took the round's end with it (the
+restarted broker retains nothing), so sites 1 and 2 stayed in that round until their
+driver gave up (about 120 s), missed every attempt of round 7 and outlived the bound; a
+site now leaves a round as soon as its coordinator announces the next one
+(tests/fl/test_site_idle.py has the deterministic cases).
 """
 
 from __future__ import annotations
@@ -32,16 +37,25 @@ from transport.launch import _listening_port, _start_embedded, stop_process
 from transport.mosquitto import MosquittoBroker, _free_port, mosquitto_available
 from transport.topics import SERVER_USER, acl_table, site_name
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
-ROUNDS = 40
+ROUNDS = 12
+RESTART_AFTER = 5
 CONNECT_TIMEOUT = 10.0
 IDLE_TIMEOUT = 30.0
-READY_TIMEOUT = 20.0
-EXIT_BOUND = 120.0
-"""From the restart, the most any party may take to end: a reconnection (10 s), then at
-most ``--max-attempts`` (5) failed rounds of a ready wait (20 s) each for the coordinator, or
-the idle timeout (30 s) for a site that lost its coordinator."""
+READY_TIMEOUT = 60.0
+"""A ceiling only (a ready wait ends once every site is ready): the first round imports and
+warms up torch in every site, which on a host loaded with a CPU hog per core and other jobs
+(load average 16) outlasted a 20 s ready wait in two attempts out of two."""
+START_BOUND = 300.0
+"""How long the run may take to reach the restart (start-up and the first rounds under
+load; nothing is measured there)."""
+EXIT_BOUND = CONNECT_TIMEOUT + READY_TIMEOUT + IDLE_TIMEOUT + 80.0
+"""From the restart, the most any party may take to end: a reconnection (10 s), one failed
+attempt of the round the restart cut (its ready wait, 60 s), the rounds left (7, about 1 s
+each at load average 16: 80 s leaves room), and the idle timeout (30 s) for a site that lost
+its coordinator. A site stuck in a finished round (its driver's give-up, about 120 s) makes
+the rounds after it fail and cannot meet it."""
 
 
 Broker = tuple[int, Callable[[], None], Callable[[], str]]
@@ -121,7 +135,7 @@ def _kill_restart_mid_run(broker: Callable[..., object], tmp_path: Path,
         coordinator, sites = _parties(urls, report)
         parties = [coordinator, *sites.values()]
         try:
-            coordinator.wait_for(f"round   5/{ROUNDS}", timeout=120)
+            coordinator.wait_for(f"round {RESTART_AFTER:3d}/{ROUNDS}", timeout=START_BOUND)
             restart()
             restarted = time.monotonic()
             codes = {}

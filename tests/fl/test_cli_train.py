@@ -44,6 +44,29 @@ def test_train_says_when_the_budget_stops_it(tmp_path: Path, capsys) -> None:
     assert "stopped: round" in capsys.readouterr().err
 
 
+
+def test_a_role_all_run_failing_at_round_3_writes_rounds_1_and_2(tmp_path: Path,
+                                                                  capsys) -> None:
+    """As ``--role coordinator`` does (tests/fl/test_remote_failures.py): round 3 cannot
+    reach the threshold (seed 80 drops two of three sites there, none in rounds 1 and 2,
+    one attempt allowed); the run exits 1, in one line saying what was written, with the
+    report and the model of rounds 1 and 2. Before, a failed ``--role all`` wrote nothing."""
+    report, model = tmp_path / "r.json", tmp_path / "model.pt"
+    code = main(["train", "--sites", "3", "--rounds", "4", "--dataset", "breast-cancer",
+                 "--dp", "none", "--drop-rate", "0.3", "--seed", "80", "--max-attempts", "1",
+                 "--broker", "memory", "--report", str(report), "--save-model", str(model)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    errors = [line for line in err.splitlines() if line.startswith("secagg train: error:")]
+    assert len(errors) == 1 and "round 3 aborted" in errors[0], err
+    assert "the report and model of the 2 completed rounds are written" in errors[0]
+    data = json.loads(report.read_text())
+    assert [row["round"] for row in data["rounds"]] == [1, 2]
+    assert all(row["aggregate_correct"] for row in data["rounds"])
+    assert "round 3 aborted" in data["failed"]
+    assert json.loads(Path(f"{model}.json").read_text())["rounds"] == 2
+    assert model.stat().st_size > 0
+
 def test_train_csv_and_option_errors(tmp_path: Path, capsys) -> None:
     csv = tmp_path / "own.csv"
     rows = ["pid,a,b,label"] + [f"p{i // 2},{i % 7},{(i * 3) % 5},{int(i % 7 > 3)}"
