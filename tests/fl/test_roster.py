@@ -52,6 +52,7 @@ from fl.site.identity import (
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, SigningKey
 from secagg.client import Client
+from tests.pace import slowdown
 from transport.deadlines import round_timeouts
 from transport.errors import TransportError
 from transport.framing import Reassembler
@@ -177,6 +178,9 @@ async def _attack(network: MemoryNetwork, site: SiteProcess, invented: dict[int,
     for which it answers Ready itself and runs secagg clients with zero inputs."""
     blob, task, size = _round_blob()
     dim, cohort = task.encoded_dim(size), (VICTIM, *invented)
+    # The victim's first round warms torch up in its thread: the waits follow the host
+    # (tests/pace.py; at load average 12-16 a fixed 20 s ready wait once saw it not ready).
+    pace = slowdown()
     site_task = asyncio.create_task(site.run())
     async with CoordinatorChannel(network, "fed", cohort, logs.append,
                                   verify_keys=server_keys) as channel:
@@ -199,15 +203,15 @@ async def _attack(network: MemoryNetwork, site: SiteProcess, invented: dict[int,
             await asyncio.gather(*(serve_client(network, Client(
                 config, cid, np.zeros(dim, np.uint64), roster=go.roster,
                 context=round_context("fed", go), signing_key=invented[cid],
-                verify_keys=server_keys), Topics(go.name), timeouts=round_timeouts(10.0))
+                verify_keys=server_keys), Topics(go.name), timeouts=round_timeouts(10.0 * pace))
                 for cid in invented if cid in go.roster))
 
         helper = asyncio.create_task(pretend())
         try:
             return await channel.run_round(
                 kind="train", round_number=1, attempt=0, blob=blob, cohort=cohort,
-                threshold=3, dim=dim, bits=task.bits, verify=True, ready_timeout=20,
-                timeouts=round_timeouts(10.0))
+                threshold=3, dim=dim, bits=task.bits, verify=True, ready_timeout=20 * pace,
+                timeouts=round_timeouts(10.0 * pace))
         finally:
             helper.cancel()
             await channel.finish(1, "attack over")
