@@ -142,13 +142,13 @@ class RoundSetup:
         :attr:`norm_bound` and the encoding (:mod:`fl.input_bound`); None: no validation."""
         if self.norm_bound is None:
             return None
-        if self.encoding == "ddp":
-            try:
+        try:
+            if self.encoding == "ddp":
                 return dp_bound(dp_params(self))
-            except ValueError as exc:
-                raise SetupError(f"norm_bound: {exc}") from None
-        return fixed_bound(self.norm_bound, self.frac_bits,
-                           self.model_dim + len(self.metrics) + 1)
+            return fixed_bound(self.norm_bound, self.frac_bits,
+                               self.model_dim + len(self.metrics) + 1)
+        except ValueError as exc:
+            raise SetupError(f"norm_bound: {exc}") from None
 
     def config(self, dim: int) -> Config:
         """The secagg configuration (``dim`` is the encoded length, see fl.flower.encoding)."""

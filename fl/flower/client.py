@@ -313,7 +313,13 @@ def _previous(saved: Any, directory: Path, msg: Any) -> tuple[int, int | None] |
             stage = stage_record.stage
     except (SetupError, GuardError, TypeError):
         return None  # no trustworthy record of it: the charge stays (conservative)
-    return charge, (None if stage == ABORTED else stage)
+    if stage is None or stage == ABORTED:
+        # None: the record is gone (pruned by other runs' rounds, NodeOptions.keep_rounds)
+        # although the node advertised (the record is written before the state is saved),
+        # so whether its masked input left is unknown; ABORTED: the abort itself already
+        # withdrew the charge if the masked input never existed. The charge stays.
+        return None
+    return charge, stage
 
 
 def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
