@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -54,6 +54,7 @@ from secagg import (
     SECURITY_MODES,
     Config,
     RoundNonce,
+    Stage,
     secagg_plus_parameters,
 )
 from transport import fields
@@ -458,6 +459,14 @@ def charged_event(setup: RoundSetup) -> Event | None:
     return charged_proposal(round_release(setup)(SitePolicy()),
                             secagg_threshold=setup.threshold,
                             authenticated=setup.security == "malicious").event
+
+
+def inputs_requested(stages: Collection[str]) -> bool:
+    """Whether a round's masked inputs may have left the nodes: the server sent the
+    masked-input request (``stages``: the labels of the stages the server ran). From then on
+    a node keeps the round's charge whether or not the round is released (the withdrawal
+    rule, :mod:`fl.site.session`), so the server spends :func:`charged_event` for it too."""
+    return Stage.MASKED_INPUT.label in stages
 
 
 def whose_noise(setup: RoundSetup) -> str:
