@@ -122,7 +122,8 @@ class NodeOptions:
     ``<tmp>/secagg-flower-<uid>/node-<id>``; it must be private to the node's user, else
     the node refuses); ``keep_rounds``: how many of those records it keeps (the most
     recently used; each is 67 bytes; nodes sharing a ``stage_dir`` share the
-    count). A pruned round can no longer be answered (its snapshot key is gone), so keep
+    count). A pruned round can no longer be answered (its snapshot key is gone), and its
+    charge is never withdrawn (whether its masked input left is no longer known), so keep
     more records than rounds the directory's nodes can have open at once."""
 
     policy: SitePolicy | None = None
