@@ -44,8 +44,13 @@ HONEST_FAILURE_LOG2 = 40
 
 def fixed_bound(norm_bound: float, frac_bits: int, dim: int) -> int:
     """The integer L2 bound of a fixed-point row of ``dim`` coordinates whose float norm is
-    at most ``norm_bound`` (``frac_bits`` fractional bits)."""
-    return math.ceil(norm_bound * 2.0 ** frac_bits + math.sqrt(dim) / 2)
+    at most ``norm_bound`` (``frac_bits`` fractional bits); ``ValueError`` when it has no
+    finite integer form."""
+    scaled = norm_bound * 2.0 ** frac_bits
+    if not math.isfinite(scaled):
+        raise ValueError(f"norm_bound={norm_bound} at {frac_bits} fractional bits overflows; "
+                         "lower norm_bound or frac_bits")
+    return math.ceil(scaled + math.sqrt(dim) / 2)
 
 
 def dp_bound(params: EncodingParams) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -54,6 +54,7 @@ from secagg import (
     SECURITY_MODES,
     Config,
     RoundNonce,
+    Stage,
     secagg_plus_parameters,
 )
 from transport import fields
@@ -142,13 +143,13 @@ class RoundSetup:
         :attr:`norm_bound` and the encoding (:mod:`fl.input_bound`); None: no validation."""
         if self.norm_bound is None:
             return None
-        if self.encoding == "ddp":
-            try:
+        try:
+            if self.encoding == "ddp":
                 return dp_bound(dp_params(self))
-            except ValueError as exc:
-                raise SetupError(f"norm_bound: {exc}") from None
-        return fixed_bound(self.norm_bound, self.frac_bits,
-                           self.model_dim + len(self.metrics) + 1)
+            return fixed_bound(self.norm_bound, self.frac_bits,
+                               self.model_dim + len(self.metrics) + 1)
+        except ValueError as exc:
+            raise SetupError(f"norm_bound: {exc}") from None
 
     def config(self, dim: int) -> Config:
         """The secagg configuration (``dim`` is the encoded length, see fl.flower.encoding)."""
@@ -458,6 +459,14 @@ def charged_event(setup: RoundSetup) -> Event | None:
     return charged_proposal(round_release(setup)(SitePolicy()),
                             secagg_threshold=setup.threshold,
                             authenticated=setup.security == "malicious").event
+
+
+def inputs_requested(stages: Collection[str]) -> bool:
+    """Whether a round's masked inputs may have left the nodes: the server sent the
+    masked-input request (``stages``: the labels of the stages the server ran). From then on
+    a node keeps the round's charge whether or not the round is released (the withdrawal
+    rule, :mod:`fl.site.session`), so the server spends :func:`charged_event` for it too."""
+    return Stage.MASKED_INPUT.label in stages
 
 
 def whose_noise(setup: RoundSetup) -> str:

@@ -122,7 +122,8 @@ class NodeOptions:
     ``<tmp>/secagg-flower-<uid>/node-<id>``; it must be private to the node's user, else
     the node refuses); ``keep_rounds``: how many of those records it keeps (the most
     recently used; each is 67 bytes; nodes sharing a ``stage_dir`` share the
-    count). A pruned round can no longer be answered (its snapshot key is gone), so keep
+    count). A pruned round can no longer be answered (its snapshot key is gone), and its
+    charge is never withdrawn (whether its masked input left is no longer known), so keep
     more records than rounds the directory's nodes can have open at once."""
 
     policy: SitePolicy | None = None
@@ -313,7 +314,13 @@ def _previous(saved: Any, directory: Path, msg: Any) -> tuple[int, int | None] |
             stage = stage_record.stage
     except (SetupError, GuardError, TypeError):
         return None  # no trustworthy record of it: the charge stays (conservative)
-    return charge, (None if stage == ABORTED else stage)
+    if stage is None or stage == ABORTED:
+        # None: the record is gone (pruned by other runs' rounds, NodeOptions.keep_rounds)
+        # although the node advertised (the record is written before the state is saved),
+        # so whether its masked input left is unknown; ABORTED: the abort itself already
+        # withdrew the charge if the masked input never existed. The charge stays.
+        return None
+    return charge, stage
 
 
 def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:

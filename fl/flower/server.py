@@ -52,6 +52,7 @@ from fl.round_setup import (
     charged_event,
     check_norm_bound,
     fixed_setup,
+    inputs_requested,
     protocol_graph,
     round_plan,
     whose_noise,
@@ -288,9 +289,11 @@ class SecureAggregation(Strategy):
         return result
 
     def _spend(self, setup: RoundSetup, report: RoundReport) -> None:
-        """A released DP round: spend the epsilon each node's ledger charges for it
-        (:func:`fl.round_setup.charged_event`, the node's own computation; the plan fits the
-        budget as charged, :func:`fl.round_setup.round_plan`) and report it."""
+        """A DP round whose masked inputs may have left the nodes (released or not,
+        :func:`fl.round_setup.inputs_requested`): spend the epsilon each node's ledger
+        charges for it (:func:`fl.round_setup.charged_event`, the node's own computation;
+        the plan fits the budget as charged, :func:`fl.round_setup.round_plan`) and report
+        it."""
         assert self.privacy is not None and self._spent is not None
         event = charged_event(setup)
         if event is None:
@@ -344,13 +347,14 @@ class SecureAggregation(Strategy):
         report = driver.run(messages)
         self.reports.append(report)
         _log_outcome(report)
+        if setup.dp is not None and self.privacy is not None \
+                and inputs_requested(report.seconds):  # released or not: the nodes keep it
+            self._spend(setup, report)
         if report.total is None:
             return []
         sent = flatten(arrays, setup.arrays)
         aggregate, metrics, weight = decode_sum(setup, report.total, len(report.included),
                                                 sent)
-        if setup.dp is not None and self.privacy is not None:
-            self._spend(setup, report)
         key = next(iter(first.array_records.keys()))
         weight_key = self._weight_key()
         content = RecordDict({

@@ -66,6 +66,7 @@ from fl.round_setup import (
     decode_sum,
     encoded_dim,
     fixed_setup,
+    inputs_requested,
     round_plan,
     whose_noise,
     with_distributed_dp,
@@ -120,7 +121,8 @@ class RoundReport:
     ``bytes_down`` (secagg payload bytes each site sent / was sent; the train task's model
     is not counted), ``total`` (the modular sum, None if the round aborted), ``epsilon``
     (the budget spent after the round, distributed DP with a budget), ``node_epsilon``
-    (distributed DP: the epsilon each site's ledger holds after the job's released rounds,
+    (distributed DP: the epsilon each site's ledger holds after the job's rounds whose
+    masked inputs may have left the sites, released or not,
     :func:`fl.round_setup.charged_event`; the budget is planned and spent at that figure, so
     ``epsilon`` equals it), ``metrics`` (the train
     metrics averaged securely, ``metrics=[...]``), ``skipped`` (why a round was not run),
@@ -425,13 +427,14 @@ class SecureFedAvg(ModelController):
         if result is not None and report.aborted is None:
             report.total = result.total
             report.included = tuple(sorted(site_of(c) for c in result.included))
-            event = charged_event(setup)
-            if self._spent is not None and event is not None:
-                report.node_epsilon = self._spent.spend(event)[0]
-                if self.budget is not None:
-                    report.epsilon = report.node_epsilon
-                self.warning(f"round {server_round}: each site's ledger holds epsilon "
-                             f"{report.node_epsilon:.4g} ({whose_noise(setup)})")
+        event = charged_event(setup)
+        if self._spent is not None and event is not None and inputs_requested(report.seconds):
+            # released or not: a site whose masked input left keeps the round's charge
+            report.node_epsilon = self._spent.spend(event)[0]
+            if self.budget is not None:
+                report.epsilon = report.node_epsilon
+            self.warning(f"round {server_round}: each site's ledger holds epsilon "
+                         f"{report.node_epsilon:.4g} ({whose_noise(setup)})")
         return report
 
     def _exchange(self, server: Server, setup: RoundSetup, report: RoundReport, stage: Stage,
