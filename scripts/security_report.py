@@ -191,7 +191,8 @@ Holds (each row in section 4 is a test):
   the sum. The Flower and NVFlare runtimes carry it through the one site session
   (`SecureAggregation(norm_bound=)`, `SecureFedAvg(norm_bound=)`, docs/protocol.md 10.6): a
   site that scales its update by 1,000 is refused and named in the round's report and the
-  global model is the honest sites' weighted average (`tests/flower/test_validation.py`,
+  global model is the honest sites' weighted average (a negative weight is not caught: see
+  below) (`tests/flower/test_validation.py`,
   `tests/nvflare/test_nvflare_validation.py`; an honest round with validation equals the
   round without it bit for bit). Under distributed DP the bound
   is the clip with the noise's tail (an honest site fails its own round with probability
@@ -229,7 +230,15 @@ Does not hold (shown by strict-xfail tests, so a change in behaviour turns the s
   it, an update within the bound is accepted whatever its direction: a stealthy backdoor of
   norm <= B is bounded, not prevented (robust aggregation or DP noise must do the rest). A
   site that proves one vector and masks another makes the round release nothing, and is not
-  named (ACORN-detect: one site can abort a validated round). Under distributed DP the
+  named (ACORN-detect: one site can abort a validated round), and the aborted round stays
+  charged in every honest node's ledger, so one such site can spend the others' budgets
+  round after round (`tests/security/test_review_swap_after_proof.py`). **The weight is not
+  proved non-negative**: the proof bounds the norm of a site's whole row (weighted model,
+  weighted metrics, weight), so a row of zeros with a weight of minus the honest total
+  (plus a little) is within any bound, and the weighted average then divides by almost
+  nothing: the model is blown up (norm 1,988 against 1.24 in the test) and the site is not
+  named (`tests/security/test_review_negative_weight.py`; a range proof on the weight, or a
+  public weight, is the fix, not done). Under distributed DP the
   bound covers the noised contribution: a site that leaves out its noise can send a signal
   of norm up to that bound, several times the clip's (4.1x at D = 64 in section 4's test,
   8.6x in the Flower test's round; it grows as sigma sqrt(D) / (scale C)); verifiable noise

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from adversary import threat
 
 from fl.round_setup import RoundSetup, SetupError, fixed_setup, with_norm_bound
 from fl.vector import ArraySpec
@@ -21,6 +22,11 @@ def _setup() -> RoundSetup:
                        verify_keys={})
 
 
+@threat(attack="A norm bound too large for the encoding",
+        adversary="malicious server",
+        controls="the round setup's norm_bound (1e302, finite, at 24 fractional bits)",
+        protocol="fixed_bound refuses a bound with no finite integer form: a typed SetupError on "
+                 "the site, no OverflowError")
 def test_an_overflowing_bound_from_the_server_is_a_setup_error_on_the_site() -> None:
     raw = replace(_setup(), norm_bound=1e302).to_bytes()
     parsed = RoundSetup.from_bytes(raw)  # a finite number: the wire accepts it
@@ -28,6 +34,10 @@ def test_an_overflowing_bound_from_the_server_is_a_setup_error_on_the_site() -> 
         parsed.config(5)
 
 
+@threat(attack="A norm bound too large for the encoding",
+        adversary="malicious server",
+        controls="SecureAggregation(norm_bound=1e302)",
+        protocol="input_bound raises SetupError before any round starts")
 def test_an_overflowing_bound_on_the_server_is_a_setup_error() -> None:
     with pytest.raises(SetupError, match="overflows"):
         with_norm_bound(_setup(), 1e302)

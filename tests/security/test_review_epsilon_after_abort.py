@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from adversary import threat
 from flwr.serverapp.strategy import FedAvg
 
 from fl.flower import DistributedDP, SecureAggregation
@@ -24,6 +25,11 @@ from tests.flower.test_site_core import _ledger
 N = 3
 
 
+@threat(attack="Under-reported epsilon after a late abort (Flower)",
+        adversary="malicious server",
+        controls="every node silent in unmasking, after the masked inputs left",
+        protocol="once the masked-input request is sent the server spends the round's charged "
+                 "event, released or not (fl.round_setup.inputs_requested)")
 def test_the_reported_epsilon_equals_the_ledgers_after_a_round_aborted_in_unmasking(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

@@ -16,12 +16,17 @@ pytest.importorskip("nvflare.apis")
 HERE = Path(__file__).resolve().parents[1] / "nvflare"
 sys.path.insert(0, str(HERE))
 
+from adversary import threat  # noqa: E402
 from nvflare_sites import run_job  # noqa: E402
 
 from dp.ledger import read_charges  # noqa: E402
 from fl.nvflare.server import SecureFedAvg  # noqa: E402
 
 
+@threat(attack="Under-reported epsilon after a late abort (NVFlare)",
+        adversary="malicious server",
+        controls="every site silent in unmasking, after the masked inputs left",
+        protocol="SecureFedAvg spends the charged event once the masked-input request is sent")
 def test_the_reported_epsilon_equals_the_ledgers_after_a_round_aborted_in_unmasking(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     names = [f"site-{i}" for i in range(1, 4)]

@@ -24,6 +24,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from adversary import threat
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -51,6 +52,12 @@ def _round(grid: LocalGrid) -> None:
         wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
 
 
+@threat(attack="Withdrawal of a charge whose masked input left",
+        adversary="malicious server",
+        controls="rounds of another run on the node until the stage record of a round past "
+                 "masked_input is pruned, then a new setup in the first run",
+        protocol="a missing or aborted stage record keeps the charge; only the abort path "
+                 "withdraws, when the input never existed")
 def test_a_charge_whose_masked_input_left_is_never_withdrawn(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("py_arkworks_bls12381")
 
+from adversary import threat
 from flwr.app import Message
 from flwr.serverapp.strategy import FedAvg
 
@@ -62,6 +63,12 @@ class SwapNode(NodeOptions):
         return evil
 
 
+@threat(attack="Prove one vector, mask another (runtime)",
+        adversary="malicious client",
+        controls="the vector it masks after proving an honest one, under distributed DP",
+        protocol="the commitments do not open to the sum: the round releases nothing, but the "
+                 "site is not named and honest ledgers keep the charge",
+        shows="limitation")
 @pytest.mark.xfail(strict=True, reason="review finding, not fixed: the commitment check is on "
                    "the sum only (secagg.server._check_commitments); the mismatch is "
                    "unattributable")
