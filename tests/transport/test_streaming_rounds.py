@@ -118,6 +118,34 @@ def test_a_stalled_sender_loses_its_slot_with_a_reason() -> None:
     assert report.seconds["masked_input"] < 8.0  # not the stage deadline: the idle limit
 
 
+def test_a_slow_sender_nobody_waits_for_keeps_its_slot(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """A busy host (issue 30): every site holds a slot and site 1's chunks come 0.8 s
+    apart, past the 0.5 s idle limit but well within the stage. No site waits for a slot,
+    so taking site 1's back would only drop an honest site: it keeps it, completes, and
+    the sum is exact. (With sites waiting, the idle limit still applies:
+    ``test_a_stalled_sender_loses_its_slot_with_a_reason``.)"""
+    from transport.client_driver import ClientDriver
+
+    publish = ClientDriver._publish_raw
+
+    async def slow(self: ClientDriver, raw: bytes, digest: bytes, *args: Any,
+                   **kwargs: Any) -> Any:
+        if self.client_id == 1 and self._grant is not None:
+            await asyncio.sleep(0.8)
+        return await publish(self, raw, digest, *args, **kwargs)
+
+    monkeypatch.setattr(ClientDriver, "_publish_raw", slow)
+    config = Config(num_clients=3, threshold=2, dim=300, bits=32)
+    inputs = make_inputs(3, config.dim, 32, seed=9)
+    timeouts = Timeouts(stage=15.0, start=5.0, retry=5.0, answer=5.0, give_up=40.0,
+                        resend_interval=0.1, upload_idle=0.5)
+    report = asyncio.run(run_round(MemoryNetwork(), config, inputs, timeouts=timeouts,
+                                   chunk_bytes=400, upload_budget=3 * 300 * 4))
+    assert report.included == {1, 2, 3}
+    assert report.result.total.tolist() == exact(inputs, report.included, 32)
+
+
 def test_a_hostile_site_cannot_starve_the_others_through_the_broker() -> None:
     """Site 2's valid login, on a second connection during masked_input, floods its own
     masked_input topic: never-finished frame sets, an oversized message, chunks at wrong
