@@ -32,6 +32,7 @@ from dp.policy import SitePolicy  # noqa: E402
 from fl.codec import FixedPointCodec, decode_weighted  # noqa: E402
 from fl.nvflare.server import SecureFedAvg  # noqa: E402
 from secagg import SigningKey  # noqa: E402
+from tests.pace import slowdown  # noqa: E402
 
 
 def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, server: Any, sites: dict[str, dict],
@@ -54,12 +55,13 @@ def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
     # The stage deadline is what drops site-1 in round 2, so it must be long enough that an
     # honest site on a loaded host never misses it (1 s failed under a CPU hog on two
     # cores), and site-1 stalls three times as long so its late answer cannot be taken.
-    server = SecureFedAvg(num_rounds=3, neighbors=None, stage_timeout=STAGE,
+    stage = STAGE * slowdown()  # the host's pace (tests/pace.py)
+    server = SecureFedAvg(num_rounds=3, neighbors=None, stage_timeout=stage,
                           train_timeout=60, report_path=str(tmp_path / "reports.jsonl"))
     reports = _run(tmp_path, monkeypatch, server, sites, {
         "site-2": {"0": ["advertise_keys", "fail"]},  # its training fails
         "site-3": {"1": ["masked_input", "fail"]},  # after sharing its keys: mask recovered
-        "site-1": {"2": ["unmasking", "stall", 3 * STAGE]},  # silent past the deadline
+        "site-1": {"2": ["unmasking", "stall", 3 * stage]},  # silent past the deadline
     })
     assert [r["server_round"] for r in reports] == [0, 1, 2]
     expected_drops = [{"site-2": "advertise_keys", "site-5": "advertise_keys"},
@@ -75,7 +77,7 @@ def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
         assert set(report["seconds"]) == {"advertise_keys", "share_keys", "masked_input",
                                           "unmasking"}
         assert all(report["bytes_up"][s] > 0 for s in included)
-    assert reports[2]["seconds"]["unmasking"] >= STAGE  # waited out site-1's deadline
+    assert reports[2]["seconds"]["unmasking"] >= stage  # waited out site-1's deadline
     # no input of the refusing site was ever computed, and its ledger has no charge
     assert not list((tmp_path / "record").glob("site-5-*"))
     with Ledger.open(tmp_path / "sites" / "site-5" / "ledger.json", SitePolicy()) as ledger:
@@ -102,7 +104,7 @@ def test_malicious_distributed_dp_budget_and_a_zero_noise_round_refused(
     dp = {"clip_norm": 1.0, "epsilon": 8.0, "delta": 1e-5, "rounds": 2}
     server = ZeroNoiseFedAvg(num_rounds=4, neighbors=None, security="malicious",
                              verify_keys={n: k.public.hex() for n, k in keys.items()}, dp=dp,
-                             stage_timeout=1.0, train_timeout=60,
+                             stage_timeout=1.0 * slowdown(), train_timeout=60,
                              report_path=str(tmp_path / "reports.jsonl"))
     uncapped = {"min_noise_multiplier": 0, "round_epsilon": None, "epsilon": None}
     reports = _run(tmp_path, monkeypatch, server, {n: uncapped for n in names},
@@ -141,7 +143,7 @@ def test_secure_fedadam_equals_numpy_fedadam_over_the_plain_weighted_mean_and_av
     lr, beta1, beta2, tau = 0.1, 0.9, 0.99, 1e-3
     server = SecureFedAvg(num_rounds=3, neighbors=None, strategy="fedadam", server_lr=lr,
                           server_beta1=beta1, server_beta2=beta2, server_tau=tau,
-                          metrics=["loss"], stage_timeout=5.0, train_timeout=60,
+                          metrics=["loss"], stage_timeout=60.0, train_timeout=60,
                           report_path=str(tmp_path / "reports.jsonl"))
     reports = _run(tmp_path, monkeypatch, server,
                    {n: {"modes": ["none"]} for n in names}, {})
@@ -170,11 +172,12 @@ def test_secagg_plus_on_a_sparse_graph_with_drops(tmp_path: Path,
     neighbours' shares, a site silent at unmasking stays in the sum; every total equals the
     plaintext sum of the included sites' inputs."""
     names = [f"site-{i}" for i in range(1, 8)]
-    server = SecureFedAvg(num_rounds=2, neighbors=5, stage_timeout=2.0, train_timeout=60,
+    stage = 2.0 * slowdown()  # the host's pace (tests/pace.py)
+    server = SecureFedAvg(num_rounds=2, neighbors=5, stage_timeout=stage, train_timeout=60,
                           report_path=str(tmp_path / "reports.jsonl"))
     reports = _run(tmp_path, monkeypatch, server, {n: {"modes": ["none"]} for n in names}, {
         "site-2": {"0": ["masked_input", "fail"]},
-        "site-5": {"1": ["unmasking", "stall", 6]},
+        "site-5": {"1": ["unmasking", "stall", 3 * stage]},
     })
     first, second = reports
     for report in reports:
