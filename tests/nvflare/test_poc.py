@@ -32,6 +32,7 @@ from nvflare_sites import (  # noqa: E402
 from fl.nvflare.client import DIR_ENV  # noqa: E402
 from fl.nvflare.job import SecureScriptRunner  # noqa: E402
 from fl.nvflare.server import SecureFedAvg  # noqa: E402
+from tests.pace import slowdown  # noqa: E402
 
 
 def test_poc_processes_a_site_killed_mid_round(tmp_path: Path,
@@ -57,7 +58,7 @@ def test_poc_processes_a_site_killed_mid_round(tmp_path: Path,
     reports_file = tmp_path / "reports.jsonl"
     job = FedJob(name="secure-poc", min_clients=len(sites))
     job.set_app_packages(["nvflare_sites"])  # the sites' own test harness, never shipped
-    job.to_server(SecureFedAvg(num_rounds=2, neighbors=None, stage_timeout=2.0,
+    job.to_server(SecureFedAvg(num_rounds=2, neighbors=None, stage_timeout=2.0 * slowdown(),
                                train_timeout=60, report_path=str(reports_file)))
     job.to_server(NPModelPersistor(), id="persistor")
     job.to_clients(SecureScriptRunner(str(HERE / "train_script.py"),
