@@ -158,10 +158,13 @@ class RoundSetup:
                                  {"dropout_rate": self.dropout_rate,
                                   "corrupt_rate": self.corrupt_rate})
         bound = self.input_bound
+        # fixed point with a bound: the row's last coordinate, its weight, is proved
+        # non-negative too (docs/protocol.md 10.7); a distributed-DP row is rotated
+        weight = (dim - 1 if bound is not None and self.encoding != "ddp" else None)
         try:
             return Config(num_clients=self.num_clients, threshold=self.threshold, dim=dim,
                           bits=self.bits, neighbors=self.neighbors, security=self.security,
-                          norm_bound=bound, **rates)
+                          norm_bound=bound, weight_index=weight, **rates)
         except ValueError as exc:
             raise SetupError(f"unsafe or invalid protocol parameters: {exc}") from None
 

@@ -148,6 +148,10 @@ def _check_norm(vector: np.ndarray, config: Config, who: str) -> None:
     if norm2 > bound * bound:
         raise ValueError(f"{who} has L2 norm sqrt({norm2}) > norm_bound={bound} (as centred "
                          f"integers mod 2**{config.bits}): clip it to the bound")
+    k = config.weight_index
+    if k is not None and centered(vector[k:k + 1], config.bits)[0] < 0:
+        raise ValueError(f"{who} has a negative weight in coordinate {k} (as a centred "
+                         f"integer mod 2**{config.bits}): a weight must be non-negative")
 
 
 def _reencode(message: object, stage: Stage, client_id: int | None = None) -> bytes:
@@ -496,7 +500,7 @@ class Client:
         from .validation import NormStatement, blinding, prove
 
         statement = NormStatement(self.session_id, self.client_id, cfg.dim, cfg.bits,
-                                  cfg.norm_bound, advertisement)
+                                  cfg.norm_bound, advertisement, cfg.weight_index)
         blind = blinding((bytes(key), added) for key, added in keys)
         return self._signed(InputProof(self.session_id, self.client_id,
                                        prove(statement, self._secrets.input, blind)), key_set)

@@ -55,7 +55,9 @@ class Config:
     ``norm_bound=B`` (opt-in, the ``validation`` extra) makes every client prove in zero
     knowledge that the vector it masks, read as centred integers mod 2**bits, has L2 norm
     at most B; a client whose proof fails is left out of the sum and named
-    (docs/protocol.md section 10).
+    (docs/protocol.md section 10). ``weight_index=k`` (with ``norm_bound``) makes each
+    client also prove its coordinate k non-negative: the weight of a weighted sum
+    (section 10.7).
     """
 
     num_clients: int
@@ -68,6 +70,7 @@ class Config:
     corrupt_rate: float | None = None
     unchecked_graph: bool = False
     norm_bound: int | None = None
+    weight_index: int | None = None
     _holders: int = field(init=False, repr=False, compare=False, default=0)
     _shape_tag: bytes = field(init=False, repr=False, compare=False, default=b"")
 
@@ -134,10 +137,14 @@ class Config:
                 "them (secagg.secagg_plus_parameters(num_clients, dropout_rate, corrupt_rate) "
                 "gives neighbors and threshold), or pass unchecked_graph=True to give up that "
                 "guarantee (the server may then learn the sums of parts of the federation)")
+        if self.weight_index is not None and self.norm_bound is None:
+            raise ValueError(f"weight_index={self.weight_index!r} without norm_bound: the "
+                             "weight is proved non-negative inside the norm proof; set "
+                             "norm_bound too, or drop weight_index")
         if self.norm_bound is not None:
             from .validation.norm import check_parameters
 
-            check_parameters(n, self.dim, self.bits, self.norm_bound)
+            check_parameters(n, self.dim, self.bits, self.norm_bound, self.weight_index)
         if self.dropout_rate is not None or self.corrupt_rate is not None:
             rates = (self.dropout_rate or 0.0, self.corrupt_rate or 0.0)
             if k is not None:
@@ -159,13 +166,17 @@ class Config:
         return 1 << self.bits
 
     def encode(self) -> bytes:
-        """Canonical bytes of everything that must match across parties (the norm bound,
-        when set, is appended: rounds without one keep their encoding)."""
+        """Canonical bytes of everything that must match across parties (the norm bound
+        and the weight index, when set, are appended: rounds without them keep their
+        encoding)."""
         fixed = struct.pack(">IIQBIB", self.num_clients, self.threshold, self.dim,
                             self.bits, self.neighbors or 0, int(self.malicious))
         if self.norm_bound is None:
             return fixed
-        return fixed + b"|norm_bound|" + self.norm_bound.to_bytes(16, "big")
+        fixed += b"|norm_bound|" + self.norm_bound.to_bytes(16, "big")
+        if self.weight_index is None:
+            return fixed
+        return fixed + b"|weight_index|" + self.weight_index.to_bytes(8, "big")
 
     @property
     def shape_tag(self) -> bytes:

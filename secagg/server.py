@@ -343,7 +343,7 @@ class Server:
         if self.config.norm_bound is not None:
             from .validation import proof_size
 
-            proof = proof_size(self.config.dim)
+            proof = proof_size(self.config.dim, self.config.weight_index is not None)
         return 1024 + max(self._vector_bytes, proof) + len(self.roster) * 128
 
     # --- receiving ------------------------------------------------------------------------
@@ -572,11 +572,13 @@ class Server:
             raise self._reject(cid, "the input proof must come before the masked input")
         self._check_signature(cid, msg)  # a forged proof must not get the client named
         statement = NormStatement(self.session_id, cid, cfg.dim, cfg.bits, cfg.norm_bound,
-                                  self._advert_digests[cid])
+                                  self._advert_digests[cid], cfg.weight_index)
         try:
             self._commitments[cid] = verify(statement, msg.proof)
         except InvalidProof as exc:
-            reason = f"input proof refused (norm_bound={cfg.norm_bound}): {exc}"
+            what = (f"norm_bound={cfg.norm_bound}" if cfg.weight_index is None else
+                    f"norm_bound={cfg.norm_bound}, weight_index={cfg.weight_index}")
+            reason = f"input proof refused ({what}): {exc}"
             self.refused[cid] = reason
             self._expected.discard(cid)
             self._pending.discard(cid)

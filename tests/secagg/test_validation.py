@@ -616,3 +616,170 @@ def test_secagg_plus_round_with_validation_and_a_dropout() -> None:
     result = simulate(config, inputs, {5: Stage.MASKED_INPUT}, seed=9)
     assert result.refused == {} and result.included == frozenset({1, 2, 3, 4, 6, 7, 8})
     assert np.array_equal(result.total, plain_sum(inputs, result.included))
+
+
+# --- the weight proved non-negative (Config.weight_index, docs/protocol.md 10.7) ----------
+
+
+WDIM = 12
+WBOUND = 5000
+
+
+def weighted_row(weight: int, seed: int = 0, scale: float = 0.5) -> list[int]:
+    """A row whose last coordinate is ``weight`` and whose norm is within WBOUND."""
+    rng = np.random.default_rng(seed)
+    x = [int(v) for v in vector_with_norm(rng, WDIM - 1, WBOUND * scale)]
+    return [*x, weight]
+
+
+def wstatement(client: int = 3) -> NormStatement:
+    return NormStatement(SID, client, WDIM, BITS, WBOUND, weight_index=WDIM - 1)
+
+
+def forge_weight(x: list[int], squares: list[int]) -> bytes:
+    """A proof with the norm's slack honest and the weight's squares ``squares``."""
+    st_ = wstatement()
+    q = norm.four_square_slack(WBOUND * WBOUND - sum(v * v for v in x))
+    return norm.prove_relation(st_, x + q + squares, 1)
+
+
+def test_weight_index_transcript_layout_and_config() -> None:
+    plain, weighted = NormStatement(SID, 7, 10, 16, 1000), wstatement(7)
+    assert weighted.header() == (NormStatement(SID, 7, WDIM, BITS, WBOUND).header()
+                                 + b"|nonneg|" + (WDIM - 1).to_bytes(8, "big"))
+    assert plain.header().endswith((1000).to_bytes(16, "big"))  # unchanged without it
+    assert weighted.proof_bytes == proof_size(WDIM, True) == proof_size(WDIM) + 48 + 32 * 9
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text("utf-8")
+    assert "`proof_size(d)` + 336 bytes" in doc
+    for bad in (-1, WDIM, True, 1.0):
+        with pytest.raises(ValueError, match="weight_index"):
+            Config(4, dim=WDIM, bits=BITS, norm_bound=WBOUND,
+                   weight_index=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="without norm_bound"):
+        Config(4, dim=WDIM, bits=BITS, weight_index=0)
+    bounded = Config(4, dim=WDIM, bits=BITS, norm_bound=WBOUND)
+    with_w = Config(4, dim=WDIM, bits=BITS, norm_bound=WBOUND, weight_index=WDIM - 1)
+    assert with_w.encode().startswith(bounded.encode()) and with_w.encode() != bounded.encode()
+    assert Config(4, dim=WDIM, bits=BITS, norm_bound=WBOUND,
+                  weight_index=0).encode() != with_w.encode()
+
+
+@given(weight=st.integers(0, WBOUND // 2), seed=st.integers(0, 2**16),
+       index=st.integers(0, WDIM - 1))
+@settings(max_examples=15, deadline=None)
+def test_property_honest_rows_with_any_weight_in_range_verify(weight: int, seed: int,
+                                                              index: int) -> None:
+    """Any non-negative weight the bound allows, at any public index, proves and verifies;
+    a proof for one index does not verify for another."""
+    x = weighted_row(weight, seed)
+    x[index], x[-1] = x[-1], x[index]
+    st_ = NormStatement(SID, 3, WDIM, BITS, WBOUND, weight_index=index)
+    proof = prove(st_, encode_signed(x), 99)
+    g, h = norm.input_generators(WDIM)
+    assert verify(st_, proof) == group.msm([*g, h], [*x, 99])
+    with pytest.raises(InvalidProof):
+        verify(NormStatement(SID, 3, WDIM, BITS, WBOUND, weight_index=(index + 1) % WDIM), proof)
+
+
+def test_weight_at_the_edges_verifies() -> None:
+    """w = 0 and w = B (the whole row is the weight) both prove."""
+    for x in ([0] * WDIM, [0] * (WDIM - 1) + [WBOUND]):
+        verify(wstatement(), prove(wstatement(), encode_signed(x), 1))
+
+
+def test_honest_prover_refuses_a_negative_weight() -> None:
+    with pytest.raises(ValueError, match="non-negative"):
+        prove(wstatement(), encode_signed(weighted_row(-1)), 1)
+
+
+@pytest.mark.parametrize("weight", [-1, -(WBOUND // 2)])
+def test_negative_weight_with_the_squares_of_its_magnitude_is_refused(weight: int) -> None:
+    """Cheat: small squares summing to |w| (the quadratic relation x_k = ||s||^2 fails)."""
+    x = weighted_row(weight)
+    with pytest.raises(InvalidProof, match="does not verify"):
+        verify(wstatement(), forge_weight(x, norm.four_square_slack(-weight)))
+
+
+def test_negative_weight_with_squares_wrapped_mod_r_is_refused() -> None:
+    """Cheat: squares summing to w mod r (greedy from r + w: the first is ~2^127): the
+    relation holds mod r, the projections give the huge square away."""
+    x = weighted_row(-7)
+    squares = norm.four_square_slack(-7 % group.ORDER)
+    assert sum(a * a for a in squares) % group.ORDER == -7 % group.ORDER
+    with pytest.raises(InvalidProof, match="too large"):
+        verify(wstatement(), forge_weight(x, squares))
+
+
+def test_negative_weight_wrapped_within_the_encoding_is_refused_by_the_bound_on_z() -> None:
+    """Cheat: s = (a, b) with a^2 + b^2 = k r + w (Cornacchia on a prime): both ~2^128, so
+    their projections fit the 17-byte encoding; only |z_i| <= Z stands in the way."""
+    r, w = group.ORDER, -7
+    k = 1
+    while not ((k * r + w) % 4 == 1 and is_probable_prime(k * r + w)):
+        k += 1
+    a, b = _two_squares(k * r + w)
+    assert (a * a + b * b - w) % r == 0 and max(a, b) < 1 << 132
+    with pytest.raises(InvalidProof, match="too large"):
+        verify(wstatement(), forge_weight(weighted_row(w), [a, b] + [0] * (norm.SLACK - 2)))
+
+
+def test_a_proof_without_the_weight_part_is_refused_in_a_weighted_round() -> None:
+    """Cheat: the unweighted proof of a negative-weight row (what passed before 10.7)."""
+    x = weighted_row(-3)
+    unweighted = prove(NormStatement(SID, 3, WDIM, BITS, WBOUND), encode_signed(x), 1)
+    with pytest.raises(InvalidProof, match="bytes"):
+        verify(wstatement(), unweighted)
+
+
+def test_negative_weight_in_a_round_is_refused_named_and_left_out() -> None:
+    """Through the wire to the real Server (as ``simulate``): client 2 masks a row whose
+    weight cancels the others' and proves it with its weight's squares of |w|; it is named
+    and the sum is the honest clients'. With weight_index unset (the round before 10.7) the
+    same row's honest proof is accepted: the index is what makes the difference."""
+    n = 4
+    rows = {cid: encode_signed(weighted_row(100 * cid, cid)) for cid in range(1, n + 1)}
+    evil = weighted_row(-(100 + 300 + 400) + 1, 2)
+
+    def cheat(cid: int, parties: LocalRound, stream: MaskedStream) -> tuple[bytes, bool]:
+        cfg = parties.server.config
+        st_ = NormStatement(parties.server.session_id, cid, WDIM, BITS, WBOUND,
+                            parties.server._advert_digests[cid], cfg.weight_index)
+        q = norm.four_square_slack(WBOUND * WBOUND - sum(v * v for v in evil))
+        squares = [] if cfg.weight_index is None else norm.four_square_slack(-evil[-1])
+        stream._client._secrets.input[:] = encode_signed(evil)
+        return norm.prove_relation(st_, evil + q + squares, 1), True
+
+    config = Config(n, dim=WDIM, bits=BITS, norm_bound=WBOUND, weight_index=WDIM - 1)
+    parties, refusals = run_round(config, rows, {2: cheat})
+    result = parties.server.result
+    assert result is not None and set(refusals) == {2} and set(result.refused) == {2}
+    assert "weight_index=11" in result.refused[2]
+    assert result.included == frozenset({1, 3, 4})
+    assert np.array_equal(result.total, plain_sum(rows, {1, 3, 4}))
+    # without the index the cheat is accepted and the summed weight is 1 (the attack)
+    config = Config(n, dim=WDIM, bits=BITS, norm_bound=WBOUND)
+    with pytest.raises(InputMismatch):  # the blinding of 1 is not its mask keys'
+        run_round(config, rows, {2: cheat})
+
+
+def test_a_client_refuses_its_own_negative_weight() -> None:
+    config = Config(3, dim=WDIM, bits=BITS, norm_bound=WBOUND, weight_index=WDIM - 1)
+    rows = {cid: encode_signed(weighted_row(cid)) for cid in (1, 2, 3)}
+    rows[2] = encode_signed(weighted_row(-1))
+    with pytest.raises(ValueError, match="negative weight"):
+        simulate(config, rows)
+
+
+@given(n=st.integers(3, 5), seed=st.integers(0, 2**16), drop=st.booleans())
+@settings(max_examples=6, deadline=None)
+def test_property_weighted_rounds_equal_the_rounds_without_validation(
+        n: int, seed: int, drop: bool) -> None:
+    rng = np.random.default_rng(seed)
+    rows = {cid: encode_signed(weighted_row(int(rng.integers(0, WBOUND // 2)), seed + cid))
+            for cid in range(1, n + 1)}
+    drops = {n: Stage.MASKED_INPUT} if drop and n > 3 else {}
+    plain = simulate(Config(n, dim=WDIM, bits=BITS), rows, drops, seed=seed)
+    checked = simulate(Config(n, dim=WDIM, bits=BITS, norm_bound=WBOUND,
+                              weight_index=WDIM - 1), rows, drops, seed=seed)
+    assert checked.refused == {} and checked.included == plain.included
+    assert np.array_equal(checked.total, plain.total)

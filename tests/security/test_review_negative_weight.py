@@ -1,14 +1,16 @@
 """Review PoC (input validation, fixed point): the proved bound is on the L2 norm of the row
-``[w x, w m, w]``, but nothing proves the weight coordinate ``w`` is non-negative. A site with
-a valid login sends a *negative* weight that cancels the honest nodes' summed weight down to
-a hair above zero; its row is well within the bound, its proof passes, it is never named, and
-the server divides the honest weighted sum by that hair: the global model is blown up by
-orders of magnitude (or, with the weight a little lower, the round releases nothing)."""
+``[w x, w m, w]``; a site with a valid login sends a *negative* weight that cancels the honest
+nodes' summed weight down to a hair above zero. Its row is well within the bound; before the
+fix its proof passed, it was never named, and the server divided the honest weighted sum by
+that hair: the global model was blown up by orders of magnitude. Fixed: the round's weight
+coordinate is public (``Config.weight_index``, set by the round setup) and proved
+non-negative inside the same proof (docs/protocol.md 10.7); the attacker's proof fails, it
+is named and left out, and the model is the honest nodes' weighted average."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -23,6 +25,9 @@ from fl.flower import NodeOptions, SecureAggregation, make_secagg_mod
 from fl.flower.local import LocalGrid
 from fl.round_setup import _fixed
 from fl.site.session import Joined, SiteSession
+from secagg import Client
+from secagg.messages import InputProof
+from secagg.validation import norm
 from tests.flower import apps
 
 N = 5
@@ -40,7 +45,15 @@ def _own_state(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class NegativeWeightSession(SiteSession):
-    """Encodes the row ``[0, ..., 0, -(sum of the others' weights) + DELTA]``: norm < BOUND."""
+    """Masks the row ``[0, ..., 0, -(sum of the others' weights) + DELTA]`` (norm < BOUND)
+    and proves it with the prover's own core (its honest client refuses a negative weight):
+    the norm's slack honestly, and, when the round asks for the weight's squares, the
+    squares of |w| (the cheapest lie: any small squares sum to a non-negative number).
+    Its client is built on a weight-1 row (a client checks its input) and handed the evil
+    row before anything else reads it. A session lives for one message: the row is kept
+    per client id in between."""
+
+    evil_rows: ClassVar[dict[int, Any]] = {}
 
     def encode(self, joined: Joined, arrays: Any, metrics: Mapping[str, float],
                weight: float) -> Any:
@@ -51,7 +64,34 @@ class NegativeWeightSession(SiteSession):
         row = np.zeros(setup.model_dim + len(setup.metrics) + 1)
         row[-1] = -others + DELTA
         assert np.linalg.norm(row) < BOUND  # within the proved bound
+        self.evil_rows[joined.client_id] = _fixed(setup).encode(row)
+        row[-1] = 1.0  # what its client is built with (it checks its input)
         return _fixed(setup).encode(row)
+
+    def advertise(self, joined: Joined, vector: Any) -> tuple[Client, bytes]:
+        client, advert = super().advertise(joined, vector)
+        evil = self.evil_rows[joined.client_id].astype(client._secrets.input.dtype)
+        object.__setattr__(client._secrets, "input", evil)
+        return client, advert
+
+    def answer_with_proof(self, client: Client, payload: bytes, charge: int
+                          ) -> tuple[bytes | None, Any]:
+        cfg = client.config
+
+        def forged(keys: Any, advertisement: bytes, key_set: bytes) -> InputProof:
+            assert cfg.norm_bound is not None
+            st = norm.NormStatement(client.session_id, client.client_id, cfg.dim, cfg.bits,
+                                    cfg.norm_bound, advertisement, cfg.weight_index)
+            x = norm.centered(client._secrets.input, cfg.bits)
+            witness = x + norm.four_square_slack(cfg.norm_bound ** 2 - sum(v * v for v in x))
+            if cfg.weight_index is not None:
+                witness += norm.four_square_slack(-x[cfg.weight_index])
+            blind = norm.blinding((bytes(k), added) for k, added in keys)
+            return client._signed(InputProof(client.session_id, client.client_id,
+                                             norm.prove_relation(st, witness, blind)), key_set)
+
+        object.__setattr__(client, "_input_proof", forged)
+        return super().answer_with_proof(client, payload, charge)
 
 
 class NegativeWeightNode(NodeOptions):
@@ -78,11 +118,10 @@ def _grid(attacker: int) -> LocalGrid:
         adversary="malicious client",
         controls="its row: zeros with a weight of minus the honest total plus 0.01, and an honest"
                  " proof of it",
-        protocol="nothing yet: the proof bounds the row's norm, not the weight's sign; the "
-                 "weighted average divides by almost nothing",
-        shows="limitation")
-@pytest.mark.xfail(strict=True, reason="review finding, not fixed: the proof bounds the row's "
-                   "L2 norm, not the sign of its weight coordinate (fl/input_bound.py)")
+        protocol="the weight coordinate (public: Config.weight_index) is proved non-negative "
+                 "in the same proof (x_k = sum of squares); the proof fails, the site is "
+                 "named and left out",
+        shows="defence")
 def test_a_negative_weight_within_the_bound_does_not_blow_up_the_model() -> None:
     grid = _grid(attacker=2)
     attacker = grid.nodes[2]
@@ -94,10 +133,11 @@ def test_a_negative_weight_within_the_bound_does_not_blow_up_the_model() -> None
     except Exception:  # nothing released is the safe outcome of this attack too
         result = None
     (report,) = wrapper.reports
-    if result is None or report.total is None:
-        # refused: then the attacker must be named (claim: refused and named)
-        assert attacker in report.input_refused, report
-        return
+    # refused and named (the claim), whether or not the round released a sum
+    assert attacker in report.input_refused, report
+    assert "does not verify" in report.input_refused[attacker]
+    assert result is not None and report.total is not None
+    assert report.included == honest
     expected = apps.weighted_average(honest, 1)
     for name, value in expected.items():
         got = result.arrays[name].numpy()
@@ -107,3 +147,4 @@ def test_a_negative_weight_within_the_bound_does_not_blow_up_the_model() -> None
             f"{name}: |model| = {np.linalg.norm(got):.1f}, honest average "
             f"{np.linalg.norm(value):.2f}; attacker {attacker} named? "
             f"{attacker in report.input_refused}")
+        np.testing.assert_allclose(got, value, atol=1e-3)  # the honest nodes' own average
