@@ -191,10 +191,13 @@ Holds (each row in section 4 is a test):
   the sum. The Flower and NVFlare runtimes carry it through the one site session
   (`SecureAggregation(norm_bound=)`, `SecureFedAvg(norm_bound=)`, docs/protocol.md 10.6): a
   site that scales its update by 1,000 is refused and named in the round's report and the
-  global model is the honest sites' weighted average (a negative weight is not caught: see
-  below) (`tests/flower/test_validation.py`,
+  global model is the honest sites' weighted average (`tests/flower/test_validation.py`,
   `tests/nvflare/test_nvflare_validation.py`; an honest round with validation equals the
-  round without it bit for bit). Under distributed DP the bound
+  round without it bit for bit). A fixed-point row's weight is proved non-negative in the
+  same proof (`Config.weight_index`, docs/protocol.md 10.7: the weight is a sum of squares
+  of committed small integers): a weight of minus the honest total plus 0.01 is refused and
+  named, and the model is the honest sites' weighted average
+  (`tests/security/test_review_negative_weight.py`). Under distributed DP the bound
   is the clip with the noise's tail (an honest site fails its own round with probability
   at most 2^-40 and is never named); a contribution scaled by 10 is refused (section 4,
   "Model replacement under distributed DP"; `tests/fl/test_input_bound.py`).
@@ -228,17 +231,25 @@ Does not hold (shown by strict-xfail tests, so a change in behaviour turns the s
 * **Input validation without `norm_bound`, and within it.** Without the bound (the
   default) a site can scale its update and replace the aggregate (model replacement). With
   it, an update within the bound is accepted whatever its direction: a stealthy backdoor of
-  norm <= B is bounded, not prevented (robust aggregation or DP noise must do the rest). A
-  site that proves one vector and masks another makes the round release nothing, and is not
-  named (ACORN-detect: one site can abort a validated round), and the aborted round stays
-  charged in every honest node's ledger, so one such site can spend the others' budgets
-  round after round (`tests/security/test_review_swap_after_proof.py`). **The weight is not
-  proved non-negative**: the proof bounds the norm of a site's whole row (weighted model,
-  weighted metrics, weight), so a row of zeros with a weight of minus the honest total
-  (plus a little) is within any bound, and the weighted average then divides by almost
-  nothing: the model is blown up (norm 1,988 against 1.24 in the test) and the site is not
-  named (`tests/security/test_review_negative_weight.py`; a range proof on the weight, or a
-  public weight, is the fix, not done). Under distributed DP the
+  norm <= B is bounded, not prevented (robust aggregation or DP noise must do the rest).
+  **A site that proves one vector and masks another** makes the round release nothing and
+  is not named (ACORN-detect: one site can abort a validated round), and the aborted round
+  stays charged in every honest node's ledger, so one such site can spend the others'
+  budgets round after round (`tests/security/test_review_swap_after_proof.py`: the rule
+  passes, the naming is a strict xfail). *Why the charge stays*: the server checks the
+  commitments against the unmasked sum, so whenever it reports a mismatch it already holds
+  that sum, and a site cannot tell a true mismatch from a server that claims one to have
+  the charge withdrawn; withdrawing would let a malicious server learn every sum for free.
+  *Why nobody is named*: the only per-site values the server can check are each
+  survivor's commitment C_u and masked input y_u, and y_u minus its self mask still
+  carries the pairwise masks with the other survivors, which the server never learns (that
+  is what hides x_u); the commitment equation holds only for the sum. Naming needs each
+  site to prove its masked input consistent with its commitment and its mask keys (the
+  masks live mod 2^bits, the commitment mod r: a carry vector and a verifiable PRG), as
+  ACORN-robust does with extra rounds and verifiable key agreement; not built. Narrowing
+  the culprit down across rounds from the included sets is not sound either (two cheaters
+  taking turns frame an honest site). What an operator can do: a mismatch is logged with
+  the survivor list; stop the federation and audit the sites. Under distributed DP the
   bound covers the noised contribution: a site that leaves out its noise can send a signal
   of norm up to that bound, several times the clip's (4.1x at D = 64 in section 4's test,
   8.6x in the Flower test's round; it grows as sigma sqrt(D) / (scale C)); verifiable noise
