@@ -129,6 +129,11 @@ class RoundTask:
     """Distributed DP with heterogeneity-aware site weights (:mod:`dp.site_weights`): each
     site's weight, computed from the DP releases only, at most ``max_weight``; the encoding's
     clip is ``max_weight`` times the rows' clip (:class:`fl.codec.DistributedCodec`)."""
+    norm_bound: float | None = None
+    """Input validation (``--norm-bound``, mode ``none`` with FedAvg or FedProx): each site
+    proves in zero knowledge that its row ``[n x, n]`` has L2 norm at most this bound, its
+    weight non-negative (docs/protocol.md 10, 10.7); :func:`secagg_bound` is its integer
+    form."""
 
     @property
     def bits(self) -> int:
@@ -216,7 +221,39 @@ class RoundTask:
             strategy=_str(body, "strategy", STRATEGIES) if "strategy" in body else "fedavg",
             local_steps=(_int(body, "local_steps", 1, 1 << 24)
                          if body.get("local_steps") is not None else None),
+            norm_bound=_norm_bound(body, mode),
             **_adaptive(body), **weighting)
+
+
+def _norm_bound(body: Mapping[str, Any], mode: str) -> float | None:
+    if body.get("norm_bound") is None:
+        return None
+    if mode != "none" or body.get("strategy", "fedavg") == "scaffold":
+        raise TaskError("task field 'norm_bound' is for mode none with FedAvg or FedProx "
+                        "(docs/protocol.md 10)")
+    return _float(body, "norm_bound", 0, 1 << 40, low_open=True)
+
+
+SecaggBound = tuple[int | None, int | None]
+"""``secagg.Config``'s ``(norm_bound, weight_index)``; ``(None, None)``: no validation."""
+
+
+def secagg_bound(body: Mapping[str, Any], dim: int) -> SecaggBound:
+    """``secagg.Config``'s ``norm_bound`` and ``weight_index`` for a training task's wire
+    map (``RoundTask.to_wire``) and its encoded length ``dim`` (None, None without one): the
+    row ``[n x, n]`` in 64-bit fixed point, its weight last (:func:`fl.input_bound.fixed_bound`,
+    the one place of that arithmetic). The coordinator and every site call this on the same
+    public map, so both sides' ``Config`` (and session id) agree."""
+    from fl.input_bound import fixed_bound
+
+    if body.get("norm_bound") is None:
+        return None, None
+    bound = _norm_bound(body, _str(body, "mode", MODES))
+    assert bound is not None
+    try:
+        return fixed_bound(bound, FixedPointCodec(dim).frac_bits, dim), dim - 1
+    except ValueError as exc:
+        raise TaskError(f"norm_bound: {exc}") from None
 
 
 def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: int, *,
@@ -230,7 +267,8 @@ def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: i
                      unit=s.unit, lr=s.lr, local_epochs=s.local_epochs,
                      batch_size=s.batch_size, fedprox_mu=s.fedprox_mu,
                      clip_norm=s.clip_norm, sample_rate=s.sample_rate,
-                     strategy=s.strategy, local_steps=s.local_steps)
+                     strategy=s.strategy, local_steps=s.local_steps,
+                     norm_bound=s.norm_bound)
     if isinstance(plan, SiteDpPlan):
         return replace(task, noise_multiplier=plan.noise_multiplier,
                         clip_norm=plan.clip_norm, sample_rate=plan.sample_rate,
@@ -322,6 +360,11 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
                                       seed=local_seed(task.seed, task.round, site_id), **steps)
         weight = trainer.num_records
     codec = FixedPointCodec(layout.size + 1, bits=64, max_summands=task.cohort)
+    if task.norm_bound is not None:  # the row clipped to the bound: a lower weight
+        from fl.input_bound import capped_weight
+
+        return Contribution(encode_weighted(codec, delta, capped_weight(
+            weight, delta, task.norm_bound)), weight)
     return Contribution(encode_weighted(codec, delta, weight), weight)
 
 

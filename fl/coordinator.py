@@ -38,6 +38,7 @@ from fl.contribution import (
     adapt_clip,
     decoder,
     round_task,
+    secagg_bound,
     site_input,
 )
 from fl.progress import Progress
@@ -336,8 +337,10 @@ class Coordinator:
         for attempt in range(s.max_attempts):
             drops = drop_schedule(cohort, s.drop_rate, s.seed, r, attempt)
             inputs, decode, counts = self._inputs(r, cohort)
-            config = Config(num_clients=len(cohort), dim=len(next(iter(inputs.values()))),
-                            bits=self._bits())
+            dim = len(next(iter(inputs.values())))
+            bound, weight = secagg_bound(self.task(r, cohort).to_wire(), dim)
+            config = Config(num_clients=len(cohort), dim=dim, bits=self._bits(),
+                            norm_bound=bound, weight_index=weight)
             try:
                 outcome = self.aggregator.aggregate(config, inputs, drops)
             except ProtocolAbort as exc:

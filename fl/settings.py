@@ -58,6 +58,10 @@ class TrainSettings:
     accountant: str = "rdp"
     max_units: int | None = None
     expected_batch: float | None = None
+    norm_bound: float | None = None
+    """``--norm-bound``: input validation (docs/protocol.md 10): each site proves its row
+    ``[n x, n]`` within this L2 bound, its weight non-negative (``--dp none``; FedAvg or
+    FedProx); a site whose proof fails is left out and named."""
     """``--expected-batch B`` (site DP): the operator's declared expected units per DP-SGD
     step, public; the noised sum is divided by it. None: the sum (lr per unit)."""
     adaptive_clip: float | None = None
@@ -256,6 +260,12 @@ class TrainSettings:
             problems.append("--csv needs --patient-column and --label-column")
         if self.resume and self.checkpoint is None:
             problems.append("--resume needs --checkpoint DIR")
+        if self.norm_bound is not None and not (
+                math.isfinite(self.norm_bound) and self.norm_bound > 0):
+            problems.append(f"--norm-bound {self.norm_bound}: need a positive number")
+        elif self.norm_bound is not None and (self.dp != "none" or self.strategy == "scaffold"):
+            problems.append("--norm-bound covers --dp none with --strategy fedavg, fedprox or a "
+                            "server optimizer (a row [n x, n]); drop it for this mode")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -253,12 +253,13 @@ Does not hold (shown by strict-xfail tests, so a change in behaviour turns the s
   bound covers the noised contribution: a site that leaves out its noise can send a signal
   of norm up to that bound, several times the clip's (4.1x at D = 64 in section 4's test,
   8.6x in the Flower test's round; it grows as sigma sqrt(D) / (scale C)); verifiable noise
-  is not done. The multi-machine
-  `--role site` does not carry the bound yet. Measured (docs/results.md section 4, 10
-  sites, breast cancer, `benchmarks/bench_attacks.py`): a site that replaces the model
-  takes plain FedAvg and unbounded secure aggregation from 0.95 to 0.10 accuracy; with the
-  bound it is refused every round; scaled down to the bound it is accepted and lowers the
-  accuracy to 0.88 over 8 rounds.
+  is not done. The multi-machine roles carry it for `--dp none` (`secagg train
+  --norm-bound`, docs/protocol.md 10.8: a site role that scales its row is refused and named
+  in the coordinator's report, `tests/fl/test_remote_validation.py`). Measured
+  (docs/results.md section 4, 10 sites, breast cancer, `benchmarks/bench_attacks.py`): a
+  site that replaces the model takes plain FedAvg and unbounded secure aggregation from 0.95
+  to 0.10 accuracy; with the bound it is refused every round; scaled down to the bound it is
+  accepted and lowers the accuracy to 0.88 over 8 rounds.
 * **Side channels, denial of service**: not addressed by the protocol
   (docs/protocol.md 9.2). At the transport, what one site login can do to other parties is
   bounded (client ids bound to usernames, per-user caps and deadlines in the embedded

@@ -205,6 +205,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "operator declares it (public; the noised sum is divided by it). "
                         "Default: no division (the sum; the learning rate is per patient). "
                         "Never computed from a site's records")
+    c.add_argument("--norm-bound", type=float, metavar="B",
+                   help="input validation (--dp none; FedAvg, FedProx or a server optimizer): "
+                        "each site proves in zero knowledge that its row [n x, n] has L2 norm "
+                        "<= B and its weight n >= 0 (a site with a longer row lowers its "
+                        "weight); a site whose proof fails is left out and named "
+                        "(docs/protocol.md 10; needs the validation extra)")
     c.add_argument("--noise-multiplier", type=float, metavar="Z",
                    help="DP: fix the noise instead of calibrating it to --epsilon/--rounds "
                         "(epsilon is still accounted and reported)")
@@ -348,6 +354,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         checkpoint=args.checkpoint, resume=args.resume, accountant=args.accountant,
         max_units=args.max_units, adaptive_clip=args.adaptive_clip, scaler_file=args.scaler,
         expected_batch=args.expected_batch,
+        norm_bound=args.norm_bound if args.role != "site" else None,
         clip_count_stddev=args.clip_count_stddev, site_weights=args.site_weights,
         min_site_weight=args.min_site_weight, max_site_weight=args.max_site_weight,
         weights_epsilon=args.weights_epsilon,

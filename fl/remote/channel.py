@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +43,9 @@ from fl.remote.messages import (
 from secagg import Config
 from secagg.server import AggregateResult, Server
 from transport.drivers import Timeouts, client_will
+
+if TYPE_CHECKING:
+    from fl.contribution import SecaggBound
 from transport.errors import TransportError
 from transport.framing import DEFAULT_MAX_PAYLOAD, FrameError, Reassembler, frame
 from transport.link import Delivery, LinkLost, Network, Reconnected
@@ -305,9 +308,10 @@ class CoordinatorChannel:
 
     async def run_round(self, *, kind: str, round_number: int, attempt: int, blob: bytes,
                         cohort: Sequence[int], threshold: int, dim: int, bits: int,
-                        verify: bool, ready_timeout: float, timeouts: Timeouts
-                        ) -> RemoteRound:
-        """Announce, collect Ready, then run the secagg server over the ready sites."""
+                        verify: bool, ready_timeout: float, timeouts: Timeouts,
+                        bound: SecaggBound = (None, None)) -> RemoteRound:
+        """Announce, collect Ready, then run the secagg server over the ready sites.
+        ``bound``: input validation's ``Config`` fields (:func:`fl.contribution.secagg_bound`)."""
         loop = asyncio.get_running_loop()
         assert self._party is not None
         digest = blob_digest(blob)
@@ -339,7 +343,8 @@ class CoordinatorChannel:
                                          f"(absent: {sorted(absent)}); the threshold is "
                                          f"{threshold}")
                 config = Config(num_clients=len(roster), threshold=threshold, dim=dim,
-                                bits=bits, security=self.security)
+                                bits=bits, security=self.security, norm_bound=bound[0],
+                                weight_index=bound[1])
                 go = replace(ann, phase="go", roster=roster)
                 server = Server(config, roster=roster, verify_keys=self.verify_keys,
                                 context=round_context(self.federation, go))

@@ -22,7 +22,14 @@ import numpy as np
 import torch
 
 from fl.aggregation import AggregateOutcome
-from fl.contribution import RoundTask, decoder, round_task, scaler_from_sum
+from fl.contribution import (
+    RoundTask,
+    SecaggBound,
+    decoder,
+    round_task,
+    scaler_from_sum,
+    secagg_bound,
+)
 from fl.coordinator import Aggregated, Coordinator, RoundFailed
 from fl.data import Table, csv_schema, load_csv
 from fl.errors import RunFailed
@@ -84,7 +91,8 @@ class RemoteOptions:
 async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, *, kind: str,
                            round_number: int, blob: bytes, cohort: Sequence[int],
                            threshold: int, dim: int, bits: int, attempts: int,
-                           log: Log) -> tuple[RemoteRound, int]:
+                           log: Log, bound: SecaggBound = (None, None)
+                           ) -> tuple[RemoteRound, int]:
     """One aggregation with site processes, retried (fresh round) while it cannot finish.
 
     An attempt that aborts released nothing, so nothing is spent (docs/architecture.md
@@ -101,7 +109,8 @@ async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, 
                 cohort=cohort, threshold=threshold, dim=dim, bits=bits,
                 verify=options.insecure_verify, ready_timeout=options.ready_timeout,
                 timeouts=round_timeouts(options.stage_timeout, clients=len(cohort), dim=dim,
-                                        malicious=channel.security == "malicious"))
+                                        malicious=channel.security == "malicious"),
+                bound=bound)
         except (ProtocolAbort, NotEnoughSites, TransportError) as exc:
             if channel.lost is not None:
                 raise TransportError(f"lost the broker: {channel.lost}") from None
@@ -157,10 +166,12 @@ class RemoteCoordinator(Coordinator):
         task, body = self.wire_task(r, cohort)
         blob = Blob("train", body, self.layout.to_vector(self.model),
                     self.scaler_arrays, self.strategy.control).encode()
+        dim = task.encoded_dim(self.layout.size)
         future = asyncio.run_coroutine_threadsafe(remote_aggregate(
             self.channel, self.options, kind="train", round_number=r, blob=blob,
-            cohort=cohort, threshold=self.threshold, dim=task.encoded_dim(self.layout.size),
-            bits=task.bits, attempts=self.settings.max_attempts, log=self.log), self.loop)
+            cohort=cohort, threshold=self.threshold, dim=dim, bits=task.bits,
+            attempts=self.settings.max_attempts, log=self.log,
+            bound=secagg_bound(body, dim)), self.loop)
         while True:  # the loop may be stopping (Ctrl-C): never wait on it forever
             try:
                 done, attempts = future.result(timeout=0.5)
@@ -172,11 +183,20 @@ class RemoteCoordinator(Coordinator):
         result = done.result
         dropped = {cid: Stage(st).label for cid, st in result.dropped.items()}
         dropped.update(done.absent)
+        dropped.update(refused_sites(result.refused, r, self.log))
         outcome = AggregateOutcome(
             total=np.asarray(result.total, dtype=np.uint64), included=result.included,
             dropped=dropped, seconds=done.seconds, bytes_sent=done.bytes_received)
         return Aggregated(outcome, done.config, done.inputs, decoder(task, self.layout.size),
                           {}, attempts)
+
+
+def refused_sites(refused: Mapping[int, str], r: int, log: Log) -> dict[int, str]:
+    """Input validation (``--norm-bound``): each site whose proof failed, named in the log
+    and in the round's ``dropped`` (``refused: why``); left out of the sum."""
+    for cid, why in sorted(refused.items()):
+        log(f"round {r}: site {cid} refused and left out: {why}")
+    return {cid: f"refused: {why}" for cid, why in refused.items()}
 
 
 class _NoAggregator:

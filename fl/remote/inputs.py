@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fl.contribution import RoundTask, TaskError, scaler_input
+from fl.contribution import RoundTask, SecaggBound, TaskError, scaler_input, secagg_bound
 from fl.contribution import site_input as contribution
 from fl.data import DataError, Table, csv_schema, load_csv
 from fl.models import make_model
@@ -155,6 +155,13 @@ def check_schema(task: Mapping[str, Any], schema: Schema) -> tuple[str, ...]:
         raise WireError(f"the federation's labels {list(labels)[:10]} do not cover all of "
                         "this site's labels")
     return labels
+
+
+def round_bound(blob: Blob, dim: int) -> SecaggBound:
+    """Input validation's ``Config`` fields for this blob's round (a training round with
+    ``norm_bound``; (None, None) otherwise): the coordinator derives the same from the same public
+    task (:func:`fl.contribution.secagg_bound`), so both sides' session ids agree."""
+    return secagg_bound(blob.task, dim) if blob.kind == "train" else (None, None)
 
 
 def site_input(data: SiteData, blob: Blob, announce: Announce, *,

@@ -22,7 +22,7 @@ from dp.errors import LedgerWriteError, PrivacyError
 from fl.codec import EncodingOverflow
 from fl.contribution import TaskError
 from fl.remote.blob import Blob, FetchPacer, blob_digest
-from fl.remote.inputs import SiteData, site_input
+from fl.remote.inputs import SiteData, round_bound, site_input
 from fl.remote.link import PartyLink, connect_party
 from fl.remote.messages import (
     DECLINE,
@@ -428,9 +428,10 @@ class SiteProcess:
                 self.guard.check_protocol(
                     num_clients=len(go.roster), threshold=go.threshold, neighbors=None,
                     security=go.security)
+                bound, weight = round_bound(blob, int(vector.size))
                 config = Config(num_clients=len(go.roster), threshold=go.threshold,
                                 dim=int(vector.size), bits=get_int(blob.task, "bits", 8, 64),
-                                security=go.security)
+                                security=go.security, norm_bound=bound, weight_index=weight)
                 client = Client(config, self.site_id, vector, roster=go.roster,
                                 context=round_context(self.options.federation, go),
                                 signing_key=None if identity is None else identity.signing_key,
