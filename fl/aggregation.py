@@ -86,7 +86,8 @@ class TransportAggregator:
         # every party of the round runs on this one event loop: n clients share a core
         timeouts = round_timeouts(clients=config.num_clients, dim=config.dim,
                                   neighbors=config.neighbors, malicious=config.malicious,
-                                  colocated=config.num_clients)
+                                  colocated=config.num_clients,
+                                  validated=config.norm_bound is not None)
 
         async def one_round() -> Any:
             return await run_round(self._factory(), config, dict(inputs), dict(drop),

@@ -40,6 +40,33 @@ LOGIN_SECONDS = 20e-3
 """The broker checks one login (hash of a generated token) and its subscriptions."""
 SAFETY = 4.0
 """The deadlines allow SAFETY x the modelled work."""
+
+# Input validation (``norm_bound``, docs/protocol.md 10): seconds per coordinate, from
+# ``python benchmarks/bench_validation.py`` (docs/performance.md "Input validation": d = 10^3
+# to 10^5 at a load average of 15.7 on this 2-core machine; the largest per-coordinate
+# figure above a fixed part, rounded up). A site proves once per round; the server verifies
+# the n proofs one after the other in masked_input and checks the sum once when unmasking.
+GENERATOR_SECONDS = 3.2e-3
+"""Hashing one generator to the curve: d + 282 of them, once per process (the first round
+of a process pays it, on the site and on the server)."""
+PROVE_SECONDS = (0.5, 4.3e-4)
+"""A site's proof: fixed seconds, plus seconds per coordinate."""
+VERIFY_SECONDS = (0.5, 2.3e-4)
+"""The server's check of one proof: fixed seconds, plus seconds per coordinate."""
+SUM_CHECK_SECONDS = 1e-4
+"""The server's sum check, per coordinate (one multi-exponentiation of d + 1 points)."""
+
+
+def validation_work(*, clients: int, dim: int, colocated: int = 1) -> dict[str, float]:
+    """Seconds input validation adds to masked_input (each site's proof, ``colocated`` of
+    them one after another on a core, and the server's n verifications) and to ``finish``
+    (the sum check), generators included: the first round of a process pays them."""
+    n, d = max(0, int(clients)), max(0, int(dim))
+    setup = (d + 282) * GENERATOR_SECONDS
+    prove = PROVE_SECONDS[0] + PROVE_SECONDS[1] * d
+    verify = VERIFY_SECONDS[0] + VERIFY_SECONDS[1] * d
+    return {"masked_input": setup + max(1, colocated) * prove + n * verify,
+            "finish": d * SUM_CHECK_SECONDS}
 MAX_STAGE_SECONDS = 3600.0
 """No stage deadline, re-publish timer or wait for the round start exceeds this (or the
 caller's own ``stage``, if larger), whatever the round's size: a site sizes its deadlines
@@ -50,7 +77,8 @@ MAX_GIVE_UP_SECONDS = 6 * 3600.0
 
 
 def round_work(*, clients: int, dim: int, neighbors: int | None = None,
-               malicious: bool = False, colocated: int = 1) -> dict[str, float]:
+               malicious: bool = False, colocated: int = 1,
+               validated: bool = False) -> dict[str, float]:
     """Seconds of computation each stage of one round needs (by stage label), and under
     ``"finish"`` the server's unmasking: the cost model, defined once.
 
@@ -60,7 +88,8 @@ def round_work(*, clients: int, dim: int, neighbors: int | None = None,
     n^2) and the server routes n x k ciphertexts; masking costs k x ``dim`` per client
     (k - 1 pairwise masks and its self mask). ``colocated`` is how many clients compute
     one after another on one core (1 when every site has its own machine; n / cores in
-    ``secagg simulate``, n when every party runs on one event loop)."""
+    ``secagg simulate``, n when every party runs on one event loop). ``validated``: the
+    round has ``norm_bound`` (:func:`validation_work` is added)."""
     n = max(0, int(clients))
     k = n if neighbors is None else min(n, int(neighbors))
     per_pair = PAIR_SECONDS["malicious" if malicious else "semi-honest"]
@@ -70,12 +99,15 @@ def round_work(*, clients: int, dim: int, neighbors: int | None = None,
     work["masked_input"] += share * k * dim * ELEMENT_SECONDS
     # at most half of the pairs have a dropped end, and every survivor's self mask
     work["finish"] = (n * k / 2 + n) * dim * ELEMENT_SECONDS + n * k * SERVER_PAIR_SECONDS
+    if validated:
+        for label, seconds in validation_work(clients=n, dim=dim, colocated=share).items():
+            work[label] += seconds
     return work
 
 
 def round_timeouts(stage: float = 60.0, *, clients: int = 0, dim: int = 0,
                    neighbors: int | None = None, malicious: bool = False,
-                   colocated: int = 1) -> Timeouts:
+                   colocated: int = 1, validated: bool = False) -> Timeouts:
     """The protocol deadlines of every round the package runs (defined once): ``stage``
     seconds per stage for the network, plus SAFETY x the stage's modelled work
     (``round_work``: pass what the caller knows of the round). A client re-publishes an
@@ -86,7 +118,7 @@ def round_timeouts(stage: float = 60.0, *, clients: int = 0, dim: int = 0,
     against a wedged broker or a hung site. Every deadline is capped (MAX_STAGE_SECONDS,
     MAX_GIVE_UP_SECONDS): the model's numbers for a huge roster are no reason to wait days."""
     work = round_work(clients=clients, dim=dim, neighbors=neighbors, malicious=malicious,
-                      colocated=colocated)
+                      colocated=colocated, validated=validated)
     finish = SAFETY * work.pop("finish")
     slack = {label: SAFETY * w for label, w in work.items()}
     most = max(slack.values())

@@ -367,7 +367,7 @@ def _timeouts(config: Config, processes: int) -> Any:
     colocated = math.ceil(config.num_clients / max(1, min(processes, cores)))
     return round_timeouts(60.0, clients=config.num_clients, dim=config.dim,
                           neighbors=config.neighbors, malicious=config.malicious,
-                          colocated=colocated)
+                          colocated=colocated, validated=config.norm_bound is not None)
 
 
 class _RequestedDrops(logging.Filter):

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from fl.flower.chunks import CHUNK, DEFAULT_CHUNK_BYTES, ChunkError, assemble, chunk_elements
 from fl.flower.records import PAYLOAD, PROOF, RECORD, SESSION, SETUP, payload_of, secagg_record
 from fl.flower.setup import RoundSetup
-from secagg import InputRefused, ProtocolAbort, ProtocolError, Server, Stage, encode
+from secagg import Config, InputRefused, ProtocolAbort, ProtocolError, Server, Stage, encode
 
 log = logging.getLogger("fl.flower")
 U64 = npt.NDArray[np.uint64]
@@ -71,6 +71,18 @@ class RoundReport:
     @property
     def server_round(self) -> int:
         return self.setup.server_round
+
+
+def proof_allowance(config: Config) -> float:
+    """Seconds the masked_input stage adds for input validation (each node's proof and the
+    server's n verifications, the cost model's :func:`transport.deadlines.validation_work`
+    times its SAFETY factor); 0 without ``norm_bound``."""
+    from transport.deadlines import SAFETY, validation_work
+
+    if config.norm_bound is None:
+        return 0.0
+    return SAFETY * validation_work(clients=config.num_clients,
+                                    dim=config.dim)["masked_input"]
 
 
 def _content(payload: bytes, session: bytes, chunk: int | None = None) -> Any:
@@ -166,6 +178,8 @@ class RoundDriver:
     def _exchange(self, stage: Stage, outgoing: list[Any]) -> None:
         started = time.perf_counter()
         timeout = self.first_timeout if stage == Stage.ADVERTISE_KEYS else self.timeout
+        if stage == Stage.MASKED_INPUT and timeout is not None:
+            timeout += proof_allowance(self.server.config)
         sent_to = {m.metadata.dst_node_id for m in outgoing}
         cpu = 0.0
         for reply in self._replies(outgoing, timeout):  # each let go once handled

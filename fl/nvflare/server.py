@@ -387,7 +387,8 @@ class SecureFedAvg(ModelController):
                         verify_keys=setup.peer_keys() if setup.verify_keys else None)
         deadlines = round_timeouts(self.stage_timeout, clients=setup.num_clients,
                                    dim=encoded_dim(setup), neighbors=setup.neighbors,
-                                   malicious=setup.security == "malicious")
+                                   malicious=setup.security == "malicious",
+                                   validated=setup.norm_bound is not None)
         model = FLModel(params_type=ParamsType.FULL, params=params, current_round=server_round,
                         total_rounds=self.num_rounds)
         train = FLModelUtils.to_shareable(model)

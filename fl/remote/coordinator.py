@@ -109,7 +109,8 @@ async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, 
                 cohort=cohort, threshold=threshold, dim=dim, bits=bits,
                 verify=options.insecure_verify, ready_timeout=options.ready_timeout,
                 timeouts=round_timeouts(options.stage_timeout, clients=len(cohort), dim=dim,
-                                        malicious=channel.security == "malicious"),
+                                        malicious=channel.security == "malicious",
+                                        validated=bound[0] is not None),
                 bound=bound)
         except (ProtocolAbort, NotEnoughSites, TransportError) as exc:
             if channel.lost is not None:

@@ -444,7 +444,8 @@ class SiteProcess:
             driver = ClientDriver(client, view, topics,
                                   timeouts=round_timeouts(
                                       self.options.stage_timeout, clients=config.num_clients,
-                                      dim=config.dim, malicious=config.malicious),
+                                      dim=config.dim, malicious=config.malicious,
+                                      validated=config.norm_bound is not None),
                                   max_payload=self.options.max_payload)
             outcome = await driver.run()  # e.g. a peer's signature failed before masking
             self._ended(ann, clear, client, f"the round ended ({outcome.status}) before this "

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("py_arkworks_bls12381")
 
+import fl.remote.coordinator as remote_coordinator
 import fl.remote.site as remote_site
 from fl.contribution import TaskError, secagg_bound
 from fl.settings import TrainSettings
@@ -54,6 +55,19 @@ class ScalingClient(Client):
 
 def test_a_site_role_that_scales_its_row_is_refused_and_named(monkeypatch: Any) -> None:
     monkeypatch.setattr(remote_site, "Client", ScalingClient)
+    validated: list[tuple[str, bool]] = []  # each round's deadlines allow the proofs
+
+    def recording(module: Any, who: str) -> None:
+        real = module.round_timeouts
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            validated.append((who, kwargs.get("validated", False)))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "round_timeouts", wrapper)
+
+    recording(remote_site, "site")
+    recording(remote_coordinator, "coordinator")
     settings = TrainSettings(sites=3, rounds=1, dataset="breast-cancer", seed=0,
                              norm_bound=500.0)
     logs: list[str] = []
@@ -69,6 +83,9 @@ def test_a_site_role_that_scales_its_row_is_refused_and_named(monkeypatch: Any) 
     assert row["aggregate_correct"] is True  # the sum is the honest sites' own
     assert f"round 1: site {ATTACKER} refused and left out" in text
     assert "site 1 refused" not in text and "site 3 refused" not in text
+    # the feature-scaling sum has no bound; the training round's deadlines model the proof
+    assert sorted(set(validated)) == [("coordinator", False), ("coordinator", True),
+                                      ("site", False), ("site", True)], validated
 
 
 def test_the_bound_is_public_and_the_same_on_both_sides() -> None:
