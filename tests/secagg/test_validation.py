@@ -101,11 +101,15 @@ def test_transcript_and_layout_vectors() -> None:
         36668011984102314524770058257908608465209193147938893921684471850388287806914)
 
 
-@given(st.integers(0, (1 << 126) - 1))
+@given(st.one_of(st.integers(0, (1 << 126) - 1), st.integers(0, (1 << 256) - 1)))
 @settings(max_examples=200, deadline=None)
 def test_four_square_slack_sums_to_n(n: int) -> None:
     q = norm.four_square_slack(n)
     assert len(q) == norm.SLACK and sum(a * a for a in q) == n
+    with pytest.raises(ValueError, match="slack"):
+        norm.four_square_slack(-1 - n)
+    with pytest.raises(ValueError, match="slack"):
+        norm.four_square_slack((1 << 256) + n)
 
 
 def test_config_checks_the_bound_and_binds_it_into_the_session() -> None:

@@ -116,8 +116,8 @@ def _grid(attacker: int) -> LocalGrid:
 
 @threat(attack="A negative weight within the norm bound",
         adversary="malicious client",
-        controls="its row: zeros with a weight of minus the honest total plus 0.01, and an honest"
-                 " proof of it",
+        controls="its row: zeros with a weight of minus the honest total plus 0.01, proved "
+                 "with the prover's core (the norm's slack honest, the squares of |w|)",
         protocol="the weight coordinate (public: Config.weight_index) is proved non-negative "
                  "in the same proof (x_k = sum of squares); the proof fails, the site is "
                  "named and left out",
