@@ -47,8 +47,8 @@ SAFETY = 4.0
 # figure above a fixed part, rounded up). A site proves once per round; the server verifies
 # the n proofs one after the other in masked_input and checks the sum once when unmasking.
 GENERATOR_SECONDS = 3.2e-3
-"""Hashing one generator to the curve: d + 282 of them, once per process (the first round
-of a process pays it, on the site and on the server)."""
+"""Hashing one generator to the curve: d + 274 of them (the weight's included), once per
+process (the first round of a process pays it, on the site and on the server)."""
 PROVE_SECONDS = (0.5, 4.3e-4)
 """A site's proof: fixed seconds, plus seconds per coordinate."""
 VERIFY_SECONDS = (0.5, 2.3e-4)
@@ -61,8 +61,10 @@ def validation_work(*, clients: int, dim: int, colocated: int = 1) -> dict[str, 
     """Seconds input validation adds to masked_input (each site's proof, ``colocated`` of
     them one after another on a core, and the server's n verifications) and to ``finish``
     (the sum check), generators included: the first round of a process pays them."""
+    from secagg.validation.norm import LAMBDA, SLACK
+
     n, d = max(0, int(clients)), max(0, int(dim))
-    setup = (d + 282) * GENERATOR_SECONDS
+    setup = (d + 2 * SLACK + LAMBDA + 2) * GENERATOR_SECONDS  # G, Q, S, K, H and G0
     prove = PROVE_SECONDS[0] + PROVE_SECONDS[1] * d
     verify = VERIFY_SECONDS[0] + VERIFY_SECONDS[1] * d
     return {"masked_input": setup + max(1, colocated) * prove + n * verify,
