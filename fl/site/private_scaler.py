@@ -140,10 +140,13 @@ class ScalerPlan:
         return self.codec().update_clip / math.sqrt(2 * self.num_features)
 
     def describe(self) -> str:
+        counted = ("" if self.charged is None
+                   or self.charged(self.params).threshold == self.params.threshold
+                   else " as each site's ledger counts it: its own noise share only")
         return (f"noised secure sum of bounded feature statistics (distributed discrete "
                 f"Gaussian, per-site stddev {self.params.noise_stddev:.4g}, any "
                 f"{self.params.threshold} sites carry it; calibrated to epsilon "
-                f"{self.epsilon_target:g} of the budget)")
+                f"{self.epsilon_target:g} of the budget{counted})")
 
     def release_record(self, included: list[int], epsilon_before: float,
                        epsilon_after: float) -> dict[str, Any]:

@@ -112,6 +112,7 @@ def test_the_coordinator_reports_the_epsilon_every_site_ledger_holds(
     plan = _plan(*(keys if keyed else []), capsys=capsys)
     assert plan["epsilon_final"] == pytest.approx(report["final_epsilon"], rel=1e-9)
     assert plan["rounds_run"] == 2
+    assert ("its own noise share only" in plan["feature_scaling"]) is not keyed
     other = _plan(*([] if keyed else keys), capsys=capsys)
     lone, keyed_plan = (plan, other) if not keyed else (other, plan)
     assert lone["per_site_noise_stddev"] > keyed_plan["per_site_noise_stddev"]
