@@ -319,6 +319,7 @@ def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
 
         p = plan.params
         out.update(noise_multiplier=effective_noise_multiplier(p),
+                   counted_noise_multiplier=effective_noise_multiplier(plan.counted),
                    per_site_noise_stddev=p.noise_stddev, calibration_threshold=p.threshold,
                    sample_rate=plan.sample_rate, steps_per_round=1, clip_norm=plan.clip_norm,
                    bits=p.bits, scale=p.scale, noise_added_by="each site, a share",

@@ -44,6 +44,11 @@ def _ledger_epsilons(paths: list[Path]) -> list[list[tuple[str, float]]]:
             for p in paths]
 
 
+def _ledger_multipliers(paths: list[Path]) -> set[float]:
+    """The noise multiplier each site's ledger recorded for the training rounds."""
+    return {c.noise_multiplier for p in paths for c in read_charges(p) if c.kind == "train"}
+
+
 def _check(report: dict[str, Any], ledgers: list[list[tuple[str, float]]]) -> None:
     """Every site charged the statistics and both rounds, each at the coordinator's running
     epsilon, and the total is the coordinator's reported (and budgeted) one."""
@@ -112,6 +117,10 @@ def test_the_coordinator_reports_the_epsilon_every_site_ledger_holds(
     plan = _plan(*(keys if keyed else []), capsys=capsys)
     assert plan["epsilon_final"] == pytest.approx(report["final_epsilon"], rel=1e-9)
     assert plan["rounds_run"] == 2
+    # the multiplier a site's policy floor sees: its own share's (central / sqrt(t)) unless keyed
+    (seen,) = _ledger_multipliers(ledgers)
+    assert plan["counted_noise_multiplier"] == pytest.approx(seen, rel=1e-9)
+    assert (plan["counted_noise_multiplier"] < plan["noise_multiplier"]) is not keyed
     assert ("its own noise share only" in plan["feature_scaling"]) is not keyed
     other = _plan(*([] if keyed else keys), capsys=capsys)
     lone, keyed_plan = (plan, other) if not keyed else (other, plan)
