@@ -19,9 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dp.audit import run_json
-from dp.budget import event_from_json
-from dp.encoding import EncodingParams
+from dp import EncodingParams, check_delta, event_from_json, run_json
 from fl import checkpoint as ckpt
 from fl.aggregation import Aggregator, Tap, open_aggregator
 from fl.contribution import scaler_from_sum, scaler_input
@@ -197,8 +195,6 @@ def federation_plan(settings: TrainSettings, num_features: int, num_classes: int
 
 
 def plan_warnings(settings: TrainSettings, split: Split) -> list[str]:
-    from dp.accounting import check_delta
-
     if settings.dp == "none":
         return []
     units = split.train.num_patients if settings.unit == "patient" else len(split.train)

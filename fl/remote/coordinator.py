@@ -49,9 +49,7 @@ from fl.site.privacy import DEFAULT_MAX_UNITS, Plan
 from fl.site.training import Scaler
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, Stage
-from transport.deadlines import round_timeouts
-from transport.errors import TransportError
-from transport.link import Network
+from transport import Network, TransportError, round_timeouts
 
 Log = Callable[[str], None]
 
@@ -91,7 +89,7 @@ async def remote_aggregate(channel: CoordinatorChannel, options: RemoteOptions, 
     An attempt that aborts released nothing, so nothing is spent (docs/architecture.md
     section 6).
     """
-    from dp.policy import refusal_summary
+    from dp import refusal_summary
 
     label = f"round {round_number}" if kind == "train" else "feature scaling"
     refused: dict[int, str] = {}  # each site's last policy refusal (its Decline's reason)

@@ -219,7 +219,7 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
         raise WireError("the task's round or cohort differs from the announcement")
     idp = None
     if round_task.unit == "patient-idp" and data.idp is not None:
-        from dp.errors import PrivacyError
+        from dp import PrivacyError
 
         try:  # the site's own plan for the proposal (fl/site/idp.py); its groups are charged
             idp = data.idp.for_task(round_task)
@@ -270,7 +270,7 @@ def _admit(guard: SiteCore, task: RoundTask | None, announce: Announce, label: s
     rule (a round is joined once), then a write-ahead charge, or a refusal naming the rule;
     ``idp``: the site's own :class:`fl.site.idp.SiteIdp` plan under ``--unit
     patient-idp``."""
-    from dp.errors import LedgerWriteError, PrivacyError
+    from dp import LedgerWriteError, PrivacyError
     from fl.site.session import Replayed, SiteSession
 
     try:
@@ -284,7 +284,7 @@ def _admit(guard: SiteCore, task: RoundTask | None, announce: Announce, label: s
     except Replayed as exc:
         raise WireError(str(exc)) from None
     except PrivacyError as exc:  # the coordinator learns the rule, not the site's plan
-        from dp.policy import PolicyRefused
+        from dp import PolicyRefused
 
         public = exc.public if isinstance(exc, PolicyRefused) else str(exc)
         if public != str(exc):

@@ -28,10 +28,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dp.encoding import EncodingParams
-from dp.errors import LedgerWriteError, PrivacyConfigError
-from dp.ledger import Charge, Ledger
-from dp.policy import PolicyRefused, Proposal, SitePolicy
+from dp import (
+    Charge,
+    EncodingParams,
+    Ledger,
+    LedgerWriteError,
+    PolicyRefused,
+    PrivacyConfigError,
+    Proposal,
+    SitePolicy,
+    check_delta,
+)
 
 
 @dataclass(frozen=True)
@@ -142,8 +149,6 @@ class SiteCore:
     """
 
     def __init__(self, ledger: Ledger, log: Any = None, num_units: int | None = None) -> None:
-        from dp.accounting import check_delta
-
         self.ledger = ledger
         self.log = log or (lambda text: None)
         self.pending: dict[Any, tuple[Charge, int]] = {}

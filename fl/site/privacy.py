@@ -22,13 +22,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dp.adaptive_clip import QuantileClipper
-from dp.audit import distributed_event
-from dp.budget import GaussianRound, PrivacyBudget, RdpRound, event_from_json
-from dp.budget import event_to_json as event_to_json  # re-exported for checkpoints
-from dp.distributed import calibrate, choose_bits, noise_for_budget
-from dp.encoding import EncodingParams
-from dp.mechanisms import mechanism
+from dp import (
+    EncodingParams,
+    GaussianRound,
+    PrivacyBudget,
+    QuantileClipper,
+    RdpRound,
+    adaptive_clip_update_noise,
+    calibrate,
+    choose_bits,
+    distributed_event,
+    effective_noise_multiplier,
+    event_from_json,
+    event_json,
+    mechanisms,
+    noise_for_budget,
+    noise_multiplier_for,
+    rdp_to_epsilon,
+)
 from fl.codec import DistributedCodec
 
 Event = GaussianRound | RdpRound
@@ -177,8 +188,6 @@ def site_plan(*, epsilon: float | None, delta: float, sample_rate: float, steps:
     ``prior``: releases made before the rounds (the noised feature statistics), which the
     rounds' epsilon composes with.
     """
-    from dp.accounting import adaptive_clip_update_noise, noise_multiplier_for
-
     if noise_multiplier is None:
         if epsilon is None:
             raise ValueError("site DP needs --epsilon (or --noise-multiplier)")
@@ -233,8 +242,6 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
                              threshold).per_site_stddev
         params = replace(template, noise_stddev=per_site)
     if target_quantile is not None:
-        from dp.distributed import effective_noise_multiplier
-
         if count_stddev is None:
             count_stddev = 10.0 * effective_noise_multiplier(params)
         if noise_multiplier is None:  # the rounds and their counts fit epsilon together
@@ -292,7 +299,7 @@ def mechanism_of(plan: Plan) -> str:
         return "sampled Gaussian (Opacus DP-SGD at each site)" + (
             " with adaptive clipping" if plan.count_stddev is not None else "")
     if isinstance(plan, DistributedPlan):
-        return f"{mechanism(plan.params.mechanism).title} (secure sum)"
+        return f"{mechanisms.mechanism(plan.params.mechanism).title} (secure sum)"
     return "none: exact secure sum"
 
 
@@ -315,8 +322,6 @@ def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
                    effective_noise_multiplier=plan.event().effective_noise_multiplier,
                    count_stddev=plan.count_stddev, noise_added_by="each site, every step")
     elif isinstance(plan, DistributedPlan):
-        from dp.distributed import effective_noise_multiplier
-
         p = plan.params
         out.update(noise_multiplier=effective_noise_multiplier(p),
                    counted_noise_multiplier=effective_noise_multiplier(plan.counted),
@@ -346,8 +351,6 @@ def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
 def _affordable(event: Event, epsilon: float | None, delta: float, accountant: str,
                 run: int, rounds: int, cap: int, prior: Sequence[Event] = ()) -> int | None:
     """Rounds the budget affords in all (None: no epsilon budget, or more than ``cap``)."""
-    from dp.accounting import rdp_to_epsilon
-
     if epsilon is None:
         return None
     if run < rounds:
@@ -375,8 +378,6 @@ def release_record(plan: Plan, round_number: int, included: list[int], event: Ev
                    epsilon_before: float | None, epsilon_after: float | None,
                    attempts: int) -> dict[str, Any]:
     """One line of the audit trail: what was released, to whom, how, and at what cost."""
-    from dp.audit import event_json
-
     record: dict[str, Any] = {
         "round": round_number, "to": "the coordinator (and whoever it shares the model with)",
         "what": ("the sum over the included sites of their updates and unit counts"

@@ -29,10 +29,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dp.audit import distributed_event
-from dp.budget import RdpRound
-from dp.distributed import choose_bits, noise_for_budget
-from dp.encoding import EncodingParams
+from dp import (
+    EncodingParams,
+    RdpRound,
+    choose_bits,
+    distributed_event,
+    event_json,
+    event_to_json,
+    noise_for_budget,
+)
 from fl.codec import DistributedCodec
 from fl.data import Table
 from fl.site.privacy import DEFAULT_MAX_UNITS
@@ -150,8 +155,6 @@ class ScalerPlan:
 
     def release_record(self, included: list[int], epsilon_before: float,
                        epsilon_after: float) -> dict[str, Any]:
-        from dp.audit import event_json
-
         return {"round": 0, "to": "the coordinator (and whoever it shares the model with)",
                 "what": "the noised sum over the sites of their patients' bounded feature "
                         "statistics [u, u^2] and the patient count (feature scaling)",
@@ -302,7 +305,7 @@ def charge(plan: ScalerPlan, settings: Any, saved: Any, num_features: int,
     cannot afford it raises :class:`dp.errors.BudgetExceeded`; nothing is released."""
     from fl import checkpoint as ckpt
     from fl.models import make_model
-    from fl.site.privacy import event_to_json, restore_budget
+    from fl.site.privacy import restore_budget
 
     events = list(saved.events) if saved is not None else []
     budget = restore_budget(settings.epsilon, settings.delta, events,

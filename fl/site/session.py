@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dp.ledger import Charge
+from dp import Charge
 from fl.errors import FLError
 from fl.round_setup import (
     RoundSetup,
