@@ -9,8 +9,9 @@ The Flower adapter's front door is ``fl.flower`` (it needs the ``flower`` extra)
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from secagg.lazy import lazy_exports
 
 from .errors import FLError
 
@@ -21,13 +22,13 @@ if TYPE_CHECKING:
     from .data import DataError, Table, dirichlet_split, load_csv, load_dataset, split_patients
     from .models import make_model
 
-_LAZY = {
-    "FederatedResult": "api", "PrivateSite": "api", "save_model": "api",
-    "train_federated": "api", "CheckpointError": "checkpoint", "DistributedCodec": "codec",
-    "EncodingOverflow": "codec", "FixedPointCodec": "codec", "DataError": "data",
-    "Table": "data", "dirichlet_split": "data", "load_csv": "data", "load_dataset": "data",
-    "split_patients": "data", "make_model": "models",
-}
+__getattr__ = lazy_exports(__name__, {
+    "FederatedResult": ".api", "PrivateSite": ".api", "save_model": ".api",
+    "train_federated": ".api", "CheckpointError": ".checkpoint", "DistributedCodec": ".codec",
+    "EncodingOverflow": ".codec", "FixedPointCodec": ".codec", "DataError": ".data",
+    "Table": ".data", "dirichlet_split": ".data", "load_csv": ".data", "load_dataset": ".data",
+    "split_patients": ".data", "make_model": ".models",
+})
 
 __all__ = [
     "CheckpointError",
@@ -47,12 +48,3 @@ __all__ = [
     "split_patients",
     "train_federated",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value

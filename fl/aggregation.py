@@ -25,7 +25,18 @@ import numpy as np
 import numpy.typing as npt
 
 from secagg import Config, Stage
-from transport.deadlines import round_timeouts
+from transport import (
+    SERVER_USER,
+    MemoryNetwork,
+    MqttNetwork,
+    acl_table,
+    broker_for,
+    mosquitto_available,
+    parse_broker_url,
+    round_timeouts,
+    run_round,
+    site_name,
+)
 
 U64 = npt.NDArray[np.uint64]
 BROKER_KINDS = ("embedded", "memory", "mosquitto")
@@ -56,16 +67,11 @@ def check_broker(broker: str, kinds: Sequence[str] = BROKER_KINDS) -> str:
     """Validate a ``--broker`` value (one of ``kinds`` or an ``mqtt(s)://`` URL); returns it
     or raises ``ValueError`` saying what to use. The one broker check of the command line."""
     if broker in kinds:
-        if broker == "mosquitto":
-            from transport.mosquitto import mosquitto_available
-
-            if not mosquitto_available():
-                raise ValueError("--broker mosquitto: no mosquitto binary found; install it "
-                                 "(apt-get install mosquitto) or use --broker embedded")
+        if broker == "mosquitto" and not mosquitto_available():
+            raise ValueError("--broker mosquitto: no mosquitto binary found; install it "
+                             "(apt-get install mosquitto) or use --broker embedded")
         return broker
     if broker.startswith(("mqtt://", "mqtts://")):
-        from transport.mqtt import parse_broker_url
-
         parse_broker_url(broker)
         return broker
     raise ValueError(f"--broker {broker}: use {', '.join(kinds)}, mqtt://host:port or "
@@ -81,8 +87,6 @@ class TransportAggregator:
 
     def aggregate(self, config: Config, inputs: Mapping[int, U64],
                   drop: Mapping[int, Stage]) -> AggregateOutcome:
-        from transport.rounds import run_round
-
         # every party of the round runs on this one event loop: n clients share a core
         timeouts = round_timeouts(clients=config.num_clients, dim=config.dim,
                                   neighbors=config.neighbors, malicious=config.malicious,
@@ -129,16 +133,12 @@ def open_aggregator(broker: str, site_ids: Sequence[int], *,
     ``tap`` (memory bus only) sees every publish ``(username, topic, payload)``: tests use it
     to capture what each site puts on the wire.
     """
-    from transport.topics import SERVER_USER, acl_table, site_name
-
     if broker == "inprocess":
         yield InProcessAggregator()
         return
     check_broker(broker)
     acl = acl_table(sorted(site_ids))
     if broker == "memory":
-        from transport.memory import MemoryNetwork
-
         def memory() -> Any:
             network = MemoryNetwork(acl=acl)
             network.tap = tap
@@ -148,8 +148,6 @@ def open_aggregator(broker: str, site_ids: Sequence[int], *,
         return
     if tap is not None:
         raise ValueError("tap is only available with the memory broker")
-    from transport.launch import broker_for
-    from transport.mqtt import MqttNetwork
 
     passwords = {SERVER_USER: secrets.token_urlsafe(18)}
     passwords.update({site_name(cid): secrets.token_urlsafe(18) for cid in site_ids})

@@ -29,8 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dp.encoding import EncodingParams, IntegerEncoder
-from dp.randomness import RandomSource
+from dp import EncodingParams, IntegerEncoder, RandomSource
 from secagg.crypto import MAX_BITS, MIN_BITS, dtype_for_bits
 
 from .errors import FLError

@@ -33,10 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dp.adaptive_clip import QuantileClipper
-from dp.encoding import EncodingParams
-from dp.mechanisms import names as mechanism_names
-from dp.policy import MODES, UNITS
+from dp import MODES, UNITS, EncodingParams, QuantileClipper, mechanisms
 from fl.codec import (
     DistributedCodec,
     FixedPointCodec,
@@ -418,7 +415,7 @@ def encoding_params(raw: Any, dim: int) -> EncodingParams:
             bits=_int(raw, "bits", MIN_BITS, MAX_BITS),
             noise_stddev=_float(raw, "noise_stddev"),
             rotation_seed=_int(raw, "rotation_seed", 0, (1 << 63) - 1),
-            mechanism=_str(raw, "mechanism", mechanism_names()),
+            mechanism=_str(raw, "mechanism", mechanisms.names()),
             beta=_float(raw, "beta", 0, 1),
             threshold=_int(raw, "threshold", 1, 1 << 16))
     except ValueError as exc:

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dp.budget import PrivacyBudget
+from dp import PrivacyBudget, event_to_json
 from fl import checkpoint as ckpt
 from fl.aggregation import AggregateOutcome, Aggregator
 from fl.contribution import (
@@ -46,7 +46,6 @@ from fl.settings import TrainSettings
 from fl.site.privacy import (
     DistributedPlan,
     Plan,
-    event_to_json,
     make_budget,
     release_record,
     restore_budget,

@@ -33,7 +33,7 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from dp.encoding import EncodingParams
+from dp import EncodingParams
 
 F64 = npt.NDArray[np.float64]
 

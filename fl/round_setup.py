@@ -32,10 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dp.budget import Event
-from dp.encoding import EncodingParams
-from dp.mechanisms import names as mechanism_names
-from dp.policy import SitePolicy
+from dp import EncodingParams, Event, SitePolicy, mechanisms
 from fl.codec import (
     DistributedCodec,
     FixedPointCodec,
@@ -329,7 +326,7 @@ def _dp_spec(item: object) -> DpSpec:
     return DpSpec(_float(dp, "clip_norm", 0.0, low_open=True),
                   _float(dp, "scale", 0.0, low_open=True), _int(dp, "bits", MIN_BITS, MAX_BITS),
                   _float(dp, "noise_stddev", 0.0), _int(dp, "rotation_seed", 0, (1 << 63) - 1),
-                  fields.text(dp, "mechanism", mechanism_names(), error=SetupError,
+                  fields.text(dp, "mechanism", mechanisms.names(), error=SetupError,
                               what="DP parameter"),
                   _float(dp, "beta", 0.0, 0.999999), _int(dp, "threshold", 1, MAX_ROSTER))
 
@@ -524,8 +521,8 @@ class DistributedDP:
     """The integer noise, by its name in :mod:`dp.mechanisms` (``"dgauss"``, ``"skellam"``)."""
 
     def __post_init__(self) -> None:
-        if self.mechanism not in mechanism_names():
-            raise SetupError(f"mechanism {self.mechanism!r}: use one of {mechanism_names()} "
+        if self.mechanism not in mechanisms.names():
+            raise SetupError(f"mechanism {self.mechanism!r}: use one of {mechanisms.names()} "
                              "(dp.mechanisms)")
         if self.sample_rate != 1.0:
             raise SetupError(f"sample_rate={self.sample_rate!r}: a node charges every round it "

@@ -6,9 +6,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dp.accounting import accountant_names
-from dp.policy import MODES as DP_MODES
-from dp.policy import UNITS
+from dp import MODES as DP_MODES
+from dp import UNITS, accountant_names
 from secagg.config import SECURITY_MODES, Config
 
 # fl.models.MODELS (kept here without torch)

@@ -81,6 +81,84 @@ def test_a_front_door_exports_every_name_it_lists(package: object) -> None:
         assert getattr(package, name) is not None
 
 
+# what fl may import from the layers below it: their front doors' ``__all__``
+EXPORTED = {"transport": frozenset(transport.__all__), "dp": frozenset(dp.__all__)}
+
+
+def _past_front_doors(folder: Path) -> list[str]:
+    """Every import in ``folder`` (module level, in functions, under ``if TYPE_CHECKING:``)
+    that reaches past transport's or dp's front door: an inner module (``from dp.ledger
+    import Ledger``, ``import transport.link``), a name the front door does not export, or an
+    attribute of ``import dp`` that it does not export."""
+    import ast
+
+    bad = []
+    for path in sorted(folder.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(folder.parent)
+        bound: dict[str, str] = {}  # a local name of ``import dp`` -> "dp"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                layer = node.module.split(".")[0]
+                if layer not in EXPORTED:
+                    continue
+                names = [a.name for a in node.names]
+                if node.module != layer:
+                    bad.append(f"{where}:{node.lineno}: from {node.module} import "
+                               f"{', '.join(names)}")
+                else:
+                    bad += [f"{where}:{node.lineno}: {layer}.{n} is not exported"
+                            for n in names if n not in EXPORTED[layer]]
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    layer = alias.name.split(".")[0]
+                    if layer not in EXPORTED:
+                        continue
+                    if alias.name != layer:
+                        bad.append(f"{where}:{node.lineno}: import {alias.name}")
+                    bound[alias.asname or layer] = layer
+        bad += [f"{where}:{node.lineno}: {bound[node.value.id]}.{node.attr} is not exported"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in bound and node.attr not in EXPORTED[bound[node.value.id]]]
+    return bad
+
+
+def test_fl_imports_transport_and_dp_only_through_their_front_doors() -> None:
+    """The front doors are the contract between layers: fl imports what it needs from
+    transport and dp by the names they export (``from dp import SitePolicy``), never from an
+    inner module, so an inner module can move without touching fl."""
+    assert _past_front_doors(ROOT / "fl") == []
+
+
+def test_the_front_door_rule_sees_every_way_past_a_front_door(tmp_path: Path) -> None:
+    """The rule above is only as good as what it sees: each way past a front door, in a
+    function or under TYPE_CHECKING too, is reported; what the front doors export is not."""
+    folder = tmp_path / "fl"
+    (folder / "site").mkdir(parents=True)
+    (folder / "site" / "bad.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import dp\n"
+        "import transport.link\n"                                  # 3
+        "from dp.ledger import Ledger\n"                           # 4
+        "from transport import Link, fields\n"                     # ok
+        "from dp import SitePolicy, DEFAULT_EPSILON\n"             # 6: not exported
+        "if TYPE_CHECKING:\n"
+        "    from transport.topics import Topics\n"                # 8
+        "def f():\n"
+        "    from dp.accounting import rdp_to_epsilon\n"           # 10
+        "    return dp.accounting.ORDERS, dp.SitePolicy\n")        # 11: dp.accounting
+    (folder / "good.py").write_text("from dp import mechanisms\nfrom transport import Topics\n")
+    assert _past_front_doors(folder) == [
+        "fl/site/bad.py:3: import transport.link",
+        "fl/site/bad.py:4: from dp.ledger import Ledger",
+        "fl/site/bad.py:6: dp.DEFAULT_EPSILON is not exported",
+        "fl/site/bad.py:8: from transport.topics import Topics",
+        "fl/site/bad.py:10: from dp.accounting import rdp_to_epsilon",
+        "fl/site/bad.py:11: dp.accounting is not exported",
+    ]
+
+
 _IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", re.MULTILINE)
 
 

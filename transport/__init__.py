@@ -1,8 +1,11 @@
 """asyncio drivers that move secagg messages: MQTT (aiomqtt), in-memory, embedded broker.
 
-Imports ``secagg`` only. This module is the layer's front door: what users and the docs
-import comes from here (``from transport import MqttNetwork, Topics, serve_client``), and
-every error the layer raises is a ``TransportError``.
+Imports ``secagg`` only. This module is the layer's front door: what users, the docs and
+the ``fl`` layer import comes from here (``from transport import MqttNetwork, Topics,
+serve_client``; ``tests/test_layout.py`` fails on an import from ``fl`` past it), and every
+error the layer raises is a ``TransportError``. The control-plane field checks are exported
+as the module ``fields``; ``broker_main`` (the embedded broker's command line) is imported on
+first use, so importing the layer does not import the broker's command line.
 
 * ``rounds``: a whole round (``run_round``) and one party's side (``serve_client``,
   ``serve_server``) over any ``Network``;
@@ -13,20 +16,48 @@ every error the layer raises is a ``TransportError``.
   ``launch``: starting either as a process.
 """
 
-from .drivers import StageProgress, Timeouts, TimeoutsError
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from secagg.lazy import lazy_exports
+
+from . import fields
+from .client_driver import ClientDriver
+from .control import ControlError, Offline, encode_control
+from .credentials import write_federation
+from .deadlines import round_timeouts, validation_allowance
+from .drivers import StageProgress, Timeouts, TimeoutsError, client_will, publish_framed
 from .errors import TransportError
-from .framing import FrameError
+from .framing import DEFAULT_MAX_PAYLOAD, HEADER_BYTES, FrameError, Reassembler, frame
 from .launch import broker_for, running_broker
-from .link import Link, LinkError, LinkLost, Network, Will
+from .link import Delivery, Event, Link, LinkError, LinkLost, Network, Reconnected, Will
 from .memory import MemoryNetwork
 from .mosquitto import MosquittoBroker, MosquittoError, mosquitto_available
-from .mqtt import BrokerSettings, MqttNetwork, TlsSettings, parse_broker_url
+from .mqtt import BrokerSettings, MqttNetwork, TlsSettings, parse_broker_url, probe
 from .rounds import RoundReport, new_round_name, run_round, serve_client, serve_server
-from .topics import Topics, acl_table
+from .runner import SimulationSpec, run_simulation
+from .server_driver import ServerDriver
+from .topics import SERVER_USER, Topics, acl_table, check_round_name, site_name
+from .workers import InputSource, input_ids
+
+if TYPE_CHECKING:
+    from .broker.cli import main as broker_main
+
+# imported on first use: importing the layer does not load the broker's command line
+__getattr__ = lazy_exports(__name__, {"broker_main": ".broker.cli:main"})
 
 __all__ = [
+    "DEFAULT_MAX_PAYLOAD",
+    "HEADER_BYTES",
+    "SERVER_USER",
     "BrokerSettings",
+    "ClientDriver",
+    "ControlError",
+    "Delivery",
+    "Event",
     "FrameError",
+    "InputSource",
     "Link",
     "LinkError",
     "LinkLost",
@@ -35,7 +66,12 @@ __all__ = [
     "MosquittoError",
     "MqttNetwork",
     "Network",
+    "Offline",
+    "Reassembler",
+    "Reconnected",
     "RoundReport",
+    "ServerDriver",
+    "SimulationSpec",
     "StageProgress",
     "Timeouts",
     "TimeoutsError",
@@ -45,11 +81,25 @@ __all__ = [
     "Will",
     "acl_table",
     "broker_for",
+    "broker_main",
+    "check_round_name",
+    "client_will",
+    "encode_control",
+    "fields",
+    "frame",
+    "input_ids",
     "mosquitto_available",
     "new_round_name",
     "parse_broker_url",
+    "probe",
+    "publish_framed",
+    "round_timeouts",
     "run_round",
+    "run_simulation",
     "running_broker",
     "serve_client",
     "serve_server",
+    "site_name",
+    "validation_allowance",
+    "write_federation",
 ]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from secagg import DecodeError, ProtocolAbort, ProtocolError, Stage, decode, encode
 from secagg.client import Client, MaskedStream
-from secagg.messages import MaskedChunk, MaskedInput, split_masked_input
+from secagg.messages import ClientMessage, MaskedChunk, MaskedInput, split_masked_input
 
 from .control import (
     MAX_CONTROL_BYTES,
@@ -416,12 +416,12 @@ class ClientDriver:
         self.outcome.stage = stage.label
         await self._pump_upload(loop)
 
-    async def _send(self, message: object) -> None:
-        stage: Stage = message.stage  # type: ignore[attr-defined]
+    async def _send(self, message: ClientMessage) -> None:
+        stage = message.stage
         if self.drop_at is not None and stage >= self.drop_at:
             await self._drop(stage)
             return
-        raw = encode(message)  # type: ignore[arg-type]
+        raw = encode(message)
         self._current = (stage, raw, message_id(raw))
         self._confirmed = False
         self.outcome.stage = stage.label

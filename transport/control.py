@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from secagg import Config
 
@@ -123,7 +123,12 @@ def encode_control(message: Control) -> bytes:
     return fields.pack_map(body)
 
 
-_FIELD = {"error": ControlError, "what": "control field"}
+class _FieldErrors(TypedDict):
+    error: type[ValueError]
+    what: str
+
+
+_FIELD: _FieldErrors = {"error": ControlError, "what": "control field"}
 
 
 def _mapping(body: Mapping[Any, Any], key: str) -> dict[Any, Any]:

@@ -78,6 +78,13 @@ MAX_GIVE_UP_SECONDS = 6 * 3600.0
 """A client gives up on a silent round after at most this long (or 3 x ``stage``)."""
 
 
+def validation_allowance(*, clients: int, dim: int) -> float:
+    """Seconds a masked_input deadline adds for input validation: SAFETY x the stage's
+    :func:`validation_work` (a runtime with its own stage timeout, such as Flower's, adds
+    this; :func:`round_timeouts` does it with ``validated=True``)."""
+    return SAFETY * validation_work(clients=clients, dim=dim)["masked_input"]
+
+
 def round_work(*, clients: int, dim: int, neighbors: int | None = None,
                malicious: bool = False, colocated: int = 1,
                validated: bool = False) -> dict[str, float]:

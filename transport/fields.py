@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
+import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 
 from .errors import TransportError
 

@@ -17,7 +17,7 @@ import logging
 import socket
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -134,6 +134,7 @@ def parse_broker_url(url: str, **overrides: object) -> BrokerSettings:
         host=parsed.hostname, port=port or (8883 if tls else 1883), tls=tls,
         username=urllib.parse.unquote(parsed.username) if parsed.username else None,
         password=urllib.parse.unquote(parsed.password) if parsed.password else None)
+    # overrides are keyword arguments of BrokerSettings, typed by the caller as objects
     return replace(settings, **overrides)  # type: ignore[arg-type]
 
 
@@ -155,8 +156,9 @@ async def _discard(client: aiomqtt.Client) -> None:
         # aiomqtt leaves the socket registered with the loop when __aenter__ was cancelled;
         # closing it through paho unregisters it, so no callback fires into a dead client.
         paho = getattr(client, "_client", None)
-        with contextlib.suppress(Exception):
-            paho._sock_close()  # type: ignore[union-attr]
+        if paho is not None:
+            with contextlib.suppress(Exception):
+                paho._sock_close()
 
 
 CLOSED_FIRST = ("the broker closed the connection before accepting it (at a TLS port: a "
@@ -316,14 +318,14 @@ class MqttLink:
             if topic_filter not in self._filters:
                 await client.unsubscribe(topic_filter)
 
-    def _check_granted(self, topic_filter: str, granted: object) -> None:
+    def _check_granted(self, topic_filter: str, granted: Iterable[object]) -> None:
         """``LinkLost`` naming the likely cause when the SUBACK refuses ``topic_filter``.
 
         MQTT 3.1.1 has one refusal code (0x80) for every cause, so the message names the
         two a federation meets: the ACL, and a cap on subscriptions per session (the
         embedded broker's ``max_subscriptions``, 64) with how many this link already holds.
         """
-        codes = [getattr(c, "value", c) for c in granted]  # type: ignore[attr-defined]
+        codes = [getattr(c, "value", c) for c in granted]
         if not any(isinstance(c, int) and c >= 0x80 for c in codes):
             return
         if topic_filter in self._filters:  # not held: no reconnection asks for it again
@@ -415,7 +417,7 @@ class MqttLink:
         except aiomqtt.MqttError as exc:
             logger.info("%s: subscribe to %s failed: %s", self._name, topic_filter, exc)
             return  # the connection is failing; the reconnection subscribes
-        if done:
+        if done and granted is not None:
             self._check_granted(topic_filter, granted)
 
     async def unsubscribe(self, topic_filter: str) -> None:

@@ -37,7 +37,7 @@ from secagg import Config, SigningKey, Stage
 from secagg.client import Client, check_input
 from secagg.crypto import dtype_for_bits
 
-from .client_driver import ClientDriver
+from .client_driver import ClientDriver, ClientOutcome
 from .drivers import Timeouts
 from .framing import DEFAULT_MAX_PAYLOAD
 from .lifeline import watch_parent
@@ -75,8 +75,8 @@ class InputSource:
         rng = np.random.default_rng([self.seed, client_id])
         if config.norm_bound is not None:  # within the bound: a random direction and length
             direction = rng.normal(size=config.dim)
-            direction *= rng.uniform() * config.norm_bound / max(np.linalg.norm(direction),
-                                                                 1e-300)
+            direction *= rng.uniform() * config.norm_bound / max(
+                float(np.linalg.norm(direction)), 1e-300)
             signed = np.trunc(direction).astype(np.int64)
             return (signed % (1 << config.bits)).astype(dtype_for_bits(config.bits))
         # the natural width: a 32-bit round holds 32-bit inputs, never 64-bit copies
@@ -124,8 +124,8 @@ class WorkerSpec:
     """The process that starts the worker (built in it): the worker exits once it is gone."""
 
 
-def _outcome_dict(outcome: object) -> dict[str, Any]:
-    return dataclasses.asdict(outcome)  # type: ignore[call-overload,no-any-return]
+def _outcome_dict(outcome: ClientOutcome) -> dict[str, Any]:
+    return dataclasses.asdict(outcome)
 
 
 def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -> None:

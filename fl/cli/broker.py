@@ -15,6 +15,7 @@ import argparse
 from typing import Any
 
 from fl.cli._common import parse_sites
+from transport import broker_main, write_federation
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -44,9 +45,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transport.broker.cli import main as broker_main
-    from transport.credentials import write_federation
-
     ids = parse_sites(args.sites, "coordinator")
     files = write_federation(args.dir, ids)
     print(f"credentials in {files.directory} (users.json, acl.json; Mosquitto: "

@@ -20,7 +20,16 @@ import math
 import sys
 from typing import Any
 
-from dp.accounting import accountant_names
+from dp import (
+    ORDERS,
+    PrivacyError,
+    accountant_names,
+    gaussian_epsilon,
+    gaussian_rdp,
+    noise_multiplier_for,
+    rdp_optimal_order,
+    rounds_for,
+)
 from fl.cli._common import error
 
 MECHANISM = ("Poisson-sampled Gaussian, one step per round (--dp site with one DP-SGD step "
@@ -71,8 +80,6 @@ def _order_at_the_edge(z: float, q: float, rounds: int, delta: float, accountant
                        ) -> str | None:
     """In words, what Opacus' "Optimal order is the smallest alpha" warning means, when the
     RDP accountant's best order is the smallest or largest it tries; else None."""
-    from dp.accounting import ORDERS, gaussian_rdp, rdp_optimal_order
-
     if accountant != "rdp" or rounds < 1:
         return None
     order = rdp_optimal_order(gaussian_rdp(z, q, rounds), delta)
@@ -90,8 +97,6 @@ def run(args: argparse.Namespace) -> int:
     problem = _validate(args)
     if problem:
         return error("budget", problem)
-    from dp.accounting import gaussian_epsilon, noise_multiplier_for, rounds_for
-    from dp.errors import PrivacyError
 
     try:
         if args.noise_multiplier is not None:

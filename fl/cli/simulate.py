@@ -100,7 +100,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _client_ids(args: argparse.Namespace) -> list[int]:
-    from transport.workers import input_ids
+    from transport import input_ids
 
     if args.inputs is None:
         n = DEFAULT_CLIENTS if args.clients is None else args.clients
@@ -316,7 +316,7 @@ async def _run_interruptible(spec: Any, progress: StageDisplay, signals: StopSig
     """``run_simulation`` that SIGINT and SIGTERM stop (its cleanup stops the workers and
     the broker and removes the temporary files), with a progress ticker. After a signal it
     raises ``Interrupted`` whatever the run returned or raised."""
-    from transport.runner import run_simulation
+    from transport import run_simulation
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -360,7 +360,7 @@ async def _run_interruptible(spec: Any, progress: StageDisplay, signals: StopSig
 def _timeouts(config: Config, processes: int) -> Any:
     """The round's deadlines (transport.deadlines.round_timeouts) for this machine: the clients
     compute in ``processes`` workers on the cores this process may use."""
-    from transport.deadlines import round_timeouts
+    from transport import round_timeouts
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from transport.runner import InputSource, SimulationSpec
+    from transport import InputSource, SimulationSpec
 
     ids = _client_ids(args)
     dim = _dim(args, ids)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dp.accounting import accountant_names
+from dp import TORCH_EXTRA_INSTALL, PrivacyError, SitePolicy, accountant_names
 from fl.cli._common import (
     Stopped,
     UsageError,
@@ -45,6 +45,7 @@ from fl.settings import (
     TrainSettings,
     dataset_defaults,
 )
+from transport import SERVER_USER, LinkLost, MqttNetwork, parse_broker_url, probe, site_name
 
 ROLES = ("all", "coordinator", "site")
 
@@ -373,8 +374,6 @@ def site_policy_from_args(args: argparse.Namespace) -> Any:
     none); the privacy unit is ``--unit`` (default patient)."""
     from dataclasses import replace
 
-    from dp.policy import SitePolicy
-
     policy = SitePolicy.load(args.policy) if args.policy else SitePolicy()
     changes: dict[str, Any] = {}
     if args.dp is not None:
@@ -403,9 +402,13 @@ def default_ledger(site_id: int, data: Any) -> str:
 
 def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
     """``--plan``: the run's privacy plan, from the functions the run itself calls."""
-    from fl.federation import privacy_plan
+    from fl.federation import privacy_plan, site_charge
 
-    plan = privacy_plan(settings)  # a DataError or ValueError: the CLI's error path, exit 2
+    # --role coordinator: at the figure its sites charge (their own noise share only,
+    # unless they know each other's keys: fl.federation.site_charge)
+    charged = (site_charge(getattr(args, "peer_keys", None) is not None)
+               if args.role == "coordinator" else None)
+    plan = privacy_plan(settings, charged)  # a DataError or ValueError: exit 2
     if args.json:
         print(json.dumps(plan))
         return 0
@@ -454,8 +457,6 @@ def broker_settings(args: argparse.Namespace, user: str) -> Any:
     environment (a password in the URL shows in the process list)."""
     import os
 
-    from transport.mqtt import parse_broker_url
-
     if not args.broker.startswith(("mqtt://", "mqtts://")):
         raise ValueError(f"--role {args.role} connects to a broker shared by every party: "
                          "give --broker mqtt(s)://[user[:password]@]host:port")
@@ -482,8 +483,6 @@ def _torch_missing() -> bool:
     import importlib.util
 
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("opacus") is None:
-        from dp.errors import TORCH_EXTRA_INSTALL
-
         print(f"secagg train: this needs torch and opacus: install the extra with "
               f"{TORCH_EXTRA_INSTALL}", file=sys.stderr)
         return True
@@ -556,8 +555,6 @@ def _run(args: argparse.Namespace) -> int:
 def run_remote(args: argparse.Namespace) -> int:
     """``--role coordinator`` or ``--role site``: one party of a federation across machines."""
     settings, ids = _remote_settings(args)
-    from transport.mqtt import MqttNetwork
-    from transport.topics import SERVER_USER, site_name
 
     user = site_name(args.site_id) if args.role == "site" else SERVER_USER
     broker = broker_settings(args, user)
@@ -575,9 +572,6 @@ def run_remote(args: argparse.Namespace) -> int:
 def _probe_broker(broker: Any, user: str, timeout: float) -> None:
     """Fail in seconds, with the cause, when nothing accepts connections at ``--broker``'s
     address (a wrong host or port), instead of after the connection's retries."""
-    from transport import LinkLost
-    from transport.mqtt import probe
-
     try:
         probe(broker, timeout=min(5.0, timeout))
     except LinkLost as exc:
@@ -647,7 +641,6 @@ def _run_site(args: argparse.Namespace, settings: TrainSettings, ids: tuple[int,
     checks the broker once the site's own configuration has been checked."""
     import asyncio
 
-    from dp.errors import PrivacyError
     from fl.remote.site import SiteOptions, SiteProcess
     from fl.site.core import open_site_core
     from fl.site.identity import SiteIdentity, fingerprint

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dp.policy import SitePolicy
+from dp import SitePolicy
 from fl.errors import FLError
 from fl.flower.chunks import (
     CHUNK,

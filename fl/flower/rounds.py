@@ -23,6 +23,7 @@ from fl.flower.chunks import CHUNK, DEFAULT_CHUNK_BYTES, ChunkError, assemble, c
 from fl.flower.records import PAYLOAD, PROOF, RECORD, SESSION, SETUP, payload_of, secagg_record
 from fl.flower.setup import RoundSetup
 from secagg import Config, InputRefused, ProtocolAbort, ProtocolError, Server, Stage, encode
+from transport import validation_allowance
 
 log = logging.getLogger("fl.flower")
 U64 = npt.NDArray[np.uint64]
@@ -75,14 +76,11 @@ class RoundReport:
 
 def proof_allowance(config: Config) -> float:
     """Seconds the masked_input stage adds for input validation (each node's proof and the
-    server's n verifications, the cost model's :func:`transport.deadlines.validation_work`
-    times its SAFETY factor); 0 without ``norm_bound``."""
-    from transport.deadlines import SAFETY, validation_work
-
+    server's n verifications: the cost model's :func:`transport.validation_allowance`); 0
+    without ``norm_bound``."""
     if config.norm_bound is None:
         return 0.0
-    return SAFETY * validation_work(clients=config.num_clients,
-                                    dim=config.dim)["masked_input"]
+    return validation_allowance(clients=config.num_clients, dim=config.dim)
 
 
 def _content(payload: bytes, session: bytes, chunk: int | None = None) -> Any:

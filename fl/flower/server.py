@@ -41,7 +41,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 
-from dp.policy import refusal_summary
+from dp import refusal_summary
 from fl.errors import NothingReleased
 from fl.flower.chunks import DEFAULT_CHUNK_BYTES, check_context, chunk_elements
 from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten

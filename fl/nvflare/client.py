@@ -51,8 +51,7 @@ from nvflare.app_common.abstract.fl_model import FLMetaKey, ParamsType
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
-from dp.errors import PrivacyError
-from dp.policy import PolicyRefused, SitePolicy
+from dp import PolicyRefused, PrivacyError, SitePolicy
 from fl.errors import FLError
 from fl.nvflare.common import (
     PAYLOAD,

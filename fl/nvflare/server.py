@@ -46,7 +46,7 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.app_common.workflows.model_controller import ModelController
 
-from dp.policy import refusal_summary
+from dp import refusal_summary
 from fl.errors import NothingReleased
 from fl.nvflare.common import (
     PAYLOAD,
@@ -83,7 +83,7 @@ from secagg import (
     Stage,
     encode,
 )
-from transport.deadlines import round_timeouts
+from transport import round_timeouts
 
 DEFAULT_TRAIN_TIMEOUT = 600.0
 """Seconds the train stage waits for a site (a dead site costs a round this much, not

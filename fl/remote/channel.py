@@ -42,18 +42,28 @@ from fl.remote.messages import (
 )
 from secagg import Config
 from secagg.server import AggregateResult, Server
-from transport.drivers import Timeouts, client_will
+from transport import (
+    DEFAULT_MAX_PAYLOAD,
+    SERVER_USER,
+    Delivery,
+    FrameError,
+    LinkLost,
+    Network,
+    Reassembler,
+    Reconnected,
+    ServerDriver,
+    Timeouts,
+    Topics,
+    TransportError,
+    client_will,
+    frame,
+    new_round_name,
+)
+
+from ..errors import FLError
 
 if TYPE_CHECKING:
     from fl.contribution import SecaggBound
-from transport.errors import TransportError
-from transport.framing import DEFAULT_MAX_PAYLOAD, FrameError, Reassembler, frame
-from transport.link import Delivery, LinkLost, Network, Reconnected
-from transport.rounds import new_round_name
-from transport.server_driver import ServerDriver
-from transport.topics import SERVER_USER, Topics
-
-from ..errors import FLError
 
 logger = logging.getLogger(__name__)
 U64 = npt.NDArray[np.uint64]

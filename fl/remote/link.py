@@ -20,8 +20,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from transport.link import Delivery, Event, Link, LinkLost, Network, Reconnected, Will
-from transport.topics import Topics
+from transport import Delivery, Event, Link, LinkLost, Network, Reconnected, Topics, Will
 
 Item = Event | LinkLost
 

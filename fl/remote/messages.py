@@ -34,12 +34,7 @@ from functools import partial
 from typing import Any
 
 from secagg.config import SECURITY_MODES
-from transport import fields
-from transport.control import ControlError
-from transport.fields import MAX_ROSTER
-from transport.framing import HEADER_BYTES, frame
-from transport.link import Will
-from transport.topics import Topics, check_round_name
+from transport import HEADER_BYTES, ControlError, Topics, Will, check_round_name, fields, frame
 
 from ..errors import FLError
 
@@ -251,7 +246,7 @@ def _announce(body: Mapping[Any, Any]) -> Announce:
         raise WireError(str(exc)) from None
     phase = get_str(body, "phase", PHASES)
     cohort, roster = get_ids(body, "cohort"), get_ids(body, "roster")
-    threshold = get_int(body, "threshold", 0, MAX_ROSTER)
+    threshold = get_int(body, "threshold", 0, fields.MAX_ROSTER)
     verify = body.get("verify")
     if not isinstance(verify, bool):
         raise WireError("field 'verify' must be a boolean")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dp.errors import LedgerWriteError, PrivacyError
+from dp import LedgerWriteError, PrivacyError
 from fl.codec import EncodingOverflow
 from fl.contribution import TaskError
 from fl.remote.blob import Blob, FetchPacer, blob_digest
@@ -51,13 +51,23 @@ from fl.site.core import SiteCore
 from fl.site.session import SiteSession
 from secagg import Config
 from secagg.client import Client
-from transport.client_driver import ClientDriver
-from transport.control import Offline, encode_control
-from transport.deadlines import round_timeouts
-from transport.drivers import publish_framed
-from transport.framing import DEFAULT_MAX_PAYLOAD, FrameError, Reassembler, frame
-from transport.link import Delivery, LinkLost, Network, Reconnected
-from transport.topics import Topics, site_name
+from transport import (
+    DEFAULT_MAX_PAYLOAD,
+    ClientDriver,
+    Delivery,
+    FrameError,
+    LinkLost,
+    Network,
+    Offline,
+    Reassembler,
+    Reconnected,
+    Topics,
+    encode_control,
+    frame,
+    publish_framed,
+    round_timeouts,
+    site_name,
+)
 
 logger = logging.getLogger(__name__)
 Log = Callable[[str], None]

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from dp.policy import PolicyRefused
+from dp import PolicyRefused
 from secagg import SigningKey
 
 from ..errors import FLError

@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dp.idp import (
+from dp import (
     DEFAULT_MAX_RECORDS,
     PLAN_SOURCES,
+    BudgetExceeded,
     GroupLedger,
     IdpClasses,
     group_patients,
@@ -40,7 +41,7 @@ from dp.idp import (
 )
 
 if TYPE_CHECKING:
-    from dp.idp import IdpPlan, PatientGroups
+    from dp import IdpPlan, PatientGroups
     from fl.contribution import RoundTask
     from fl.coordinator import Coordinator
     from fl.data import Table
@@ -125,7 +126,7 @@ class SiteIdp:
         """
         from torch.utils.data import TensorDataset
 
-        from dp.idp_engine import IdpSgd
+        from dp import IdpSgd
 
         charge = self.ledger is not None and (round_number is None
                                               or round_number not in self.charged)
@@ -230,8 +231,6 @@ class FederationBudget:
 
     def spend(self, event: object) -> tuple[float, float]:
         if not self.can_run(event):
-            from dp.errors import BudgetExceeded
-
             after = self.epsilon_after(event)
             raise BudgetExceeded(f"round {self.rounds + 1} would take a rate group past its "
                                  "target", epsilon_limit=self.epsilon, epsilon_after=after)

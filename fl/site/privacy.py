@@ -19,16 +19,27 @@ import hashlib
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dp.adaptive_clip import QuantileClipper
-from dp.audit import distributed_event
-from dp.budget import GaussianRound, PrivacyBudget, RdpRound, event_from_json
-from dp.budget import event_to_json as event_to_json  # re-exported for checkpoints
-from dp.distributed import calibrate, choose_bits, noise_for_budget
-from dp.encoding import EncodingParams
-from dp.mechanisms import mechanism
+from dp import (
+    EncodingParams,
+    GaussianRound,
+    PrivacyBudget,
+    QuantileClipper,
+    RdpRound,
+    adaptive_clip_update_noise,
+    calibrate,
+    choose_bits,
+    distributed_event,
+    effective_noise_multiplier,
+    event_from_json,
+    event_json,
+    mechanisms,
+    noise_for_budget,
+    noise_multiplier_for,
+    rdp_to_epsilon,
+)
 from fl.codec import DistributedCodec
 
 Event = GaussianRound | RdpRound
@@ -87,6 +98,11 @@ class DistributedPlan:
     target_quantile: float | None = None
     count_stddev: float | None = None
     max_weight: float = 1.0
+    charged: Callable[[EncodingParams], EncodingParams] | None = field(
+        default=None, compare=False, repr=False)
+    """The encoding as each site's ledger charges it, when that is not :attr:`params`
+    (:func:`distributed_plan`'s ``charged``: e.g. its own noise share only, when the roster
+    is the coordinator's word); :meth:`event` is then that charge."""
 
     @property
     def clip_norm(self) -> float:
@@ -102,8 +118,15 @@ class DistributedPlan:
                                count_stddev=self.count_stddev,
                                threshold=self.params.threshold, bits=self.params.bits)
 
+    @property
+    def counted(self) -> EncodingParams:
+        """The encoding as the budget is spent on it (:attr:`charged`)."""
+        return self.params if self.charged is None else self.charged(self.params)
+
     def event(self) -> Event:
-        return distributed_event(self.params, self.sample_rate, clipper=self.clipper())
+        counted = self.counted
+        return distributed_event(counted, self.sample_rate,
+                                 clipper=counted_clipper(self.clipper(), counted))
 
     def at_clip(self, clip_norm: float) -> EncodingParams:
         """The encoding for rows clipped to ``clip_norm``: clip, scale and noise move
@@ -133,6 +156,12 @@ class DistributedPlan:
         if self.target_quantile is not None:
             extra += (f", adaptive clipping to the {self.target_quantile:g} quantile (count "
                       f"noise {self.count_stddev:.4g}, accounted jointly)")
+        counted = self.counted.threshold
+        if counted != p.threshold:
+            extra += ("; epsilon as each site's ledger counts it: "
+                      + ("its own noise share only (the roster is the coordinator's word; "
+                         "sites that know each other's keys, --peer-keys, count every share)"
+                         if counted == 1 else f"{counted} shares of the noise"))
         return (f"distributed discrete Gaussian (secure sum): central noise multiplier {z:.3f} "
                 f"(per-site "
                 f"stddev {p.noise_stddev:.4g}, any {p.threshold} sites carry it), clip "
@@ -159,8 +188,6 @@ def site_plan(*, epsilon: float | None, delta: float, sample_rate: float, steps:
     ``prior``: releases made before the rounds (the noised feature statistics), which the
     rounds' epsilon composes with.
     """
-    from dp.accounting import adaptive_clip_update_noise, noise_multiplier_for
-
     if noise_multiplier is None:
         if epsilon is None:
             raise ValueError("site DP needs --epsilon (or --noise-multiplier)")
@@ -215,8 +242,6 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
                              threshold).per_site_stddev
         params = replace(template, noise_stddev=per_site)
     if target_quantile is not None:
-        from dp.distributed import effective_noise_multiplier
-
         if count_stddev is None:
             count_stddev = 10.0 * effective_noise_multiplier(params)
         if noise_multiplier is None:  # the rounds and their counts fit epsilon together
@@ -224,13 +249,27 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
                                       count_stddev=count_stddev, threshold=threshold)
             params = replace(template, noise_stddev=noise_for_budget(
                 as_charged(template), epsilon or 0.0, delta, sample_rate, rounds,
-                _prior_rdp(prior), clipper=clipper).noise_stddev)
+                _prior_rdp(prior), clipper=counted_clipper(
+                    clipper, as_charged(template))).noise_stddev)
     bits = choose_bits(dim=model_dim + 1, clip_norm=encoding_clip, scale=scale,
                        noise_stddev=params.noise_stddev, num_sites=num_sites,
                        units_per_site=max(1, max_units_per_site), mechanism=mechanism).bits
     return DistributedPlan(replace(params, bits=max(bits, 8)), sample_rate,
                            target_quantile=target_quantile, count_stddev=count_stddev,
-                           max_weight=max_weight)
+                           max_weight=max_weight, charged=charged)
+
+
+def counted_clipper(clipper: QuantileClipper | None, counted: EncodingParams
+                    ) -> QuantileClipper | None:
+    """``clipper`` as the budget counts its clip count's noise beside the update's
+    ``counted`` encoding: as many of the equal shares as the update's noise
+    (:func:`fl.site.core.counted_count_stddev`)."""
+    from fl.site.core import counted_count_stddev
+
+    if clipper is None or counted.threshold == clipper.threshold:
+        return clipper
+    return replace(clipper, threshold=counted.threshold, count_stddev=counted_count_stddev(
+        clipper.count_stddev, clipper.threshold, counted.threshold))
 
 
 def _prior_rdp(prior: Sequence[Event]) -> Any:
@@ -260,7 +299,7 @@ def mechanism_of(plan: Plan) -> str:
         return "sampled Gaussian (Opacus DP-SGD at each site)" + (
             " with adaptive clipping" if plan.count_stddev is not None else "")
     if isinstance(plan, DistributedPlan):
-        return f"{mechanism(plan.params.mechanism).title} (secure sum)"
+        return f"{mechanisms.mechanism(plan.params.mechanism).title} (secure sum)"
     return "none: exact secure sum"
 
 
@@ -283,10 +322,9 @@ def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
                    effective_noise_multiplier=plan.event().effective_noise_multiplier,
                    count_stddev=plan.count_stddev, noise_added_by="each site, every step")
     elif isinstance(plan, DistributedPlan):
-        from dp.distributed import effective_noise_multiplier
-
         p = plan.params
         out.update(noise_multiplier=effective_noise_multiplier(p),
+                   counted_noise_multiplier=effective_noise_multiplier(plan.counted),
                    per_site_noise_stddev=p.noise_stddev, calibration_threshold=p.threshold,
                    sample_rate=plan.sample_rate, steps_per_round=1, clip_norm=plan.clip_norm,
                    bits=p.bits, scale=p.scale, noise_added_by="each site, a share",
@@ -313,8 +351,6 @@ def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
 def _affordable(event: Event, epsilon: float | None, delta: float, accountant: str,
                 run: int, rounds: int, cap: int, prior: Sequence[Event] = ()) -> int | None:
     """Rounds the budget affords in all (None: no epsilon budget, or more than ``cap``)."""
-    from dp.accounting import rdp_to_epsilon
-
     if epsilon is None:
         return None
     if run < rounds:
@@ -342,8 +378,6 @@ def release_record(plan: Plan, round_number: int, included: list[int], event: Ev
                    epsilon_before: float | None, epsilon_after: float | None,
                    attempts: int) -> dict[str, Any]:
     """One line of the audit trail: what was released, to whom, how, and at what cost."""
-    from dp.audit import event_json
-
     record: dict[str, Any] = {
         "round": round_number, "to": "the coordinator (and whoever it shares the model with)",
         "what": ("the sum over the included sites of their updates and unit counts"

@@ -174,7 +174,7 @@ class Site:
             return self.idp.update(self, model, layout, steps=steps, lr=lr,
                                    round_number=round_number, expected_batch=expected_batch)
 
-        from dp.opacus_glue import SitePrivacyEngine
+        from dp import SitePrivacyEngine
 
         local = copy.deepcopy(model)
         local.train()
@@ -198,7 +198,7 @@ class Site:
                        unit: str = "patient") -> F64:
         """Per-unit gradients (``(units, d)``) of the loss at the global model for a Poisson
         sample of units (coins from ``os.urandom``: the sample must stay secret)."""
-        from dp.units import UnitIndex, site_unit_gradients
+        from dp import UnitIndex, site_unit_gradients
 
         ids = self.patient_ids.tolist() if unit == "patient" else None
         index = UnitIndex(ids, self.num_records, unit)

@@ -22,8 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dp.randomness import RandomSource
-from dp.site_weights import HistogramRelease, release_for_budget, released_units, site_weights
+from dp import RandomSource, event_json, event_to_json, site_weights
 from fl.data import Table
 
 I64 = npt.NDArray[np.int64]
@@ -45,12 +44,13 @@ def weights_epsilon(settings: Any) -> float:
     return WEIGHTS_FRACTION * settings.epsilon
 
 
-def release_plan(settings: Any) -> HistogramRelease | None:
+def release_plan(settings: Any) -> site_weights.HistogramRelease | None:
     """The weights' release of a run (None without ``--site-weights``): its noise is
     calibrated to the weights' share of the budget."""
     if getattr(settings, "site_weights", None) is None:
         return None
-    return release_for_budget(weights_epsilon(settings), settings.delta, len(CENTRES))
+    return site_weights.release_for_budget(weights_epsilon(settings), settings.delta,
+                                           len(CENTRES))
 
 
 def patient_cells(table: Table) -> I64:
@@ -63,7 +63,8 @@ def patient_cells(table: Table) -> I64:
     return cells
 
 
-def release(plan: HistogramRelease, table: Table, source: RandomSource | None = None) -> I64:
+def release(plan: site_weights.HistogramRelease, table: Table,
+            source: RandomSource | None = None) -> I64:
     """A site's release: its noised histogram of :func:`patient_cells` and noised count."""
     return plan.release(patient_cells(table), source)
 
@@ -76,12 +77,10 @@ class SiteWeights:
     units: float
     """The noised patient count over all sites (post-processing)."""
     releases: dict[int, list[int]]
-    plan: HistogramRelease
+    plan: site_weights.HistogramRelease
 
     def record(self, epsilon_before: float, epsilon_after: float) -> dict[str, Any]:
         """The release's line of the audit trail."""
-        from dp.audit import event_json
-
         return {"round": 0, "to": "the coordinator (and whoever it shares the model with)",
                 "what": "each site's noised histogram of its patients' observed-time "
                         "intervals (11 public cells) and noised patient count; the site "
@@ -95,24 +94,22 @@ class SiteWeights:
                 "epsilon_after": epsilon_after, "dp_event": event_json(self.plan.event())}
 
 
-def weights_from_releases(settings: Any, plan: HistogramRelease,
+def weights_from_releases(settings: Any, plan: site_weights.HistogramRelease,
                           releases: dict[int, I64]) -> SiteWeights:
     """The site weights from the releases alone (:func:`dp.site_weights.site_weights`)."""
-    weights = site_weights(releases, CENTRES, strength=settings.site_weights,
-                           min_weight=settings.min_site_weight,
-                           max_weight=settings.max_site_weight)
-    return SiteWeights(weights, released_units(releases),
+    weights = site_weights.site_weights(releases, CENTRES, strength=settings.site_weights,
+                                        min_weight=settings.min_site_weight,
+                                        max_weight=settings.max_site_weight)
+    return SiteWeights(weights, site_weights.released_units(releases),
                        {k: [int(x) for x in v] for k, v in releases.items()}, plan)
 
 
-def release_and_weigh(coordinator: Any, plan: HistogramRelease, settings: Any,
+def release_and_weigh(coordinator: Any, plan: site_weights.HistogramRelease, settings: Any,
                       source: RandomSource | None = None) -> SiteWeights:
     """In a simulated federation: charge the release to the coordinator's budget (write
     ahead; :class:`dp.errors.BudgetExceeded` if it does not fit, and nothing is released),
     let every site make its release from its own table, and give the coordinator the
     weights computed from the releases alone."""
-    from fl.site.privacy import event_to_json
-
     budget = coordinator.budget
     before = budget.spent[0]
     after = budget.spend(plan.event())[0]

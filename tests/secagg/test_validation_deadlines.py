@@ -15,6 +15,7 @@ from transport.deadlines import (
     SAFETY,
     round_timeouts,
     round_work,
+    validation_allowance,
     validation_work,
 )
 
@@ -56,3 +57,4 @@ def test_flower_adds_the_same_allowance_to_its_masked_input_stage() -> None:
     assert proof_allowance(Config(5, dim=1000, bits=32)) == 0.0
     assert proof_allowance(bounded) == pytest.approx(
         SAFETY * validation_work(clients=5, dim=1000)["masked_input"])
+    assert proof_allowance(bounded) == validation_allowance(clients=5, dim=1000)

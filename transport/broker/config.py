@@ -112,6 +112,7 @@ class BrokerLimits:
         unknown = sorted(set(changes) - names)
         if unknown:
             raise BrokerConfigError(f"unknown broker limits {unknown}; known: {sorted(names)}")
+        # the names are checked above; each value's type is the field's to check
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
