@@ -4,9 +4,11 @@
     python examples/nvflare-hospital/job.py --exact         # exact secure sums (sites opt in)
     python examples/nvflare-hospital/job.py --undo-exact    # take the opt-in back
 
-Each hospital's policy and ledger live in its own folder, the one its site reads:
+Each hospital's policy lives in its own folder, the one its site reads:
 $SECAGG_NVFLARE_DIR/<site>/, default $XDG_STATE_HOME/secagg/nvflare/<site>/ (state home
-~/.local/state), never in the job.
+~/.local/state), never in the job. Its ledger is there too in a deployment; in the
+simulator, unless $SECAGG_NVFLARE_DIR is set, each run has its own
+(<workspace>/<site>/simulate_job/secagg/ledger.json).
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -107,7 +109,9 @@ class NodeOptions:
     with the default noise floor and budgets; exact sums need the operator's opt-in,
     ``secagg-dp="none"``) and the ledger is
     ``$XDG_STATE_HOME/secagg/ledger-flower-<sha256 of the node config>.json`` (default state
-    home ``~/.local/state``; :meth:`ledger_path`).
+    home ``~/.local/state``; ``$SECAGG_FLOWER_DIR`` instead when set; in Flower's
+    simulation engine, a folder of the run's own: :func:`ledger_directory`,
+    :meth:`ledger_path`).
 
     ``snapshot_key``: a node secret that authenticates the round snapshot (HMAC, see
     ``secagg.resume``). Malicious mode: ``signing_key`` is this node's Ed25519 identity and
@@ -167,7 +171,9 @@ class NodeOptions:
         """The node config's ``secagg-ledger``, else this object's ``ledger``, else the
         default: keyed by the node config without its ``secagg-`` keys (what the node's
         operator set, e.g. ``partition-id``), never by the node id, which the SuperLink
-        assigns: a server that re-registers a node under a fresh id gets the same ledger."""
+        assigns: a server that re-registers a node under a fresh id gets the same ledger.
+        The default's folder: :func:`ledger_directory` (one per run in Flower's simulation
+        engine, the node's own otherwise)."""
         path = context.node_config.get(LEDGER_KEY)
         if path is not None:
             return _config_text(path, LEDGER_KEY)
@@ -176,7 +182,7 @@ class NodeOptions:
         own = sorted((str(k), repr(v)) for k, v in context.node_config.items()
                      if not str(k).startswith("secagg-"))
         digest = hashlib.sha256(json.dumps(own).encode()).hexdigest()[:24]
-        return str(state_directory() / f"ledger-flower-{digest}.json")
+        return str(ledger_directory(context) / f"ledger-flower-{digest}.json")
 
     def open_core(self, context: Any) -> SiteCore:
         """The node's site core over its ledger (locked until :meth:`SiteCore.close`)."""
@@ -193,6 +199,48 @@ class NodeOptions:
                            signing_key=self.signing_key, trusted_keys=self.trusted_keys,
                            check_setup=_movable,
                            log=lambda text: log.info("node %s: %s", context.node_id, text))
+
+
+DIR_ENV = "SECAGG_FLOWER_DIR"
+"""Environment variable: the folder of the nodes' default ledgers, set by the node's
+operator (the SuperNode's environment); set, it is used in a simulation too."""
+
+
+def ledger_directory(context: Any) -> Path:
+    """The folder of a node's default ledger: ``$SECAGG_FLOWER_DIR`` when the operator set
+    it; else, when Flower's simulation engine runs the ClientApp
+    (:func:`simulation_run_id`), the run's own folder ``$XDG_STATE_HOME/secagg/flower-runs/
+    run-<run id>`` (a simulation draws a fresh run id), so one simulation does not spend
+    another's budget; else (a SuperNode) ``$XDG_STATE_HOME/secagg``, which persists across
+    apps and runs: the node's patients are the same whatever app asks."""
+    explicit = os.environ.get(DIR_ENV)
+    run = None if explicit else simulation_run_id(context)
+    if explicit:
+        folder = Path(explicit)
+    elif run is None:
+        return state_directory()
+    else:
+        folder = state_directory() / "flower-runs" / f"run-{run}"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder
+
+
+def simulation_run_id(context: Any) -> int | None:
+    """``context.run_id`` when Flower's simulation engine runs this ClientApp (its Ray
+    actor, ``flwr.simulation.ray_transport.ray_actor.VirtualClientEngineActor.run``, is on
+    the call stack: the runtime that runs the app, not the app or its server, says so),
+    else None (a SuperNode, or an in-process grid that stands for one)."""
+    actor = sys.modules.get("flwr.simulation.ray_transport.ray_actor")
+    engine = getattr(getattr(actor, "VirtualClientEngineActor", None), "run", None)
+    code = getattr(engine, "__code__", None)
+    if code is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return int(context.run_id)
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def _movable(setup: RoundSetup, config: Any) -> None:

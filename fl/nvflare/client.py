@@ -27,8 +27,12 @@ site's policy, ledger and identity are read from the site's folder, never from t
 name>/``): ``policy.json`` (a :class:`dp.policy.SitePolicy`; absent: ``SitePolicy()``,
 distributed DP only), ``ledger.json`` (the write-ahead ledger), and in malicious mode
 ``signing-key`` (hex Ed25519 private key) and ``trusted-keys.json`` (the enrolled sites'
-verify keys, hex). Every refusal is logged at the site and answered with an error reply,
-which the server counts as this site dropping out at that stage.
+verify keys, hex). In NVFlare's simulator, unless ``$SECAGG_NVFLARE_DIR`` is set, the ledger
+is the run's own instead: ``<simulator workspace>/<site>/<job id>/secagg/ledger.json`` (the
+simulator empties its workspace at each start), so one simulation does not spend another's
+budget; a deployed site's ledger persists across jobs (the patients are the same). Every
+refusal is logged at the site and answered with an error reply, which the server counts as
+this site dropping out at that stage.
 """
 
 from __future__ import annotations
@@ -83,16 +87,29 @@ class SiteConfig:
     policy: SitePolicy
     signing_key: SigningKey | None
     trusted_keys: frozenset[bytes]
+    ledger: Path | None = None
+    """The ledger's path when it is not the folder's ``ledger.json`` (a simulator run's)."""
 
     @property
     def ledger_path(self) -> str:
-        return str(self.folder / "ledger.json")
+        return str(self.ledger or self.folder / "ledger.json")
 
     @classmethod
-    def for_site(cls, site: str) -> SiteConfig:
+    def for_site(cls, site: str, simulation: Path | None = None) -> SiteConfig:
+        """``simulation``: the run folder NVFlare's simulator gave this site's job (see
+        :func:`simulation_run_dir`); without ``$SECAGG_NVFLARE_DIR`` (the operator's
+        explicit folder, which always wins) the ledger lives there, one per simulator run
+        (the simulator empties its workspace at each start), so two simulations on one
+        machine do not charge the same ledger. The policy and identity are still read
+        from the site's folder."""
         base = os.environ.get(DIR_ENV)
         folder = (Path(base) if base else state_directory() / "nvflare") / site
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        ledger = None
+        if simulation is not None and not base:
+            state = simulation / "secagg"
+            state.mkdir(parents=True, exist_ok=True, mode=0o700)
+            ledger = state / "ledger.json"
         policy_file = folder / "policy.json"
         policy = SitePolicy.load(policy_file) if policy_file.exists() else SitePolicy()
         key_file, trusted_file = folder / "signing-key", folder / "trusted-keys.json"
@@ -112,7 +129,17 @@ class SiteConfig:
             except (ValueError, TypeError) as exc:
                 raise NVFlareSecAggError(f"{trusted_file}: expected a JSON list of hex "
                                          f"verify keys ({exc})") from None
-        return cls(folder, policy, signing, trusted)
+        return cls(folder, policy, signing, trusted, ledger)
+
+
+def simulation_run_dir(fl_ctx: FLContext) -> Path | None:
+    """The job's run folder in the site's workspace when NVFlare's simulator runs the site
+    (its engine marks every context ``FLContextKey.SIMULATE_MODE``; a deployed client's
+    engine does not), else None."""
+    if not fl_ctx.get_prop(FLContextKey.SIMULATE_MODE, False):
+        return None
+    workspace = fl_ctx.get_engine().get_workspace()
+    return Path(workspace.get_run_dir(str(fl_ctx.get_job_id())))
 
 
 class SecAggExecutor(Executor):
@@ -146,7 +173,7 @@ class SecAggExecutor(Executor):
             try:
                 # the site's check of the job: the train task goes through this session
                 self.check_app(fl_ctx.get_prop(FLContextKey.APP_ROOT))
-                config = SiteConfig.for_site(self.site)
+                config = SiteConfig.for_site(self.site, simulation_run_dir(fl_ctx))
             except (FLError, PrivacyError) as exc:  # nothing of the job is trained
                 self.system_panic(f"site {self.site}: {exc}", fl_ctx)
                 return
