@@ -57,11 +57,12 @@ class Split:
 def load_split(settings: TrainSettings) -> Split:
     """The settings' table, split into test and per-site training data (seeded)."""
     if settings.survival:
-        from fl.survival import tcga_brca
+        from fl.data import tcga_brca
 
         data = tcga_brca()  # FLamby's natural centers and static split
         if settings.model == "discrete-time":  # person-period rows, public feature scale
-            from fl.survival import person_period, pooled, public_scale
+            from fl.data import pooled
+            from fl.survival import person_period, public_scale
 
             rows = [person_period(t) for t in data.train]
             tests = [public_scale(t) for t in data.test]
@@ -369,9 +370,11 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
             released.attach(coordinator)
         if weighing is not None:  # charged, then released, then the weights computed
             weights = site_weights.release_and_weigh(coordinator, weighing, settings)
+            budget = coordinator.budget
             say("site weights from the DP releases: "
                 + ", ".join(f"{k} {w:.3f}" for k, w in sorted(weights.weights.items()))
-                + f"; epsilon {coordinator.budget.spent[0]:.4g} after them")
+                + (f"; epsilon {budget.spent[0]:.4g} after them" if budget is not None
+                   else ""))
         try:
             coordinator.run()
         except Exception as failure:

@@ -558,10 +558,11 @@ def fixed_setup(*, run_id: int, server_round: int, roster: Sequence[int],
     k, t = protocol_graph(n, neighbors=neighbors, threshold=threshold,
                           dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
                           security=security)
-    rates = {} if k is None else {"dropout_rate": dropout_rate, "corrupt_rate": corrupt_rate}
     nonce = RoundNonce()  # its value goes out in the setup; the round's Server takes it
-    # Config fills in the protocol's threshold floor when t is None
-    probe = Config(num_clients=n, threshold=t, neighbors=k, security=security, **rates)
+    # Config fills in the protocol's threshold floor for t = 0; the rates check SecAgg+'s k
+    probe = Config(num_clients=n, threshold=t or 0, neighbors=k, security=security,
+                   dropout_rate=None if k is None else dropout_rate,
+                   corrupt_rate=None if k is None else corrupt_rate)
     keys: tuple[bytes, ...] = ()
     if security == "malicious":
         who = list(roster if members is None else members)

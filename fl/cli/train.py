@@ -24,7 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dp import TORCH_EXTRA_INSTALL, PrivacyError, SitePolicy, accountant_names
+from dp import MODES as DP_MODES
+from dp import TORCH_EXTRA_INSTALL, UNITS, PrivacyError, SitePolicy, accountant_names
 from fl.cli._common import (
     Stopped,
     UsageError,
@@ -37,11 +38,9 @@ from fl.cli._common import (
 )
 from fl.data import DATASETS
 from fl.settings import (
-    DP_MODES,
     MODELS,
     SCALING,
     STRATEGIES,
-    UNITS,
     TrainSettings,
     dataset_defaults,
 )

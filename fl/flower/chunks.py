@@ -228,7 +228,8 @@ def _npy_header(data: bytes) -> tuple[Any, Any, Any]:
     version = np.lib.format.read_magic(stream)
     read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
             else np.lib.format.read_array_header_2_0)
-    return tuple(read(stream))
+    shape, fortran_order, dtype = read(stream)
+    return shape, fortran_order, dtype
 
 
 def _is_dtype(name: object, dtype: np.dtype[Any]) -> bool:

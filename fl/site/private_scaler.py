@@ -163,7 +163,7 @@ def scaler_epsilon(settings: Any) -> float:
         return float(given)
     if settings.epsilon is None:
         return SCALER_EPSILON_WITHOUT_BUDGET
-    return SCALER_FRACTION * settings.epsilon
+    return SCALER_FRACTION * float(settings.epsilon)
 
 
 def uses_noised_scaler(settings: Any, table: Table | None = None) -> bool:

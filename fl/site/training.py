@@ -118,7 +118,7 @@ class Site:
                 # FedProx keeps heterogeneous sites from drifting far from the global model.
                 prox = sum(((p - a) ** 2).sum() for p, a in zip(trainable, anchor, strict=True))
                 loss = loss + mu / 2 * prox
-            loss.backward()
+            torch.autograd.backward(loss)  # loss.backward(), which torch leaves untyped
             if shifts is not None:
                 for p, shift in zip(trainable, shifts, strict=True):
                     assert p.grad is not None
