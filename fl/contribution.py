@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -407,7 +407,12 @@ def _weights(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"max_weight": top, "weights": tuple(sorted(pairs))}
 
 
-def _adaptive(body: Mapping[str, Any]) -> dict[str, float]:
+class _Adaptive(TypedDict, total=False):
+    target_quantile: float
+    count_stddev: float
+
+
+def _adaptive(body: Mapping[str, Any]) -> _Adaptive:
     """Adaptive clipping's two fields: both or neither."""
     if body.get("target_quantile") is None and body.get("count_stddev") is None:
         return {}

@@ -219,7 +219,7 @@ def assemble(content: Any, payload: bytes, dim: int, bits: int, chunk: int) -> M
     for start, values in chunks_of(content, dim, bits, chunk):
         vector[start:start + len(values)] = values
     # a view of the buffer, not a copy: Server.receive encodes it once
-    return dataclasses.replace(head, dim=dim, masked=memoryview(vector).cast("B"))
+    return dataclasses.replace(head, dim=dim, masked=vector.data.cast("B"))
 
 
 def _npy_header(data: bytes) -> tuple[Any, Any, Any]:
