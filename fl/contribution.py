@@ -24,6 +24,7 @@ for the same reason.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -266,7 +267,6 @@ def cap_units(rows: F64, max_units: int | None) -> F64:
     patients were sampled (docs/privacy.md section 1, "After the privacy gate")."""
     if max_units is None or len(rows) <= max_units:
         return rows
-    import os
 
     keep = np.random.default_rng(int.from_bytes(os.urandom(16), "big")).choice(
         len(rows), size=max_units, replace=False)

@@ -11,9 +11,11 @@ exact, not noised: in the DP modes use data on a public scale (the EHR generator
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ from fl.site.privacy import (
     site_plan,
 )
 from fl.site.training import Scaler, Site
+from fl.survival import evaluate_cox
 from fl.vector import ParameterLayout
 from secagg import Config
 
@@ -98,8 +101,6 @@ def public_scaler(settings: TrainSettings, num_features: int) -> Scaler | None:
     they release nothing (docs/privacy.md section 1)."""
     if settings.scaler_file is None:
         return None
-    import json
-    from pathlib import Path
 
     try:
         data = json.loads(Path(settings.scaler_file).read_text(encoding="utf-8"))
@@ -239,8 +240,6 @@ def survival_evaluator(site_tests: Sequence[Table] | None,
     """Round metrics of a survival task: the pooled test set's C-index and Cox loss, and
     each site's own test C-index (``c_index_by_site``, if the data set has per-site tests);
     ``discrete_time``: of the discrete-time model's risk (fl.survival.discrete_time_risk)."""
-    from fl.survival import evaluate_cox
-
     per_site = [tensors(t, None) for t in site_tests or ()]
 
     def metrics(model: torch.nn.Module,

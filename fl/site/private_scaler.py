@@ -22,7 +22,7 @@ own standard error is raised to it (so a noisy, tiny variance never blows a feat
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -37,10 +37,14 @@ from dp import (
     event_to_json,
     noise_for_budget,
 )
+from fl import checkpoint as ckpt
 from fl.codec import DistributedCodec
+from fl.contribution import TaskError, encoding_params
 from fl.data import Table
-from fl.site.privacy import DEFAULT_MAX_UNITS
+from fl.models import make_model
+from fl.site.privacy import DEFAULT_MAX_UNITS, restore_budget
 from fl.site.training import Scaler
+from secagg import Config
 
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
@@ -184,8 +188,6 @@ def scaler_plan(settings: Any, table: Table | None, num_features: int | None = N
     """The release's plan (None when the run uses no noised scaler): every site takes part,
     the noise is calibrated to the secure-aggregation threshold of all ``--sites``, and the
     modulus to the public bound on a site's units (as a distributed round's)."""
-    from secagg import Config
-
     if not uses_noised_scaler(settings, table):
         return None
     f = table.num_features if table is not None else int(num_features or 0)
@@ -205,7 +207,6 @@ def scaler_plan(settings: Any, table: Table | None, num_features: int | None = N
     bits = choose_bits(dim=2 * f + 1, clip_norm=1.0, scale=scale,
                        noise_stddev=params.noise_stddev, num_sites=num_sites,
                        units_per_site=max_units).bits
-    from dataclasses import replace
 
     unit = "record" if settings.unit == "record" else "patient"
     return ScalerPlan(bounds, replace(params, bits=max(bits, 8)), target, unit)
@@ -261,8 +262,6 @@ class Released:
     def attach(self, coordinator: Any) -> None:
         """Put the charge on the coordinator's budget and checkpoint (the rounds compose
         with it)."""
-        from fl.site.privacy import restore_budget
-
         s = coordinator.settings
         coordinator.events = list(self.events)
         coordinator.budget = restore_budget(s.epsilon, s.delta, self.events,
@@ -289,10 +288,6 @@ def charge(plan: ScalerPlan, settings: Any, saved: Any, num_features: int,
     """Charge the release to the run's budget (the checkpoint's events, if resuming) and
     write that charge to the checkpoint (write-ahead: before the sum exists). A budget that
     cannot afford it raises :class:`dp.errors.BudgetExceeded`; nothing is released."""
-    from fl import checkpoint as ckpt
-    from fl.models import make_model
-    from fl.site.privacy import restore_budget
-
     events = list(saved.events) if saved is not None else []
     budget = restore_budget(settings.epsilon, settings.delta, events,
                             settings.release_accountant)
@@ -309,8 +304,6 @@ def charge(plan: ScalerPlan, settings: Any, saved: Any, num_features: int,
 
 # -- the plan on the wire (multi-machine: the coordinator's blob, validated by each site) --
 def to_wire(plan: ScalerPlan) -> dict[str, Any]:
-    from dataclasses import asdict
-
     return {"params": {k: v for k, v in asdict(plan.params).items() if k != "encoded_dim"},
             "low": plan.bounds.low.tolist(), "high": plan.bounds.high.tolist(),
             "unit": plan.unit, "epsilon_target": plan.epsilon_target}
@@ -319,8 +312,6 @@ def to_wire(plan: ScalerPlan) -> dict[str, Any]:
 def from_wire(body: Any, num_features: int) -> ScalerPlan:
     """A coordinator's feature-statistics task, every field checked (raises
     :class:`fl.contribution.TaskError`); its cost is then the site's own to judge."""
-    from fl.contribution import TaskError, encoding_params
-
     if not isinstance(body, dict):
         raise TaskError("task field 'noised' must be a map")
     params = encoding_params(body.get("params"), 2 * num_features + 1)
