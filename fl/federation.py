@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dp import check_delta, event_from_json, run_json
+from dp import EncodingParams, check_delta, event_from_json, run_json
 from fl import checkpoint as ckpt
 from fl.aggregation import Aggregator, Tap, open_aggregator
 from fl.contribution import scaler_from_sum, scaler_input
@@ -32,6 +32,7 @@ from fl.settings import TrainSettings
 from fl.site import idp as fl_idp
 from fl.site import private_scaler
 from fl.site import weights as site_weights
+from fl.site.core import own_share
 from fl.site.privacy import (
     DEFAULT_MAX_UNITS,
     NoPrivacy,
@@ -137,13 +138,15 @@ def secure_scaler(sites: dict[int, Site], aggregator: Aggregator,
 
 
 def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim: int,
-              threshold: int, *, max_units: int | None = None, prior: Sequence[Any] = ()
-              ) -> Plan:
+              threshold: int, *, max_units: int | None = None, prior: Sequence[Any] = (),
+              charged: Callable[[EncodingParams], EncodingParams] | None = None) -> Plan:
     """The privacy plan. Distributed DP sizes the modulus for a *public* bound on the units
     a site sums (``max_units``, ``--max-units``, else :data:`fl.site.privacy.DEFAULT_MAX_UNITS`),
     never for a site's actual patient count: ``bits`` is published. ``sites`` is unused.
     The rounds are calibrated to fit ``--epsilon`` together with ``prior`` (the events of
-    releases before them: the noised feature statistics, :mod:`fl.site.private_scaler`)."""
+    releases before them: the noised feature statistics, :mod:`fl.site.private_scaler`).
+    ``charged``: a distributed round's encoding as each site's ledger charges it
+    (:func:`site_charge`), the figure the plan is calibrated, spent and reported at."""
     epsilon = settings.epsilon
     if settings.dp == "site":
         return site_plan(epsilon=epsilon, delta=settings.delta,
@@ -165,18 +168,32 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
                                 target_quantile=settings.adaptive_clip,
                                 count_stddev=settings.clip_count_stddev,
                                 max_weight=(1.0 if settings.site_weights is None
-                                            else settings.max_site_weight))
+                                            else settings.max_site_weight),
+                                charged=charged)
     return NoPrivacy()
 
 
+def site_charge(authenticated: bool) -> Callable[[EncodingParams], EncodingParams] | None:
+    """How the sites of a multi-machine run charge a distributed release
+    (:func:`fl.site.core.charged_proposal`): every share of the noise it is calibrated to
+    when the roster is authenticated by the operators' own keys (``--peer-keys``), else the
+    site's own share only (:func:`fl.site.core.own_share`: the coordinator could fill the
+    rest of the round with sites it simulates). ``--role all`` simulates its sites and
+    counts every share (None)."""
+    return None if authenticated else own_share
+
+
 def federation_plan(settings: TrainSettings, num_features: int, num_classes: int, *,
-                    prior: Sequence[Any] = ()) -> tuple[int, int, Plan]:
+                    prior: Sequence[Any] = (),
+                    charged: Callable[[EncodingParams], EncodingParams] | None = None
+                    ) -> tuple[int, int, Plan]:
     """``(model parameters, secagg threshold, privacy plan)`` of a run: what ``secagg train
-    --plan`` prints and what the run uses."""
+    --plan`` prints and what the run uses (``charged``: :func:`make_plan`'s)."""
     model = make_model(settings.model, num_features, num_classes, settings.seed)
     dim = ParameterLayout.of(model).size
     threshold = settings.secagg_threshold
-    return dim, threshold, make_plan(settings, None, dim, threshold, prior=prior)
+    return dim, threshold, make_plan(settings, None, dim, threshold, prior=prior,
+                                     charged=charged)
 
 
 def plan_warnings(settings: TrainSettings, split: Split) -> list[str]:
@@ -194,15 +211,19 @@ def prior_releases(noised: private_scaler.ScalerPlan | None,
     return tuple(p.event() for p in (noised, weighing) if p is not None)
 
 
-def privacy_plan(settings: TrainSettings) -> dict[str, Any]:
+def privacy_plan(settings: TrainSettings,
+                 charged: Callable[[EncodingParams], EncodingParams] | None = None
+                 ) -> dict[str, Any]:
     """The run's privacy plan without training (``secagg train --plan``): mode, mechanism,
-    noise, thresholds, the rounds the budget affords and epsilon after each round."""
+    noise, thresholds, the rounds the budget affords and epsilon after each round
+    (``charged``: :func:`make_plan`'s, for ``--role coordinator``: :func:`site_charge`)."""
     split = load_split(settings)
-    noised = private_scaler.scaler_plan(settings, split.train)
+    noised = private_scaler.scaler_plan(settings, split.train, charged=charged)
     weighing = site_weights.release_plan(settings)
     prior = prior_releases(noised, weighing)
     dim, threshold, plan = federation_plan(
-        settings, split.train.num_features, split.train.num_classes, prior=prior)
+        settings, split.train.num_features, split.train.num_classes, prior=prior,
+        charged=charged)
     out = schedule(plan, rounds=settings.rounds, epsilon=settings.epsilon,
                    delta=settings.delta, accountant=settings.release_accountant,
                    threshold=threshold, prior=prior)

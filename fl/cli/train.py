@@ -397,9 +397,13 @@ def default_ledger(site_id: int, data: Any) -> str:
 
 def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
     """``--plan``: the run's privacy plan, from the functions the run itself calls."""
-    from fl.federation import privacy_plan
+    from fl.federation import privacy_plan, site_charge
 
-    plan = privacy_plan(settings)  # a DataError or ValueError: the CLI's error path, exit 2
+    # --role coordinator: at the figure its sites charge (their own noise share only,
+    # unless they know each other's keys: fl.federation.site_charge)
+    charged = (site_charge(getattr(args, "peer_keys", None) is not None)
+               if args.role == "coordinator" else None)
+    plan = privacy_plan(settings, charged)  # a DataError or ValueError: exit 2
     if args.json:
         print(json.dumps(plan))
         return 0

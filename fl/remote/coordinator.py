@@ -32,6 +32,7 @@ from fl.federation import (
     make_plan,
     public_scaler,
     report,
+    site_charge,
     survival_evaluator,
     tensors,
     uses_scaler,
@@ -317,20 +318,24 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
             scaler = public_scaler(settings, len(schema.features))
         elif needs_scaler:
             scaler, _ = await _remote_scaler(channel, options, settings, schema, everyone, say)
-        noised = private_scaler.scaler_plan(settings, None, len(schema.features))
+        # the sites charge their own noise share only unless they know each other's keys:
+        # the rounds and the noised statistics are planned, spent and reported at that
+        charged = site_charge(options.peer_keys is not None)
+        noised = private_scaler.scaler_plan(settings, None, len(schema.features),
+                                            charged=charged)
         released = None
         if scaler is None and noised is not None:
-            charged = private_scaler.charge(noised, settings, saved, len(schema.features),
-                                            len(schema.labels))
+            spent = private_scaler.charge(noised, settings, saved, len(schema.features),
+                                          len(schema.labels))
             scaler, included = await _remote_scaler(channel, options, settings, schema,
                                                     everyone, say, noised)
-            released = charged.released(scaler, included)
+            released = spent.released(scaler, included)
         model = make_model(settings.model, len(schema.features), len(schema.labels),
                            settings.seed)
         dim = ParameterLayout.of(model).size
         threshold = settings.secagg_threshold
         plan = make_plan(settings, None, dim, threshold, max_units=max_units,
-                         prior=() if noised is None else (noised.event(),))
+                         prior=() if noised is None else (noised.event(),), charged=charged)
         say(f"{len(ids)} site processes, test "
             + (f"{len(test_table)} records" if test_table is not None else "none (no "
                "--eval-csv: accuracy is not measured)")

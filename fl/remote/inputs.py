@@ -265,20 +265,20 @@ def announce_key(announce: Announce) -> str:
 
 def _admit(guard: SiteCore, task: RoundTask | None, announce: Announce, label: str,
            idp: Any = None) -> None:
-    """The site's privacy gate through the site session's rules (:mod:`fl.site.session`):
-    a replayed announcement is refused, then a write-ahead charge or a refusal naming the
-    rule; ``idp``: the site's own :class:`fl.site.idp.SiteIdp` plan under ``--unit
+    """The site's privacy gate: the site session's (:meth:`fl.site.session.SiteSession.gate`,
+    the code the Flower mod and the NVFlare executor run): the protocol margins, the replay
+    rule (a round is joined once), then a write-ahead charge, or a refusal naming the rule;
+    ``idp``: the site's own :class:`fl.site.idp.SiteIdp` plan under ``--unit
     patient-idp``."""
     from dp import LedgerWriteError, PrivacyError
-    from fl.site.session import Replayed, label_of, refuse_replay
+    from fl.site.session import Replayed, SiteSession
 
-    key = announce_key(announce)
     try:
-        refuse_replay(guard, key, label)
-        guard.check_protocol(num_clients=len(announce.cohort), threshold=announce.threshold,
-                             neighbors=None, security=announce.security)
-        guard.admit(task, secagg_threshold=announce.threshold, label=label_of(label, key),
-                    key=announce.key, idp=idp)
+        SiteSession(lambda: guard, runtime="site").gate(
+            guard, announce_key(announce), label, num_clients=len(announce.cohort),
+            threshold=announce.threshold, neighbors=None, security=announce.security,
+            admit=lambda text: guard.admit(task, secagg_threshold=announce.threshold,
+                                           label=text, key=announce.key, idp=idp))
     except LedgerWriteError:
         raise  # the site role says it in one line; the file stays in its own log
     except Replayed as exc:

@@ -98,6 +98,13 @@ def own_share(params: EncodingParams) -> EncodingParams:
     return replace(params, threshold=1)
 
 
+def counted_count_stddev(count_stddev: float, threshold: int, counted: int) -> float:
+    """The central stddev of a round's clip-count noise (adaptive clipping) calibrated to
+    ``threshold`` equal shares, as counted when only ``counted`` of them are certain (1: the
+    site's own share, :func:`lone_share`)."""
+    return count_stddev / math.sqrt(threshold / counted)
+
+
 def lone_share(task: Any, proposal: Proposal) -> Proposal:
     """``proposal`` as a site must count it when the coordinator alone picks the roster: it
     may fill the round with sites it simulates (zero noise), so only this site's own share
@@ -113,7 +120,7 @@ def lone_share(task: Any, proposal: Proposal) -> Proposal:
                                  secagg_threshold=proposal.secagg_threshold,
                                  label=proposal.label,
                                  count_stddev=None if count is None else
-                                 count / math.sqrt(task.params.threshold))
+                                 counted_count_stddev(count, task.params.threshold, 1))
     return replace(proposal, noise_multiplier=alone.noise_multiplier, event=alone.event,
                    requested_noise_multiplier=proposal.noise_multiplier)
 

@@ -19,7 +19,7 @@ import hashlib
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dp import (
@@ -98,6 +98,11 @@ class DistributedPlan:
     target_quantile: float | None = None
     count_stddev: float | None = None
     max_weight: float = 1.0
+    charged: Callable[[EncodingParams], EncodingParams] | None = field(
+        default=None, compare=False, repr=False)
+    """The encoding as each site's ledger charges it, when that is not :attr:`params`
+    (:func:`distributed_plan`'s ``charged``: e.g. its own noise share only, when the roster
+    is the coordinator's word); :meth:`event` is then that charge."""
 
     @property
     def clip_norm(self) -> float:
@@ -113,8 +118,15 @@ class DistributedPlan:
                                count_stddev=self.count_stddev,
                                threshold=self.params.threshold, bits=self.params.bits)
 
+    @property
+    def counted(self) -> EncodingParams:
+        """The encoding as the budget is spent on it (:attr:`charged`)."""
+        return self.params if self.charged is None else self.charged(self.params)
+
     def event(self) -> Event:
-        return distributed_event(self.params, self.sample_rate, clipper=self.clipper())
+        counted = self.counted
+        return distributed_event(counted, self.sample_rate,
+                                 clipper=counted_clipper(self.clipper(), counted))
 
     def at_clip(self, clip_norm: float) -> EncodingParams:
         """The encoding for rows clipped to ``clip_norm``: clip, scale and noise move
@@ -144,6 +156,12 @@ class DistributedPlan:
         if self.target_quantile is not None:
             extra += (f", adaptive clipping to the {self.target_quantile:g} quantile (count "
                       f"noise {self.count_stddev:.4g}, accounted jointly)")
+        counted = self.counted.threshold
+        if counted != p.threshold:
+            extra += ("; epsilon as each site's ledger counts it: "
+                      + ("its own noise share only (the roster is the coordinator's word; "
+                         "sites that know each other's keys, --peer-keys, count every share)"
+                         if counted == 1 else f"{counted} shares of the noise"))
         return (f"distributed discrete Gaussian (secure sum): central noise multiplier {z:.3f} "
                 f"(per-site "
                 f"stddev {p.noise_stddev:.4g}, any {p.threshold} sites carry it), clip "
@@ -231,13 +249,27 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
                                       count_stddev=count_stddev, threshold=threshold)
             params = replace(template, noise_stddev=noise_for_budget(
                 as_charged(template), epsilon or 0.0, delta, sample_rate, rounds,
-                _prior_rdp(prior), clipper=clipper).noise_stddev)
+                _prior_rdp(prior), clipper=counted_clipper(
+                    clipper, as_charged(template))).noise_stddev)
     bits = choose_bits(dim=model_dim + 1, clip_norm=encoding_clip, scale=scale,
                        noise_stddev=params.noise_stddev, num_sites=num_sites,
                        units_per_site=max(1, max_units_per_site), mechanism=mechanism).bits
     return DistributedPlan(replace(params, bits=max(bits, 8)), sample_rate,
                            target_quantile=target_quantile, count_stddev=count_stddev,
-                           max_weight=max_weight)
+                           max_weight=max_weight, charged=charged)
+
+
+def counted_clipper(clipper: QuantileClipper | None, counted: EncodingParams
+                    ) -> QuantileClipper | None:
+    """``clipper`` as the budget counts its clip count's noise beside the update's
+    ``counted`` encoding: as many of the equal shares as the update's noise
+    (:func:`fl.site.core.counted_count_stddev`)."""
+    from fl.site.core import counted_count_stddev
+
+    if clipper is None or counted.threshold == clipper.threshold:
+        return clipper
+    return replace(clipper, threshold=counted.threshold, count_stddev=counted_count_stddev(
+        clipper.count_stddev, clipper.threshold, counted.threshold))
 
 
 def _prior_rdp(prior: Sequence[Event]) -> Any:
@@ -292,6 +324,7 @@ def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
     elif isinstance(plan, DistributedPlan):
         p = plan.params
         out.update(noise_multiplier=effective_noise_multiplier(p),
+                   counted_noise_multiplier=effective_noise_multiplier(plan.counted),
                    per_site_noise_stddev=p.noise_stddev, calibration_threshold=p.threshold,
                    sample_rate=plan.sample_rate, steps_per_round=1, clip_norm=plan.clip_norm,
                    bits=p.bits, scale=p.scale, noise_added_by="each site, a share",

@@ -22,7 +22,8 @@ own standard error is raised to it (so a noisy, tiny variance never blows a feat
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -120,6 +121,11 @@ class ScalerPlan:
     params: EncodingParams
     epsilon_target: float
     unit: str = "patient"
+    charged: Callable[[EncodingParams], EncodingParams] | None = field(
+        default=None, compare=False, repr=False)
+    """The encoding as each site's ledger charges it when that is not :attr:`params` (its
+    own noise share only, when the roster is the coordinator's word); the coordinator's
+    side only, never on the wire: :meth:`event` is that charge."""
     mode = "distributed"
     kind = "scaler"
     sample_rate = 1.0
@@ -131,7 +137,8 @@ class ScalerPlan:
         return int(self.bounds.low.size)
 
     def event(self) -> RdpRound:
-        return distributed_event(self.params, 1.0)
+        return distributed_event(self.params if self.charged is None
+                                 else self.charged(self.params), 1.0)
 
     def codec(self) -> DistributedCodec:
         return DistributedCodec(self.params)
@@ -142,10 +149,13 @@ class ScalerPlan:
         return self.codec().update_clip / math.sqrt(2 * self.num_features)
 
     def describe(self) -> str:
+        counted = ("" if self.charged is None
+                   or self.charged(self.params).threshold == self.params.threshold
+                   else " as each site's ledger counts it: its own noise share only")
         return (f"noised secure sum of bounded feature statistics (distributed discrete "
                 f"Gaussian, per-site stddev {self.params.noise_stddev:.4g}, any "
                 f"{self.params.threshold} sites carry it; calibrated to epsilon "
-                f"{self.epsilon_target:g} of the budget)")
+                f"{self.epsilon_target:g} of the budget{counted})")
 
     def release_record(self, included: list[int], epsilon_before: float,
                        epsilon_after: float) -> dict[str, Any]:
@@ -183,11 +193,15 @@ def uses_noised_scaler(settings: Any, table: Table | None = None) -> bool:
             and settings.unit != "patient-idp")
 
 
-def scaler_plan(settings: Any, table: Table | None, num_features: int | None = None
+def scaler_plan(settings: Any, table: Table | None, num_features: int | None = None, *,
+                charged: Callable[[EncodingParams], EncodingParams] | None = None
                 ) -> ScalerPlan | None:
     """The release's plan (None when the run uses no noised scaler): every site takes part,
     the noise is calibrated to the secure-aggregation threshold of all ``--sites``, and the
-    modulus to the public bound on a site's units (as a distributed round's)."""
+    modulus to the public bound on a site's units (as a distributed round's). ``charged``:
+    the encoding as each site's ledger charges it, when that is not the encoding itself
+    (:func:`fl.site.privacy.distributed_plan`'s); the noise is the least whose release
+    costs the target epsilon as charged."""
     if not uses_noised_scaler(settings, table):
         return None
     f = table.num_features if table is not None else int(num_features or 0)
@@ -203,13 +217,14 @@ def scaler_plan(settings: Any, table: Table | None, num_features: int | None = N
     if settings.epsilon is not None and not target < settings.epsilon:
         raise ValueError(f"--scaler-epsilon {target:g} leaves nothing of --epsilon "
                          f"{settings.epsilon:g} for training")
-    params = noise_for_budget(template, target, settings.delta, 1.0, 1)
+    counted = template if charged is None else charged(template)
+    params = replace(template, noise_stddev=noise_for_budget(
+        counted, target, settings.delta, 1.0, 1).noise_stddev)
     bits = choose_bits(dim=2 * f + 1, clip_norm=1.0, scale=scale,
                        noise_stddev=params.noise_stddev, num_sites=num_sites,
                        units_per_site=max_units).bits
-
     unit = "record" if settings.unit == "record" else "patient"
-    return ScalerPlan(bounds, replace(params, bits=max(bits, 8)), target, unit)
+    return ScalerPlan(bounds, replace(params, bits=max(bits, 8)), target, unit, charged)
 
 
 def site_input(plan: ScalerPlan, table: Table) -> U64:

@@ -11,15 +11,19 @@ its transport and where its state lives. The session owns, in this order:
 3. **layout**: the arrays sent have the setup's layout, and the release is one the site can
    encode (:func:`fl.round_setup.round_release`), plus the runtime's own limits
    (``check_setup``);
-4. **admit**: the site core (mandatory) checks the protocol margins and the release against
-   the operator's policy and charges it, write-ahead, to the ledger (:mod:`fl.site.core`);
-   only then does the runtime run the user's **training**;
+4. **admit** (:meth:`SiteSession.gate`): the site core (mandatory) checks the protocol
+   margins, the replay rule refuses a round joined before, and the release is checked
+   against the operator's policy and charged, write-ahead, to the ledger
+   (:mod:`fl.site.core`); only then does the runtime run the user's **training**. The site
+   role's announcements carry its own task (per-patient sampling, site DP, the feature
+   statistics), not a :class:`~fl.round_setup.RoundSetup`: it runs this gate on them
+   (:func:`fl.remote.inputs.site_input`) and :meth:`SiteSession.abandon` when a round ends;
 5. **encode** the trained arrays (:func:`fl.round_setup.encode_reply`), **advertise** the
    round's keys, **answer** every later stage, and **erase** the round's secrets when it ends.
 
 Two rules hold in every runtime because they are written here once:
 
-* **Replay** (:meth:`SiteSession.charge`): a round is joined once. Its charge is labelled
+* **Replay** (:meth:`SiteSession.gate`): a round is joined once. Its charge is labelled
   with its key (the secure-aggregation session id, or the site role's announcement), and a
   second join of a key the ledger already holds -- charged or withdrawn, before or after a
   restart -- is refused (:class:`Replayed`) before anything is charged or trained.
@@ -121,10 +125,22 @@ class SiteSession:
         self.log = log or (lambda text: None)
 
     # -- the rules, for every runtime -----------------------------------------------------
-    def charge(self, core: SiteCore, key: bytes | str, what: str,
-               admit: Callable[[str], Charge]) -> Charge:
-        """The replay rule around ``admit`` (the core's gate, given the round's label)."""
+    def gate(self, core: SiteCore, key: bytes | str, what: str, *, num_clients: int,
+             threshold: int, neighbors: int | None, security: str,
+             admit: Callable[[str], Charge],
+             previous: tuple[int, int | None] | None = None) -> Charge:
+        """The join's privacy gate, in the same order in every runtime, before anything of
+        the site's data is computed: the protocol parameters against the site's own margins
+        (:meth:`fl.site.core.SiteCore.check_protocol`), the replay rule, the unfinished
+        round ``previous`` abandoned (see :meth:`join`), then the write-ahead charge
+        (``admit``, given the round's label). Raises :class:`dp.policy.PolicyRefused` or
+        :class:`Replayed`; nothing is charged then."""
+        core.check_protocol(num_clients=num_clients, threshold=threshold,
+                            neighbors=neighbors, security=security)
         refuse_replay(core, key, what)
+        if previous is not None:
+            self.abandon(previous[1], previous[0], "replaced by a newer round's setup "
+                         "before its masked input existed", core)
         return admit(label_of(what, key))
 
     def not_sent(self, charge: int, reason: str, core: SiteCore | None = None) -> None:
@@ -173,14 +189,11 @@ class SiteSession:
         core = self.open_core()
         try:
             core.authenticated_roster = setup.security == "malicious"  # enrolled keys only
-            core.check_protocol(num_clients=setup.num_clients, threshold=setup.threshold,
-                                neighbors=setup.neighbors, security=setup.security)
-            refuse_replay(core, session_id, what)
-            if previous is not None:
-                self.abandon(previous[1], previous[0], "replaced by a newer round's setup "
-                             "before its masked input existed", core)
-            charge = self.charge(core, session_id, what, lambda label: core.admit(
-                release(core.policy), secagg_threshold=setup.threshold, label=label))
+            charge = self.gate(
+                core, session_id, what, num_clients=setup.num_clients,
+                threshold=setup.threshold, neighbors=setup.neighbors, security=setup.security,
+                previous=previous, admit=lambda label: core.admit(
+                    release(core.policy), secagg_threshold=setup.threshold, label=label))
         finally:
             core.close()
         return Joined(setup, client_id, config, session_id, charge.id,

@@ -151,11 +151,12 @@ def test_remote_roles_run_private_adaptive_clipping_in_distributed_mode(
     """``--dp distributed --adaptive-clip`` across the roles: the clip count travels in the
     round's secure sum from the site processes, the coordinator moves the clip from it, and
     each site's core charges the count jointly with the update (its ledger's epsilon is the
-    joint event's)."""
+    joint event's, and the coordinator's: it planned the rounds at the sites' own-share
+    figure, the count included)."""
     from dp.accounting import rdp_to_epsilon
     from dp.policy import SitePolicy
     from fl.contribution import round_task
-    from fl.federation import federation_plan, load_split
+    from fl.federation import federation_plan, load_split, site_charge
     from fl.site.core import lone_share, open_site_core, site_proposal
 
     settings = TrainSettings(sites=3, rounds=2, dataset="ehr", ehr_patients=90, seed=1,
@@ -176,18 +177,22 @@ def test_remote_roles_run_private_adaptive_clipping_in_distributed_mode(
     assert [row["included"] for row in rows] == [[1, 2, 3]] * 2
     assert rows[0]["clip_norm"] == 1.0 and rows[1]["clip_norm"] != 1.0
     split = load_split(settings)
+    # the coordinator's plan as the sites (no peer keys) charge it: their own share only
     _, threshold, plan = federation_plan(settings, split.train.num_features,
-                                         split.train.num_classes)
+                                         split.train.num_classes, charged=site_charge(False))
     task = round_task(settings, plan, 1, 3, max_units=1000)
     assert task.clip_count
     proposal = lone_share(task, site_proposal(task, secagg_threshold=threshold))
     assert proposal.event is not None
     one_round = rdp_to_epsilon(proposal.event.rdp() * 2, settings.delta)
+    # the coordinator planned the two rounds' joint (update and count) cost at 30 as charged
+    assert one_round == pytest.approx(report["final_epsilon"], rel=1e-9)
+    assert 29.5 < one_round <= 30.0
     for guard in guards.values():
         charges = list(guard.ledger.active())
         assert len(charges) == 2 and all(
             c.event is not None and c.event["spec"]["count_sigma"] > 0 for c in charges)
-        assert charges[-1].epsilon_after == pytest.approx(one_round, rel=1e-3)
+        assert charges[-1].epsilon_after == pytest.approx(one_round, rel=1e-9)
         guard.close()
 
 

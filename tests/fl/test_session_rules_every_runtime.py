@@ -2,9 +2,10 @@
 session"; fl/site/session.py): a site that joined a round and is sent the same setup again
 refuses it, naming the rule, without charging it again; when that round ends before the
 site's masked input existed its charge is withdrawn; the withdrawn round is still joined (a
-second replay is refused too). Each runtime is driven through its own surface: the Flower
-mod on the in-process grid, the NVFlare executor, the site role's input and its
-``SiteProcess``."""
+second replay is refused too; the site role's after a restart over its ledger). Each
+runtime is driven through its own surface: the Flower mod on the in-process grid, the
+NVFlare executor, the site role's input and its ``SiteProcess``; each runs the session's
+gate (:meth:`fl.site.session.SiteSession.gate`) and withdrawal."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def site_role(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Outcome:
     from fl.remote.inputs import demo_site_data
     from fl.remote.messages import WireError
     from fl.remote.site import SiteOptions, SiteProcess
+    from fl.site.core import open_site_core
     from tests.fl.site_cores import site_core
     from tests.fl.test_site_session import SETTINGS, _input, _round
     from transport.memory import MemoryNetwork
@@ -107,9 +109,17 @@ def site_role(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Outcome:
     refusals = [replay()]
     _, ann = _round(3.0, run)
     site._ended(ann, None, None, "not in the round's roster")  # what it does at go
+    path = guard.ledger.path
+    guard.close()  # the site restarts over the same ledger: the round is still joined
+    guard = open_site_core(policy=SitePolicy(), ledger_path=str(path))
+    SiteProcess(demo_site_data(SETTINGS, 1, (1, 2, 3)), MemoryNetwork(),
+                SiteOptions(federation="fed", guard=guard), lambda text: None)
     refusals.append(replay())
-    return refusals, [c.withdrawn is not None for c in guard.ledger.charges], \
-        len(guard.ledger.charges)
+    try:
+        return refusals, [c.withdrawn is not None for c in guard.ledger.charges], \
+            len(guard.ledger.charges)
+    finally:
+        guard.close()
 
 
 @pytest.mark.parametrize("runtime", [flower, nvflare, site_role],
@@ -117,6 +127,9 @@ def site_role(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Outcome:
 def test_a_replay_is_refused_and_a_never_sent_round_withdrawn_in_every_runtime(
         runtime: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     refusals, withdrawn, charges = runtime(tmp_path, monkeypatch)
-    assert len(refusals) == 2 and all("already joined this round" in r for r in refusals), \
-        refusals
+    # the same answer, from the one gate (fl.site.session.SiteSession.gate)
+    assert len(refusals) == 2 and all(
+        "already joined this round" in r
+        and "a round is joined once, a replayed setup is neither charged nor trained" in r
+        for r in refusals), refusals
     assert withdrawn == [True] and charges == 1
