@@ -40,7 +40,7 @@ class IdpSgd:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 dataset: Dataset[tuple[torch.Tensor, torch.Tensor]], *, loss_fn: LossFn,
+                 dataset: Dataset[tuple[torch.Tensor, ...]], *, loss_fn: LossFn,
                  plan: IdpPlan, record_group: npt.NDArray[np.int64],
                  source: RandomSource | None = None, ledger: GroupLedger | None = None,
                  expected_batch: float | None = None) -> None:

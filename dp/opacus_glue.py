@@ -82,7 +82,7 @@ class SitePrivacyEngine:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        dataset: Dataset[tuple[torch.Tensor, torch.Tensor]],
+        dataset: Dataset[tuple[torch.Tensor, ...]],
         *,
         loss_fn: LossFn,
         noise_multiplier: float,

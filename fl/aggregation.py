@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from secagg import Config, Stage
+from secagg import Config, Stage, simulate
 from transport import (
     SERVER_USER,
     MemoryNetwork,
@@ -114,8 +114,6 @@ class InProcessAggregator:
 
     def aggregate(self, config: Config, inputs: Mapping[int, U64],
                   drop: Mapping[int, Stage]) -> AggregateOutcome:
-        from secagg import simulate
-
         started = time.perf_counter()
         result = simulate(config, dict(inputs), dict(drop))
         return AggregateOutcome(

@@ -50,7 +50,7 @@ from fl.checkpoint import load_model, save_model
 from fl.codec import FixedPointCodec
 from fl.contribution import Contribution, RoundTask, decoder, round_task, site_input
 from fl.coordinator import Coordinator
-from fl.federation import make_plan
+from fl.federation import make_plan, report
 from fl.settings import TrainSettings
 from fl.site.training import Site
 from fl.vector import ParameterLayout
@@ -189,8 +189,6 @@ def train_federated(model: torch.nn.Module, sites: Sequence[PrivateSite], *, rou
     ``unit``, ``site_steps``, ``max_units``, ``drop_rate``, ``seed``, ``lr`` (the DP modes'
     step size), ... The budget stops training before a round that would exceed ``epsilon``.
     """
-    from fl.federation import report
-
     settings = TrainSettings(sites=len(sites), rounds=rounds, dp=dp, epsilon=epsilon,
                              delta=delta, broker=broker, **options)
     by_id = {i + 1: site for i, site in enumerate(sites)}

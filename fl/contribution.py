@@ -24,10 +24,11 @@ for the same reason.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -304,7 +305,6 @@ def cap_units(rows: F64, max_units: int | None) -> F64:
     patients were sampled (docs/privacy.md section 1, "After the privacy gate")."""
     if max_units is None or len(rows) <= max_units:
         return rows
-    import os
 
     keep = np.random.default_rng(int.from_bytes(os.urandom(16), "big")).choice(
         len(rows), size=max_units, replace=False)
@@ -450,7 +450,12 @@ def _weights(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"max_weight": top, "weights": tuple(sorted(pairs))}
 
 
-def _adaptive(body: Mapping[str, Any]) -> dict[str, float]:
+class _Adaptive(TypedDict, total=False):
+    target_quantile: float
+    count_stddev: float
+
+
+def _adaptive(body: Mapping[str, Any]) -> _Adaptive:
     """Adaptive clipping's two fields: both or neither."""
     if body.get("target_quantile") is None and body.get("count_stddev") is None:
         return {}

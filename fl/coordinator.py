@@ -282,6 +282,7 @@ class Coordinator:
         update, count = done.decode(outcome.total, len(outcome.included))
         clip = None
         if self.clipper is not None:  # the server's only input: the round's noised sums
+            assert isinstance(self.plan, DistributedPlan)  # the only plan with a clipper
             clip = self.clipper.clip_norm
             units = (count if self.weight_units is None
                      else self.weight_units * self.plan.sample_rate)

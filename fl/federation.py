@@ -11,9 +11,11 @@ exact, not noised: in the DP modes use data on a public scale (the EHR generator
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,6 +42,7 @@ from fl.site.privacy import (
     site_plan,
 )
 from fl.site.training import Scaler, Site
+from fl.survival import evaluate_cox
 from fl.vector import ParameterLayout
 from secagg import Config
 
@@ -58,11 +61,12 @@ class Split:
 def load_split(settings: TrainSettings) -> Split:
     """The settings' table, split into test and per-site training data (seeded)."""
     if settings.survival:
-        from fl.survival import tcga_brca
+        from fl.data import tcga_brca
 
         data = tcga_brca()  # FLamby's natural centers and static split
         if settings.model == "discrete-time":  # person-period rows, public feature scale
-            from fl.survival import person_period, pooled, public_scale
+            from fl.data import pooled
+            from fl.survival import person_period, public_scale
 
             rows = [person_period(t) for t in data.train]
             tests = [public_scale(t) for t in data.test]
@@ -98,8 +102,6 @@ def public_scaler(settings: TrainSettings, num_features: int) -> Scaler | None:
     they release nothing (docs/privacy.md section 1)."""
     if settings.scaler_file is None:
         return None
-    import json
-    from pathlib import Path
 
     try:
         data = json.loads(Path(settings.scaler_file).read_text(encoding="utf-8"))
@@ -259,8 +261,6 @@ def survival_evaluator(site_tests: Sequence[Table] | None,
     """Round metrics of a survival task: the pooled test set's C-index and Cox loss, and
     each site's own test C-index (``c_index_by_site``, if the data set has per-site tests);
     ``discrete_time``: of the discrete-time model's risk (fl.survival.discrete_time_risk)."""
-    from fl.survival import evaluate_cox
-
     per_site = [tensors(t, None) for t in site_tests or ()]
 
     def metrics(model: torch.nn.Module,
@@ -390,9 +390,11 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
             released.attach(coordinator)
         if weighing is not None:  # charged, then released, then the weights computed
             weights = site_weights.release_and_weigh(coordinator, weighing, settings)
+            budget = coordinator.budget
             say("site weights from the DP releases: "
                 + ", ".join(f"{k} {w:.3f}" for k, w in sorted(weights.weights.items()))
-                + f"; epsilon {coordinator.budget.spent[0]:.4g} after them")
+                + (f"; epsilon {budget.spent[0]:.4g} after them" if budget is not None
+                   else ""))
         try:
             coordinator.run()
         except Exception as failure:

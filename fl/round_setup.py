@@ -61,7 +61,6 @@ U64 = npt.NDArray[np.uint64]
 
 VERSION = 1
 ENCODINGS = ("fixed", "ddp")
-MAX_ROSTER = 1 << 16
 MAX_ARRAYS = 1 << 12
 MAX_DIM = 1 << 28
 MAX_SETUP_BYTES = 1 << 22
@@ -201,7 +200,7 @@ class RoundSetup:
             raise SetupError(f"the round setup has {len(raw)} bytes; at most "
                              f"{MAX_SETUP_BYTES} are accepted")
         body = fields.unpack_map(raw, MAX_SETUP_BYTES, error=SetupError,
-                                 max_array_len=MAX_ROSTER, max_str_len=1 << 12,
+                                 max_array_len=fields.MAX_ROSTER, max_str_len=1 << 12,
                                  what="the round setup")
         setup = cls._parse(body)
         if setup.to_bytes() != raw:
@@ -213,7 +212,7 @@ class RoundSetup:
         if body.get("v") != VERSION:
             raise SetupError(f"round setup version {body.get('v')!r}; this node speaks "
                              f"version {VERSION}: upgrade secagg on the older side")
-        roster = _int_list(body, "roster", 1 << 64, MAX_ROSTER)
+        roster = _int_list(body, "roster", 1 << 64, fields.MAX_ROSTER)
         if len(roster) < 2 or len(set(roster)) != len(roster):
             raise SetupError("the roster needs at least two distinct node ids")
         nonce = body.get("nonce")
@@ -249,7 +248,7 @@ class RoundSetup:
             raise SetupError("a malicious-mode setup needs one distinct verify key per node")
         if security == "semi-honest" and keys:
             raise SetupError("a semi-honest setup carries no verify keys")
-        k = _int(body, "k", 0, MAX_ROSTER)
+        k = _int(body, "k", 0, fields.MAX_ROSTER)
         frac_bits = _int(body, "frac_bits", 0, 62)
         dp = _dp_spec(body.get("dp")) if encoding == "ddp" else None
         if encoding == "ddp" and metrics:
@@ -275,7 +274,7 @@ class RoundSetup:
                              f"a site proves is the DP clip ({dp.clip_norm}), nothing else")
         return cls(run_id=_int(body, "run", 0, (1 << 64) - 1),
                    server_round=_int(body, "round", 0, (1 << 63) - 1), nonce=nonce,
-                   roster=tuple(roster), threshold=_int(body, "t", 1, MAX_ROSTER),
+                   roster=tuple(roster), threshold=_int(body, "t", 1, fields.MAX_ROSTER),
                    neighbors=k or None, bits=_int(body, "bits", MIN_BITS, MAX_BITS),
                    security=security,
                    arrays=specs, metrics=tuple(metrics), weight_key=weight,
@@ -328,7 +327,7 @@ def _dp_spec(item: object) -> DpSpec:
                   _float(dp, "noise_stddev", 0.0), _int(dp, "rotation_seed", 0, (1 << 63) - 1),
                   fields.text(dp, "mechanism", mechanisms.names(), error=SetupError,
                               what="DP parameter"),
-                  _float(dp, "beta", 0.0, 0.999999), _int(dp, "threshold", 1, MAX_ROSTER))
+                  _float(dp, "beta", 0.0, 0.999999), _int(dp, "threshold", 1, fields.MAX_ROSTER))
 
 
 # --- a site's arrays <-> its secagg vector (both sides call these) -----------------------
@@ -561,10 +560,11 @@ def fixed_setup(*, run_id: int, server_round: int, roster: Sequence[int],
     k, t = protocol_graph(n, neighbors=neighbors, threshold=threshold,
                           dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
                           security=security)
-    rates = {} if k is None else {"dropout_rate": dropout_rate, "corrupt_rate": corrupt_rate}
     nonce = RoundNonce()  # its value goes out in the setup; the round's Server takes it
-    # Config fills in the protocol's threshold floor when t is None
-    probe = Config(num_clients=n, threshold=t, neighbors=k, security=security, **rates)
+    # Config fills in the protocol's threshold floor for t = 0; the rates check SecAgg+'s k
+    probe = Config(num_clients=n, threshold=t or 0, neighbors=k, security=security,
+                   dropout_rate=None if k is None else dropout_rate,
+                   corrupt_rate=None if k is None else corrupt_rate)
     keys: tuple[bytes, ...] = ()
     if security == "malicious":
         who = list(roster if members is None else members)

@@ -8,7 +8,7 @@ from typing import Any
 
 from dp import MODES as DP_MODES
 from dp import UNITS, accountant_names
-from secagg.config import SECURITY_MODES, Config
+from secagg import SECURITY_MODES, Config
 
 # fl.models.MODELS (kept here without torch)
 MODELS = ("logreg", "mlp", "cnn", "cox", "discrete-time")

@@ -129,7 +129,7 @@ def train_single_centric(model: torch.nn.Module, table: Table, *, epochs: int = 
     optimizer = torch.optim.Adam(local.parameters(), lr=lr)
     for rows in site.batches(epochs=epochs, batch_size=batch_size, seed=seed):
         optimizer.zero_grad(set_to_none=True)
-        site.train_loss(local(site.x[rows]), site.y[rows]).backward()
+        torch.autograd.backward(site.train_loss(local(site.x[rows]), site.y[rows]))
         optimizer.step()
     return local
 

@@ -80,7 +80,7 @@ class MaskedInput:
     client_id: int
     bits: int
     dim: int
-    masked: bytes
+    masked: bytes | memoryview
     peers_digest: bytes = bytes(32)
     signature: bytes = b""
     stage = Stage.MASKED_INPUT

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import logging
 import math
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -44,8 +46,6 @@ SUGGEST = {
 def unknown_options(tokens: list[str], parser: argparse.ArgumentParser) -> str:
     """The message for ``tokens`` ``parser`` did not recognise: each unknown option with the
     option it most likely meant (:data:`SUGGEST`, then close spellings)."""
-    import difflib
-
     known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     hints = []
     for token in tokens:
@@ -193,7 +193,7 @@ class CurrentStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def __init__(self) -> None:
         super().__init__(sys.stderr)
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stderr
 
@@ -253,8 +253,6 @@ def stop_signals() -> Iterator[None]:
     """SIGINT and SIGTERM raise :class:`Stopped` while the block runs, even in a process
     started in the background (where the shell leaves SIGINT ignored and Python then does
     not raise ``KeyboardInterrupt``); the previous handlers come back after."""
-    import signal
-
     def stop(signum: int, frame: object) -> None:
         raise Stopped(signum)
 

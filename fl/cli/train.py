@@ -17,14 +17,20 @@ continues from it. Torch is imported inside :func:`run` only, so ``secagg simula
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib.util
 import json
 import math
+import os
+import signal
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dp import TORCH_EXTRA_INSTALL, PrivacyError, SitePolicy, accountant_names
+from dp import MODES as DP_MODES
+from dp import TORCH_EXTRA_INSTALL, UNITS, PrivacyError, SitePolicy, accountant_names
 from fl.cli._common import (
     Stopped,
     UsageError,
@@ -37,11 +43,9 @@ from fl.cli._common import (
 )
 from fl.data import DATASETS
 from fl.settings import (
-    DP_MODES,
     MODELS,
     SCALING,
     STRATEGIES,
-    UNITS,
     TrainSettings,
     dataset_defaults,
 )
@@ -372,8 +376,6 @@ def site_policy_from_args(args: argparse.Namespace) -> Any:
     """The site operator's :class:`dp.policy.SitePolicy`: ``--policy`` then the flags.
     Exact releases need the operator's opt-in (``--dp none`` or a policy file listing mode
     none); the privacy unit is ``--unit`` (default patient)."""
-    from dataclasses import replace
-
     policy = SitePolicy.load(args.policy) if args.policy else SitePolicy()
     changes: dict[str, Any] = {}
     if args.dp is not None:
@@ -455,8 +457,6 @@ def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
 def broker_settings(args: argparse.Namespace, user: str) -> Any:
     """The ``--broker`` URL of a coordinator or site, with its password from a file or the
     environment (a password in the URL shows in the process list)."""
-    import os
-
     if not args.broker.startswith(("mqtt://", "mqtts://")):
         raise ValueError(f"--role {args.role} connects to a broker shared by every party: "
                          "give --broker mqtt(s)://[user[:password]@]host:port")
@@ -472,7 +472,6 @@ def broker_settings(args: argparse.Namespace, user: str) -> Any:
     username = settings.username
     if username is None and password is not None:
         username = user
-    from dataclasses import replace
 
     return replace(settings, username=username, password=password,
                    connect_timeout=args.connect_timeout,
@@ -480,8 +479,6 @@ def broker_settings(args: argparse.Namespace, user: str) -> Any:
 
 
 def _torch_missing() -> bool:
-    import importlib.util
-
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("opacus") is None:
         print(f"secagg train: this needs torch and opacus: install the extra with "
               f"{TORCH_EXTRA_INSTALL}", file=sys.stderr)
@@ -512,8 +509,6 @@ def run(args: argparse.Namespace) -> int:
     round that kept aborting, a lost broker) exits 1, each in one line; SIGINT or SIGTERM
     (also in a process started in the background) stops it with one line and exit
     128 + the signal, as ``secagg simulate``."""
-    import signal
-
     try:
         with stop_signals():
             return _run(args)
@@ -639,8 +634,6 @@ def _run_site(args: argparse.Namespace, settings: TrainSettings, ids: tuple[int,
               network: Any, log: Any, probe: Callable[[], None]) -> int:
     """``--role site``: the hospital's own process, wrapped around its site core; ``probe``
     checks the broker once the site's own configuration has been checked."""
-    import asyncio
-
     from fl.remote.site import SiteOptions, SiteProcess
     from fl.site.core import open_site_core
     from fl.site.identity import SiteIdentity, fingerprint

@@ -23,8 +23,9 @@ if importlib.util.find_spec("flwr") is None:  # pragma: no cover - exercised on 
 
 from fl.flower.client import NodeOptions, RoundStateError, make_secagg_mod, secagg_mod
 from fl.flower.rounds import RoundReport
-from fl.flower.server import DistributedDP, SecureAggregation
+from fl.flower.server import SecureAggregation
 from fl.flower.setup import RoundSetup, SetupError
+from fl.round_setup import DistributedDP
 
 __all__ = [
     "DistributedDP",

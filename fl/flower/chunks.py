@@ -219,7 +219,7 @@ def assemble(content: Any, payload: bytes, dim: int, bits: int, chunk: int) -> M
     for start, values in chunks_of(content, dim, bits, chunk):
         vector[start:start + len(values)] = values
     # a view of the buffer, not a copy: Server.receive encodes it once
-    return dataclasses.replace(head, dim=dim, masked=memoryview(vector).cast("B"))
+    return dataclasses.replace(head, dim=dim, masked=vector.data.cast("B"))
 
 
 def _npy_header(data: bytes) -> tuple[Any, Any, Any]:
@@ -228,7 +228,8 @@ def _npy_header(data: bytes) -> tuple[Any, Any, Any]:
     version = np.lib.format.read_magic(stream)
     read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
             else np.lib.format.read_array_header_2_0)
-    return tuple(read(stream))
+    shape, fortran_order, dtype = read(stream)
+    return shape, fortran_order, dtype
 
 
 def _is_dtype(name: object, dtype: np.dtype[Any]) -> bool:

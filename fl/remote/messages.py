@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from secagg.config import SECURITY_MODES
+from secagg import SECURITY_MODES
 from transport import HEADER_BYTES, ControlError, Topics, Will, check_round_name, fields, frame
 
 from ..errors import FLError

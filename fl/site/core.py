@@ -39,6 +39,7 @@ from dp import (
     SitePolicy,
     check_delta,
 )
+from secagg.graph import check_pair, complete_graph_threshold
 
 
 @dataclass(frozen=True)
@@ -169,8 +170,6 @@ class SiteCore:
         not safe at the site's ``min_dropout_rate`` and ``min_corrupt_rate`` (Bell et al.
         2020: ``secagg.graph.check_pair``, whose message names the safe pair). The rates a
         server states are never used here."""
-        from secagg.graph import check_pair, complete_graph_threshold
-
         p = self.policy
         if threshold < p.min_threshold:
             raise PolicyRefused("min_threshold", f"the secure sum could be decoded from "

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch.utils.data import TensorDataset
 
 from dp import (
     DEFAULT_MAX_RECORDS,
@@ -124,8 +125,6 @@ class SiteIdp:
         aborted round releases nothing and the coordinator charges each round once
         (:class:`fl.coordinator.Coordinator`, write-ahead).
         """
-        from torch.utils.data import TensorDataset
-
         from dp import IdpSgd
 
         charge = self.ledger is not None and (round_number is None

@@ -69,7 +69,7 @@ class SiteDpPlan:
     count_stddev: float | None = None
     target_quantile: float | None = None
 
-    def event(self) -> Event:
+    def event(self) -> GaussianRound:
         return GaussianRound(self.noise_multiplier, self.sample_rate, self.steps,
                              self.count_stddev)
 

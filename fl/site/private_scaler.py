@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -38,10 +38,14 @@ from dp import (
     event_to_json,
     noise_for_budget,
 )
+from fl import checkpoint as ckpt
 from fl.codec import DistributedCodec
+from fl.contribution import TaskError, encoding_params
 from fl.data import Table
-from fl.site.privacy import DEFAULT_MAX_UNITS
+from fl.models import make_model
+from fl.site.privacy import DEFAULT_MAX_UNITS, restore_budget
 from fl.site.training import Scaler
+from secagg import Config
 
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
@@ -173,7 +177,7 @@ def scaler_epsilon(settings: Any) -> float:
         return float(given)
     if settings.epsilon is None:
         return SCALER_EPSILON_WITHOUT_BUDGET
-    return SCALER_FRACTION * settings.epsilon
+    return SCALER_FRACTION * float(settings.epsilon)
 
 
 def uses_noised_scaler(settings: Any, table: Table | None = None) -> bool:
@@ -198,8 +202,6 @@ def scaler_plan(settings: Any, table: Table | None, num_features: int | None = N
     the encoding as each site's ledger charges it, when that is not the encoding itself
     (:func:`fl.site.privacy.distributed_plan`'s); the noise is the least whose release
     costs the target epsilon as charged."""
-    from secagg import Config
-
     if not uses_noised_scaler(settings, table):
         return None
     f = table.num_features if table is not None else int(num_features or 0)
@@ -275,8 +277,6 @@ class Released:
     def attach(self, coordinator: Any) -> None:
         """Put the charge on the coordinator's budget and checkpoint (the rounds compose
         with it)."""
-        from fl.site.privacy import restore_budget
-
         s = coordinator.settings
         coordinator.events = list(self.events)
         coordinator.budget = restore_budget(s.epsilon, s.delta, self.events,
@@ -303,10 +303,6 @@ def charge(plan: ScalerPlan, settings: Any, saved: Any, num_features: int,
     """Charge the release to the run's budget (the checkpoint's events, if resuming) and
     write that charge to the checkpoint (write-ahead: before the sum exists). A budget that
     cannot afford it raises :class:`dp.errors.BudgetExceeded`; nothing is released."""
-    from fl import checkpoint as ckpt
-    from fl.models import make_model
-    from fl.site.privacy import restore_budget
-
     events = list(saved.events) if saved is not None else []
     budget = restore_budget(settings.epsilon, settings.delta, events,
                             settings.release_accountant)
@@ -323,8 +319,6 @@ def charge(plan: ScalerPlan, settings: Any, saved: Any, num_features: int,
 
 # -- the plan on the wire (multi-machine: the coordinator's blob, validated by each site) --
 def to_wire(plan: ScalerPlan) -> dict[str, Any]:
-    from dataclasses import asdict
-
     return {"params": {k: v for k, v in asdict(plan.params).items() if k != "encoded_dim"},
             "low": plan.bounds.low.tolist(), "high": plan.bounds.high.tolist(),
             "unit": plan.unit, "epsilon_target": plan.epsilon_target}
@@ -333,8 +327,6 @@ def to_wire(plan: ScalerPlan) -> dict[str, Any]:
 def from_wire(body: Any, num_features: int) -> ScalerPlan:
     """A coordinator's feature-statistics task, every field checked (raises
     :class:`fl.contribution.TaskError`); its cost is then the site's own to judge."""
-    from fl.contribution import TaskError, encoding_params
-
     if not isinstance(body, dict):
         raise TaskError("task field 'noised' must be a map")
     params = encoding_params(body.get("params"), 2 * num_features + 1)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import torch
+from torch.utils.data import TensorDataset
 
 from fl.data import Table
 from fl.site.idp import SiteIdp
@@ -118,7 +119,7 @@ class Site:
                 # FedProx keeps heterogeneous sites from drifting far from the global model.
                 prox = sum(((p - a) ** 2).sum() for p, a in zip(trainable, anchor, strict=True))
                 loss = loss + mu / 2 * prox
-            loss.backward()
+            torch.autograd.backward(loss)  # loss.backward(), which torch leaves untyped
             if shifts is not None:
                 for p, shift in zip(trainable, shifts, strict=True):
                     assert p.grad is not None
@@ -165,8 +166,6 @@ class Site:
         with ``target_quantile``/``count_stddev``, private adaptive clipping per step. The
         noised sum is divided by ``expected_batch`` (declared, public) or not at all.
         ``unit="patient-idp"``: this site's own rates and noise (:mod:`fl.site.idp`) instead."""
-        from torch.utils.data import TensorDataset
-
         if unit == "patient-idp":
             if self.idp is None:
                 raise ValueError(f"site {self.site_id}: --unit patient-idp needs the site's "

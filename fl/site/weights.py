@@ -41,7 +41,7 @@ def weights_epsilon(settings: Any) -> float:
         return float(settings.weights_epsilon)
     if settings.epsilon is None:
         return WEIGHTS_EPSILON_WITHOUT_BUDGET
-    return WEIGHTS_FRACTION * settings.epsilon
+    return WEIGHTS_FRACTION * float(settings.epsilon)
 
 
 def release_plan(settings: Any) -> site_weights.HistogramRelease | None:
