@@ -61,6 +61,7 @@ class Row:
 
 
 ROWS = {row.name: row for row in (
+    Row("10x1e6", 10, 10**6),
     Row("5x1e7", 5, 10**7),
     Row("10x1e7", 10, 10**7),
     Row("plus20x1e7", 20, 10**7, neighbors=10),
