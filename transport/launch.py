@@ -26,6 +26,7 @@ from .broker.auth import TOKEN_LOG2_N, hash_password
 from .broker.topics import AclEntry, TopicAcl
 from .errors import TransportError
 from .framing import DEFAULT_MAX_PAYLOAD
+from .heap import heap_environment
 from .link import LinkLost
 from .mqtt import BrokerSettings, parse_broker_url, probe
 
@@ -64,7 +65,7 @@ def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable, port: int
                  # removes the folder with the users and ACL files (transport.lifeline).
                  "--parent-pid", str(os.getpid()), "--remove-if-orphaned", tmp],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                start_new_session=True, env={**os.environ, **heap_environment()})
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     return proc, port_file, log_path
