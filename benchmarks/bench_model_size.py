@@ -61,6 +61,7 @@ class Row:
 
 
 ROWS = {row.name: row for row in (
+    Row("10x1e6", 10, 10**6),
     Row("5x1e7", 5, 10**7),
     Row("10x1e7", 10, 10**7),
     Row("plus20x1e7", 20, 10**7, neighbors=10),
@@ -73,8 +74,9 @@ ROWS = {row.name: row for row in (
 _WRAPPER = """
 import json, resource, subprocess, sys
 rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
-print(json.dumps({"rc": rc,
-                  "max_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"rc": rc, "max_rss": usage.ru_maxrss * 1024,
+                  "cpu": usage.ru_utime + usage.ru_stime}))
 """
 
 _INPROCESS = """
@@ -131,7 +133,8 @@ def run_row(row: Row, source: Path) -> dict[str, Any]:
             "wire": max(report.get("wire_bytes", {"": 0}).values()),
             "dropped_payloads": transport.get("invalid_payloads", 0),
             "republished": transport.get("republished", 0),
-            "max_rss": wrapper["max_rss"], "wall": time.perf_counter() - started}
+            "max_rss": wrapper["max_rss"], "cpu": wrapper["cpu"],
+            "wall": time.perf_counter() - started}
 
 
 def floor(row: Row) -> float:
@@ -142,9 +145,10 @@ def floor(row: Row) -> float:
     return keystreams + copies
 
 
-def table(results: list[tuple[Row, dict[str, Any], float]], source: Path) -> str:
+def table(results: list[tuple[Row, dict[str, Any], float]], source: Path,
+          notes: list[str] | None = None) -> str:
     code = "this checkout" if source == REPO else f"`{source}`"
-    lines = [f"Code: {code}; 32 bits, no dropouts, seed 1.", "",
+    lines = [f"Code: {code}; 32 bits, no dropouts, seed 1.", *(notes or []), "",
              "| run | clients | d | round s | floor s | ratio | peak RSS, largest process "
              "| wire bytes per client / (d x 4) | dropped payloads | correct |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -166,6 +170,27 @@ def table(results: list[tuple[Row, dict[str, Any], float]], source: Path) -> str
     return "\n".join(lines)
 
 
+def run_repeated(row: Row, source: Path, repeat: int) -> tuple[dict[str, Any], float, str]:
+    """``repeat`` runs of ``row``, each against the floor measured right after it: the run
+    whose ratio is the median, its floor, and a note with every ratio and the load."""
+    runs = []
+    load_before = os.getloadavg()[0]
+    for _ in range(repeat):
+        got = run_row(row, source)
+        runs.append((got, floor(row)))
+        print(f"{row.name}: {json.dumps(got)}", file=sys.stderr, flush=True)
+    ratios = [g.get("seconds", float("inf")) / f for g, f in runs]
+    median = sorted(range(repeat), key=ratios.__getitem__)[repeat // 2]
+    cpu = sorted(g.get("cpu", float("nan")) for g, _ in runs)
+    note = (f"{row.name}: the median of {repeat} runs (ratios "
+            + ", ".join(f"{r:.1f}x" for r in ratios)
+            + f"); load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
+            f"CPU seconds of the whole command, every process, start-up included (less "
+            f"sensitive to the load than the round's wall time): median {cpu[repeat // 2]:.2f}"
+            f" (" + ", ".join(f"{c:.2f}" for c in cpu) + ").")
+    return runs[median][0], runs[median][1], note
+
+
 def write_docs(text: str, command: str, block: str) -> None:
     """Put ``text`` (printed by ``command``) into docs/performance.md's "Model-sized
     updates" section, as its ``block`` (``current`` or ``before``: a run of older code)."""
@@ -183,8 +208,12 @@ def write_docs(text: str, command: str, block: str) -> None:
             "<!-- bench_model_size:current -->\n<!-- /bench_model_size:current -->\n\n"
             "<!-- bench_model_size:before -->\n<!-- /bench_model_size:before -->\n")
     start_tag, end_tag = f"<!-- bench_model_size:{block} -->", f"<!-- /bench_model_size:{block} -->"
+    if start_tag not in doc or end_tag not in doc:
+        raise SystemExit(f"docs/performance.md has no {start_tag} ... {end_tag} block; add "
+                         "it where the table belongs")
     start, end = doc.index(start_tag) + len(start_tag), doc.index(end_tag)
-    title = "Before (main at 43626a8)" if block == "before" else "Now"
+    title = "Before (main at 43626a8)" if block == "before" else (
+        "Before" if block.endswith("before") else "Now")
     doc = (doc[:start] + f"\n{title}: `{command}`\n\n{text}\n" + doc[end:])
     path.write_text(doc, encoding="utf-8")
 
@@ -196,21 +225,32 @@ def main() -> int:
                         help="the checkout whose code runs (e.g. an older commit)")
     parser.add_argument("--write-docs", action="store_true",
                         help="write the table into docs/performance.md")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run each row N times and report the run of median ratio, "
+                             "with every ratio and the load average (a shared machine)")
+    parser.add_argument("--block", metavar="NAME",
+                        help="the docs block --write-docs fills (default: current, or "
+                             "before for --source); another block must exist as "
+                             "<!-- bench_model_size:NAME --> (titled Before if NAME ends "
+                             "with 'before')")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    results = []
+    if args.repeat < 1:
+        parser.error("--repeat: need at least 1 run")
+    results, notes = [], []
     for name in args.rows:
-        row = ROWS[name]
-        got = run_row(row, args.source.resolve())
-        results.append((row, got, floor(row)))
-        print(f"{name}: {json.dumps(got)}", file=sys.stderr, flush=True)
-    text = table(results, args.source.resolve())
+        got, floor_s, note = run_repeated(ROWS[name], args.source.resolve(), args.repeat)
+        results.append((ROWS[name], got, floor_s))
+        if args.repeat > 1:
+            notes.append(note)
+    text = table(results, args.source.resolve(), notes)
     print(json.dumps([{"row": r.name, **g, "floor": f} for r, g, f in results])
           if args.json else text)
     if args.write_docs:
+        block = args.block or ("current" if args.source.resolve() == REPO else "before")
         write_docs(text, " ".join(["nice python benchmarks/bench_model_size.py",
                                    *(a for a in sys.argv[1:] if a != "--write-docs")]),
-                   "current" if args.source.resolve() == REPO else "before")
+                   block)
     failed = any(not g.get("correct") or g.get("dropped_payloads") for _, g, _ in results)
     return 1 if failed else 0
 

@@ -355,14 +355,19 @@ class Server:
                              client_id=client_id)
 
     def receive(self, client_id: int,
-                message: ClientMessage | bytes | bytearray | memoryview) -> bool:
+                message: ClientMessage | bytes | bytearray | memoryview, *,
+                digest: bytes | None = None) -> bool:
         """Accept one message from ``client_id`` (the transport-authenticated sender).
 
         Returns ``True`` for a new message, ``False`` for a redelivery of one already
         accepted (this stage's or the previous stage's); raises ``ProtocolError`` when the
         message is rejected. The bytes are decoded once; besides what a signature covers
         (malicious mode), the server keeps each accepted message's sha256 to recognise its
-        redelivery (never the bytes: a whole masked input is d-sized)."""
+        redelivery (never the bytes: a whole masked input is d-sized). ``digest``: that
+        sha256 of ``message``'s bytes when the caller has it already (a transport's
+        reassembly checked it against them), so a 4 MiB chunk is not hashed again."""
+        if digest is not None and (not isinstance(digest, bytes) or len(digest) != 32):
+            raise ValueError("digest must be the 32-byte sha256 of the message's bytes")
         if self.aborted is not None:
             raise self._reject(client_id, f"the round was aborted: {self.aborted}")
         if isinstance(message, (bytes, bytearray, memoryview)):
@@ -395,7 +400,8 @@ class Server:
             return self._take_proof(client_id, msg, raw)
         accepted = self._accepted_digest.get(client_id)
         previous = self._previous_digest.get(client_id)
-        digest = sha256(raw) if accepted is not None or previous is not None else b""
+        known = digest
+        digest = (known or sha256(raw)) if accepted is not None or previous is not None else b""
         if accepted == digest and client_id in self._inbox:
             return False  # redelivery of an accepted message
         if previous == digest:
@@ -413,11 +419,11 @@ class Server:
         if client_id in self._inbox:
             raise self._reject(client_id, "a second, different message in one stage")
         if isinstance(msg, (MaskedInput, MaskedChunk)):
-            return self._take_masked(client_id, msg, raw)
+            return self._take_masked(client_id, msg, raw, digest or known)
         self._validate(client_id, msg)
         self._inbox[client_id] = msg
         self._pending.discard(client_id)
-        self._accepted_digest[client_id] = digest or sha256(raw)
+        self._accepted_digest[client_id] = digest or known or sha256(raw)
         if isinstance(msg, AdvertiseKeys):
             self._advert_digests[client_id] = advertisement_digest(
                 self.session_id, client_id, _entry(msg))
@@ -590,10 +596,11 @@ class Server:
         self._proof_digests[cid] = digest
         return True
 
-    def _take_masked(self, cid: int, msg: MaskedInput | MaskedChunk, raw: bytes) -> bool:
+    def _take_masked(self, cid: int, msg: MaskedInput | MaskedChunk, raw: bytes,
+                     digest: bytes | None) -> bool:
         """One chunk of a masked input (a ``MaskedInput`` is the chunk [0, dim)): checked
         whole before anything changes, then held pending, and added to the sum only when
-        the sender's last chunk completes it."""
+        the sender's last chunk completes it. ``digest``: sha256(raw), if known."""
         cfg = self.config
         if cfg.norm_bound is not None and cid not in self._commitments:
             raise self._reject(cid, f"no verified input proof before the masked input "
@@ -650,7 +657,7 @@ class Server:
                 raise self._reject(cid, f"a second, different chunk at element {offset}")
             upload.held[offset] = (msg, raw)
             return True
-        accepted = self._accept_chunk(cid, upload, msg, raw, offset, vector, last)
+        accepted = self._accept_chunk(cid, upload, msg, raw, offset, vector, last, digest)
         while upload is not None and not last and upload.next in upload.held:
             msg, raw = upload.held.pop(upload.next)
             vector = msg.vector()
@@ -659,7 +666,8 @@ class Server:
         return accepted
 
     def _accept_chunk(self, cid: int, upload: _Upload | None, msg: MaskedInput | MaskedChunk,
-                      raw: bytes, offset: int, vector: np.ndarray, last: bool) -> bool:
+                      raw: bytes, offset: int, vector: np.ndarray, last: bool,
+                      digest: bytes | None = None) -> bool:
         """The chunk at the stream's offset, checked by :meth:`_take_masked`: the running
         digest and, on the last, the signature; then into the pending buffer (the sum)."""
         cfg = self.config
@@ -700,7 +708,7 @@ class Server:
             # kept without its vector (in the sum now), so n whole inputs never stay behind
             self._inbox[cid] = replace(msg, masked=b"")
             self._pending.discard(cid)
-            self._accepted_digest[cid] = sha256(raw)
+            self._accepted_digest[cid] = digest or sha256(raw)
         return True
 
     def _add_to_sum(self, vector: np.ndarray, *, owned: bool = False) -> np.ndarray:

@@ -75,6 +75,7 @@ def test_model_size_benchmark_runs_its_rows_at_a_tiny_size() -> None:
         assert got["correct"] is True and got["dropped_payloads"] == 0, got
         assert 1.0 <= got["wire"] / (row.dim * 4) < 1.1  # 32-bit elements on the wire
         assert got["max_rss"] > 0
+        assert row.inprocess or got["cpu"] > 0  # every process of the command, summed
         results.append((row, got, 0.01))
     text = bench.table(results, bench.REPO)
     assert text.count("| yes |") == 2 and "x |" in text

@@ -241,6 +241,28 @@ def test_mosquitto_broker(tmp_path: Path) -> None:
     assert report["correct"] is True and len(report["included"]) <= 8
 
 
+@pytest.mark.parametrize("broker", ["embedded", "mosquitto"])
+def test_the_runs_own_broker_takes_megabyte_frames(tmp_path: Path, broker: str) -> None:
+    """Issue 32: through the broker a run starts itself, frames are 1 MiB
+    (transport.runner.SIMULATION_MAX_PAYLOAD; the broker is started to take them), not
+    256 KiB, each costing three processes a per-frame overhead. Here an 800 KB masked
+    input: refused by a broker left at 256 KiB, and each client's wire bytes are its
+    messages plus one frame header each (four for it with 256 KiB frames)."""
+    from transport.framing import HEADER_BYTES
+
+    if broker == "mosquitto" and not mosquitto_available():
+        pytest.skip("mosquitto is not installed")
+    rep = tmp_path / "r.json"
+    assert cli("--clients", "3", "--dim", "200000", "--seed", "2", "--broker", broker,
+               "--report", str(rep)) == 0
+    report = json.loads(rep.read_text())
+    assert report["correct"] is True and report["included"] == [1, 2, 3]
+    if report["transport"]["republished"] == 0:  # a re-sent message adds its frames again
+        for cid, sent in report["bytes"].items():
+            assert sent["masked_input"] > 800_000
+            assert report["wire_bytes"][cid] - sum(sent.values()) == len(sent) * HEADER_BYTES
+
+
 STUB_TRAIN = (
     "import sys, types; m = types.ModuleType('fl.cli.train'); "
     "m.add_parser = lambda sub: sub.add_parser('train'); m.run = lambda a: 0; "

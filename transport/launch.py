@@ -25,6 +25,8 @@ from pathlib import Path
 from .broker.auth import TOKEN_LOG2_N, hash_password
 from .broker.topics import AclEntry, TopicAcl
 from .errors import TransportError
+from .framing import DEFAULT_MAX_PAYLOAD
+from .heap import heap_environment
 from .link import LinkLost
 from .mqtt import BrokerSettings, parse_broker_url, probe
 
@@ -35,11 +37,12 @@ def _acl_json(acl: AclTable) -> dict[str, dict[str, list[str]]]:
     return {user: TopicAcl.coerce(entry).to_json() for user, entry in acl.items()}
 
 
-def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable, port: int = 0
+def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable, port: int = 0,
+                    max_payload: int = DEFAULT_MAX_PAYLOAD
                     ) -> tuple[subprocess.Popen[bytes], Path, Path]:
     """Write the users (scrypt hashes) and ACL files into ``tmp`` and start the broker on
-    ``port`` (0: a free one); returns the process, its port file (written once it listens)
-    and its log."""
+    ``port`` (0: a free one), taking payloads of up to ``max_payload`` bytes; returns the
+    process, its port file (written once it listens) and its log."""
     users_file, acl_file, port_file = (Path(tmp, n) for n in ("users", "acl", "port"))
     hashes = {user: hash_password(pw, log2_n=TOKEN_LOG2_N) for user, pw in users.items()}
     for path, data in ((users_file, hashes), (acl_file, _acl_json(acl))):
@@ -56,12 +59,13 @@ def _start_embedded(tmp: str, users: Mapping[str, str], acl: AclTable, port: int
             proc = subprocess.Popen(
                 [sys.executable, "-m", "transport.broker", "--port", str(port), "--users-file",
                  str(users_file), "--acl-file", str(acl_file), "--port-file", str(port_file),
-                 "--parties", str(len(users)), "--log-level", "WARNING",
+                 "--parties", str(len(users)), "--max-payload", str(max_payload),
+                 "--log-level", "WARNING",
                  # SIGKILLed, this process cannot stop the broker: it stops by itself and
                  # removes the folder with the users and ACL files (transport.lifeline).
                  "--parent-pid", str(os.getpid()), "--remove-if-orphaned", tmp],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                start_new_session=True, env={**os.environ, **heap_environment()})
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     return proc, port_file, log_path
@@ -99,11 +103,13 @@ def _embedded_broker_process(users: Mapping[str, str], acl: AclTable,
 
 @asynccontextmanager
 async def _embedded_broker_process_async(users: Mapping[str, str], acl: AclTable,
-                                         timeout: float = 30.0) -> AsyncIterator[int]:
+                                         timeout: float = 30.0,
+                                         max_payload: int = DEFAULT_MAX_PAYLOAD
+                                         ) -> AsyncIterator[int]:
     """``_embedded_broker_process`` whose start-up wait is cancellable (``secagg simulate``
     stops at once when interrupted while the broker starts)."""
     with tempfile.TemporaryDirectory(prefix="secagg-broker-") as tmp:
-        proc, port_file, log_path = _start_embedded(tmp, users, acl)
+        proc, port_file, log_path = _start_embedded(tmp, users, acl, max_payload=max_payload)
         try:
             deadline = time.monotonic() + timeout
             while (port := _listening_port(proc, port_file, log_path, deadline)) is None:
@@ -149,13 +155,22 @@ def broker_for(kind: str, users: Mapping[str, str], acl: AclTable
 
 
 @asynccontextmanager
-async def running_broker(kind: str, users: Mapping[str, str], acl: AclTable
+async def running_broker(kind: str, users: Mapping[str, str], acl: AclTable, *,
+                         max_payload: int = DEFAULT_MAX_PAYLOAD
                          ) -> AsyncIterator[BrokerSettings]:
     """``broker_for`` for a caller on an event loop: the embedded broker's start-up can be
-    cancelled while it waits."""
+    cancelled while it waits. A broker it starts (embedded, mosquitto) takes payloads of
+    up to ``max_payload`` bytes; an existing broker's limit is its own."""
     if kind == "embedded":
-        async with _embedded_broker_process_async(users, acl) as port:
+        async with _embedded_broker_process_async(users, acl,
+                                                  max_payload=max_payload) as port:
             yield BrokerSettings(port=port, passwords=dict(users))
+    elif kind == "mosquitto":
+        from .mosquitto import MosquittoBroker
+
+        with MosquittoBroker(users=dict(users), acl=dict(acl),
+                             max_payload=max_payload) as broker:
+            yield BrokerSettings(host=broker.host, port=broker.port, passwords=dict(users))
     else:
         with broker_for(kind, users, acl) as settings:
             yield settings

@@ -579,7 +579,7 @@ class ServerDriver:
         stage = self.server.stage
         uploading = self.server.is_uploading(cid)
         try:
-            new = self.server.receive(cid, payload)
+            new = self.server.receive(cid, payload, digest=digest)  # reassembly checked it
         except ProtocolError as exc:
             self.rejected += 1
             if uploading:  # a refused input proof also cancels its upload

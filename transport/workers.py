@@ -40,6 +40,7 @@ from secagg.crypto import dtype_for_bits
 from .client_driver import ClientDriver, ClientOutcome
 from .drivers import Timeouts
 from .framing import DEFAULT_MAX_PAYLOAD
+from .heap import keep_large_buffers
 from .lifeline import watch_parent
 from .mqtt import BrokerSettings, MqttNetwork
 from .rounds import serve_client
@@ -134,6 +135,7 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
     workers itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    keep_large_buffers()  # its chunks and frames reuse memory (transport.heap)
     # A parent SIGKILLed cannot stop its workers: each exits by itself once it is gone.
     watch_parent(spec.parent_pid, functools.partial(os._exit, 1))
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,

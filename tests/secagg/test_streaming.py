@@ -328,3 +328,48 @@ def test_chunks_ahead_are_held_only_on_the_grid_and_once() -> None:
     server2.grant_uploads()  # no chunk grid
     with pytest.raises(ProtocolError, match="the stream is at element 0"):
         server2.receive(1, encode(list(streams2[1].chunks(10))[1]))
+
+
+def test_a_digest_the_caller_checked_is_not_computed_again(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """Issue 32: a transport's reassembly has checked each message against its sha256, and
+    hands it to ``Server.receive(digest=)``: the server hashes no masked-input bytes again
+    (it hashed a whole masked input three times), still recognises a redelivery by that
+    digest, and refuses a digest that cannot be a sha256. Without ``digest`` it hashes each
+    accepted chunk once."""
+    import secagg.server
+
+    config = Config(num_clients=4, threshold=3, dim=40, bits=32)
+    hashed: list[int] = []
+    real = secagg.server.sha256
+
+    def counting(*parts: bytes) -> bytes:
+        hashed.append(sum(len(p) for p in parts))
+        return real(*parts)
+
+    for given in (True, False):
+        server, clients, streams, inputs = _masked_round(config, seed=5)
+        granted = server.grant_uploads(chunk_elements=16)
+        monkeypatch.setattr(secagg.server, "sha256", counting)
+        hashed.clear()
+        for cid in granted:
+            for chunk in streams[cid].chunks(16):
+                raw = encode(chunk)
+                digest = real(raw) if given else None
+                assert server.receive(cid, raw, digest=digest) is True
+                assert server.receive(cid, raw, digest=digest) is False  # redelivery
+        big = [n for n in hashed if n > 64]  # the chunks' bytes, not ids or key digests
+        if given:
+            assert big == []
+        else:
+            assert 0 < len(big) <= 2 * 3 * len(granted)  # at most one per receive
+        monkeypatch.setattr(secagg.server, "sha256", real)
+        result = _finish(server, clients)
+        assert result.total.tolist() == _exact(inputs, result.included, 32)
+    server, _, streams, _ = _masked_round(config, seed=6)
+    (cid, *_rest) = server.grant_uploads(chunk_elements=40)
+    raw = encode(next(iter(streams[cid].chunks(40))))
+    for bad in (b"", b"x" * 31, "0" * 32):
+        with pytest.raises(ValueError, match="32-byte sha256"):
+            server.receive(cid, raw, digest=bad)  # type: ignore[arg-type]
+    assert server.receive(cid, raw) is True

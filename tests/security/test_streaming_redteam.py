@@ -401,10 +401,10 @@ def test_a_site_that_blips_during_masked_input_is_not_dropped(mode: str,
     topics = Topics(f"redteam-blip-{mode}")
     receive = Server.receive
 
-    def slow_receive(self: Server, client_id: int, message: Any) -> bool:
+    def slow_receive(self: Server, client_id: int, message: Any, **kw: Any) -> bool:
         if self.stage is Stage.MASKED_INPUT:
             time.sleep(0.01)  # every chunk costs the aggregator time: a stream takes 0.6 s
-        return receive(self, client_id, message)
+        return receive(self, client_id, message, **kw)
 
     monkeypatch.setattr(Server, "receive", slow_receive)
 
@@ -481,10 +481,10 @@ def test_a_site_waiting_longer_than_answer_for_its_grant_still_streams(
     inputs = {c: rng.integers(0, 1 << 32, config.dim, dtype=np.uint64) for c in IDS}
     receive = Server.receive
 
-    def slow_receive(self: Server, client_id: int, message: Any) -> bool:
+    def slow_receive(self: Server, client_id: int, message: Any, **kw: Any) -> bool:
         if self.stage is Stage.MASKED_INPUT:
             time.sleep(0.01)  # a busy aggregator: each site's 60 chunks take 0.6 s
-        return receive(self, client_id, message)
+        return receive(self, client_id, message, **kw)
 
     monkeypatch.setattr(Server, "receive", slow_receive)
     timeouts = Timeouts(stage=8.0, start=5.0, retry=0.5, answer=0.3, give_up=20.0,

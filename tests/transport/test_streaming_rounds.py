@@ -77,11 +77,11 @@ def test_a_slow_server_makes_senders_wait_and_drops_nothing(monkeypatch: Any) ->
     finished: dict[int, float] = {}
     receive = Server.receive
 
-    def slow_receive(self: Server, client_id: int, message: Any) -> bool:
+    def slow_receive(self: Server, client_id: int, message: Any, **kw: Any) -> bool:
         if self.stage is Stage.MASKED_INPUT:
             time.sleep(0.01)  # a busy aggregator: every chunk costs it time
             started.setdefault(client_id, time.monotonic())
-        accepted = receive(self, client_id, message)
+        accepted = receive(self, client_id, message, **kw)
         if self.stage is Stage.MASKED_INPUT:
             most[0] = max(most[0], len(self.uploading))
             if client_id in self.received:
