@@ -30,6 +30,7 @@ from .deadlines import round_timeouts, validation_allowance
 from .drivers import StageProgress, Timeouts, TimeoutsError, client_will, publish_framed
 from .errors import TransportError
 from .framing import DEFAULT_MAX_PAYLOAD, HEADER_BYTES, FrameError, Reassembler, frame
+from .heap import keep_large_buffers
 from .launch import broker_for, running_broker
 from .link import Delivery, Event, Link, LinkError, LinkLost, Network, Reconnected, Will
 from .memory import MemoryNetwork
@@ -88,6 +89,7 @@ __all__ = [
     "fields",
     "frame",
     "input_ids",
+    "keep_large_buffers",
     "mosquitto_available",
     "new_round_name",
     "parse_broker_url",

@@ -425,7 +425,7 @@ def _run(args: argparse.Namespace) -> int:
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"{path}: its directory does not exist")
 
-    from transport.heap import keep_large_buffers
+    from transport import keep_large_buffers
 
     keep_large_buffers()  # the server's frames and sums reuse memory (transport.heap)
     progress = StageDisplay(sys.stderr, len(ids))
