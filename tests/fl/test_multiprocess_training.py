@@ -24,10 +24,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.pace import slowdown
 from transport.runner import broker_for
 from transport.topics import SERVER_USER, acl_table, site_name
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(900)  # a hang guard above finish()'s paced ceiling
 
 REPO = Path(__file__).resolve().parents[2]
 SITES = (1, 2, 3)
@@ -94,22 +95,26 @@ measured at 15.3 s with three sites on a loaded 2-core machine (load average ~3)
 30 s ready deadline dropped a site now and then; the deadline is only a ceiling."""
 
 
-def start(urls: dict[str, str], report: Path, rounds: int,
-          extra: list[str] | None = None) -> tuple[Party, dict[int, Party]]:
-    coordinator = Party(["--role", "coordinator", "--sites", "1,2,3", "--rounds", str(rounds),
+def start(urls: dict[str, str], report: Path, rounds: int, extra: list[str] | None = None,
+          site_ids: tuple[int, ...] = SITES) -> tuple[Party, dict[int, Party]]:
+    coordinator = Party(["--role", "coordinator", "--sites", ",".join(map(str, site_ids)),
+                         "--rounds", str(rounds),
                          "--dp", "none", "--broker", urls[SERVER_USER], "--report",
                          str(report), "--join-timeout", "60", "--ready-timeout", READY_TIMEOUT,
                          "--insecure-verify", *COMMON, *(extra or [])])
-    sites = {cid: Party(["--role", "site", "--site-id", str(cid), "--sites", "3",
-                         "--broker", urls[site_name(cid)], "--idle-timeout", "60",
+    sites = {cid: Party(["--role", "site", "--site-id", str(cid), "--sites",
+                         str(len(site_ids)), "--broker", urls[site_name(cid)],
+                         "--idle-timeout", "60",
                          "--dp", "none",  # the operators opt in to exact (no-DP) releases
-                         "--insecure-verify", *COMMON]) for cid in SITES}
+                         "--insecure-verify", *COMMON]) for cid in site_ids}
     return coordinator, sites
 
 
 def finish(coordinator: Party, sites: dict[int, Party], timeout: float = 150.0) -> None:
+    """The coordinator exits 0 within ``timeout`` (seconds on an idle host, times the host's
+    pace: tests/pace.py); then every site is waited for and killed."""
     try:
-        code = coordinator.wait(timeout)
+        code = coordinator.wait(timeout * slowdown())
         assert code == 0, coordinator.log
     finally:
         for party in sites.values():
