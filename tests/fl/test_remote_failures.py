@@ -9,7 +9,6 @@ code); and a failed run wrote neither the report nor the model of its completed 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -58,8 +57,8 @@ def test_a_full_checkpoint_disk_resumes_without_restarting_sites(tmp_path: Path)
             assert "checkpoint" in first["failed"]
             assert model.exists() and json.loads(
                 Path(f"{model}.json").read_text())["rounds"] == 3
-            time.sleep(2)
             for party in sites.values():  # told the coordinator is away, not done
+                party.wait_for("the coordinator went offline", timeout=60)
                 assert party.proc.poll() is None, party.log
                 assert "the coordinator finished" not in party.log, party.log
                 assert "the coordinator went offline" in party.log, party.log

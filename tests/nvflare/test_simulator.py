@@ -46,6 +46,11 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, server: Any, sites: dict[st
 
 
 STAGE = 5.0  # seconds: the stage deadline of the drop test below
+TRAIN = 60.0
+"""Seconds: the train stage's deadline on an idle host, times the host's pace in every test
+(tests/pace.py). Every site trains honestly here, so it is only a ceiling: a fixed 60 s
+dropped an honest site of the FedAdam test once on a host at load average 9 (the test
+then took 199 s and failed on its ``included``)."""
 
 
 def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
@@ -57,7 +62,8 @@ def test_secagg_rounds_with_drops_at_three_stages_and_a_refusing_site(
     # cores), and site-1 stalls three times as long so its late answer cannot be taken.
     stage = STAGE * slowdown()  # the host's pace (tests/pace.py)
     server = SecureFedAvg(num_rounds=3, neighbors=None, stage_timeout=stage,
-                          train_timeout=60, report_path=str(tmp_path / "reports.jsonl"))
+                          train_timeout=TRAIN * slowdown(),
+                          report_path=str(tmp_path / "reports.jsonl"))
     reports = _run(tmp_path, monkeypatch, server, sites, {
         "site-2": {"0": ["advertise_keys", "fail"]},  # its training fails
         "site-3": {"1": ["masked_input", "fail"]},  # after sharing its keys: mask recovered
@@ -104,7 +110,7 @@ def test_malicious_distributed_dp_budget_and_a_zero_noise_round_refused(
     dp = {"clip_norm": 1.0, "epsilon": 8.0, "delta": 1e-5, "rounds": 2}
     server = ZeroNoiseFedAvg(num_rounds=4, neighbors=None, security="malicious",
                              verify_keys={n: k.public.hex() for n, k in keys.items()}, dp=dp,
-                             stage_timeout=1.0 * slowdown(), train_timeout=60,
+                             stage_timeout=1.0 * slowdown(), train_timeout=TRAIN * slowdown(),
                              report_path=str(tmp_path / "reports.jsonl"))
     uncapped = {"min_noise_multiplier": 0, "round_epsilon": None, "epsilon": None}
     reports = _run(tmp_path, monkeypatch, server, {n: uncapped for n in names},
@@ -143,7 +149,8 @@ def test_secure_fedadam_equals_numpy_fedadam_over_the_plain_weighted_mean_and_av
     lr, beta1, beta2, tau = 0.1, 0.9, 0.99, 1e-3
     server = SecureFedAvg(num_rounds=3, neighbors=None, strategy="fedadam", server_lr=lr,
                           server_beta1=beta1, server_beta2=beta2, server_tau=tau,
-                          metrics=["loss"], stage_timeout=60.0, train_timeout=60,
+                          metrics=["loss"], stage_timeout=60.0 * slowdown(),
+                          train_timeout=TRAIN * slowdown(),
                           report_path=str(tmp_path / "reports.jsonl"))
     reports = _run(tmp_path, monkeypatch, server,
                    {n: {"modes": ["none"]} for n in names}, {})
@@ -173,7 +180,8 @@ def test_secagg_plus_on_a_sparse_graph_with_drops(tmp_path: Path,
     plaintext sum of the included sites' inputs."""
     names = [f"site-{i}" for i in range(1, 8)]
     stage = 2.0 * slowdown()  # the host's pace (tests/pace.py)
-    server = SecureFedAvg(num_rounds=2, neighbors=5, stage_timeout=stage, train_timeout=60,
+    server = SecureFedAvg(num_rounds=2, neighbors=5, stage_timeout=stage,
+                          train_timeout=TRAIN * slowdown(),
                           report_path=str(tmp_path / "reports.jsonl"))
     reports = _run(tmp_path, monkeypatch, server, {n: {"modes": ["none"]} for n in names}, {
         "site-2": {"0": ["masked_input", "fail"]},
@@ -197,7 +205,8 @@ def test_a_job_asking_exact_sums_from_default_sites_fails_naming_the_opt_in(
     written. Now each refusal carries its public reason back, the server logs the rule, how
     many sites and the fix at WARNING, and the run ends in a typed error, not a success."""
     names = ["site-1", "site-2", "site-3"]
-    server = SecureFedAvg(num_rounds=2, neighbors=None, stage_timeout=1.0, train_timeout=60,
+    server = SecureFedAvg(num_rounds=2, neighbors=None, stage_timeout=1.0 * slowdown(),
+                          train_timeout=TRAIN * slowdown(),
                           report_path=str(tmp_path / "reports.jsonl"))
     reports = _run(tmp_path, monkeypatch, server, {n: {} for n in names}, {})
     assert all(r["total"] is None for r in reports) and len(reports) == 2
