@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -124,7 +124,7 @@ class PrivateSite(Site):
                 "'reduction' attribute (e.g. torch.nn.CrossEntropyLoss()), to sum per-record "
                 f"losses before per-patient clipping; got {self.loss_fn!r}")
         loss = copy.copy(self.loss_fn)
-        loss.reduction = "sum"
+        cast(Any, loss).reduction = "sum"  # a plain attribute of torch's loss modules
         return loss
 
     def dp_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:

@@ -251,11 +251,11 @@ async def _remote_scaler(channel: CoordinatorChannel, options: RemoteOptions,
     ids = options.site_ids
     if noised is not None:
         p = noised.params
-        blob = Blob("scaler", {"features": list(schema.features),
-                               "labels": list(schema.labels), "dim": p.encoded_dim,
-                               "bits": p.bits, "noised": private_scaler.to_wire(noised)})
+        noised_blob = Blob("scaler", {"features": list(schema.features),
+                                      "labels": list(schema.labels), "dim": p.encoded_dim,
+                                      "bits": p.bits, "noised": private_scaler.to_wire(noised)})
         done, _ = await remote_aggregate(channel, options, kind="scaler", round_number=0,
-                                         blob=blob.encode(), cohort=list(ids),
+                                         blob=noised_blob.encode(), cohort=list(ids),
                                          threshold=max(threshold, p.threshold),
                                          dim=p.encoded_dim, bits=p.bits,
                                          attempts=settings.max_attempts, log=log)

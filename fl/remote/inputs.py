@@ -12,7 +12,7 @@ import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +26,9 @@ from fl.remote.messages import Announce, WireError, get_int, get_names, get_str
 from fl.settings import MODELS, TrainSettings
 from fl.site.core import SiteCore
 from fl.site.training import Scaler, Site
+
+if TYPE_CHECKING:  # the module itself is imported where it is used (site_input)
+    from fl.site.private_scaler import ScalerPlan
 from fl.vector import ParameterLayout
 
 U64 = npt.NDArray[np.uint64]
@@ -270,8 +273,8 @@ def announce_key(announce: Announce) -> str:
     return f"{run.hex()}-{number}-{attempt}-{kind}"
 
 
-def _admit(guard: SiteCore, task: RoundTask | None, announce: Announce, label: str,
-           idp: Any = None) -> None:
+def _admit(guard: SiteCore, task: RoundTask | ScalerPlan | None, announce: Announce,
+           label: str, idp: Any = None) -> None:
     """The site's privacy gate: the site session's (:meth:`fl.site.session.SiteSession.gate`,
     the code the Flower mod and the NVFlare executor run): the protocol margins, the replay
     rule (a round is joined once), then a write-ahead charge, or a refusal naming the rule;
