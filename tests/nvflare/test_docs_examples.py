@@ -229,3 +229,43 @@ def test_the_docs_dp_job_trains_on_the_simulator_and_each_ledger_holds_the_repor
     before, after = site_loss(INITIAL, sites), site_loss(np.load(saved), sites)
     assert before == pytest.approx(99, abs=0.5)
     assert after < 0.95 * before, (before, after)  # about 63 +- 7 (Monte Carlo, 1,000 runs)
+
+
+def test_the_two_changed_lines_train_exact_sums_at_sites_that_opted_in(
+        state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The docs' two changed lines as written (exact secure sums) against three sites whose
+    operators wrote the docs' opt-in into their policy.json: every round sums every site
+    and the model trains."""
+    from nvflare.app_common.np.np_model_persistor import NPModelPersistor
+    from nvflare.fuel.utils.constants import FrameworkType
+    from nvflare.job_config.api import FedJob
+
+    from fl.nvflare.client import SiteConfig
+    from fl.nvflare.job import SecureScriptRunner
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(HERE.parents[1]), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    opt_in = re.search(r'`(\{"modes": \["none"\]\})` in its `policy.json`', DOC.read_text())
+    assert opt_in is not None
+    code = block("job.to_server(SecureFedAvg(num_clients=3, num_rounds=4))")
+    assert "from fl.nvflare import SecureFedAvg, SecureScriptRunner" in code
+    job = FedJob(name="secure", min_clients=3)
+    space = {"job": job, "SecureFedAvg": SecureFedAvg,
+             "SecureScriptRunner": lambda script: SecureScriptRunner(
+                 str(HERE / "train_script.py"), framework=FrameworkType.NUMPY)}
+    exec(compile(code.replace("from fl.nvflare import SecureFedAvg, SecureScriptRunner", ""),
+                 str(DOC), "exec"), space)
+    job.to_server(NPModelPersistor(), id="persistor")
+    sites = ["site-1", "site-2", "site-3"]
+    for site in sites:  # each operator's opt-in, in the folder its site reads
+        (SiteConfig.for_site(site).folder / "policy.json").write_text(opt_in.group(1))
+    workspace = state / "ws"
+    assert job.simulator_run(str(workspace), clients=sites, threads=len(sites)) == 0
+    reports = [json.loads(line) for line in (workspace / "server" / "simulate_job" /
+                                             "secure_rounds.jsonl").read_text().splitlines()]
+    assert [r["server_round"] for r in reports] == [0, 1, 2, 3]
+    assert all(sorted(r["included"]) == sites and r["aborted"] is None
+               and r["epsilon"] is None for r in reports), reports
+    (saved,) = workspace.rglob("server.npy")
+    before, after = site_loss(INITIAL, sites), site_loss(np.load(saved), sites)
+    assert after < 0.5 * before, (before, after)
