@@ -247,8 +247,10 @@ def test_the_two_changed_lines_train_exact_sums_at_sites_that_opted_in(
         [str(HERE.parents[1]), str(HERE), os.environ.get("PYTHONPATH", "")]))
     opt_in = re.search(r'`(\{"modes": \["none"\]\})` in its `policy.json`', DOC.read_text())
     assert opt_in is not None
-    code = block("job.to_server(SecureFedAvg(num_clients=3, num_rounds=4))")
+    line = "job.to_server(SecureFedAvg(num_clients=3, num_rounds=4))"
+    code = block(line)
     assert "from fl.nvflare import SecureFedAvg, SecureScriptRunner" in code
+    assert line in (DOC.parents[1] / "README.md").read_text()  # the README's, the same job
     job = FedJob(name="secure", min_clients=3)
     space = {"job": job, "SecureFedAvg": SecureFedAvg,
              "SecureScriptRunner": lambda script: SecureScriptRunner(
