@@ -176,6 +176,10 @@ def test_the_noise_on_the_average_with_and_without_the_roster(state: Path) -> No
     share, average = noise(three, ["site-1", "site-2", "site-3"])
     assert share == pytest.approx(2.56, abs=0.005) and average == pytest.approx(1.48, abs=0.02)
     assert "about 1.5 x clip per coordinate" in DOC.read_text()
+    with pytest.raises(ValueError, match="no safe parameters"):  # malicious mode: > 3 sites
+        noise(_variant(ten, num_clients=3, verify_keys={
+            s: k for s, k in ten.verify_keys.items() if s in ("site-1", "site-2", "site-3")}),
+            ["site-1", "site-2", "site-3"])
 
 
 def test_the_mean_update_is_the_noisy_sum_over_the_sites_in_it(state: Path) -> None:
