@@ -88,7 +88,8 @@ def test_the_quickstart_coordinator_and_sites_train_with_dp(
             swap(argv, "--site-id", str(cid))
             swap(argv, "--csv", str(tmp_path / f"visits-{cid}.csv"))
             swap(argv, "--broker", urls[site_name(cid)])
-            sites[cid] = Party([*argv, "--idle-timeout", "60"])
+            # above the coordinator's longest silence (its ready wait, docs/deployment.md)
+            sites[cid] = Party([*argv, "--idle-timeout", "300"])
         finish(coordinator, sites, timeout=240)
     result = json.loads(report.read_text())
     rows = result["rounds"]
