@@ -41,6 +41,7 @@ from dp import (
     rdp_to_epsilon,
 )
 from fl.codec import DistributedCodec
+from fl.site.core import counted_count_stddev
 
 Event = GaussianRound | RdpRound
 
@@ -264,8 +265,6 @@ def counted_clipper(clipper: QuantileClipper | None, counted: EncodingParams
     """``clipper`` as the budget counts its clip count's noise beside the update's
     ``counted`` encoding: as many of the equal shares as the update's noise
     (:func:`fl.site.core.counted_count_stddev`)."""
-    from fl.site.core import counted_count_stddev
-
     if clipper is None or counted.threshold == clipper.threshold:
         return clipper
     return replace(clipper, threshold=counted.threshold, count_stddev=counted_count_stddev(
@@ -309,7 +308,7 @@ def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
     """The privacy plan of a run: the budget the coordinator keeps (:func:`make_budget`),
     spent round by round with the plan's event exactly as :class:`fl.coordinator.Coordinator`
     does, until ``rounds`` or the budget stops it. ``prior``: releases before the first
-    round (the noised feature statistics, :mod:`fl.site.private_scaler`), spent first as the run
+    round (the noised feature statistics, :mod:`fl.plan.scaler`), spent first as the run
     spends them. ``secagg train --plan`` prints it; the run follows it
     (tests/fl/test_site_policy.py)."""
     out: dict[str, Any] = {"mode": plan.mode, "mechanism": mechanism_of(plan),
