@@ -11,6 +11,11 @@ only once an aggregate was released (a round that aborts releases nothing).
 * :class:`DistributedPlan`: one noisy sum of clipped per-patient gradients per round; the
   event is the distributed discrete Gaussian RDP of ``dp.distributed.round_rdp``. Per-site
   noise is calibrated to the secagg threshold, so dropouts never lower it.
+
+Also the federation's budget (:func:`make_budget`, :func:`restore_budget`), the plan report
+(:func:`schedule`) and the audit trail's lines (:func:`release_record`). The one module of
+:mod:`fl.plan` that code a site runs loads (the round's task, :mod:`fl.contribution` and
+:mod:`fl.round_setup`, reads its plans): it imports nothing of the coordinator.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 from dp import (
     Charge,
@@ -193,10 +194,11 @@ class SiteCore:
     out). ``num_units`` (the site's patients) only feeds the delta warning.
     """
 
-    def __init__(self, ledger: Ledger, log: Any = None, num_units: int | None = None) -> None:
+    def __init__(self, ledger: Ledger, log: Callable[[str], object] | None = None,
+                 num_units: int | None = None) -> None:
         self.ledger = ledger
         self.log = log or (lambda text: None)
-        self.pending: dict[Any, tuple[Charge, int]] = {}
+        self.pending: dict[Hashable, tuple[Charge, int]] = {}
         self.authenticated_roster = False
         warning = check_delta(ledger.policy.delta, num_units) if num_units else None
         if warning:
@@ -236,7 +238,7 @@ class SiteCore:
                                 f"own margins ({rates}): {exc}") from None
 
     def admit(self, task: Release | None, *, secagg_threshold: int, label: str,
-              key: Any = None, idp: SiteIdp | None = None) -> Charge:
+              key: Hashable = None, idp: SiteIdp | None = None) -> Charge:
         """Check and charge the round (raises :class:`dp.policy.PolicyRefused`); ``key``
         (the announcement's) lets :meth:`check_go` and :meth:`not_sent` find the charge;
         ``idp``: the site's own plan and grouping under ``--unit patient-idp``."""
@@ -256,7 +258,7 @@ class SiteCore:
                         if self.ledger.policy.epsilon is not None else ""))
         return charge
 
-    def check_go(self, key: Any, threshold: int) -> None:
+    def check_go(self, key: Hashable, threshold: int) -> None:
         """The round's final secure-aggregation threshold must be the one admitted (a
         coordinator lowering it at ``go`` would decode from fewer sites than calibrated)."""
         _, admitted = self.pending.get(key, (None, threshold))
@@ -264,7 +266,7 @@ class SiteCore:
             raise PolicyRefused("min_threshold", f"the round starts with threshold "
                                 f"{threshold}, below the {admitted} it was admitted with")
 
-    def not_sent(self, key: Any, reason: str) -> None:
+    def not_sent(self, key: Hashable, reason: str) -> None:
         """The input of ``key``'s round never left the site: withdraw its charge (the site
         session's withdrawal rule, :mod:`fl.site.session`)."""
         entry = self.pending.pop(key, None)
@@ -304,7 +306,8 @@ def state_directory() -> Path:
     return folder
 
 
-def open_site_core(*, policy: SitePolicy, ledger_path: str, log: Any = None,
+def open_site_core(*, policy: SitePolicy, ledger_path: str,
+                   log: Callable[[str], object] | None = None,
                    num_units: int | None = None) -> SiteCore:
     """A site's core over the ledger at ``ledger_path`` (created if absent)."""
     if not isinstance(policy, SitePolicy):

@@ -113,7 +113,7 @@ def site_input(plan: ScalerPlan, table: Table) -> U64:
 
 
 # -- the plan on the wire (multi-machine: the coordinator's blob, validated by each site) --
-def from_wire(body: Any, num_features: int) -> ScalerPlan:
+def from_wire(body: object, num_features: int) -> ScalerPlan:
     """A coordinator's feature-statistics task, every field checked (raises
     :class:`fl.contribution.TaskError`); its cost is then the site's own to judge."""
     if not isinstance(body, dict):
