@@ -72,17 +72,11 @@ from .transcripts import (
 )
 from .unmasking import (
     MaskJob,
-    apply_masks,
-    balance,
-    derive_mask_keys,
     reconstruct_verified,
+    remove_masks,
     screen_shares,
 )
 from .uploads import DEFAULT_UPLOAD_BUDGET, Upload, Uploads
-
-UNMASK_WINDOW_BYTES = 8 << 20
-"""The window the server removes masks in (bytes of the sum): the correction never takes
-a second d-sized vector."""
 
 
 class RejectionLog:
@@ -841,7 +835,8 @@ class Server:
         """sum y - sum PRG(b_u) for survivors - the survivors' pairwise masks with dropouts.
 
         The mask work is cut into independent jobs; with an ``executor`` (e.g. a process
-        pool, which the caller owns) they run in parallel, otherwise inline."""
+        pool, which the caller owns) they run in parallel, otherwise inline
+        (:func:`secagg.unmasking.remove_masks`)."""
         cfg = self.config
         jobs: list[MaskJob] = [("self", owner, seed, ()) for owner, seed in seeds.items()]
         masked_with: dict[int, list[int]] = {}  # dropped u -> survivors that masked with u
@@ -858,31 +853,11 @@ class Server:
         total = self._uploads.sum  # the round is over: unmask in place, no d-sized copy
         if self._uploads.empty:  # no input at all (cannot pass the threshold checks)
             total.fill(0)
-        workers = self._workers if self._executor is not None else 1
-        batches = balance(jobs, workers)
-        pool = self._executor if self._executor is not None and len(batches) > 1 else None
-        if pool is not None:
-            keys = [f.result() for f in [pool.submit(derive_mask_keys, header, batch)
-                                         for batch in batches]]
-        else:
-            keys = [derive_mask_keys(header, batch) for batch in batches]
+        keys = remove_masks(total, header, jobs, self._executor, self._workers)
         if cfg.norm_bound is not None:
             from .validation import blinding
 
             self._blinding = blinding(k for batch in keys for k in batch)
-        window = max(1, UNMASK_WINDOW_BYTES // total.dtype.itemsize)
-        for start in range(0, cfg.dim, window):  # window by window: bounded memory
-            count = min(window, cfg.dim - start)
-            part = total[start:start + count]
-            if pool is not None:
-                futures = [pool.submit(apply_masks, k, cfg.bits, start, count) for k in keys]
-                for future in futures:
-                    np.subtract(part, future.result(), out=part)
-            else:
-                for k in keys:
-                    apply_masks(k, cfg.bits, start, count, out=part)
-        if cfg.bits < 8 * total.dtype.itemsize:
-            np.bitwise_and(total, total.dtype.type((1 << cfg.bits) - 1), out=total)
         return total
 
 

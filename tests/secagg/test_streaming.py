@@ -277,9 +277,9 @@ def test_unmasking_window_by_window_is_exact(bits: int, monkeypatch: pytest.Monk
     """The server removes masks in windows (UNMASK_WINDOW_BYTES; here 20 bytes, so windows
     that do not divide d and start off a counter block): with a survivor's self mask and
     a dropped client's pairwise masks to remove, the sum is exact."""
-    import secagg.server
+    import secagg.unmasking
 
-    monkeypatch.setattr(secagg.server, "UNMASK_WINDOW_BYTES", 20)
+    monkeypatch.setattr(secagg.unmasking, "UNMASK_WINDOW_BYTES", 20)
     config = Config(num_clients=5, threshold=3, dim=45, bits=bits)
     inputs = _inputs(config, seed=bits)
     result = simulate(config, inputs, drop={3: Stage.MASKED_INPUT, 5: Stage.UNMASKING},
