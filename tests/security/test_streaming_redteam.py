@@ -89,11 +89,11 @@ def test_hostile_chunks_are_refused_and_change_nothing(case: str) -> None:
     server.grant_uploads()
     chunks = {cid: list(s.chunks(10)) for cid, s in streams.items()}
     assert server.receive(1, encode(chunks[1][0])) is True
-    total_before = server._sum.copy()
+    total_before = server._uploads.sum.copy()
     with pytest.raises(ProtocolError) as caught:
         server.receive(1, HOSTILE[case](chunks))
     assert caught.value.client_id == 1
-    assert np.array_equal(server._sum, total_before)
+    assert np.array_equal(server._uploads.sum, total_before)
     assert server.uploading == {1, 2, 3, 4} and 1 not in server.received
     # the state is unchanged: the honest stream continues at element 10 and counts
     for cid in (1, 2, 3, 4):
@@ -116,13 +116,13 @@ def test_a_chunk_after_the_last_is_refused() -> None:
     for cid in (1, 2, 3):
         for chunk in chunks[cid]:
             server.receive(cid, encode(chunk))
-    total = server._sum.copy()
+    total = server._uploads.sum.copy()
     assert server.receive(1, encode(chunks[1][-1])) is False  # a redelivery: a no-op
     for raw in (encode(chunks[1][0]), _junk(chunks[1][-1], offset=16,
                                             masked=bytes(chunks[1][-1].masked))):
         with pytest.raises(ProtocolError):
             server.receive(1, raw)
-    assert np.array_equal(server._sum, total)
+    assert np.array_equal(server._uploads.sum, total)
     result: Any = _finish(server, clients)
     assert result.total.tolist() == _exact(inputs, frozenset({1, 2, 3}), 16)
 
