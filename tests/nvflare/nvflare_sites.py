@@ -6,6 +6,7 @@ sum) and fails or stalls at the stages a plan names (drops at chosen stages)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -140,8 +141,14 @@ class EndImportWarmer(FLComponent):
 
     def handle_event(self, event_type: str, fl_ctx: Any) -> None:
         if event_type == EventType.START_RUN:
-            threading.Thread(target=importlib.import_module, daemon=True,
+            threading.Thread(target=_import_quietly, daemon=True,
                              args=("nvflare.app_opt.pt.tensor_downloader",)).start()
+
+
+def _import_quietly(module: str) -> None:
+    """As NVFlare itself does: without torch the module is not there, and that is fine."""
+    with contextlib.suppress(ImportError):
+        importlib.import_module(module)
 
 
 class MetaPersistor(NPModelPersistor):
