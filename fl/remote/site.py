@@ -1,10 +1,12 @@
 """The site role: a hospital's process follows the coordinator's rounds with its own data.
 
 It connects once (its federation-level last will), says :class:`Hello`, and for every round
-it is in: fetches the announced blob (verified by its SHA-256), computes its input
-(:func:`fl.remote.inputs.site_input`, in a worker thread), answers :class:`Ready`, and on
-``go`` runs a ``transport.client_driver.ClientDriver`` over the round's view of the same
-connection. Its records never leave the process; only the masked vector does.
+it is in: fetches the announced blob (verified by its SHA-256), joins the round and computes
+its input in its site session (:func:`fl.remote.inputs.site_round`, in a worker thread;
+:mod:`fl.site.session`), answers :class:`Ready`, and on ``go`` has the session build the
+round's client and runs a ``transport.client_driver.ClientDriver`` on it over the round's
+view of the same connection; the session ends the round. Its records never leave the
+process; only the masked vector does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dp import LedgerWriteError, PrivacyError
 from fl.codec import EncodingOverflow
 from fl.contribution import TaskError
 from fl.remote.blob import Blob, FetchPacer, blob_digest
-from fl.remote.inputs import SiteData, round_bound, site_input
+from fl.remote.inputs import SiteData, round_bound, site_round
 from fl.remote.link import PartyLink, connect_party
 from fl.remote.messages import (
     DECLINE,
@@ -48,7 +50,7 @@ from fl.remote.messages import (
     site_will,
 )
 from fl.site.core import SiteCore
-from fl.site.session import SiteSession
+from fl.site.session import Admitted, SiteSession
 from secagg import Config
 from secagg.client import Client
 from transport import (
@@ -122,9 +124,10 @@ class SiteProcess:
                 "--insecure-verify, or run the test with --dp none on both sides")
         # the charge follows how the roster is authenticated
         self.guard.authenticated_roster = options.identity is not None
-        self.session = SiteSession(lambda: self.guard, runtime="site", log=log)
-        """The site session's rules (replay: :func:`fl.remote.inputs.site_input`;
-        withdrawal: :meth:`_ended`), the code the Flower and NVFlare sites run."""
+        self.session = SiteSession(core=self.guard, runtime="site", log=log)
+        """The site session (:mod:`fl.site.session`, the code the Flower and NVFlare sites
+        run): join and admit (:func:`fl.remote.inputs.site_round`), the round's client
+        (:meth:`_take_part` at ``go``) and its end (:meth:`_ended`)."""
         self.topics = FedTopics(options.federation)
         self.network = network
         self.log = log
@@ -356,15 +359,14 @@ class SiteProcess:
         await self._party.publish(self.topics.upstream(self.site_id, DECLINE), framed(
             Decline(ann.run, ann.round, ann.attempt, ann.kind, reason[:1000])))
 
-    def _ended(self, ann: Announce, clear: bytes | None, client: Client | None,
+    def _ended(self, admitted: Admitted, clear: bytes | None, client: Client | None,
                reason: str) -> None:
-        """The round of ``ann`` ended for this site: the site session's withdrawal rule
-        (:meth:`fl.site.session.SiteSession.abandon`, the code every runtime runs) withdraws
-        its charge when its masked input never existed (``client`` None: it never
-        advertised), never when the input went out in the clear for --insecure-verify."""
-        entry = self.guard.pending.pop(ann.key, None)
-        if clear is None and entry is not None:
-            self.session.abandon(client, entry[0].id, reason, self.guard)
+        """The admitted round ended for this site: the site session's end
+        (:meth:`fl.site.session.SiteSession.end`, the code every runtime runs) withdraws its
+        charge when its masked input never existed (``client`` None: it never advertised),
+        never when the input went out in the clear for --insecure-verify."""
+        if clear is None:
+            self.session.end(admitted, client, reason)
 
     def _check_roster(self, ann: Announce, ids: tuple[int, ...], what: str) -> None:
         """With the operator's peer keys: only malicious-mode rounds whose ``ids`` all have a
@@ -397,9 +399,9 @@ class SiteProcess:
             if blob.kind != ann.kind:
                 raise WireError(f"a {blob.kind} blob announced as {ann.kind}")
             started = time.perf_counter()
-            vector = await asyncio.to_thread(site_input, self.data, blob, ann,
-                                             require_dp=self.options.require_dp,
-                                             guard=self.guard)
+            admitted, vector = await asyncio.to_thread(
+                site_round, self.data, blob, ann, require_dp=self.options.require_dp,
+                session=self.session)
         except (WireError, TaskError, EncodingOverflow) as exc:  # rules, no data in them
             await self._decline(ann, label, str(exc))
             return
@@ -428,7 +430,7 @@ class SiteProcess:
                                  encode_message(ready), self.options.max_payload)
             go = await self._go(ann)
             if go is None or self.site_id not in go.roster or go.blob != ann.blob:
-                self._ended(ann, clear, None, "not in the round's roster")
+                self._ended(admitted, clear, None, "not in the round's roster")
                 self.log(f"{label}: not in the round's roster; sitting it out")
                 return
             identity = self.options.identity
@@ -442,13 +444,14 @@ class SiteProcess:
                 config = Config(num_clients=len(go.roster), threshold=go.threshold,
                                 dim=int(vector.size), bits=get_int(blob.task, "bits", 8, 64),
                                 security=go.security, norm_bound=bound, weight_index=weight)
-                client = Client(config, self.site_id, vector, roster=go.roster,
-                                context=round_context(self.options.federation, go),
-                                signing_key=None if identity is None else identity.signing_key,
-                                verify_keys=None if identity is None else
-                                identity.verify_keys(go.roster))
+                client = self.session.client(
+                    self.site_id, vector, config=config, roster=go.roster,
+                    context=round_context(self.options.federation, go),
+                    identity=None if identity is None else {
+                        "signing_key": identity.signing_key,
+                        "verify_keys": identity.verify_keys(go.roster)})
             except (ValueError, PrivacyError) as exc:
-                self._ended(ann, clear, None, f"refused at go: {exc}")
+                self._ended(admitted, clear, None, f"refused at go: {exc}")
                 await self._decline(ann, label, str(exc))
                 return
             driver = ClientDriver(client, view, topics,
@@ -458,7 +461,7 @@ class SiteProcess:
                                       validated=config.norm_bound is not None),
                                   max_payload=self.options.max_payload)
             outcome = await driver.run()  # e.g. a peer's signature failed before masking
-            self._ended(ann, clear, client, f"the round ended ({outcome.status}) before this "
+            self._ended(admitted, clear, client, f"the round ended ({outcome.status}) before this "
                         "site's masked input existed")
         if outcome.status == "done":
             self.rounds += 1
