@@ -182,7 +182,7 @@ def site_round(data: SiteData, blob: Blob, announce: Announce, *,
                require_dp: str | None, session: SiteSession) -> tuple[Admitted, U64]:
     """The site role's join of the announced round in its site session
     (:mod:`fl.site.session`): this parses and checks the announced task, joins it with its
-    :class:`fl.site.session.Terms` (:meth:`fl.site.session.SiteSession.join_terms`: the
+    :class:`fl.site.session.Terms` (:meth:`fl.site.session.SiteSession.admit`: the
     protocol margins, the replay rule and the write-ahead charge, the code the Flower mod
     and the NVFlare executor run), and only then trains and encodes (the session's train and
     encode steps: :func:`fl.contribution.site_input`, as in simulation). Returns the
@@ -291,14 +291,14 @@ def announce_key(announce: Announce) -> str:
 
 def _admit(session: SiteSession, task: RoundTask | ScalerPlan | None, announce: Announce,
            label: str, idp: Any = None) -> Admitted:
-    """The site's privacy gate: the site session's join with the announced round's
-    :class:`fl.site.session.Terms` (:meth:`fl.site.session.SiteSession.join_terms`, the
+    """The site's privacy gate: the site session's admission of the announced round's
+    :class:`fl.site.session.Terms` (:meth:`fl.site.session.SiteSession.admit`, the
     code the Flower mod and the NVFlare executor run): the protocol margins, the replay rule
     (a round is joined once), then a write-ahead charge, or a refusal naming the rule;
     ``idp``: the site's own :class:`fl.site.idp.SiteIdp` plan under ``--unit
     patient-idp``."""
     try:
-        return session.join_terms(Terms(
+        return session.admit(Terms(
             announce_key(announce), label, num_clients=len(announce.cohort),
             threshold=announce.threshold, neighbors=None, security=announce.security,
             charge=lambda core, text: core.admit(task, secagg_threshold=announce.threshold,

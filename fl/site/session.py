@@ -14,8 +14,8 @@ and every runtime calls these methods in it:
    plus the runtime's own limits (``check_setup``). The site role's announcements carry its
    own task (:class:`fl.contribution.RoundTask`: per-patient sampling, site DP, adaptive
    clipping, the feature statistics, SCAFFOLD); it parses and checks them itself
-   (:func:`fl.remote.inputs.site_round`) and joins with their :class:`Terms`
-   (:meth:`SiteSession.join_terms`), the narrow hook both entries end in;
+   (:func:`fl.remote.inputs.site_round`) and hands :meth:`SiteSession.admit` their
+   :class:`Terms`, the narrow hook :meth:`SiteSession.join` ends in too;
 2. **admit** (:meth:`SiteSession.admit`): the site core (mandatory) checks the protocol
    margins, the replay rule refuses a round joined before, an unfinished earlier round is
    abandoned, and the release is checked against the operator's policy and charged,
@@ -105,7 +105,7 @@ def refuse_replay(core: SiteCore, key: bytes | str, what: str) -> None:
 @dataclass(frozen=True)
 class Terms:
     """A round's public terms as the session admits it, in any runtime's vocabulary (the hook
-    :meth:`SiteSession.join_terms` takes; :meth:`SiteSession.join` builds them from a
+    :meth:`SiteSession.admit` takes; :meth:`SiteSession.join` builds them from a
     :class:`~fl.round_setup.RoundSetup`).
 
     ``key``: the round's key (the replay rule's; a secure-aggregation session id, or the site
@@ -225,7 +225,7 @@ class SiteSession:
             self.check_setup(setup, config)
         session_id = derive_session_id(config, tuple(range(1, setup.num_clients + 1)),
                                        setup.context())
-        admitted = self.join_terms(Terms(
+        admitted = self.admit(Terms(
             session_id, f"{self.runtime} run {setup.run_id} round {setup.server_round}",
             num_clients=setup.num_clients, threshold=setup.threshold,
             neighbors=setup.neighbors, security=setup.security,
@@ -237,20 +237,17 @@ class SiteSession:
         return Joined(admitted.key, admitted.charge, setup, client_id,
                       config, arrays if setup.encoding == "ddp" else None, identity)
 
-    def join_terms(self, terms: Terms,
-                   previous: tuple[int, int | None] | None = None) -> Admitted:
-        """Join a round the runtime described by its :class:`Terms` (the site role's task,
-        which is not a round setup): :meth:`admit` them."""
-        return self.admit(terms, previous)
-
     def admit(self, terms: Terms, previous: tuple[int, int | None] | None = None,
               ) -> Admitted:
         """The join's privacy gate, in the same order in every runtime, before anything of
-        the site's data is computed: the protocol parameters against the site's own margins
-        (:meth:`fl.site.core.SiteCore.check_protocol`), the replay rule, the unfinished
-        round ``previous`` abandoned (its charge id and last stage, see :meth:`join`), then
-        the write-ahead charge (``terms.charge``, given the round's label). Raises
-        :class:`dp.policy.PolicyRefused` or :class:`Replayed`; nothing is charged then."""
+        the site's data is computed (a runtime whose rounds are not a
+        :class:`~fl.round_setup.RoundSetup`, the site role, calls it with its own
+        :class:`Terms` once it parsed and checked its task): the protocol parameters
+        against the site's own margins (:meth:`fl.site.core.SiteCore.check_protocol`), the
+        replay rule, the unfinished round ``previous`` abandoned (its charge id and last
+        stage, see :meth:`join`), then the write-ahead charge (``terms.charge``, given the
+        round's label). Raises :class:`dp.policy.PolicyRefused` or :class:`Replayed`;
+        nothing is charged then."""
         with self._held() as core:
             if terms.authenticated is not None:
                 core.authenticated_roster = terms.authenticated
