@@ -42,8 +42,8 @@ from fl.codec import (
 )
 from fl.errors import FLError
 from fl.input_bound import bits_for, capped_weight, dp_bound, fixed_bound
+from fl.plan.privacy import DistributedPlan, distributed_plan
 from fl.site.core import SecureSum, charged_proposal, own_share
-from fl.site.privacy import DistributedPlan, distributed_plan
 from fl.vector import ArraySpec
 from secagg import (
     MAX_BITS,

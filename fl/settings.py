@@ -75,7 +75,7 @@ class TrainSettings:
     a patient's budget is rounded down to one (dp.idp.IdpClasses)."""
     feature_bounds: str | None = None
     """``--feature-bounds FILE``: public per-feature ranges for the noised scaler
-    (:mod:`fl.site.private_scaler`)."""
+    (:mod:`fl.plan.scaler`)."""
     scaler_epsilon: float | None = None
     """The noised feature statistics' share of ``--epsilon`` (default 10 %)."""
     strategy: str = "fedavg"
@@ -90,7 +90,7 @@ class TrainSettings:
     site_weights: float | None = None
     """``--site-weights LAMBDA`` (distributed DP on a survival dataset): DP-FedAvg+'s
     heterogeneity-aware site weights ``exp(-lambda W1)``, computed from DP releases only
-    (:mod:`dp.site_weights`, :mod:`fl.site.weights`)."""
+    (:mod:`dp.site_weights`, :mod:`fl.plan.weights`)."""
     min_site_weight: float = 0.5
     max_site_weight: float = 1.0
     """The site weights' clip ``[w_min, w_max]``; the noise is calibrated to ``w_max`` x clip."""
