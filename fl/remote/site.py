@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +74,12 @@ from transport import (
 
 logger = logging.getLogger(__name__)
 Log = Callable[[str], None]
+
+READY_PACE = 1.0
+"""Seconds between two Readies of one round (:meth:`SiteProcess._go`): a re-send that a
+reconnection or a control message heard again asks for waits for it, so a coordinator (or
+the broker) that delivers control messages without end sets no publish rate of the site's
+(tests/security/test_review_session_ready_resend.py)."""
 
 
 @dataclass(kw_only=True)
@@ -354,21 +361,25 @@ class SiteProcess:
     async def _go(self, ann: Announce, ready: bytes) -> Announce | None:
         """Say ``ready`` and wait for the round's ``go``; say it again after a reconnection
         or a control message heard again (see ``_reheard``): the coordinator keeps one Ready
-        per site, so a repeat costs it nothing."""
+        per site, so a repeat costs it nothing. A re-send waits for :data:`READY_PACE`
+        since the last Ready: whatever the bus delivers, a wait of ``w`` seconds publishes
+        at most ``1 + w / READY_PACE`` Readies."""
         assert self._party is not None
-        started = asyncio.get_running_loop().time()
-        said = -1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        said, said_at = -1, -math.inf
         while True:
             current = self.announce
             if current is not None and current.key == ann.key and current.phase == "go":
                 return current
             if self._superseded(ann) or self._stop_waiting(started):
                 return None
-            if said != self._reheard:
-                said = self._reheard
+            due = said_at + READY_PACE - loop.time()
+            if said != self._reheard and due <= 0:
+                said, said_at = self._reheard, loop.time()
                 await publish_framed(self._party, self.topics.upstream(self.site_id, READY),
                                      ready, self.options.max_payload)
-            await self._changed(1.0)
+            await self._changed(1.0 if said == self._reheard else min(1.0, max(due, 0.0)))
 
     async def _decline(self, ann: Announce, label: str, reason: str) -> None:
         self.log(f"{label}: refusing the round: {reason}")
