@@ -15,8 +15,18 @@ told is abandoned. A malicious server:
    charge ("replaced by a newer round's setup") and refuses B;
 3. carries on with round A: the site answers with its masked input (and would unmask).
 
-A's masked input left the site and its ledger no longer counts it. The site role is not
-exposed: it runs one announced round at a time and ``admit`` gets no ``previous``.
+A's masked input left the site and its ledger no longer counts it; repeated, the default
+node's total (epsilon 10) bounds nothing. The site role is not exposed: it runs one
+announced round at a time and ``admit`` gets no ``previous``.
+
+Proposed fix (about 10 lines; tried: both tests then pass, and
+tests/fl/test_session_rules_every_runtime.py still does): the round ``previous`` names is
+erased in the same step that withdraws it. ``SiteSession.join``/``admit`` take an ``erase``
+callable from the runtime and call it just before ``abandon(previous)``, so a refusal after
+that point leaves nothing to answer: NVFlare ``erase=self.rounds.clear``; Flower
+``context.state.config_records.pop(STATE)`` *and* the replaced round's stage record marked
+aborted (``fl/flower/guard.py``: ``_continue`` refuses an aborted round), since a Flower
+runtime need not save the Context of a message whose mod raised.
 """
 
 from __future__ import annotations
