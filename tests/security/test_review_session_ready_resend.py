@@ -14,7 +14,9 @@ Now a re-send is paced (fl/remote/site.py ``READY_PACE``): a re-heard control me
 reconnection asks for one, and it goes out at most once per pace, so a round's wait for
 ``go`` of ``w`` seconds publishes at most ``1 + w / READY_PACE`` Readies whatever the bus
 carries (a logical bound: the test measures the wait it allowed, it does not bound time).
-The re-send's purpose still holds (tests/fl/test_site_ready_resend.py). Other sites, even
+Every Ready of the wait is the round's own (its run, round, attempt and kind): a re-send
+never carries the input to another round. The re-send's purpose still holds
+(tests/fl/test_site_ready_resend.py). Other sites, even
 with a valid login, cannot trigger a re-send: the topic ACL lets a site publish only on its
 own upstream topics (transport/topics.py ``site_acl``; checked by
 tests/transport/test_memory.py), and bytes that are not a whole, valid control message do
@@ -35,7 +37,13 @@ from typing import Any
 import pytest
 from adversary import threat
 
-from fl.remote.messages import READY, Announce, FedTopics, decode_coordinator_message
+from fl.remote.messages import (
+    READY,
+    Announce,
+    FedTopics,
+    decode_coordinator_message,
+    decode_site_message,
+)
 from fl.remote.site import READY_PACE
 from tests.fl.test_remote_roles import CountingNetwork
 from tests.fl.test_site_idle import _options, _run
@@ -58,7 +66,7 @@ def test_a_flood_of_repeated_announcements_does_not_flood_the_sites_readies() ->
     readies = {cid: topics.upstream(cid, READY) for cid in (1, 2, 3)}
     frames = Reassembler(1 << 20)
     state: dict[str, Any] = {"open": None, "ready_at": None, "go_at": None, "flood": None,
-                             "count": 0, "bytes": 0, "injected": 0}
+                             "count": 0, "bytes": 0, "injected": 0, "keys": set()}
 
     async def flood(payload: bytes) -> None:
         network.inject(topics.control, b"x" * 40)  # raw bytes: dropped as invalid
@@ -88,6 +96,10 @@ def test_a_flood_of_repeated_announcements_does_not_flood_the_sites_readies() ->
         if topic == readies[1]:
             state["count"] += 1
             state["bytes"] += len(payload)
+            got = frames.feed(("r", user), payload, loop.time())
+            if got is not None:  # every Ready of the wait is this round's, never another's
+                ready = decode_site_message(got.payload, READY, 1, 1 << 20)
+                state["keys"].add((ready.run, ready.round, ready.attempt, ready.kind))
             if state["ready_at"] is None:
                 state["ready_at"] = loop.time()
                 state["flood"] = loop.create_task(flood(state["open"][1]))
@@ -106,6 +118,7 @@ def test_a_flood_of_repeated_announcements_does_not_flood_the_sites_readies() ->
     assert state["ready_at"] is not None and state["go_at"] is not None, text
     waited = state["go_at"] - state["ready_at"]
     assert state["injected"] > 0, text
+    assert state["keys"] == {state["open"][0]}, state["keys"]  # its own round's only
     bound = 1 + math.ceil(waited / READY_PACE) + 1  # the first, one per pace, a boundary
     assert state["count"] <= bound, (
         f"site 1 published {state['count']} Readies ({state['bytes']} bytes) in one round's "
