@@ -59,7 +59,7 @@ def _tiny(raw: bytes) -> bytes:
                    ).to_bytes()
 
 
-@threat(**ATTACK, mode="flower")
+@threat(**ATTACK)
 @pytest.mark.xfail(strict=True, reason=REASON)
 def test_flower_a_refused_setup_does_not_uncharge_a_round_that_goes_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,7 +110,7 @@ def test_flower_a_refused_setup_does_not_uncharge_a_round_that_goes_on(
         f"{after['withdrawn']!r}")
 
 
-@threat(**ATTACK, mode="nvflare")
+@threat(**ATTACK)
 @pytest.mark.xfail(strict=True, reason=REASON)
 def test_nvflare_a_refused_setup_does_not_uncharge_a_round_that_goes_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
