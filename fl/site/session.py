@@ -90,9 +90,9 @@ def label_of(what: str, key: bytes | str) -> str:
 
 
 def joined(core: SiteCore, key: bytes | str) -> bool:
-    """Whether the site's ledger already holds a charge (active or withdrawn) of ``key``."""
-    mark = f"[key {_key_text(key)}]"
-    return any(c.label.endswith(mark) for c in core.ledger.charges)
+    """Whether the site's ledger already holds a charge (active or withdrawn) of ``key``
+    (:func:`label_of`'s label; the ledger keeps its round keys in a set)."""
+    return core.ledger.holds_key(_key_text(key))
 
 
 def refuse_replay(core: SiteCore, key: bytes | str, what: str) -> None:
