@@ -81,6 +81,11 @@ reconnection or a control message heard again asks for waits for it, so a coordi
 the broker) that delivers control messages without end sets no publish rate of the site's
 (tests/security/test_review_session_ready_resend.py)."""
 
+RUNS_KEPT = 64
+"""Coordinator runs a site remembers (:attr:`SiteProcess.runs`, the latest; ``_follow``
+keeps as many announcements): a control topic that names a fresh run in every message costs
+the site constant memory (tests/security/test_review_session_hello_flood.py)."""
+
 
 @dataclass(kw_only=True)
 class SiteOptions:
@@ -140,7 +145,10 @@ class SiteProcess:
         self.log = log
         self.announce: Announce | None = None
         self.done: Done | None = None
-        self.runs: set[bytes] = set()
+        self.runs: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        """The last :data:`RUNS_KEPT` coordinator runs heard (the finished one kept)."""
+        self._hello_at = -math.inf  # loop.time() of the last Hello said for a new run
+        self._hello_later: asyncio.Task[None] | None = None  # a paced Hello, not yet said
         self.blobs: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.fetch = FetchPacer()
         self.changed = asyncio.Event()
@@ -179,6 +187,8 @@ class SiteProcess:
                          f"(federation {self.options.federation!r})")
                 return await self._follow(loop)
             finally:
+                if self._hello_later is not None:
+                    self._hello_later.cancel()
                 listener.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await listener
@@ -317,10 +327,16 @@ class SiteProcess:
             return
         run = message.run
         if run not in self.runs:
-            self.runs.add(run)
+            self.runs[run] = None
+            if len(self.runs) > RUNS_KEPT:  # the oldest goes; a finished run stays
+                oldest = next(iter(self.runs))
+                if self.done is not None and oldest == self.done.run:
+                    self.runs.move_to_end(oldest)
+                    oldest = next(iter(self.runs))
+                del self.runs[oldest]
             self._run = run
             if not isinstance(message, Done):
-                await self._hello()  # a new coordinator run: say we are here
+                await self._hello_new_run(now)  # a new coordinator run: say we are here
         if isinstance(message, Done):
             self.done = message
         else:
@@ -331,6 +347,29 @@ class SiteProcess:
             # with a restarted broker) stops now, not after its give-up time.
             self._party.end_round("the coordinator moved on; the round is over")
         self.changed.set()
+
+    async def _hello_new_run(self, now: float) -> None:
+        """Say Hello for a new coordinator run: at once when the last one for a new run is
+        :data:`READY_PACE` old, else once when the pace allows, naming the latest run then
+        (``_run``): a control topic that names a fresh run in every message gets at most one
+        Hello per :data:`READY_PACE` (each carries the whole column list)."""
+        if self._hello_later is not None:
+            return  # a Hello is due; it names the latest run when it goes
+        due = self._hello_at + READY_PACE - now
+        if due <= 0:
+            self._hello_at = now
+            await self._hello()
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(due)
+            self._hello_at = asyncio.get_running_loop().time()
+            self._hello_later = None
+            if self._party is not None and self._party.lost is None:
+                with contextlib.suppress(LinkLost):  # as a Hello the broker lost
+                    await self._hello()
+
+        self._hello_later = asyncio.create_task(later(), name="fl-site-hello")
 
     # -- one round ----------------------------------------------------------------------
     def _superseded(self, ann: Announce) -> bool:
