@@ -126,6 +126,18 @@ def rounded_l2_bound(scaled_clip: float, dim: int, beta: float) -> float:
     return min(bound, math.sqrt(sq))
 
 
+def finite_units(units: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+    """Which units (the first axis; a row, or a parameter's per-unit gradients) hold no NaN
+    and no infinity. The rule of every mode: a unit whose update is not finite (e.g. a model
+    that overflows on its records) contributes a zero row, and still counts as a unit --
+    distributed DP in :meth:`IntegerEncoder.integer_units`, DP-SGD at the site in
+    :func:`dp.units.per_unit_gradients` (before clipping). A function of that unit's own
+    data alone: the sensitivity is unchanged and no refusal depends on the data."""
+    rows = np.asarray(units)
+    return cast(npt.NDArray[np.bool_],
+                np.all(np.isfinite(rows), axis=tuple(range(1, rows.ndim))))
+
+
 def clip_rows(x: F64, clip_norm: float) -> F64:
     """Scale each row down to L2 norm at most ``clip_norm`` (rows already inside unchanged)."""
     norms = np.linalg.norm(x, axis=-1, keepdims=True)
@@ -170,10 +182,7 @@ class IntegerEncoder:
                 f"expected units of shape (m, {p.dim}), got {units.shape}; flatten each "
                 "unit's update to the dim the EncodingParams were built with"
             )
-        # A unit whose update is not finite (e.g. a model that overflows on its records)
-        # contributes a zero row: a function of that unit's own data alone, so the
-        # sensitivity is unchanged and no refusal depends on the data.
-        units = np.where(np.all(np.isfinite(units), axis=1, keepdims=True), units, 0.0)
+        units = np.where(finite_units(units)[:, None], units, 0.0)
         scaled = rotate(clip_rows(units, p.clip_norm), p.rotation_seed) * p.scale
         return self._conditional_round(scaled)
 

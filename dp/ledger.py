@@ -85,6 +85,12 @@ class Ledger:
     _totals: _Totals | None = field(default=None, repr=False)
     _newline: bool = field(default=False, repr=False)
     """The last record's newline is missing (written before the next record)."""
+    _by_id: dict[int, int] = field(default_factory=dict, repr=False)
+    """Each charge's position in :attr:`charges`, by its id."""
+    _active: dict[int, None] = field(default_factory=dict, repr=False)
+    """The ids of the active charges, in order."""
+    _keys: set[str] = field(default_factory=set, repr=False)
+    """Every round key a charge's label names (:func:`label_keys`), withdrawn ones too."""
 
     @classmethod
     def open(cls, path: str | Path, policy: SitePolicy) -> Ledger:
@@ -95,7 +101,9 @@ class Ledger:
         ledger._lock = _lock_file(path.with_name(path.name + ".lock"))
         try:
             read = _read(path)
-            ledger.charges, ledger._size = read.charges, read.size
+            ledger._size = read.size
+            for charge in read.charges:
+                ledger._add(charge)
             ledger._format, ledger._logged_policy = read.format, read.policy
             ledger._newline = read.unterminated
             if read.torn:
@@ -117,9 +125,27 @@ class Ledger:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _add(self, charge: Charge) -> None:
+        """``charge`` at the end of :attr:`charges`, and in the indexes."""
+        self._by_id[charge.id] = len(self.charges)
+        self.charges.append(charge)
+        if charge.withdrawn is None:
+            self._active[charge.id] = None
+        self._keys.update(label_keys(charge.label))
+
     # -- queries --------------------------------------------------------------------------
     def active(self) -> Iterator[Charge]:
-        return (c for c in self.charges if c.withdrawn is None)
+        return (self.charges[self._by_id[i]] for i in list(self._active))
+
+    def get(self, charge_id: int) -> Charge | None:
+        """The charge ``charge_id`` (active or withdrawn), None if the ledger has none."""
+        at = self._by_id.get(charge_id)
+        return None if at is None else self.charges[at]
+
+    def holds_key(self, key: str) -> bool:
+        """Whether a charge (active or withdrawn) names round key ``key`` at the end of its
+        label (``"... [key <key>]"``, :func:`fl.site.session.label_of`); constant time."""
+        return key in self._keys
 
     @property
     def _running(self) -> _Totals:
@@ -190,7 +216,7 @@ class Ledger:
                        proposal.unit, groups=groups,
                        patients=proposal.patients if groups else None)
         self._append({"charge": asdict(entry)})
-        self.charges.append(entry)
+        self._add(entry)
         running.add(entry)
         return entry
 
@@ -216,10 +242,18 @@ class Ledger:
 
     def withdraw(self, charge: Charge, reason: str) -> None:
         """Undo ``charge`` -- only when its input never left the site."""
+        at = self._by_id.get(charge.id)
+        if at is None:
+            raise KeyError(f"charge {charge.id} is not in the privacy ledger {self.path}")
         self._append({"withdraw": charge.id, "reason": reason, "at": time.time()})
-        self.charges = [c if c.id != charge.id else replace(c, withdrawn=reason)
-                        for c in self.charges]
-        self._totals = None  # composed again from the active charges (withdrawals are rare)
+        entry = self.charges[at] = replace(self.charges[at], withdrawn=reason)
+        if charge.id not in self._active:
+            return
+        del self._active[charge.id]
+        if entry.event is not None or entry.groups:
+            self._totals = None  # composed again from the active charges
+        elif self._totals is not None:
+            self._totals.releases -= 1  # a release with no privacy event: only its count
 
     # -- the file -----------------------------------------------------------------------------
     def _append(self, record: dict[str, Any]) -> None:
@@ -330,6 +364,21 @@ class _Read:
 
 _RECORDS = (b'{"format": ', b'{"charge": ', b'{"withdraw": ', b'{"policy": ')
 """How every line of a format-2 ledger starts (the header first)."""
+
+
+_KEY = "[key "
+
+
+def label_keys(label: str) -> set[str]:
+    """The round keys ``label`` ends with: every ``k`` for which it ends with ``"[key k]"``
+    (what :func:`fl.site.session.label_of` appends)."""
+    if not label.endswith("]"):
+        return set()
+    found, at = set(), label.find(_KEY)
+    while at >= 0:
+        found.add(label[at + len(_KEY):-1])
+        at = label.find(_KEY, at + 1)
+    return found
 
 
 def read_charges(path: str | Path) -> list[Charge]:

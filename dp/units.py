@@ -20,6 +20,7 @@ import numpy.typing as npt
 import torch
 from opacus import GradSampleModule
 
+from dp.encoding import finite_units
 from dp.errors import PrivacyConfigError
 from dp.randomness import RandomSource, SystemRandom, uniform_words
 
@@ -90,7 +91,9 @@ def regroup_grad_samples(module: GradSampleModule, position: torch.Tensor,
 def per_unit_gradients(module: GradSampleModule, loss_fn: LossFn, inputs: torch.Tensor,
                        targets: torch.Tensor, position: npt.NDArray[np.int64],
                        num_units: int) -> None:
-    """Forward/backward with a summed loss, then group per unit into ``p.grad_sample``."""
+    """Forward/backward with a summed loss, then group per unit into ``p.grad_sample``; a
+    unit whose gradient has a NaN or an infinity gets a zero one
+    (:func:`dp.encoding.finite_units`: the rule distributed DP applies to its rows)."""
     if module.loss_reduction != "sum":
         raise PrivacyConfigError("wrap the model with GradSampleModule(loss_reduction='sum')")
     module.zero_grad(set_to_none=True)
@@ -102,6 +105,14 @@ def per_unit_gradients(module: GradSampleModule, loss_fn: LossFn, inputs: torch.
         loss = loss_fn(module(inputs), targets)
         loss.backward()  # type: ignore[no-untyped-call]
     regroup_grad_samples(module, torch.as_tensor(position, dtype=torch.long), num_units)
+    grads = [p.grad_sample for p in module.parameters()
+             if getattr(p, "grad_sample", None) is not None]
+    finite = np.ones(num_units, dtype=bool)
+    for g in grads:
+        finite &= finite_units(g.detach().cpu())
+    if not finite.all():
+        for g in grads:
+            g[torch.as_tensor(~finite, device=g.device)] = 0
 
 
 def flat_unit_gradients(module: GradSampleModule) -> npt.NDArray[np.float64]:

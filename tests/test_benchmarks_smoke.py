@@ -128,6 +128,13 @@ def test_ledger_benchmark_reports_cost_per_charge() -> None:
     assert size["file_mb"] > 0
 
 
+def test_session_replay_benchmark_reports_cost_per_admit() -> None:
+    pytest.importorskip("opacus")
+    bench = _load("bench_session_replay")
+    rows = bench.measure(rounds=20, window=10)
+    assert [n for n, _ in rows] == [10, 20] and all(s > 0 for _, s in rows)
+
+
 def test_attack_benchmark_runs_and_writes_its_section(tmp_path: Path) -> None:
     """benchmarks/bench_attacks.py: one plain-FedAvg round of the model-replacement attack
     (the validated runs are the benchmark's, minutes; tests/flower/test_validation.py

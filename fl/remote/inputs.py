@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from dp import LedgerWriteError, PolicyRefused, PrivacyError
 from fl.contribution import RoundTask, SecaggBound, TaskError, scaler_input, secagg_bound
 from fl.contribution import site_input as contribution
 from fl.data import DataError, Table, csv_schema, load_csv
@@ -25,6 +26,7 @@ from fl.remote.blob import Blob
 from fl.remote.messages import Announce, WireError, get_int, get_names, get_str
 from fl.settings import MODELS, TrainSettings
 from fl.site.core import SiteCore
+from fl.site.session import Admitted, Replayed, SiteSession, Terms
 from fl.site.training import Scaler, Site
 
 if TYPE_CHECKING:  # the module itself is imported where it is used (site_input)
@@ -169,12 +171,27 @@ def round_bound(blob: Blob, dim: int) -> SecaggBound:
 
 def site_input(data: SiteData, blob: Blob, announce: Announce, *,
                require_dp: str | None, guard: SiteCore) -> U64:
-    """This site's secure-aggregation vector for the announced round.
+    """This site's secure-aggregation vector for the announced round: :func:`site_round`
+    in a site session over ``guard`` (:class:`fl.site.core.SiteCore`: the site operator's
+    policy and ledger; mandatory)."""
+    return site_round(data, blob, announce, require_dp=require_dp,
+                      session=SiteSession(core=guard, runtime="site"))[1]
 
-    ``guard`` (:class:`fl.site.core.SiteCore`: the site operator's policy and ledger;
-    mandatory) checks the round and charges it to the site's ledger *before* anything about
-    the site's own data is looked at or computed; a refusal names the policy rule
-    (docs/privacy.md section 1). The task's shape comes from the announced (public) columns
+
+def site_round(data: SiteData, blob: Blob, announce: Announce, *,
+               require_dp: str | None, session: SiteSession) -> tuple[Admitted, U64]:
+    """The site role's join of the announced round in its site session
+    (:mod:`fl.site.session`): this parses and checks the announced task, joins it with its
+    :class:`fl.site.session.Terms` (:meth:`fl.site.session.SiteSession.admit`: the
+    protocol margins, the replay rule and the write-ahead charge, the code the Flower mod
+    and the NVFlare executor run), and only then trains and encodes (the session's train and
+    encode steps: :func:`fl.contribution.site_input`, as in simulation). Returns the
+    admitted round (its charge, which the session's ``end`` withdraws when the masked input
+    never existed) and the site's secure-aggregation vector.
+
+    The session's core checks the round and charges it to the site's ledger *before*
+    anything about the site's own data is looked at or computed; a refusal names the policy
+    rule (docs/privacy.md section 1). The task's shape comes from the announced (public) columns
     and labels; whether they match the site's table is checked after the gate, and a
     mismatch is declined with :data:`SCHEMA_MISMATCH` alone (its charge stays: the answer
     depends on the site's data). With labels pinned by the operator the labels are checked
@@ -201,14 +218,15 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
         if get_int(task, "dim", dim, dim) != dim or get_int(task, "bits", 8, 64) != \
                 noised.params.bits:
             raise WireError("the scaler task's dimension or bits differ from its encoding")
-        _admit(guard, noised, announce, "feature scaling")
-        return private_scaler.site_input(noised, _table(data, task, cid))
+        admitted = _admit(session, noised, announce, "feature scaling")
+        return admitted, private_scaler.site_input(noised, _table(data, task, cid))
     if blob.kind == "scaler":
         dim = 2 * num_features + 1
         if get_int(task, "dim", dim, dim) != dim:
             raise WireError("the scaler task's dimension does not match its columns")
-        _admit(guard, None, announce, "feature scaling")
-        return scaler_input(Site(cid, _table(data, task, cid)).feature_sums(), cohort)
+        admitted = _admit(session, None, announce, "feature scaling")
+        return admitted, scaler_input(Site(cid, _table(data, task, cid)).feature_sums(),
+                                      cohort)
     scaler = None if blob.scaler is None else Scaler(*blob.scaler)
     if scaler is not None and scaler.mean.size != num_features:
         raise WireError("the scaler does not match the number of features")
@@ -229,15 +247,13 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
         raise WireError("the task's round or cohort differs from the announcement")
     idp = None
     if round_task.unit == "patient-idp" and data.idp is not None:
-        from dp import PrivacyError
-
         try:  # the site's own plan for the proposal (fl/site/idp.py); its groups are charged
             idp = data.idp.for_task(round_task)
         except (PrivacyError, ValueError) as exc:  # details name groups: own log only
             logger.warning("site %d: no patient-idp plan: %s", cid, exc)
             raise WireError("no patient-idp plan of this site meets its patients' targets "
                             "for the proposed rate, steps and clip") from None
-    _admit(guard, round_task, announce, f"round {announce.round}", idp)
+    admitted = _admit(session, round_task, announce, f"round {announce.round}", idp)
     table = _table(data, task, cid)
     if task.get("model") == "cox":  # the Cox partial likelihood (fl/survival.py)
         from fl.survival import CoxSite
@@ -254,7 +270,7 @@ def site_input(data: SiteData, blob: Blob, announce: Announce, *,
     except TaskError as exc:
         raise WireError(str(exc)) from None
     data.proposed_control = given.control
-    return given.vector
+    return admitted, given.vector
 
 
 def _table(data: SiteData, task: Mapping[str, Any], site_id: int) -> Table:
@@ -273,29 +289,25 @@ def announce_key(announce: Announce) -> str:
     return f"{run.hex()}-{number}-{attempt}-{kind}"
 
 
-def _admit(guard: SiteCore, task: RoundTask | ScalerPlan | None, announce: Announce,
-           label: str, idp: Any = None) -> None:
-    """The site's privacy gate: the site session's (:meth:`fl.site.session.SiteSession.gate`,
-    the code the Flower mod and the NVFlare executor run): the protocol margins, the replay
-    rule (a round is joined once), then a write-ahead charge, or a refusal naming the rule;
+def _admit(session: SiteSession, task: RoundTask | ScalerPlan | None, announce: Announce,
+           label: str, idp: Any = None) -> Admitted:
+    """The site's privacy gate: the site session's admission of the announced round's
+    :class:`fl.site.session.Terms` (:meth:`fl.site.session.SiteSession.admit`, the
+    code the Flower mod and the NVFlare executor run): the protocol margins, the replay rule
+    (a round is joined once), then a write-ahead charge, or a refusal naming the rule;
     ``idp``: the site's own :class:`fl.site.idp.SiteIdp` plan under ``--unit
     patient-idp``."""
-    from dp import LedgerWriteError, PrivacyError
-    from fl.site.session import Replayed, SiteSession
-
     try:
-        SiteSession(lambda: guard, runtime="site").gate(
-            guard, announce_key(announce), label, num_clients=len(announce.cohort),
+        return session.admit(Terms(
+            announce_key(announce), label, num_clients=len(announce.cohort),
             threshold=announce.threshold, neighbors=None, security=announce.security,
-            admit=lambda text: guard.admit(task, secagg_threshold=announce.threshold,
-                                           label=text, key=announce.key, idp=idp))
+            charge=lambda core, text: core.admit(task, secagg_threshold=announce.threshold,
+                                                 label=text, key=announce.key, idp=idp)))
     except LedgerWriteError:
         raise  # the site role says it in one line; the file stays in its own log
     except Replayed as exc:
         raise WireError(str(exc)) from None
     except PrivacyError as exc:  # the coordinator learns the rule, not the site's plan
-        from dp import PolicyRefused
-
         public = exc.public if isinstance(exc, PolicyRefused) else str(exc)
         if public != str(exc):
             logger.warning("%s: %s", label, exc)

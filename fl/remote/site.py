@@ -1,10 +1,12 @@
 """The site role: a hospital's process follows the coordinator's rounds with its own data.
 
 It connects once (its federation-level last will), says :class:`Hello`, and for every round
-it is in: fetches the announced blob (verified by its SHA-256), computes its input
-(:func:`fl.remote.inputs.site_input`, in a worker thread), answers :class:`Ready`, and on
-``go`` runs a ``transport.client_driver.ClientDriver`` over the round's view of the same
-connection. Its records never leave the process; only the masked vector does.
+it is in: fetches the announced blob (verified by its SHA-256), joins the round and computes
+its input in its site session (:func:`fl.remote.inputs.site_round`, in a worker thread;
+:mod:`fl.site.session`), answers :class:`Ready`, and on ``go`` has the session build the
+round's client and runs a ``transport.client_driver.ClientDriver`` on it over the round's
+view of the same connection; the session ends the round. Its records never leave the
+process; only the masked vector does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ from dp import LedgerWriteError, PrivacyError
 from fl.codec import EncodingOverflow
 from fl.contribution import TaskError
 from fl.remote.blob import Blob, FetchPacer, blob_digest
-from fl.remote.inputs import SiteData, round_bound, site_input
+from fl.remote.inputs import SiteData, round_bound, site_round
 from fl.remote.link import PartyLink, connect_party
 from fl.remote.messages import (
     DECLINE,
@@ -48,7 +51,7 @@ from fl.remote.messages import (
     site_will,
 )
 from fl.site.core import SiteCore
-from fl.site.session import SiteSession
+from fl.site.session import Admitted, SiteSession
 from secagg import Config
 from secagg.client import Client
 from transport import (
@@ -71,6 +74,17 @@ from transport import (
 
 logger = logging.getLogger(__name__)
 Log = Callable[[str], None]
+
+READY_PACE = 1.0
+"""Seconds between two Readies of one round (:meth:`SiteProcess._go`): a re-send that a
+reconnection or a control message heard again asks for waits for it, so a coordinator (or
+the broker) that delivers control messages without end sets no publish rate of the site's
+(tests/security/test_review_session_ready_resend.py)."""
+
+RUNS_KEPT = 64
+"""Coordinator runs a site remembers (:attr:`SiteProcess.runs`, the latest; ``_follow``
+keeps as many announcements): a control topic that names a fresh run in every message costs
+the site constant memory (tests/security/test_review_session_hello_flood.py)."""
 
 
 @dataclass(kw_only=True)
@@ -122,15 +136,19 @@ class SiteProcess:
                 "--insecure-verify, or run the test with --dp none on both sides")
         # the charge follows how the roster is authenticated
         self.guard.authenticated_roster = options.identity is not None
-        self.session = SiteSession(lambda: self.guard, runtime="site", log=log)
-        """The site session's rules (replay: :func:`fl.remote.inputs.site_input`;
-        withdrawal: :meth:`_ended`), the code the Flower and NVFlare sites run."""
+        self.session = SiteSession(core=self.guard, runtime="site", log=log)
+        """The site session (:mod:`fl.site.session`, the code the Flower and NVFlare sites
+        run): join and admit (:func:`fl.remote.inputs.site_round`), the round's client
+        (:meth:`_take_part` at ``go``) and its end (:meth:`_ended`)."""
         self.topics = FedTopics(options.federation)
         self.network = network
         self.log = log
         self.announce: Announce | None = None
         self.done: Done | None = None
-        self.runs: set[bytes] = set()
+        self.runs: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        """The last :data:`RUNS_KEPT` coordinator runs heard (the finished one kept)."""
+        self._hello_at = -math.inf  # loop.time() of the last Hello said for a new run
+        self._hello_later: asyncio.Task[None] | None = None  # a paced Hello, not yet said
         self.blobs: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.fetch = FetchPacer()
         self.changed = asyncio.Event()
@@ -169,6 +187,8 @@ class SiteProcess:
                          f"(federation {self.options.federation!r})")
                 return await self._follow(loop)
             finally:
+                if self._hello_later is not None:
+                    self._hello_later.cancel()
                 listener.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await listener
@@ -307,10 +327,16 @@ class SiteProcess:
             return
         run = message.run
         if run not in self.runs:
-            self.runs.add(run)
+            self.runs[run] = None
+            if len(self.runs) > RUNS_KEPT:  # the oldest goes; a finished run stays
+                oldest = next(iter(self.runs))
+                if self.done is not None and oldest == self.done.run:
+                    self.runs.move_to_end(oldest)
+                    oldest = next(iter(self.runs))
+                del self.runs[oldest]
             self._run = run
             if not isinstance(message, Done):
-                await self._hello()  # a new coordinator run: say we are here
+                await self._hello_new_run(now)  # a new coordinator run: say we are here
         if isinstance(message, Done):
             self.done = message
         else:
@@ -321,6 +347,29 @@ class SiteProcess:
             # with a restarted broker) stops now, not after its give-up time.
             self._party.end_round("the coordinator moved on; the round is over")
         self.changed.set()
+
+    async def _hello_new_run(self, now: float) -> None:
+        """Say Hello for a new coordinator run: at once when the last one for a new run is
+        :data:`READY_PACE` old, else once when the pace allows, naming the latest run then
+        (``_run``): a control topic that names a fresh run in every message gets at most one
+        Hello per :data:`READY_PACE` (each carries the whole column list)."""
+        if self._hello_later is not None:
+            return  # a Hello is due; it names the latest run when it goes
+        due = self._hello_at + READY_PACE - now
+        if due <= 0:
+            self._hello_at = now
+            await self._hello()
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(due)
+            self._hello_at = asyncio.get_running_loop().time()
+            self._hello_later = None
+            if self._party is not None and self._party.lost is None:
+                with contextlib.suppress(LinkLost):  # as a Hello the broker lost
+                    await self._hello()
+
+        self._hello_later = asyncio.create_task(later(), name="fl-site-hello")
 
     # -- one round ----------------------------------------------------------------------
     def _superseded(self, ann: Announce) -> bool:
@@ -351,21 +400,25 @@ class SiteProcess:
     async def _go(self, ann: Announce, ready: bytes) -> Announce | None:
         """Say ``ready`` and wait for the round's ``go``; say it again after a reconnection
         or a control message heard again (see ``_reheard``): the coordinator keeps one Ready
-        per site, so a repeat costs it nothing."""
+        per site, so a repeat costs it nothing. A re-send waits for :data:`READY_PACE`
+        since the last Ready: whatever the bus delivers, a wait of ``w`` seconds publishes
+        at most ``1 + w / READY_PACE`` Readies."""
         assert self._party is not None
-        started = asyncio.get_running_loop().time()
-        said = -1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        said, said_at = -1, -math.inf
         while True:
             current = self.announce
             if current is not None and current.key == ann.key and current.phase == "go":
                 return current
             if self._superseded(ann) or self._stop_waiting(started):
                 return None
-            if said != self._reheard:
-                said = self._reheard
+            due = said_at + READY_PACE - loop.time()
+            if said != self._reheard and due <= 0:
+                said, said_at = self._reheard, loop.time()
                 await publish_framed(self._party, self.topics.upstream(self.site_id, READY),
                                      ready, self.options.max_payload)
-            await self._changed(1.0)
+            await self._changed(1.0 if said == self._reheard else min(1.0, max(due, 0.0)))
 
     async def _decline(self, ann: Announce, label: str, reason: str) -> None:
         self.log(f"{label}: refusing the round: {reason}")
@@ -373,15 +426,14 @@ class SiteProcess:
         await self._party.publish(self.topics.upstream(self.site_id, DECLINE), framed(
             Decline(ann.run, ann.round, ann.attempt, ann.kind, reason[:1000])))
 
-    def _ended(self, ann: Announce, clear: bytes | None, client: Client | None,
+    def _ended(self, admitted: Admitted, clear: bytes | None, client: Client | None,
                reason: str) -> None:
-        """The round of ``ann`` ended for this site: the site session's withdrawal rule
-        (:meth:`fl.site.session.SiteSession.abandon`, the code every runtime runs) withdraws
-        its charge when its masked input never existed (``client`` None: it never
-        advertised), never when the input went out in the clear for --insecure-verify."""
-        entry = self.guard.pending.pop(ann.key, None)
-        if clear is None and entry is not None:
-            self.session.abandon(client, entry[0].id, reason, self.guard)
+        """The admitted round ended for this site: the site session's end
+        (:meth:`fl.site.session.SiteSession.end`, the code every runtime runs) withdraws its
+        charge when its masked input never existed (``client`` None: it never advertised),
+        never when the input went out in the clear for --insecure-verify."""
+        if clear is None:
+            self.session.end(admitted, client, reason)
 
     def _check_roster(self, ann: Announce, ids: tuple[int, ...], what: str) -> None:
         """With the operator's peer keys: only malicious-mode rounds whose ``ids`` all have a
@@ -414,9 +466,9 @@ class SiteProcess:
             if blob.kind != ann.kind:
                 raise WireError(f"a {blob.kind} blob announced as {ann.kind}")
             started = time.perf_counter()
-            vector = await asyncio.to_thread(site_input, self.data, blob, ann,
-                                             require_dp=self.options.require_dp,
-                                             guard=self.guard)
+            admitted, vector = await asyncio.to_thread(
+                site_round, self.data, blob, ann, require_dp=self.options.require_dp,
+                session=self.session)
         except (WireError, TaskError, EncodingOverflow) as exc:  # rules, no data in them
             await self._decline(ann, label, str(exc))
             return
@@ -444,7 +496,7 @@ class SiteProcess:
                                          clear))
             go = await self._go(ann, ready)
             if go is None or self.site_id not in go.roster or go.blob != ann.blob:
-                self._ended(ann, clear, None, "not in the round's roster")
+                self._ended(admitted, clear, None, "not in the round's roster")
                 self.log(f"{label}: not in the round's roster; sitting it out")
                 return
             identity = self.options.identity
@@ -458,13 +510,14 @@ class SiteProcess:
                 config = Config(num_clients=len(go.roster), threshold=go.threshold,
                                 dim=int(vector.size), bits=get_int(blob.task, "bits", 8, 64),
                                 security=go.security, norm_bound=bound, weight_index=weight)
-                client = Client(config, self.site_id, vector, roster=go.roster,
-                                context=round_context(self.options.federation, go),
-                                signing_key=None if identity is None else identity.signing_key,
-                                verify_keys=None if identity is None else
-                                identity.verify_keys(go.roster))
+                client = self.session.client(
+                    self.site_id, vector, config=config, roster=go.roster,
+                    context=round_context(self.options.federation, go),
+                    identity=None if identity is None else {
+                        "signing_key": identity.signing_key,
+                        "verify_keys": identity.verify_keys(go.roster)})
             except (ValueError, PrivacyError) as exc:
-                self._ended(ann, clear, None, f"refused at go: {exc}")
+                self._ended(admitted, clear, None, f"refused at go: {exc}")
                 await self._decline(ann, label, str(exc))
                 return
             driver = ClientDriver(client, view, topics,
@@ -474,7 +527,7 @@ class SiteProcess:
                                       validated=config.norm_bound is not None),
                                   max_payload=self.options.max_payload)
             outcome = await driver.run()  # e.g. a peer's signature failed before masking
-            self._ended(ann, clear, client, f"the round ended ({outcome.status}) before this "
+            self._ended(admitted, clear, client, f"the round ended ({outcome.status}) before this "
                         "site's masked input existed")
         if outcome.status == "done":
             self.rounds += 1

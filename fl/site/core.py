@@ -276,7 +276,7 @@ class SiteCore:
     def withdraw(self, charge: int, reason: str) -> None:
         """Withdraw the ledger's charge ``charge`` (its id) unless already withdrawn; a ledger
         that cannot be written keeps it (conservative, said once)."""
-        entry = next((c for c in self.ledger.charges if c.id == charge), None)
+        entry = self.ledger.get(charge)
         if entry is None or entry.withdrawn is not None:
             return
         try:

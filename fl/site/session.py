@@ -2,28 +2,39 @@
 section 10; docs/privacy.md section 1, "One site session").
 
 A runtime (the Flower mod, the NVFlare executor, the ``secagg train --role site`` process,
-the next one) hands a :class:`SiteSession` the round's setup bytes and its I/O, and keeps only
-its transport and where its state lives. The session owns, in this order:
+the next one) hands a :class:`SiteSession` the round's description and its I/O, and keeps only
+its transport and where its state lives. The sequence is written here once, in this order,
+and every runtime calls these methods in it:
 
-1. **parse** the setup (:class:`fl.round_setup.RoundSetup`) and **check the run** it names;
-2. **identity**: the site's place in the roster and, in malicious mode, its own verify key and
-   only enrolled keys (:func:`fl.round_setup.check_identity`);
-3. **layout**: the arrays sent have the setup's layout, and the release is one the site can
-   encode (:func:`fl.round_setup.round_release`), plus the runtime's own limits
-   (``check_setup``);
-4. **admit** (:meth:`SiteSession.gate`): the site core (mandatory) checks the protocol
-   margins, the replay rule refuses a round joined before, and the release is checked
-   against the operator's policy and charged, write-ahead, to the ledger
-   (:mod:`fl.site.core`); only then does the runtime run the user's **training**. The site
-   role's announcements carry its own task (per-patient sampling, site DP, the feature
-   statistics), not a :class:`~fl.round_setup.RoundSetup`: it runs this gate on them
-   (:func:`fl.remote.inputs.site_input`) and :meth:`SiteSession.abandon` when a round ends;
-5. **encode** the trained arrays (:func:`fl.round_setup.encode_reply`), **advertise** the
-   round's keys, **answer** every later stage, and **erase** the round's secrets when it ends.
+1. **join** (:meth:`SiteSession.join`): parse the setup (:class:`fl.round_setup.RoundSetup`)
+   and **check the run** it names; **identity**: the site's place in the roster and, in
+   malicious mode, its own verify key and only enrolled keys
+   (:func:`fl.round_setup.check_identity`); **layout**: the arrays sent have the setup's
+   layout, the release is one the site can encode (:func:`fl.round_setup.round_release`),
+   plus the runtime's own limits (``check_setup``). The site role's announcements carry its
+   own task (:class:`fl.contribution.RoundTask`: per-patient sampling, site DP, adaptive
+   clipping, the feature statistics, SCAFFOLD); it parses and checks them itself
+   (:func:`fl.remote.inputs.site_round`) and hands :meth:`SiteSession.admit` their
+   :class:`Terms`, the narrow hook :meth:`SiteSession.join` ends in too;
+2. **admit** (:meth:`SiteSession.admit`): the site core (mandatory) checks the protocol
+   margins, the replay rule refuses a round joined before, an unfinished earlier round is
+   abandoned, and the release is checked against the operator's policy and charged,
+   write-ahead, to the ledger (:mod:`fl.site.core`); it returns an :class:`Admitted` round;
+3. **train**: the runtime's I/O (the Flower mod's ``call_next``, the NVFlare trainer, the
+   site role's :func:`fl.contribution.site_input`), only after the round is admitted;
+4. **encode** (:meth:`SiteSession.encode`, :func:`fl.round_setup.encode_reply`; the site
+   role's vector comes encoded from its task);
+5. **advertise** (:meth:`SiteSession.advertise`, over :meth:`SiteSession.client`, which the
+   site role calls at ``go``): the round's ``secagg.Client`` on the encoded input;
+6. **answer** (:meth:`SiteSession.answer`, :meth:`SiteSession.answer_with_proof`; the site
+   role's ``transport.ClientDriver`` answers on the same client);
+7. **erase / withdraw** (:meth:`SiteSession.end`, :meth:`SiteSession.abandon`): the runtime
+   drops the round's secrets, and the charge is withdrawn when the masked input never
+   existed.
 
 Two rules hold in every runtime because they are written here once:
 
-* **Replay** (:meth:`SiteSession.gate`): a round is joined once. Its charge is labelled
+* **Replay** (:meth:`SiteSession.admit`): a round is joined once. Its charge is labelled
   with its key (the secure-aggregation session id, or the site role's announcement), and a
   second join of a key the ledger already holds -- charged or withdrawn, before or after a
   restart -- is refused (:class:`Replayed`) before anything is charged or trained.
@@ -36,7 +47,8 @@ Two rules hold in every runtime because they are written here once:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,9 +90,9 @@ def label_of(what: str, key: bytes | str) -> str:
 
 
 def joined(core: SiteCore, key: bytes | str) -> bool:
-    """Whether the site's ledger already holds a charge (active or withdrawn) of ``key``."""
-    mark = f"[key {_key_text(key)}]"
-    return any(c.label.endswith(mark) for c in core.ledger.charges)
+    """Whether the site's ledger already holds a charge (active or withdrawn) of ``key``
+    (:func:`label_of`'s label; the ledger keeps its round keys in a set)."""
+    return core.ledger.holds_key(_key_text(key))
 
 
 def refuse_replay(core: SiteCore, key: bytes | str, what: str) -> None:
@@ -90,72 +102,100 @@ def refuse_replay(core: SiteCore, key: bytes | str, what: str) -> None:
                        "once, a replayed setup is neither charged nor trained")
 
 
+@dataclass(frozen=True)
+class Terms:
+    """A round's public terms as the session admits it, in any runtime's vocabulary (the hook
+    :meth:`SiteSession.admit` takes; :meth:`SiteSession.join` builds them from a
+    :class:`~fl.round_setup.RoundSetup`).
+
+    ``key``: the round's key (the replay rule's; a secure-aggregation session id, or the site
+    role's announcement); ``what``: the round in the ledger's label; ``charge``: the
+    write-ahead charge of the round's release, given the site's core and the round's label
+    (raises :class:`dp.policy.PolicyRefused`); ``authenticated``: whether the round's roster
+    is authenticated by keys the operator enrolled (None: the core's own setting stands)."""
+
+    key: bytes | str
+    what: str
+    num_clients: int
+    threshold: int
+    neighbors: int | None
+    security: str
+    charge: Callable[[SiteCore, str], Charge]
+    authenticated: bool | None = None
+
+
 @dataclass
-class Joined:
-    """A round the session joined and charged (what a runtime keeps until it advertises)."""
+class Admitted:
+    """A round the session admitted and charged (what a runtime keeps until it ends)."""
+
+    key: bytes | str
+    charge: int
+    """The ledger id of the round's charge (:meth:`SiteSession.end` withdraws it)."""
+
+
+@dataclass
+class Joined(Admitted):
+    """A round setup the session joined and charged (what a runtime keeps until it
+    advertises)."""
 
     setup: RoundSetup
     client_id: int
     config: Config
-    session_id: bytes
-    charge: int
-    """The ledger id of the round's charge (:meth:`SiteSession.not_sent` withdraws it)."""
     sent: F64 | None
     identity: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def session_id(self) -> bytes:
+        assert isinstance(self.key, bytes)
+        return self.key
 
 
 class SiteSession:
     """One site's session over a runtime (module docstring).
 
-    ``open_core``: opens the site's core (its operator's policy and ledger; the ledger's lock
-    is held only while a round is admitted or withdrawn); ``runtime``: its name in the
-    ledger's labels; ``signing_key``/``trusted_keys``: the site's identity and its operator's
-    enrolled keys (malicious mode); ``check_setup``: the runtime's own limits on a setup
-    (e.g. what Flower can move between messages), called before anything is charged."""
+    The site's core (mandatory), one of: ``open_core``, which opens it per use (its
+    operator's policy and ledger; the ledger's lock is held only while a round is admitted
+    or withdrawn), or ``core``, a core the runtime holds open for its life (the site role).
+    ``runtime``: its name in the ledger's labels; ``signing_key``/``trusted_keys``: the
+    site's identity and its operator's enrolled keys (malicious mode); ``check_setup``: the
+    runtime's own limits on a setup (e.g. what Flower can move between messages), called
+    before anything is charged."""
 
-    def __init__(self, open_core: Callable[[], SiteCore], *, runtime: str,
-                 signing_key: Any = None, trusted_keys: frozenset[bytes] = frozenset(),
+    def __init__(self, open_core: Callable[[], SiteCore] | None = None, *, runtime: str,
+                 core: SiteCore | None = None, signing_key: Any = None,
+                 trusted_keys: frozenset[bytes] = frozenset(),
                  check_setup: Callable[[RoundSetup, Config], None] | None = None,
                  log: Log | None = None) -> None:
+        if (open_core is None) == (core is None):
+            raise TypeError("a site session runs over its site core: give exactly one of "
+                            "open_core (opened per round) and core (held by the runtime)")
+        if core is not None and not isinstance(core, SiteCore):
+            raise ValueError(f"a site session's core must be a fl.site.core.SiteCore, got "
+                             f"{type(core).__name__}")
         self.open_core = open_core
+        self.core = core
         self.runtime = runtime
         self.signing_key = signing_key
         self.trusted_keys = trusted_keys
         self.check_setup = check_setup
         self.log = log or (lambda text: None)
 
-    # -- the rules, for every runtime -----------------------------------------------------
-    def gate(self, core: SiteCore, key: bytes | str, what: str, *, num_clients: int,
-             threshold: int, neighbors: int | None, security: str,
-             admit: Callable[[str], Charge],
-             previous: tuple[int, int | None] | None = None) -> Charge:
-        """The join's privacy gate, in the same order in every runtime, before anything of
-        the site's data is computed: the protocol parameters against the site's own margins
-        (:meth:`fl.site.core.SiteCore.check_protocol`), the replay rule, the unfinished
-        round ``previous`` abandoned (see :meth:`join`), then the write-ahead charge
-        (``admit``, given the round's label). Raises :class:`dp.policy.PolicyRefused` or
-        :class:`Replayed`; nothing is charged then."""
-        core.check_protocol(num_clients=num_clients, threshold=threshold,
-                            neighbors=neighbors, security=security)
-        refuse_replay(core, key, what)
-        if previous is not None:
-            self.abandon(previous[1], previous[0], "replaced by a newer round's setup "
-                         "before its masked input existed", core)
-        return admit(label_of(what, key))
-
-    def not_sent(self, charge: int, reason: str, core: SiteCore | None = None) -> None:
-        """The withdrawal rule: the round's masked input never left the site (for a reason
-        that does not depend on its data): withdraw its charge ``charge`` (ledger id,
-        :meth:`fl.site.core.SiteCore.withdraw`). ``core``: the site's core if the caller
-        holds it open."""
-        own = core or self.open_core()
+    @contextlib.contextmanager
+    def _held(self, core: SiteCore | None = None) -> Iterator[SiteCore]:
+        """The site's core for one step: ``core`` or the one the runtime holds, else opened
+        and closed around the step."""
+        held = core or self.core
+        if held is not None:
+            yield held
+            return
+        assert self.open_core is not None
+        opened = self.open_core()
         try:
-            own.withdraw(charge, reason)
+            yield opened
         finally:
-            if core is None:
-                own.close()
+            opened.close()
 
-    # -- a round setup: parse, check run, identity, layout, admit -------------------------
+    # -- 1-2. join and admit --------------------------------------------------------------
     def join(self, raw: object, *, run_id: int, node_id: int,
              sent: Callable[[RoundSetup], F64],
              previous: tuple[int, int | None] | None = None) -> Joined:
@@ -185,37 +225,67 @@ class SiteSession:
             self.check_setup(setup, config)
         session_id = derive_session_id(config, tuple(range(1, setup.num_clients + 1)),
                                        setup.context())
-        what = f"{self.runtime} run {setup.run_id} round {setup.server_round}"
-        core = self.open_core()
-        try:
-            core.authenticated_roster = setup.security == "malicious"  # enrolled keys only
-            charge = self.gate(
-                core, session_id, what, num_clients=setup.num_clients,
-                threshold=setup.threshold, neighbors=setup.neighbors, security=setup.security,
-                previous=previous, admit=lambda label: core.admit(
-                    release(core.policy), secagg_threshold=setup.threshold, label=label))
-        finally:
-            core.close()
-        return Joined(setup, client_id, config, session_id, charge.id,
-                      arrays if setup.encoding == "ddp" else None, identity)
+        admitted = self.admit(Terms(
+            session_id, f"{self.runtime} run {setup.run_id} round {setup.server_round}",
+            num_clients=setup.num_clients, threshold=setup.threshold,
+            neighbors=setup.neighbors, security=setup.security,
+            charge=lambda core, label: core.admit(release(core.policy),
+                                                  secagg_threshold=setup.threshold,
+                                                  label=label),
+            authenticated=setup.security == "malicious"),  # enrolled keys only
+            previous)
+        return Joined(admitted.key, admitted.charge, setup, client_id,
+                      config, arrays if setup.encoding == "ddp" else None, identity)
 
-    # -- encode and advertise ---------------------------------------------------------------
+    def admit(self, terms: Terms, previous: tuple[int, int | None] | None = None,
+              ) -> Admitted:
+        """The join's privacy gate, in the same order in every runtime, before anything of
+        the site's data is computed (a runtime whose rounds are not a
+        :class:`~fl.round_setup.RoundSetup`, the site role, calls it with its own
+        :class:`Terms` once it parsed and checked its task): the protocol parameters
+        against the site's own margins (:meth:`fl.site.core.SiteCore.check_protocol`), the
+        replay rule, the unfinished round ``previous`` abandoned (its charge id and last
+        stage, see :meth:`join`), then the write-ahead charge (``terms.charge``, given the
+        round's label). Raises :class:`dp.policy.PolicyRefused` or :class:`Replayed`;
+        nothing is charged then."""
+        with self._held() as core:
+            if terms.authenticated is not None:
+                core.authenticated_roster = terms.authenticated
+            core.check_protocol(num_clients=terms.num_clients, threshold=terms.threshold,
+                                neighbors=terms.neighbors, security=terms.security)
+            refuse_replay(core, terms.key, terms.what)
+            if previous is not None:
+                self.abandon(previous[1], previous[0], "replaced by a newer round's setup "
+                             "before its masked input existed", core)
+            charge = terms.charge(core, label_of(terms.what, terms.key))
+        return Admitted(terms.key, charge.id)
+
+    # -- 4. encode --------------------------------------------------------------------------
     def encode(self, joined: Joined, arrays: F64, metrics: Mapping[str, float],
                weight: float) -> U64:
         """The site's secure-aggregation input from its trained arrays (with its noise share
         under distributed DP, :func:`fl.round_setup.encode_reply`)."""
         return encode_reply(joined.setup, arrays, dict(metrics), weight, joined.sent)
 
+    # -- 5. advertise -------------------------------------------------------------------------
+    def client(self, client_id: int, vector: U64, *, config: Config, roster: Iterable[int],
+               context: bytes, nonce: bytes = b"",
+               identity: Mapping[str, Any] | None = None) -> Client:
+        """The round's ``secagg.Client`` on the encoded input, with the site's identity
+        (``identity``: :func:`fl.round_setup.check_identity`'s keys in malicious mode)."""
+        return Client(config, client_id, vector, roster=roster, context=context, nonce=nonce,
+                      **dict(identity or {}))
+
     def advertise(self, joined: Joined, vector: U64) -> tuple[Client, bytes]:
         """Start the round's client on the encoded input: its public-key advertisement is
         the only reply."""
         setup = joined.setup
-        client = Client(joined.config, joined.client_id, vector,
-                        roster=range(1, setup.num_clients + 1), context=setup.context(),
-                        nonce=setup.nonce, **joined.identity)
+        client = self.client(joined.client_id, vector, config=joined.config,
+                             roster=range(1, setup.num_clients + 1), context=setup.context(),
+                             nonce=setup.nonce, identity=joined.identity)
         return client, encode(client.advertise())
 
-    # -- answer and erase -------------------------------------------------------------------
+    # -- 6. answer ----------------------------------------------------------------------------
     def answer(self, client: Client, payload: bytes, charge: int) -> Any:
         """The client's answer to one stage message; on a protocol abort before its masked
         input existed the round's charge is withdrawn (the caller erases the round)."""
@@ -238,6 +308,12 @@ class SiteSession:
             return None, message
         return encode(stream.proof), message
 
+    # -- 7. erase / withdraw -----------------------------------------------------------------
+    def end(self, admitted: Admitted, client: Client | int | None, reason: str) -> None:
+        """The admitted round ended for this site (done, aborted, refused at its start, or
+        left): :meth:`abandon` it (the runtime erases its secrets)."""
+        self.abandon(client, admitted.charge, reason)
+
     def abandon(self, client: Client | int | None, charge: int, reason: str,
                 core: SiteCore | None = None) -> None:
         """A joined round ends here (aborted, or replaced by a newer setup): its charge is
@@ -247,3 +323,11 @@ class SiteSession:
                  else int(client.stage))
         if stage is None or stage < Stage.MASKED_INPUT:
             self.not_sent(charge, reason, core)
+
+    def not_sent(self, charge: int, reason: str, core: SiteCore | None = None) -> None:
+        """The withdrawal rule: the round's masked input never left the site (for a reason
+        that does not depend on its data): withdraw its charge ``charge`` (ledger id,
+        :meth:`fl.site.core.SiteCore.withdraw`). ``core``: the site's core if the caller
+        holds it open."""
+        with self._held(core) as own:
+            own.withdraw(charge, reason)

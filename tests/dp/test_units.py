@@ -62,6 +62,30 @@ def test_removing_one_patient_moves_the_site_contribution_by_at_most_the_clip_no
     assert change <= clip * (1 + 1e-6)
 
 
+def test_a_unit_whose_gradient_is_not_finite_contributes_a_zero_row_in_every_mode() -> None:
+    """One patient's record overflows the model: that patient's gradient row is zero (the
+    other patients' rows as they were), so distributed DP's rows and site-mode DP-SGD's
+    update stay finite and the site takes part whatever its records
+    (tests/security/test_review_session_nonfinite_site_mode.py end to end)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y, pid = _data(0)
+    overflowing = x.clone()
+    overflowing[0, 0] = float("inf")
+    keys, rows = site_unit_gradients(model, LOSS, overflowing, y, pid)
+    _, clean = site_unit_gradients(model, LOSS, x, y, pid)
+    at = keys.index(pid[0])
+    others = [i for i in range(len(keys)) if i != at]
+    assert np.isfinite(clean).all() and np.abs(clean[at]).sum() > 0
+    assert (rows[at] == 0).all() and np.allclose(rows[others], clean[others], atol=1e-6)
+    engine = SitePrivacyEngine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.utils.data.TensorDataset(overflowing, y), loss_fn=LOSS, noise_multiplier=1.0,
+        max_grad_norm=1.0, sample_rate=1.0, patient_ids=pid, source=SeededRandom(3))
+    engine.step()
+    assert all(torch.isfinite(p).all() for p in engine.model.parameters())
+
+
 def test_unit_sampling_is_poisson_over_patients() -> None:
     index = UnitIndex([i // 3 for i in range(3000)], 3000, "patient")
     assert index.num_units == 1000

@@ -4,8 +4,9 @@ refuses it, naming the rule, without charging it again; when that round ends bef
 site's masked input existed its charge is withdrawn; the withdrawn round is still joined (a
 second replay is refused too; the site role's after a restart over its ledger). Each
 runtime is driven through its own surface: the Flower mod on the in-process grid, the
-NVFlare executor, the site role's input and its ``SiteProcess``; each runs the session's
-gate (:meth:`fl.site.session.SiteSession.gate`) and withdrawal."""
+NVFlare executor, the site role's join (:func:`fl.remote.inputs.site_round`) in its
+``SiteProcess``'s session; each joins through the session
+(:meth:`fl.site.session.SiteSession.admit`) and ends a round through it."""
 
 from __future__ import annotations
 
@@ -86,34 +87,34 @@ def site_role(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Outcome:
     import os
 
     from dp.policy import SitePolicy
-    from fl.remote.inputs import demo_site_data
+    from fl.remote.inputs import demo_site_data, site_round
     from fl.remote.messages import WireError
     from fl.remote.site import SiteOptions, SiteProcess
     from fl.site.core import open_site_core
     from tests.fl.site_cores import site_core
-    from tests.fl.test_site_session import SETTINGS, _input, _round
+    from tests.fl.test_site_session import SETTINGS, _round
     from transport.memory import MemoryNetwork
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    data = demo_site_data(SETTINGS, 1, (1, 2, 3))
     guard = site_core(SitePolicy())
-    site = SiteProcess(demo_site_data(SETTINGS, 1, (1, 2, 3)), MemoryNetwork(),
-                       SiteOptions(federation="fed", guard=guard), lambda text: None)
+    site = SiteProcess(data, MemoryNetwork(), SiteOptions(federation="fed", guard=guard),
+                       lambda text: None)
     run = os.urandom(16)
-    _input(guard, 3.0, run)
+    admitted, _ = site_round(data, *_round(3.0, run), require_dp=None, session=site.session)
 
     def replay() -> str:
-        with pytest.raises(WireError) as caught:
-            _input(guard, 3.0, run)
+        with pytest.raises(WireError) as caught:  # the same announcement again
+            site_round(data, *_round(3.0, run), require_dp=None, session=site.session)
         return str(caught.value)
 
     refusals = [replay()]
-    _, ann = _round(3.0, run)
-    site._ended(ann, None, None, "not in the round's roster")  # what it does at go
+    site._ended(admitted, None, None, "not in the round's roster")  # what it does at go
     path = guard.ledger.path
     guard.close()  # the site restarts over the same ledger: the round is still joined
     guard = open_site_core(policy=SitePolicy(), ledger_path=str(path))
-    SiteProcess(demo_site_data(SETTINGS, 1, (1, 2, 3)), MemoryNetwork(),
-                SiteOptions(federation="fed", guard=guard), lambda text: None)
+    site = SiteProcess(data, MemoryNetwork(), SiteOptions(federation="fed", guard=guard),
+                       lambda text: None)
     refusals.append(replay())
     try:
         return refusals, [c.withdrawn is not None for c in guard.ledger.charges], \
@@ -127,7 +128,7 @@ def site_role(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Outcome:
 def test_a_replay_is_refused_and_a_never_sent_round_withdrawn_in_every_runtime(
         runtime: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     refusals, withdrawn, charges = runtime(tmp_path, monkeypatch)
-    # the same answer, from the one gate (fl.site.session.SiteSession.gate)
+    # the same answer, from the one gate (fl.site.session.SiteSession.admit)
     assert len(refusals) == 2 and all(
         "already joined this round" in r
         and "a round is joined once, a replayed setup is neither charged nor trained" in r
