@@ -25,6 +25,7 @@ wrapper counts as this node dropping out at that stage.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -331,7 +332,8 @@ def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record:
                           sent=lambda setup: flatten(
                               _single(msg.content.array_records, "ArrayRecord"), setup.arrays),
                           previous=None if saved is None else _previous(saved, directory,
-                                                                        msg))
+                                                                        msg),
+                          erase=lambda: _erase(context, saved, directory, msg))
     context.state.config_records.pop(STATE, None)  # an unfinished earlier round is gone
     del msg.content.config_records[RECORD]  # the user's train sees its own message only
     reply = call_next(msg, context)
@@ -369,6 +371,19 @@ def _previous(saved: Any, directory: Path, msg: Any) -> tuple[int, int | None] |
         # withdrew the charge if the masked input never existed. The charge stays.
         return None
     return charge, stage
+
+
+def _erase(context: Any, saved: Any, directory: Path, msg: Any) -> None:
+    """Forget the unfinished round the session abandons: out of the node's state, and its
+    stage record marked aborted (``_continue`` refuses an aborted round), since Flower need
+    not save the Context of a message whose mod raised (the new setup may be refused)."""
+    context.state.config_records.pop(STATE, None)
+    with contextlib.suppress(SetupError, GuardError, TypeError):
+        setup = RoundSetup.from_bytes(saved.get(SETUP))
+        with hold(directory, saved.get(SESSION), setup.client_id(
+                msg.metadata.dst_node_id)) as stage_record:
+            if stage_record.stage is not None:  # a pruned record is not written again
+                stage_record.abort()
 
 
 def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:

@@ -248,7 +248,8 @@ class SecAggExecutor(Executor):
             raw, run_id=run_id(str(fl_ctx.get_job_id())), node_id=site_id(self.site),
             sent=lambda setup: ArrayLayout(setup.arrays).flatten(params),
             previous=None if unfinished is None else (unfinished[1],
-                                                      int(unfinished[0].stage)))
+                                                      int(unfinished[0].stage)),
+            erase=self.rounds.clear)
         self.rounds.clear()  # an unfinished earlier round is gone
         result = self.trainer.execute(task_name, shareable, fl_ctx, abort_signal)
         if result.get_return_code(ReturnCode.OK) != ReturnCode.OK:

@@ -198,7 +198,8 @@ class SiteSession:
     # -- 1-2. join and admit --------------------------------------------------------------
     def join(self, raw: object, *, run_id: int, node_id: int,
              sent: Callable[[RoundSetup], F64],
-             previous: tuple[int, int | None] | None = None) -> Joined:
+             previous: tuple[int, int | None] | None = None,
+             erase: Callable[[], None] | None = None) -> Joined:
         """Parse and check the setup, then admit and charge the round (raises
         :class:`fl.round_setup.SetupError`, :class:`Replayed` or
         :class:`dp.policy.PolicyRefused`); the runtime trains only after this returns.
@@ -206,7 +207,10 @@ class SiteSession:
         ``ValueError`` when they do not match it). ``previous``: the unfinished round this
         one replaces (its charge id and the last stage the site answered in it, None if it
         never advertised): once the new setup is known not to be a replay, that round is
-        abandoned (:meth:`abandon`) before the new one is charged."""
+        abandoned (:meth:`abandon`) before the new one is charged. ``erase``: the runtime's
+        way to forget that round; called in the same step, before its charge is withdrawn,
+        so a withdrawn round can answer nothing more even when the new setup is refused
+        (tests/security/test_review_session_refused_replacement.py)."""
         setup = RoundSetup.from_bytes(raw)
         if setup.run_id != run_id:
             raise SetupError(f"the setup names run {setup.run_id}; this site is in run "
@@ -233,12 +237,12 @@ class SiteSession:
                                                   secagg_threshold=setup.threshold,
                                                   label=label),
             authenticated=setup.security == "malicious"),  # enrolled keys only
-            previous)
+            previous, erase)
         return Joined(admitted.key, admitted.charge, setup, client_id,
                       config, arrays if setup.encoding == "ddp" else None, identity)
 
     def admit(self, terms: Terms, previous: tuple[int, int | None] | None = None,
-              ) -> Admitted:
+              erase: Callable[[], None] | None = None) -> Admitted:
         """The join's privacy gate, in the same order in every runtime, before anything of
         the site's data is computed (a runtime whose rounds are not a
         :class:`~fl.round_setup.RoundSetup`, the site role, calls it with its own
@@ -255,6 +259,8 @@ class SiteSession:
                                 neighbors=terms.neighbors, security=terms.security)
             refuse_replay(core, terms.key, terms.what)
             if previous is not None:
+                if erase is not None:  # first: a refused new setup leaves nothing to answer
+                    erase()
                 self.abandon(previous[1], previous[0], "replaced by a newer round's setup "
                              "before its masked input existed", core)
             charge = terms.charge(core, label_of(terms.what, terms.key))

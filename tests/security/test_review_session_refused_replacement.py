@@ -19,10 +19,9 @@ A's masked input left the site and its ledger no longer counts it; repeated, the
 node's total (epsilon 10) bounds nothing. The site role is not exposed: it runs one
 announced round at a time and ``admit`` gets no ``previous``.
 
-Proposed fix (about 10 lines; tried: both tests then pass, and
-tests/fl/test_session_rules_every_runtime.py still does): the round ``previous`` names is
-erased in the same step that withdraws it. ``SiteSession.join``/``admit`` take an ``erase``
-callable from the runtime and call it just before ``abandon(previous)``, so a refusal after
+Fixed: the round ``previous`` names is erased in the same step that withdraws it.
+``SiteSession.join``/``admit`` take an ``erase`` callable from the runtime and call it
+just before ``abandon(previous)``, so a refusal after
 that point leaves nothing to answer: NVFlare ``erase=self.rounds.clear``; Flower
 ``context.state.config_records.pop(STATE)`` *and* the replaced round's stage record marked
 aborted (``fl/flower/guard.py``: ``_continue`` refuses an aborted round), since a Flower
@@ -39,15 +38,11 @@ from typing import Any
 import pytest
 from adversary import threat
 
-REASON = ("SiteSession.admit withdraws the unfinished round's charge before charging the new "
-          "setup; when that charge is refused the runtime still holds the old round and "
-          "sends its masked input, uncharged")
 ATTACK = dict(attack="Refused replacement setup withdraws a live round's charge",
               adversary="malicious server",
               controls="a second setup, refused by the site's policy, between a DP round's "
                         "advertisement and its masked_input request",
               protocol="a withdrawn round can answer nothing more (the runtime erases it)")
-
 
 def _tiny(raw: bytes) -> bytes:
     """The same round's setup with noise far below the default floor (a new session)."""
@@ -60,7 +55,6 @@ def _tiny(raw: bytes) -> bytes:
 
 
 @threat(**ATTACK)
-@pytest.mark.xfail(strict=True, reason=REASON)
 def test_flower_a_refused_setup_does_not_uncharge_a_round_that_goes_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("flwr")
@@ -111,7 +105,6 @@ def test_flower_a_refused_setup_does_not_uncharge_a_round_that_goes_on(
 
 
 @threat(**ATTACK)
-@pytest.mark.xfail(strict=True, reason=REASON)
 def test_nvflare_a_refused_setup_does_not_uncharge_a_round_that_goes_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("nvflare.apis")
