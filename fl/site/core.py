@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from dp import (
+    MODE_DISTRIBUTED,
+    MODE_NONE,
+    MODE_SITE,
     Charge,
     EncodingParams,
     Ledger,
@@ -55,7 +58,7 @@ class SecureSum:
 
     @property
     def mode(self) -> str:
-        return "none" if self.params is None else "distributed"
+        return MODE_NONE if self.params is None else MODE_DISTRIBUTED
 
 
 def site_proposal(task: Any, *, secagg_threshold: int, label: str = "",
@@ -69,7 +72,7 @@ def site_proposal(task: Any, *, secagg_threshold: int, label: str = "",
     if task is None:
         return Proposal.exact("scaler", secagg_threshold=secagg_threshold, label=label)
     unit = getattr(task, "unit", "patient")  # the unit the task clips and sums over
-    if unit == "patient-idp" and task.mode == "site":
+    if unit == "patient-idp" and task.mode == MODE_SITE:
         if idp is None:
             raise PolicyRefused("unit", "the round is computed per patient by individual "
                                 "sampling rates (patient-idp); this site is not configured "
@@ -77,13 +80,13 @@ def site_proposal(task: Any, *, secagg_threshold: int, label: str = "",
         return Proposal.site_idp(idp.plan, steps=task.steps,
                                  secagg_threshold=secagg_threshold, label=label,
                                  patients=idp.groups.digest())
-    if task.mode == "site":
+    if task.mode == MODE_SITE:
         return Proposal.site_dp(noise_multiplier=task.noise_multiplier,
                                 sample_rate=task.sample_rate, steps=task.steps,
                                 clip_norm=task.clip_norm, secagg_threshold=secagg_threshold,
                                 count_stddev=getattr(task, "count_stddev", None), label=label,
                                 unit=unit)
-    if task.mode == "distributed":  # a round, or the noised feature statistics (kind scaler)
+    if task.mode == MODE_DISTRIBUTED:  # a round, or the noised feature statistics (kind scaler)
         return Proposal.distributed(task.params, sample_rate=task.sample_rate,
                                     secagg_threshold=secagg_threshold, label=label,
                                     kind=getattr(task, "kind", "train"), unit=unit,
@@ -112,7 +115,7 @@ def lone_share(task: Any, proposal: Proposal) -> Proposal:
     calibration threshold 1 (the policy's other rules still see the proposed thresholds).
     Site-mode rounds (each site's update private on its own) and exact sums are unchanged.
     """
-    if task is None or task.mode != "distributed":
+    if task is None or task.mode != MODE_DISTRIBUTED:
         return proposal
     count = getattr(task, "count_stddev", None)  # this site's own share of the count's
     alone = Proposal.distributed(own_share(task.params),

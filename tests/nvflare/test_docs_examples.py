@@ -65,7 +65,7 @@ def test_the_docs_job_is_taken_by_default_sites_at_the_epsilon_it_reports(
     refused: list[str] = []
     for r in range(min(int(args["num_rounds"]), dp["rounds"])):  # type: ignore[call-overload]
         setup = server._setup(sites, r, specs)
-        assert setup is not None and setup.encoding == "ddp"
+        assert setup is not None and setup.mode == "distributed"
         spent.spend(charged_event(setup))  # what the workflow spends for a released round
         for site in sites:
             core = open_site_core(policy=SitePolicy(), ledger_path=str(tmp_path / site))
