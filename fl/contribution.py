@@ -51,8 +51,8 @@ from fl.codec import (
     encode_weighted,
     noisy_mean,
 )
+from fl.plan.privacy import DistributedPlan, Plan, SiteDpPlan
 from fl.settings import STRATEGIES, TrainSettings
-from fl.site.privacy import DistributedPlan, Plan, SiteDpPlan
 from fl.site.training import Scaler
 from fl.vector import ParameterLayout
 from secagg import MAX_BITS, MIN_BITS

@@ -41,15 +41,15 @@ from fl.contribution import (
     secagg_bound,
     site_input,
 )
-from fl.progress import Progress
-from fl.settings import TrainSettings
-from fl.site.privacy import (
+from fl.plan.privacy import (
     DistributedPlan,
     Plan,
     make_budget,
     release_record,
     restore_budget,
 )
+from fl.progress import Progress
+from fl.settings import TrainSettings
 from fl.site.training import Site
 from fl.strategies import ServerStrategy
 from fl.vector import ParameterLayout
@@ -181,7 +181,7 @@ class Coordinator:
         self.weights: dict[int, float] | None = None
         self.weight_units: float | None = None
         """``--site-weights``: each site's weight and the noised patient count, both from
-        the DP releases (:func:`fl.site.weights.release_and_weigh`)."""
+        the DP releases (:func:`fl.plan.weights.release_and_weigh`)."""
         self.releases: list[dict[str, Any]] = []
         """Audit records of releases made before the rounds (the site weights')."""
         self.budget: PrivacyBudget | None = None
@@ -234,7 +234,7 @@ class Coordinator:
                 break
         return self.history
 
-    def _cohort(self, round_number: int) -> list[int]:
+    def cohort(self, round_number: int) -> list[int]:
         ids = self.site_ids
         if self.settings.cohort_size == len(ids):
             return list(ids)
@@ -254,7 +254,7 @@ class Coordinator:
             self.save()
             return False
         started = time.perf_counter()
-        cohort = self._cohort(r)
+        cohort = self.cohort(r)
         spent_before = self.budget.spent[0] if self.budget is not None else None
         if self.budget is not None and event is not None:
             # Write-ahead: the round's cost is on record (checkpoint) before any sum can be

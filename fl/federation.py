@@ -28,12 +28,10 @@ from fl.contribution import scaler_from_sum, scaler_input
 from fl.coordinator import Coordinator, RoundCapture, evaluate
 from fl.data import Table, dirichlet_split, load_csv, load_dataset, split_patients
 from fl.models import make_model
-from fl.settings import TrainSettings
-from fl.site import idp as fl_idp
-from fl.site import private_scaler
-from fl.site import weights as site_weights
-from fl.site.core import own_share
-from fl.site.privacy import (
+from fl.plan import idp as fl_idp
+from fl.plan import scaler as plan_scaler
+from fl.plan import weights as site_weights
+from fl.plan.privacy import (
     DEFAULT_MAX_UNITS,
     NoPrivacy,
     Plan,
@@ -41,6 +39,9 @@ from fl.site.privacy import (
     schedule,
     site_plan,
 )
+from fl.settings import TrainSettings
+from fl.site import private_scaler
+from fl.site.core import own_share
 from fl.site.training import Scaler, Site
 from fl.survival import evaluate_cox
 from fl.vector import ParameterLayout
@@ -122,7 +123,7 @@ def secure_scaler(sites: dict[int, Site], aggregator: Aggregator,
                   noised: private_scaler.ScalerPlan | None = None) -> Scaler:
     """Federation-wide mean and std from one secure sum of every site's feature sums:
     exact (``--dp none``), or with ``noised`` the bounded, noised statistics of
-    :mod:`fl.site.private_scaler` (the DP modes; charged to the budget by the caller)."""
+    :mod:`fl.plan.scaler` (the DP modes; charged to the budget by the caller)."""
     f = next(iter(sites.values())).table.num_features
     if noised is not None:
         inputs = {cid: private_scaler.site_input(noised, site.table)
@@ -130,7 +131,7 @@ def secure_scaler(sites: dict[int, Site], aggregator: Aggregator,
         config = Config(num_clients=len(sites), dim=noised.params.encoded_dim,
                         bits=noised.params.bits)
         outcome = aggregator.aggregate(config, inputs, {})
-        return private_scaler.from_sum(noised, outcome.total, len(outcome.included))
+        return plan_scaler.from_sum(noised, outcome.total, len(outcome.included))
     inputs = {cid: scaler_input(site.feature_sums(), len(sites))
               for cid, site in sites.items()}
     config = Config(num_clients=len(sites), dim=2 * f + 1, bits=64)
@@ -141,10 +142,10 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
               threshold: int, *, max_units: int | None = None, prior: Sequence[Any] = (),
               charged: Callable[[EncodingParams], EncodingParams] | None = None) -> Plan:
     """The privacy plan. Distributed DP sizes the modulus for a *public* bound on the units
-    a site sums (``max_units``, ``--max-units``, else :data:`fl.site.privacy.DEFAULT_MAX_UNITS`),
+    a site sums (``max_units``, ``--max-units``, else :data:`fl.plan.privacy.DEFAULT_MAX_UNITS`),
     never for a site's actual patient count: ``bits`` is published. ``sites`` is unused.
     The rounds are calibrated to fit ``--epsilon`` together with ``prior`` (the events of
-    releases before them: the noised feature statistics, :mod:`fl.site.private_scaler`).
+    releases before them: the noised feature statistics, :mod:`fl.plan.scaler`).
     ``charged``: a distributed round's encoding as each site's ledger charges it
     (:func:`site_charge`), the figure the plan is calibrated, spent and reported at."""
     epsilon = settings.epsilon
@@ -207,7 +208,7 @@ def plan_warnings(settings: TrainSettings, split: Split) -> list[str]:
 def prior_releases(noised: private_scaler.ScalerPlan | None,
                    weighing: Any) -> tuple[Any, ...]:
     """The events of the releases before the rounds, in the order they are made: the noised
-    feature statistics, then the site weights' histograms (:mod:`fl.site.weights`)."""
+    feature statistics, then the site weights' histograms (:mod:`fl.plan.weights`)."""
     return tuple(p.event() for p in (noised, weighing) if p is not None)
 
 
@@ -218,7 +219,7 @@ def privacy_plan(settings: TrainSettings,
     noise, thresholds, the rounds the budget affords and epsilon after each round
     (``charged``: :func:`make_plan`'s, for ``--role coordinator``: :func:`site_charge`)."""
     split = load_split(settings)
-    noised = private_scaler.scaler_plan(settings, split.train, charged=charged)
+    noised = plan_scaler.scaler_plan(settings, split.train, charged=charged)
     weighing = site_weights.release_plan(settings)
     prior = prior_releases(noised, weighing)
     dim, threshold, plan = federation_plan(
@@ -309,7 +310,7 @@ def report(settings: TrainSettings, plan: Plan, threshold: int, dim: int,
                            "privacy": plan.describe()},
             "settings": {k: v for k, v in vars(settings).items()},
             "privacy": plan.describe(), "threshold": threshold, "model_parameters": dim,
-            "releases": private_scaler.releases(coordinator.scaler) + coordinator.releases
+            "releases": plan_scaler.releases(coordinator.scaler) + coordinator.releases
             + [row["release"] for row in coordinator.history if "release" in row],
             "dp_events": run_json([event_from_json(e) for e in coordinator.events]),
             "rounds": coordinator.history, "stopped": coordinator.stopped,
@@ -344,10 +345,10 @@ def train(settings: TrainSettings, *, log: Log | None = None, tap: Tap | None = 
             scaler = public_scaler(settings, split.train.num_features)
         elif uses_scaler(settings, split.train):
             scaler = secure_scaler(raw_sites, aggregator)
-        noised = private_scaler.scaler_plan(settings, split.train)
+        noised = plan_scaler.scaler_plan(settings, split.train)
         released = None
         if scaler is None and noised is not None:
-            charged = private_scaler.charge(noised, settings, saved,
+            charged = plan_scaler.charge(noised, settings, saved,
                                             split.train.num_features, split.train.num_classes)
             scaler = secure_scaler(raw_sites, aggregator, noised)
             released = charged.released(scaler, sorted(raw_sites))

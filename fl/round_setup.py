@@ -40,12 +40,11 @@ from fl.codec import (
     FixedPointCodec,
     decode_weighted,
     encode_weighted,
-    noisy_mean,
 )
 from fl.errors import FLError
 from fl.input_bound import bits_for, capped_weight, dp_bound, fixed_bound
+from fl.plan.privacy import DistributedPlan, distributed_plan
 from fl.site.core import SecureSum, charged_proposal, own_share
-from fl.site.privacy import DistributedPlan, distributed_plan
 from fl.vector import ArraySpec
 from secagg import (
     MAX_BITS,
@@ -414,11 +413,13 @@ def decode_sum(setup: RoundSetup, total: U64, included: int, sent: F64
     """The aggregate arrays (flat), averaged metrics and the summed weight of a round.
 
     Mode ``none``: the weighted averages and ``sum w``. ``distributed``: ``sent`` plus the
-    noisy sum of clipped updates over the noisy node count (floored at one), and that
-    count."""
+    noisy sum of clipped updates over ``included``, the number of nodes in the sum (each
+    adds one row: the server knows that number, so dividing by the row's noisy count, which
+    can be near zero when few nodes carry much noise, would only add error), and the noisy
+    count (floored at one)."""
     if setup.mode == MODE_DISTRIBUTED:
-        mean, count = noisy_mean(DistributedCodec(dp_params(setup)), total, included)
-        return sent + mean, {}, max(count, 1.0)
+        sums, count = DistributedCodec(dp_params(setup)).decode(total, included)
+        return sent + sums / max(included, 1), {}, max(count, 1.0)
     try:
         averages, weight = decode_weighted(_fixed(setup), total)
     except ValueError as exc:

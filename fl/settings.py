@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -75,7 +76,7 @@ class TrainSettings:
     a patient's budget is rounded down to one (dp.idp.IdpClasses)."""
     feature_bounds: str | None = None
     """``--feature-bounds FILE``: public per-feature ranges for the noised scaler
-    (:mod:`fl.site.private_scaler`)."""
+    (:mod:`fl.plan.scaler`)."""
     scaler_epsilon: float | None = None
     """The noised feature statistics' share of ``--epsilon`` (default 10 %)."""
     strategy: str = "fedavg"
@@ -90,7 +91,7 @@ class TrainSettings:
     site_weights: float | None = None
     """``--site-weights LAMBDA`` (distributed DP on a survival dataset): DP-FedAvg+'s
     heterogeneity-aware site weights ``exp(-lambda W1)``, computed from DP releases only
-    (:mod:`dp.site_weights`, :mod:`fl.site.weights`)."""
+    (:mod:`dp.site_weights`, :mod:`fl.plan.weights`)."""
     min_site_weight: float = 0.5
     max_site_weight: float = 1.0
     """The site weights' clip ``[w_min, w_max]``; the noise is calibrated to ``w_max`` x clip."""
@@ -102,169 +103,8 @@ class TrainSettings:
     (:attr:`secagg_threshold`)."""
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.sites < 2:
-            problems.append(f"--sites {self.sites}: need at least 2 sites")
-        if self.rounds < 1:
-            problems.append(f"--rounds {self.rounds}: need at least 1")
-        if self.max_attempts < 1:
-            problems.append(f"--max-attempts {self.max_attempts}: need at least 1")
-        if self.dp not in DP_MODES:
-            problems.append(f"--dp {self.dp}: use one of {', '.join(DP_MODES)}")
-        if self.dp != "none" and self.epsilon is None and self.noise_multiplier is None:
-            problems.append(f"--dp {self.dp} needs --epsilon (the total budget per patient)")
-        if self.dp == "none" and (self.epsilon is not None or self.noise_multiplier is not None
-                                  or self.adaptive_clip is not None):
-            problems.append("--epsilon/--noise-multiplier/--adaptive-clip without --dp would "
-                            "train without privacy: add --dp site or --dp distributed")
-        if self.accountant not in accountant_names():
-            problems.append(f"--accountant {self.accountant}: use one of "
-                            f"{', '.join(accountant_names())}")
-        elif self.unit == "patient-idp" and self.accountant == "prv":
-            problems.append("--unit patient-idp accounts its rate groups with rdp or pld "
-                            "(dp-accounting's PLD of the patient's mixture), not prv")
-        elif self.accountant == "pld" and self.unit != "patient-idp":
-            problems.append("--accountant pld is for --unit patient-idp's rate groups; the "
-                            "sampled Gaussian of the other units uses rdp or prv")
-        elif self.accountant == "prv" and self.dp == "distributed":
-            problems.append("--accountant prv composes only the sampled Gaussian (--dp site); "
-                            "distributed rounds are accounted with rdp")
-        if self.adaptive_clip is not None and not 0 < self.adaptive_clip < 1:
-            problems.append(f"--adaptive-clip {self.adaptive_clip}: a quantile in (0, 1)")
-        if self.dp == "distributed" and self.checkpoint is not None and (
-                self.adaptive_clip is not None or self.site_weights is not None):
-            problems.append("--adaptive-clip/--site-weights with --dp distributed keep state "
-                            "(the clip, the weights' release) that checkpoints do not hold "
-                            "yet: run without --checkpoint")
-        if self.site_weights is not None:
-            if not (self.site_weights >= 0 and math.isfinite(self.site_weights)):
-                problems.append(f"--site-weights {self.site_weights}: lambda >= 0")
-            if self.dp != "distributed" or self.model != "discrete-time" or (
-                    self.dataset not in SURVIVAL_DATASETS) or self.unit != "patient":
-                problems.append("--site-weights goes with --dp distributed, --unit patient and "
-                                "--model discrete-time on a survival dataset (the released "
-                                "scalar is a patient's observed-time interval on the model's "
-                                "public grid)")
-            if not (0 < self.min_site_weight <= self.max_site_weight
-                    and math.isfinite(self.max_site_weight)):
-                problems.append(f"--min-site-weight {self.min_site_weight} / "
-                                f"--max-site-weight {self.max_site_weight}: need 0 < min <= max")
-        if self.weights_epsilon is not None and (
-                self.site_weights is None or not self.weights_epsilon > 0
-                or (self.epsilon is not None and not self.weights_epsilon < self.epsilon)):
-            problems.append(f"--weights-epsilon {self.weights_epsilon}: a positive share of "
-                            "--epsilon, below it, with --site-weights")
-        if self.clip_count_stddev is not None and not self.clip_count_stddev > 0:
-            problems.append(f"--clip-count-stddev {self.clip_count_stddev}: need > 0")
-        if self.expected_batch is not None and not (math.isfinite(self.expected_batch)
-                                                    and self.expected_batch > 0):
-            problems.append(f"--expected-batch {self.expected_batch}: need a positive number")
-        if (self.dp == "site" and self.adaptive_clip is not None
-                and self.expected_batch is None):
-            problems.append("--adaptive-clip with --dp site divides the noised clip count by "
-                            "the declared expected batch: add --expected-batch B (patients "
-                            "per step per site, a public figure)")
-        if self.max_units is not None and self.max_units < 1:
-            problems.append(f"--max-units {self.max_units}: need at least 1")
-        if self.scaler_file is not None and self.scaling == "secure":
-            problems.append("--scaler (public statistics) and --scaling secure contradict: "
-                            "give one")
-        if self.scaler_epsilon is not None and not (
-                self.scaler_epsilon > 0 and math.isfinite(self.scaler_epsilon)):
-            problems.append(f"--scaler-epsilon {self.scaler_epsilon}: need a positive number")
-        if self.scaler_epsilon is not None and self.dp == "none":
-            problems.append("--scaler-epsilon without --dp: the feature statistics are "
-                            "noised only in the DP modes")
-        if self.dp != "none" and self.scaling == "secure":
-            problems.append("--scaling secure releases exact feature sums outside the privacy "
-                            "budget: with --dp use pre-scaled data or --scaling none")
-        if self.epsilon is not None and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
-            problems.append(f"--epsilon {self.epsilon}: need a positive number")
-        if not 0 < self.delta < 1:
-            problems.append(f"--delta {self.delta}: need a value in (0, 1), e.g. 1e-5")
-        if self.unit not in UNITS:
-            problems.append(f"--unit {self.unit}: use one of {', '.join(UNITS)}")
-        if self.security not in SECURITY_MODES:
-            problems.append(f"security {self.security!r}: use one of {SECURITY_MODES}")
-        if self.unit == "patient-idp" and self.dp != "site":
-            problems.append("--unit patient-idp needs --dp site (individual sampling rates "
-                            "are accounted for the Gaussian; distributed mode's integer "
-                            "noise has no such analysis: docs/patient_privacy.md section 5)")
-        if self.max_records_per_patient is not None and (
-                self.unit != "patient-idp" or self.max_records_per_patient < 1):
-            problems.append(f"--max-records-per-patient {self.max_records_per_patient}: a "
-                            "count >= 1, with --unit patient-idp")
-        if self.budget_column is not None and (self.unit != "patient-idp" or self.csv is None):
-            problems.append("--budget-column goes with --unit patient-idp and --csv")
-        if self.budget_classes is not None and (
-                self.budget_column is None
-                or not all(math.isfinite(e) and e > 0 for e in self.budget_classes)):
-            problems.append("--budget-classes: positive epsilons, with --budget-column")
-        if not 0 <= self.drop_rate < 1:
-            problems.append(f"--drop-rate {self.drop_rate}: need a fraction in [0, 1)")
-        if self.local_epochs < 1:
-            problems.append(f"--local-epochs {self.local_epochs}: need at least 1")
-        if not (self.fedprox_mu >= 0 and math.isfinite(self.fedprox_mu)):
-            problems.append(f"--fedprox-mu {self.fedprox_mu}: need mu >= 0")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            problems.append(f"--lr {self.lr}: need a positive number")
-        if not (self.server_lr > 0 and math.isfinite(self.server_lr)):
-            problems.append(f"--server-lr {self.server_lr}: need a positive number")
-        if self.batch_size < 1:
-            problems.append(f"--batch-size {self.batch_size}: need at least 1")
-        if not (self.alpha > 0 and math.isfinite(self.alpha)):
-            problems.append(f"--alpha {self.alpha}: need a positive Dirichlet concentration")
-        if self.strategy not in STRATEGIES:
-            problems.append(f"--strategy {self.strategy}: use one of {', '.join(STRATEGIES)}")
-        if self.strategy == "fedprox" and not self.fedprox_mu > 0:
-            problems.append("--strategy fedprox needs --fedprox-mu > 0")
-        if self.strategy in ("fedprox", "scaffold") and self.dp != "none":
-            problems.append(f"--strategy {self.strategy} trains without --dp (SCAFFOLD's "
-                            "control variates and FedProx's local steps are not private); "
-                            "with --dp use fedavg or a server optimizer")
-        if self.strategy == "scaffold" and self.checkpoint is not None:
-            problems.append("--strategy scaffold keeps control variates at the sites that "
-                            "checkpoints do not hold yet: run it without --checkpoint")
-        if self.local_steps is not None and self.local_steps < 1:
-            problems.append(f"--local-steps {self.local_steps}: need at least 1")
-        if not (0 <= self.server_beta1 < 1 and 0 <= self.server_beta2 < 1
-                and self.server_tau > 0):
-            problems.append("server optimizer: need 0 <= beta1, beta2 < 1 and tau > 0")
-        if self.dataset in SURVIVAL_DATASETS and self.csv is None:
-            if self.dp != "none" and self.model == "cox":
-                problems.append(f"--dataset {self.dataset} --model cox runs without --dp: the "
-                                "partial likelihood couples the patients of a batch, so "
-                                "per-patient clipping does not bound one patient's influence; "
-                                "use --model discrete-time (a sum of per-patient terms)")
-            if self.sites != 6:
-                problems.append(f"--sites {self.sites}: {self.dataset}'s sites are its 6 "
-                                "natural centers (give 6 or leave --sites out)")
-            if self.model not in ("cox", "discrete-time"):
-                problems.append(f"--dataset {self.dataset} is a survival task: --model cox "
-                                "or discrete-time")
-        elif self.model in ("cox", "discrete-time"):
-            problems.append(f"--model {self.model} goes with a survival dataset (--dataset "
-                            "tcga-brca)")
-        if self.model not in MODELS:
-            problems.append(f"--model {self.model}: use one of {', '.join(MODELS)}")
-        if self.scaling not in SCALING:
-            problems.append(f"--scaling {self.scaling}: use one of {', '.join(SCALING)}")
-        if not 0 < self.sample_rate <= 1:
-            problems.append(f"--sample-rate {self.sample_rate}: need a value in (0, 1]")
-        if not self.clip_norm > 0:
-            problems.append(f"--clip-norm {self.clip_norm}: need a positive number")
-        if self.cohort is not None and not 2 <= self.cohort <= self.sites:
-            problems.append(f"--cohort {self.cohort}: need 2 to --sites ({self.sites})")
-        if self.csv is not None and (self.patient_column is None or self.label_column is None):
-            problems.append("--csv needs --patient-column and --label-column")
-        if self.resume and self.checkpoint is None:
-            problems.append("--resume needs --checkpoint DIR")
-        if self.norm_bound is not None and not (
-                math.isfinite(self.norm_bound) and self.norm_bound > 0):
-            problems.append(f"--norm-bound {self.norm_bound}: need a positive number")
-        elif self.norm_bound is not None and (self.dp != "none" or self.strategy == "scaffold"):
-            problems.append("--norm-bound covers --dp none with --strategy fedavg, fedprox or a "
-                            "server optimizer (a row [n x, n]); drop it for this mode")
+        """Every problem at once: one ``ValueError`` naming each option to change."""
+        problems = [problem for check in _CHECKS for problem in check(self)]
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -302,6 +142,207 @@ class TrainSettings:
         if self.dp != "none" and (self.noise_multiplier is None or self.unit == "patient-idp"):
             data["rounds"] = self.rounds  # the noise (patient-idp: the rates) was planned for it
         return data
+
+
+def _rounds(s: TrainSettings) -> Iterator[str]:
+    """The federation's shape: sites, rounds, attempts."""
+    if s.sites < 2:
+        yield f"--sites {s.sites}: need at least 2 sites"
+    if s.rounds < 1:
+        yield f"--rounds {s.rounds}: need at least 1"
+    if s.max_attempts < 1:
+        yield f"--max-attempts {s.max_attempts}: need at least 1"
+
+
+def _privacy_mode(s: TrainSettings) -> Iterator[str]:
+    """The privacy mode, what asks for one (a budget, a noise), and the accountant for it."""
+    if s.dp not in DP_MODES:
+        yield f"--dp {s.dp}: use one of {', '.join(DP_MODES)}"
+    if s.dp != "none" and s.epsilon is None and s.noise_multiplier is None:
+        yield f"--dp {s.dp} needs --epsilon (the total budget per patient)"
+    if s.dp == "none" and (s.epsilon is not None or s.noise_multiplier is not None
+                           or s.adaptive_clip is not None):
+        yield ("--epsilon/--noise-multiplier/--adaptive-clip without --dp would train without "
+               "privacy: add --dp site or --dp distributed")
+    if s.accountant not in accountant_names():
+        yield f"--accountant {s.accountant}: use one of {', '.join(accountant_names())}"
+    elif s.unit == "patient-idp" and s.accountant == "prv":
+        yield ("--unit patient-idp accounts its rate groups with rdp or pld "
+               "(dp-accounting's PLD of the patient's mixture), not prv")
+    elif s.accountant == "pld" and s.unit != "patient-idp":
+        yield ("--accountant pld is for --unit patient-idp's rate groups; the "
+               "sampled Gaussian of the other units uses rdp or prv")
+    elif s.accountant == "prv" and s.dp == "distributed":
+        yield ("--accountant prv composes only the sampled Gaussian (--dp site); distributed "
+               "rounds are accounted with rdp")
+
+
+def _adaptive_clip(s: TrainSettings) -> Iterator[str]:
+    """The private clip's quantile, and the distributed state checkpoints do not hold."""
+    if s.adaptive_clip is not None and not 0 < s.adaptive_clip < 1:
+        yield f"--adaptive-clip {s.adaptive_clip}: a quantile in (0, 1)"
+    if s.dp == "distributed" and s.checkpoint is not None and (
+            s.adaptive_clip is not None or s.site_weights is not None):
+        yield ("--adaptive-clip/--site-weights with --dp distributed keep state (the clip, the "
+               "weights' release) that checkpoints do not hold yet: run without --checkpoint")
+
+
+def _site_weights(s: TrainSettings) -> Iterator[str]:
+    """DP-FedAvg+'s site weights: their model, clip and share of the budget."""
+    if s.site_weights is not None:
+        if not (s.site_weights >= 0 and math.isfinite(s.site_weights)):
+            yield f"--site-weights {s.site_weights}: lambda >= 0"
+        if s.dp != "distributed" or s.model != "discrete-time" or (
+                s.dataset not in SURVIVAL_DATASETS) or s.unit != "patient":
+            yield ("--site-weights goes with --dp distributed, --unit patient and --model "
+                   "discrete-time on a survival dataset (the released scalar is a patient's "
+                   "observed-time interval on the model's public grid)")
+        if not (0 < s.min_site_weight <= s.max_site_weight and math.isfinite(s.max_site_weight)):
+            yield (f"--min-site-weight {s.min_site_weight} / "
+                   f"--max-site-weight {s.max_site_weight}: need 0 < min <= max")
+    if s.weights_epsilon is not None and (
+            s.site_weights is None or not s.weights_epsilon > 0
+            or (s.epsilon is not None and not s.weights_epsilon < s.epsilon)):
+        yield (f"--weights-epsilon {s.weights_epsilon}: a positive share of "
+               "--epsilon, below it, with --site-weights")
+
+
+def _noised_counts(s: TrainSettings) -> Iterator[str]:
+    """The noised clip count, the divisor of site-mode sums, the bound on a site's units."""
+    if s.clip_count_stddev is not None and not s.clip_count_stddev > 0:
+        yield f"--clip-count-stddev {s.clip_count_stddev}: need > 0"
+    if s.expected_batch is not None and not (
+            math.isfinite(s.expected_batch) and s.expected_batch > 0):
+        yield f"--expected-batch {s.expected_batch}: need a positive number"
+    if s.dp == "site" and s.adaptive_clip is not None and s.expected_batch is None:
+        yield ("--adaptive-clip with --dp site divides the noised clip count by the declared "
+               "expected batch: add --expected-batch B (patients per step per site, a public "
+               "figure)")
+    if s.max_units is not None and s.max_units < 1:
+        yield f"--max-units {s.max_units}: need at least 1"
+
+
+def _feature_scaling(s: TrainSettings) -> Iterator[str]:
+    """Feature scaling: public, noised (its share of the budget) or exact (no DP)."""
+    if s.scaler_file is not None and s.scaling == "secure":
+        yield "--scaler (public statistics) and --scaling secure contradict: give one"
+    if s.scaler_epsilon is not None and not (
+            s.scaler_epsilon > 0 and math.isfinite(s.scaler_epsilon)):
+        yield f"--scaler-epsilon {s.scaler_epsilon}: need a positive number"
+    if s.scaler_epsilon is not None and s.dp == "none":
+        yield ("--scaler-epsilon without --dp: the feature statistics are "
+               "noised only in the DP modes")
+    if s.dp != "none" and s.scaling == "secure":
+        yield ("--scaling secure releases exact feature sums outside the privacy "
+               "budget: with --dp use pre-scaled data or --scaling none")
+
+
+def _budget_and_unit(s: TrainSettings) -> Iterator[str]:
+    """The budget, the privacy unit (and patient-idp's options), the security mode."""
+    if s.epsilon is not None and not (s.epsilon > 0 and math.isfinite(s.epsilon)):
+        yield f"--epsilon {s.epsilon}: need a positive number"
+    if not 0 < s.delta < 1:
+        yield f"--delta {s.delta}: need a value in (0, 1), e.g. 1e-5"
+    if s.unit not in UNITS:
+        yield f"--unit {s.unit}: use one of {', '.join(UNITS)}"
+    if s.security not in SECURITY_MODES:
+        yield f"security {s.security!r}: use one of {SECURITY_MODES}"
+    if s.unit == "patient-idp" and s.dp != "site":
+        yield ("--unit patient-idp needs --dp site (individual sampling rates are accounted "
+               "for the Gaussian; distributed mode's integer noise has no such analysis: "
+               "docs/patient_privacy.md section 5)")
+    if s.max_records_per_patient is not None and (
+            s.unit != "patient-idp" or s.max_records_per_patient < 1):
+        yield (f"--max-records-per-patient {s.max_records_per_patient}: a "
+               "count >= 1, with --unit patient-idp")
+    if s.budget_column is not None and (s.unit != "patient-idp" or s.csv is None):
+        yield "--budget-column goes with --unit patient-idp and --csv"
+    if s.budget_classes is not None and (
+            s.budget_column is None
+            or not all(math.isfinite(e) and e > 0 for e in s.budget_classes)):
+        yield "--budget-classes: positive epsilons, with --budget-column"
+
+
+def _training(s: TrainSettings) -> Iterator[str]:
+    """Drop-outs, local training and the strategy (with its server optimizer)."""
+    if not 0 <= s.drop_rate < 1:
+        yield f"--drop-rate {s.drop_rate}: need a fraction in [0, 1)"
+    if s.local_epochs < 1:
+        yield f"--local-epochs {s.local_epochs}: need at least 1"
+    if not (s.fedprox_mu >= 0 and math.isfinite(s.fedprox_mu)):
+        yield f"--fedprox-mu {s.fedprox_mu}: need mu >= 0"
+    if not (s.lr > 0 and math.isfinite(s.lr)):
+        yield f"--lr {s.lr}: need a positive number"
+    if not (s.server_lr > 0 and math.isfinite(s.server_lr)):
+        yield f"--server-lr {s.server_lr}: need a positive number"
+    if s.batch_size < 1:
+        yield f"--batch-size {s.batch_size}: need at least 1"
+    if not (s.alpha > 0 and math.isfinite(s.alpha)):
+        yield f"--alpha {s.alpha}: need a positive Dirichlet concentration"
+    if s.strategy not in STRATEGIES:
+        yield f"--strategy {s.strategy}: use one of {', '.join(STRATEGIES)}"
+    if s.strategy == "fedprox" and not s.fedprox_mu > 0:
+        yield "--strategy fedprox needs --fedprox-mu > 0"
+    if s.strategy in ("fedprox", "scaffold") and s.dp != "none":
+        yield (f"--strategy {s.strategy} trains without --dp (SCAFFOLD's control variates and "
+               "FedProx's local steps are not private); with --dp use fedavg or a server "
+               "optimizer")
+    if s.strategy == "scaffold" and s.checkpoint is not None:
+        yield ("--strategy scaffold keeps control variates at the sites that "
+               "checkpoints do not hold yet: run it without --checkpoint")
+    if s.local_steps is not None and s.local_steps < 1:
+        yield f"--local-steps {s.local_steps}: need at least 1"
+    if not (0 <= s.server_beta1 < 1 and 0 <= s.server_beta2 < 1 and s.server_tau > 0):
+        yield "server optimizer: need 0 <= beta1, beta2 < 1 and tau > 0"
+
+
+def _dataset_and_model(s: TrainSettings) -> Iterator[str]:
+    """The model fits the dataset (survival or classification); the scaling is known."""
+    if s.dataset in SURVIVAL_DATASETS and s.csv is None:
+        if s.dp != "none" and s.model == "cox":
+            yield (f"--dataset {s.dataset} --model cox runs without --dp: the partial likelihood "
+                   "couples the patients of a batch, so per-patient clipping does not bound one "
+                   "patient's influence; use --model discrete-time (a sum of per-patient terms)")
+        if s.sites != 6:
+            yield (f"--sites {s.sites}: {s.dataset}'s sites are its 6 "
+                   "natural centers (give 6 or leave --sites out)")
+        if s.model not in ("cox", "discrete-time"):
+            yield f"--dataset {s.dataset} is a survival task: --model cox or discrete-time"
+    elif s.model in ("cox", "discrete-time"):
+        yield f"--model {s.model} goes with a survival dataset (--dataset tcga-brca)"
+    if s.model not in MODELS:
+        yield f"--model {s.model}: use one of {', '.join(MODELS)}"
+    if s.scaling not in SCALING:
+        yield f"--scaling {s.scaling}: use one of {', '.join(SCALING)}"
+
+
+def _dp_sgd(s: TrainSettings) -> Iterator[str]:
+    """DP-SGD's sampling rate and clip norm."""
+    if not 0 < s.sample_rate <= 1:
+        yield f"--sample-rate {s.sample_rate}: need a value in (0, 1]"
+    if not s.clip_norm > 0:
+        yield f"--clip-norm {s.clip_norm}: need a positive number"
+
+
+def _inputs(s: TrainSettings) -> Iterator[str]:
+    """The cohort, a table's columns, the checkpoint to resume, input validation's bound."""
+    if s.cohort is not None and not 2 <= s.cohort <= s.sites:
+        yield f"--cohort {s.cohort}: need 2 to --sites ({s.sites})"
+    if s.csv is not None and (s.patient_column is None or s.label_column is None):
+        yield "--csv needs --patient-column and --label-column"
+    if s.resume and s.checkpoint is None:
+        yield "--resume needs --checkpoint DIR"
+    if s.norm_bound is not None and not (math.isfinite(s.norm_bound) and s.norm_bound > 0):
+        yield f"--norm-bound {s.norm_bound}: need a positive number"
+    elif s.norm_bound is not None and (s.dp != "none" or s.strategy == "scaffold"):
+        yield ("--norm-bound covers --dp none with --strategy fedavg, fedprox or a "
+               "server optimizer (a row [n x, n]); drop it for this mode")
+
+
+_CHECKS: tuple[Callable[[TrainSettings], Iterator[str]], ...] = (
+    _rounds, _privacy_mode, _adaptive_clip, _site_weights, _noised_counts, _feature_scaling,
+    _budget_and_unit, _training, _dataset_and_model, _dp_sgd, _inputs)
+"""The settings' checks, in the order their problems are reported."""
 
 
 FLAMBY_TCGA_BRCA: dict[str, dict[str, float]] = {

@@ -1,4 +1,5 @@
-"""The protocol messages as typed, immutable dataclasses, and their msgpack wire codec.
+"""The protocol messages as typed, immutable dataclasses, and their msgpack wire codec
+(the canonical msgpack it is written in and read back from: ``secagg/wire.py``).
 
 A message on the wire is a msgpack array ``[b"SA1", kind, session_id, party, *fields]``
 where ``party`` is the sender (client messages) or the recipient (server messages).
@@ -18,17 +19,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, cast
 
-import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
 from .crypto import KEY_BYTES, MAX_BITS, MIN_BITS, SIGNATURE_BYTES
-from .errors import DecodeError
 from .shamir import SHARE_BYTES
 from .stage import Stage
+from .wire import Reader, array_header, bin_header, fail, pack_value
 
 MAGIC = b"SA1"
 SESSION_BYTES = 32
-MAX_CLIENT_ID = (1 << 32) - 1
 SHARE_PLAINTEXT_BYTES = 4 + 4 + 2 * SHARE_BYTES
 CIPHERTEXT_BYTES = SHARE_PLAINTEXT_BYTES + 16
 
@@ -254,11 +253,6 @@ class MessageKind(enum.IntEnum):
     UNMASK_REQUEST = 14
 
 
-def _pack(value: Any) -> bytes:
-    packed: bytes = msgpack.packb(value, use_bin_type=True)
-    return packed
-
-
 class _Field:
     """One field after ``party``: how it is written (``pack``) and read back (``read``, with
     the limits of the call and the fields already read)."""
@@ -269,9 +263,9 @@ class _Field:
         self.attr, self.what = attr, what
 
     def pack(self, value: Any) -> bytes | memoryview:
-        return _pack(value)
+        return pack_value(value)
 
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         raise NotImplementedError
 
 
@@ -284,14 +278,14 @@ class _Bytes(_Field):
         super().__init__(attr, what)
         self.length = length
 
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         return r.bin(self.what, self.length)
 
 
 class _Signature(_Field):
     """bin of 0 or SIGNATURE_BYTES bytes (empty in semi-honest mode)."""
 
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         return r.signature(self.what)
 
 
@@ -305,9 +299,9 @@ class _BlobMap(_Field):
         self.length = length
 
     def pack(self, value: Any) -> bytes:
-        return _pack(dict(value))
+        return pack_value(dict(value))
 
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         return r.blob_map(self.length, self.what, limits.entries)
 
 
@@ -315,9 +309,9 @@ class _IdList(_Field):
     """array of ids, strictly ascending."""
 
     def pack(self, value: Any) -> bytes:
-        return _pack(list(value))
+        return pack_value(list(value))
 
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         return r.id_list(self.what, limits.entries)
 
 
@@ -325,20 +319,20 @@ class _KeyEntries(_Field):
     """map id -> [encryption key, masking key, commitment, signature]."""
 
     def pack(self, value: Any) -> bytes:
-        return _pack({cid: [e.encryption_key, e.masking_key, e.self_mask_commitment,
+        return pack_value({cid: [e.encryption_key, e.masking_key, e.self_mask_commitment,
                             e.signature] for cid, e in value.items()})
 
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         count = r.map(self.what, limits.entries, _KEY_ENTRY_BYTES)
         keys = {}
         last = 0
         for _ in range(count):
             cid = r.client_id(f"{self.what} id")
             if cid <= last:
-                raise _fail(f"{self.what} repeats a key or is not sorted by id (canonical form)")
+                raise fail(f"{self.what} repeats a key or is not sorted by id (canonical form)")
             last = cid
             if r.array("a key entry", 4, 2) != 4:
-                raise _fail("a key entry is [encryption key, masking key, commitment, sig]")
+                raise fail("a key entry is [encryption key, masking key, commitment, sig]")
             keys[cid] = KeyEntry(r.bin("encryption key", KEY_BYTES),
                                  r.bin("masking key", KEY_BYTES),
                                  r.bin("self-mask commitment", 32), r.signature("signature"))
@@ -349,23 +343,23 @@ class _Blob(_Field):
     """bin of any length (bounded by the message's own ``max_bytes``): its owner checks
     the exact length (an input proof's depends on the round)."""
 
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         return r.bin(self.what)
 
 
 class _Bits(_Field):
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         bits = r.uint(self.what)
         if not MIN_BITS <= bits <= MAX_BITS:
-            raise _fail(f"{self.what} must be in {MIN_BITS}..{MAX_BITS}")
+            raise fail(f"{self.what} must be in {MIN_BITS}..{MAX_BITS}")
         return bits
 
 
 class _Dim(_Field):
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         dim = r.uint(self.what)
         if dim < 1:
-            raise _fail(f"{self.what} must be a positive integer")
+            raise fail(f"{self.what} must be a positive integer")
         return dim
 
 
@@ -376,13 +370,13 @@ class _Vector(_Field):
     def pack(self, value: Any) -> bytes | memoryview:
         return memoryview(value)
 
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         from .crypto import dtype_for_bits
 
         bits, dim = got[-2], got[-1]
         size = dim * dtype_for_bits(bits).itemsize
         if size > limits.vector_bytes:
-            raise _fail(f"a {self.what} of {size} bytes is more than the "
+            raise fail(f"a {self.what} of {size} bytes is more than the "
                         f"{limits.vector_bytes} this round allows")
         return r.view(self.what, size)
 
@@ -390,10 +384,10 @@ class _Vector(_Field):
 class _Offset(_Field):
     """The element offset of a chunk: below ``dim`` (the field before it)."""
 
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         offset = r.uint(self.what)
         if offset >= got[-1]:
-            raise _fail(f"{self.what} {offset} is not below dim={got[-1]}")
+            raise fail(f"{self.what} {offset} is not below dim={got[-1]}")
         return offset
 
 
@@ -404,7 +398,7 @@ class _ChunkVector(_Field):
     def pack(self, value: Any) -> bytes | memoryview:
         return memoryview(value)
 
-    def read(self, r: _Reader, limits: _Limits, got: list[Any]) -> Any:
+    def read(self, r: Reader, limits: _Limits, got: list[Any]) -> Any:
         from .crypto import dtype_for_bits
 
         bits, dim, offset = got[-3], got[-2], got[-1]
@@ -521,197 +515,17 @@ def encode(message: Message) -> bytes:
     spec = _SPEC_OF[type(message)]
     party = message.client_id if spec.client else message.recipient  # type: ignore[union-attr]
     parts: list[bytes | memoryview] = [
-        _array_header(spec.arity), _MAGIC_PACKED, _pack(int(spec.kind)),
-        _pack(message.session_id), _pack(party)]
+        array_header(spec.arity), _MAGIC_PACKED, pack_value(int(spec.kind)),
+        pack_value(message.session_id), pack_value(party)]
     for fld in spec.fields:
         value = getattr(message, fld.attr)
         if isinstance(fld, (_Vector, _ChunkVector)):
-            parts.append(_bin_header(len(value)))
+            parts.append(bin_header(len(value)))
         parts.append(fld.pack(value))
     return b"".join(parts)
 
 
-def _array_header(count: int) -> bytes:
-    return bytes([0x90 + count]) if count < 16 else b"\xdc" + count.to_bytes(2, "big")
-
-
-_MAGIC_PACKED = _pack(MAGIC)
-
-
-# --- decoding ------------------------------------------------------------------------------
-#
-# The decoder reads the msgpack subset of section 6 directly from the bytes: every header is
-# checked (type, minimal form, count against the bytes left and the limit for the kind)
-# before anything is allocated, so a hostile message costs at most a small multiple of its
-# size and time linear in it. It accepts only the canonical encoding, so one message has
-# one byte string (no re-encoding to compare).
-
-
-def _fail(what: str) -> DecodeError:
-    return DecodeError(f"malformed message: {what}")
-
-
-_UINT = {0xCC: (1, 1 << 7), 0xCD: (2, 1 << 8), 0xCE: (4, 1 << 16), 0xCF: (8, 1 << 32)}
-_BIN = {0xC4: (1, 0), 0xC5: (2, 1 << 8), 0xC6: (4, 1 << 16)}
-_ARRAY = {0xDC: (2, 16), 0xDD: (4, 1 << 16)}
-_MAP = {0xDE: (2, 16), 0xDF: (4, 1 << 16)}
-
-
-class _Reader:
-    """A cursor over one message's bytes that accepts only canonical msgpack."""
-
-    __slots__ = ("data", "pos")
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.pos = 0
-
-    def _take(self, size: int, what: str) -> int:
-        start = self.pos
-        if start + size > len(self.data):
-            raise _fail(f"truncated at {what}")
-        self.pos = start + size
-        return start
-
-    def _length(self, table: dict[int, tuple[int, int]], lead: int, what: str) -> int:
-        size, smallest = table[lead]
-        start = self._take(size, what)
-        value = int.from_bytes(self.data[start:start + size], "big")
-        if value < smallest:
-            raise _fail(f"{what} is not in canonical form (a wider length than needed)")
-        return value
-
-    def uint(self, what: str) -> int:
-        lead = self.data[self._take(1, what)]
-        if lead < 0x80:
-            return lead
-        if lead not in _UINT:
-            raise _fail(f"{what} must be a non-negative integer")
-        return self._length(_UINT, lead, what)
-
-    def view(self, what: str, length: int | None, *, limit: int = 1 << 62,
-             multiple: int = 1) -> bytes:
-        """A bin of exactly ``length`` bytes (or, ``None``: 1 to ``limit`` bytes, a multiple
-        of ``multiple``) as a read-only view into the message (no copy: the masked vector
-        is most of a round's bytes)."""
-        lead = self.data[self._take(1, what)]
-        if lead not in _BIN:
-            raise _fail(f"{what} must be bytes")
-        size = self._length(_BIN, lead, what)
-        if length is not None and size != length:
-            raise _fail(f"{what} must be {length} bytes, got {size}")
-        if length is None and not (0 < size <= limit and size % multiple == 0):
-            raise _fail(f"{what} of {size} bytes: it must be 1 to {limit} bytes, whole "
-                        f"{multiple}-byte elements, ending at or before dim")
-        start = self._take(size, what)
-        return cast(bytes, memoryview(self.data)[start:start + size])
-
-    def bin(self, what: str, length: int | None = None, *, limit: int = 1 << 62) -> bytes:
-        lead = self.data[self._take(1, what)]
-        if lead not in _BIN:
-            raise _fail(f"{what} must be bytes")
-        size = self._length(_BIN, lead, what)
-        if length is not None and size != length:
-            raise _fail(f"{what} must be {length} bytes, got {size}")
-        if size > limit:
-            raise _fail(f"{what} has {size} bytes, more than {limit}")
-        start = self._take(size, what)
-        return self.data[start:start + size]
-
-    def _count(self, table: dict[int, tuple[int, int]], low: int, high: int, what: str,
-               kind: str, limit: int, entry_bytes: int) -> int:
-        lead = self.data[self._take(1, what)]
-        if low <= lead < high:
-            count = lead - low
-        elif lead in table:
-            count = self._length(table, lead, what)
-        else:
-            raise _fail(f"{what} must be {kind}")
-        if count > limit:
-            raise _fail(f"{what} has {count} entries, more than {limit}")
-        if count * entry_bytes > len(self.data) - self.pos:
-            raise _fail(f"{what} claims {count} entries but the message is too short")
-        return count
-
-    def array(self, what: str, limit: int, entry_bytes: int = 1) -> int:
-        return self._count(_ARRAY, 0x90, 0xA0, what, "an array", limit, entry_bytes)
-
-    def map(self, what: str, limit: int, entry_bytes: int = 2) -> int:
-        return self._count(_MAP, 0x80, 0x90, what, "a map of client id to value", limit,
-                           entry_bytes)
-
-    def client_id(self, what: str) -> int:
-        value = self.uint(what)
-        if not 1 <= value <= MAX_CLIENT_ID:
-            raise _fail(f"{what} must be a client id in 1..{MAX_CLIENT_ID}")
-        return value
-
-    def signature(self, what: str) -> bytes:
-        sig = self.bin(what, limit=SIGNATURE_BYTES)
-        if len(sig) not in (0, SIGNATURE_BYTES):
-            raise _fail(f"{what} must be empty or {SIGNATURE_BYTES} bytes")
-        return sig
-
-    def blob_map(self, length: int, what: str, limit: int) -> dict[int, bytes]:
-        """A map id -> bin of exactly ``length`` bytes, ids strictly ascending."""
-        count = self.map(what, limit, 2 + length)
-        out: dict[int, bytes] = {}
-        header = _bin_header(length)
-        span = len(header) + length
-        data, pos, last = self.data, self.pos, 0
-        # one tight loop: this runs for every entry of every share list (n^2 per round)
-        for _ in range(count):
-            lead = data[pos] if pos < len(data) else -1
-            if 0 < lead < 0x80:
-                key, pos = lead, pos + 1
-            elif lead in (0xCC, 0xCD, 0xCE):
-                self.pos = pos
-                key = self.client_id(f"{what} key")
-                pos = self.pos
-            else:
-                raise _fail(f"{what} key must be a client id in 1..{MAX_CLIENT_ID}")
-            if key <= last:
-                raise _fail(f"{what} repeats a key or is not sorted by id (canonical form)")
-            last = key
-            if data[pos:pos + len(header)] != header or pos + span > len(data):
-                raise _fail(f"{what} value must be {length} bytes")
-            out[key] = data[pos + len(header):pos + span]
-            pos += span
-        self.pos = pos
-        return out
-
-    def id_list(self, what: str, limit: int) -> tuple[int, ...]:
-        count = self.array(what, limit)
-        ids: list[int] = []
-        data, pos, last = self.data, self.pos, 0
-        end = len(data)
-        # one tight loop (an unmasking request lists every survivor: n ids for each of n
-        # clients); canonical 1- and 2-byte ids inline, anything else through client_id
-        for _ in range(count):
-            lead = data[pos] if pos < end else -1
-            if 0 < lead < 0x80:
-                value, pos = lead, pos + 1
-            elif lead == 0xCD and pos + 3 <= end and data[pos + 1]:
-                value, pos = (data[pos + 1] << 8) | data[pos + 2], pos + 3
-            else:
-                self.pos = pos
-                value = self.client_id(what)
-                pos = self.pos
-            if value <= last:
-                raise _fail(f"{what} must be sorted and must not repeat a client id")
-            last = value
-            ids.append(value)
-        self.pos = pos
-        return tuple(ids)
-
-
-def _bin_header(length: int) -> bytes:
-    """The canonical msgpack header of a bin of ``length`` bytes."""
-    if length < 1 << 8:
-        return bytes([0xC4, length])
-    if length < 1 << 16:
-        return b"\xc5" + length.to_bytes(2, "big")
-    return b"\xc6" + length.to_bytes(4, "big")
+_MAGIC_PACKED = pack_value(MAGIC)
 
 
 _KEY_ENTRY_BYTES = 1 + 3 * (2 + KEY_BYTES) + 2  # the smallest valid key-list entry
@@ -742,24 +556,24 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 31,
     ``kinds`` the message kinds accepted (e.g. ``SERVER_KINDS`` at a client); all are
     checked before the part they bound is read."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise _fail("expected bytes")
+        raise fail("expected bytes")
     if len(data) > max_bytes:
-        raise _fail(f"{len(data)} bytes is more than the {max_bytes} this round allows")
-    reader = _Reader(bytes(data))
+        raise fail(f"{len(data)} bytes is more than the {max_bytes} this round allows")
+    reader = Reader(bytes(data))
     count = reader.array("the envelope [magic, kind, session, party, ...]", _MAX_ARITY)
     if count < 4:
-        raise _fail("expected an array [magic, kind, session, party, ...]")
+        raise fail("expected an array [magic, kind, session, party, ...]")
     if reader.bin("magic", limit=len(MAGIC)) != MAGIC:
-        raise _fail("wrong magic (not a secagg v1 message)")
+        raise fail("wrong magic (not a secagg v1 message)")
     value = reader.uint("kind")
     if value not in _KIND_VALUES:
-        raise _fail(f"unknown message kind {value!r}")
+        raise fail(f"unknown message kind {value!r}")
     spec = MESSAGE_KINDS[MessageKind(value)]
     if kinds is not None and spec.kind not in kinds:
         side = "client" if spec.client else "server"
-        raise _fail(f"a {side} message (kind {value}) is not accepted here")
+        raise fail(f"a {side} message (kind {value}) is not accepted here")
     if count != spec.arity:
-        raise _fail(f"kind {value} has {spec.arity} fields, got {count}")
+        raise fail(f"kind {value} has {spec.arity} fields, got {count}")
     session = reader.bin("session id", SESSION_BYTES)
     party = reader.client_id("client id")
     limits = _Limits(max_entries, max_vector_bytes)
@@ -768,7 +582,7 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 31,
         values.append(fld.read(reader, limits, values))
     message: Message = spec.message(session, party, *values)
     if reader.pos != len(reader.data):
-        raise _fail("trailing bytes after the message")
+        raise fail("trailing bytes after the message")
     return message
 
 

@@ -155,12 +155,9 @@ def _ids(value: Any, what: str) -> list[int]:
     return list(value)
 
 
-def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: Config,
-            client_id: int, context: bytes, roster: Iterable[int] | None,
-            signing_key: SigningKey | None,
-            verify_keys: Mapping[int, bytes] | None, key: bytes,
-            min_stage: Stage | None = None) -> Client:
-
+def _unseal(data: bytes | bytearray | memoryview, key: bytes) -> tuple[bytes, memoryview]:
+    """The frame: the body and the input's bytes (unread), once the MAC over the body
+    verifies under ``key``."""
     head = len(MAGIC) + _LENGTH.size
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) <= head + _MAC_BYTES:
         raise _refuse("not snapshot bytes (empty or truncated)")
@@ -176,6 +173,11 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
     if not hmac.compare_digest(_mac(key, body), tag):
         raise _refuse("the MAC does not verify: corrupted, truncated or saved under another "
                       "key")
+    return body, vector
+
+
+def _fields(body: bytes) -> list[Any]:
+    """The body's 19 fields (msgpack, bounded by the body's length)."""
     try:
         fields = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False,
                                  max_bin_len=len(body), max_str_len=len(body),
@@ -184,16 +186,11 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
         raise _refuse(f"not a snapshot ({type(exc).__name__})") from None
     if type(fields) is not list or len(fields) != 19 or fields[0] != MAGIC:
         raise _refuse("not a secagg client snapshot")
-    (_, sid, cid, code, advert_raw, enc, mask, seed, input_digest, keylist, own, peers,
-     received, survivors, revealed, answered, reason, abort_stage, nonce) = fields
-    if type(nonce) is not bytes or len(nonce) not in (0, 32):
-        raise _refuse("the round nonce is malformed")
-    client = cls.__new__(cls)
-    client._setup(config, client_id, roster, context, signing_key, verify_keys, nonce)
-    if sid != client.session_id:
-        raise _refuse("it belongs to another session (config, roster or context differ)")
-    if cid != client_id:
-        raise _refuse(f"it belongs to client {cid!r}, not {client_id}")
+    return fields
+
+
+def _stage_reached(code: Any, abort_stage: Any, min_stage: Stage | None) -> None:
+    """Refuse an unknown state, and one before ``min_stage`` (a rollback)."""
     if type(code) is not int or not 0 <= code < len(_STATES):
         raise _refuse("unknown state")
     reached = (Stage(abort_stage) if code == 5 and type(abort_stage) is int
@@ -202,6 +199,9 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
         raise _refuse(f"it is at {reached.label}, before {min_stage.label}, which this client "
                       "already reached in this session: restoring it would roll the round "
                       "back (a second unmasking answer could reveal both shares of a peer)")
+
+
+def _advertisement(advert_raw: Any, client_id: int, sid: bytes) -> AdvertiseKeys:
     try:
         advert = decode(advert_raw)
     except ProtocolError as exc:
@@ -209,6 +209,16 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
     if not isinstance(advert, AdvertiseKeys) or advert.client_id != client_id \
             or advert.session_id != sid:
         raise _refuse("the advertisement is not this client's")
+    return advert
+
+
+def _secrets(data: bytes | bytearray | memoryview, vector: memoryview, config: Config,
+             code: int, fields: tuple[Any, Any, Any, Any], advert: AdvertiseKeys,
+             sid: bytes, client_id: int) -> Secrets:
+    """The three secrets and the input (``fields``: encryption key, masking key, seed and
+    the input's digest), checked against the advertisement and the digest; zeros once the
+    round is over for this client (finished or aborted)."""
+    enc, mask, seed, input_digest = fields
     live = code < 4
     unmasked = code < 2
     dtype = dtype_for_bits(config.bits)
@@ -219,36 +229,40 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
     if code == 1 and not hmac.compare_digest(hashlib.sha256(vector).digest(), input_digest):
         # the restore before masking, the one that uses the input, checks it
         raise _refuse("the input does not match its digest: corrupted or tampered with")
-    if live:
-        if any(type(b) is not bytes or len(b) != 32 for b in (enc, mask, seed)):
-            raise _refuse("the secrets are malformed")
-        # the input of immutable snapshot bytes is read in place (the host's bytes: there
-        # is nothing of the client's own to wipe), of a mutable buffer copied; masked or
-        # later it is gone: empty, never read (the masked input is not re-derived,
-        # secagg.client.SentMaskedInput)
-        shared_input = unmasked and isinstance(data, bytes)
-        secrets = Secrets(bytearray(enc), bytearray(mask), bytearray(seed),
-                           np.frombuffer(vector if shared_input else bytearray(vector),
-                                         dtype=dtype) if unmasked
-                           else np.zeros(0, dtype=dtype))
-        if (KeyPair(secrets.key(secrets.encryption)).public != advert.encryption_key
-                or KeyPair(secrets.key(secrets.masking)).public != advert.masking_key
-                or self_mask_commitment(seed, sid, client_id) != advert.self_mask_commitment):
-            raise _refuse("the secrets do not match the advertisement")
-    else:
-        secrets = Secrets(bytearray(32), bytearray(32), bytearray(32), np.zeros(0, dtype=dtype))
-    client._secrets = secrets
-    client._wipeable = [secrets.encryption, secrets.masking, secrets.seed]
-    if secrets.input.flags.writeable:
-        client._wipeable.append(secrets.input)
-    client._advertisement = advert
-    client.revealed = {}
+    if not live:
+        return Secrets(bytearray(32), bytearray(32), bytearray(32), np.zeros(0, dtype=dtype))
+    if any(type(b) is not bytes or len(b) != 32 for b in (enc, mask, seed)):
+        raise _refuse("the secrets are malformed")
+    # the input of immutable snapshot bytes is read in place (the host's bytes: there is
+    # nothing of the client's own to wipe), of a mutable buffer copied; masked or later it
+    # is gone: empty, never read (the masked input is not re-derived,
+    # secagg.client.SentMaskedInput)
+    shared_input = unmasked and isinstance(data, bytes)
+    secrets = Secrets(bytearray(enc), bytearray(mask), bytearray(seed),
+                      np.frombuffer(vector if shared_input else bytearray(vector),
+                                    dtype=dtype) if unmasked
+                      else np.zeros(0, dtype=dtype))
+    if (KeyPair(secrets.key(secrets.encryption)).public != advert.encryption_key
+            or KeyPair(secrets.key(secrets.masking)).public != advert.masking_key
+            or self_mask_commitment(seed, sid, client_id) != advert.self_mask_commitment):
+        raise _refuse("the secrets do not match the advertisement")
+    return secrets
+
+
+def _revealed(revealed: Any) -> dict[int, str]:
+    """``Client.revealed``: which share of each peer the client has given away."""
     if type(revealed) is not list:
         raise _refuse("revealed is malformed")
+    out = {}
     for item in revealed:
         if type(item) is not list or len(item) != 2 or item[1] not in (0, 1):
             raise _refuse("revealed is malformed")
-        client.revealed[int(item[0])] = _REVEALED[item[1]]
+        out[int(item[0])] = _REVEALED[item[1]]
+    return out
+
+
+def _replies(client: Client, answered: Any) -> None:
+    """The reply cache (request digest -> the reply given), into ``client._answered``."""
     client._answered = {}
     if type(answered) is not list:
         raise _refuse("the reply cache is malformed")
@@ -264,21 +278,11 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
         except ProtocolError as exc:
             raise _refuse(f"a cached reply does not decode: {exc}") from None
         client._answered[item[0]] = reply  # type: ignore[assignment]
-    if unmasked:
-        _INPUT_DIGESTS[client] = input_digest
-    if code == 0:
-        client._state = Advertised()
-        return client
-    if code == 5:
-        if type(abort_stage) is not int or abort_stage not in set(Stage):
-            raise _refuse("the abort stage is malformed")
-        stage = Stage(abort_stage)
-        client._state = Aborted(ProtocolAbort(str(reason), stage=stage, client_id=client_id),
-                                 stage)
-        return client
-    if code == 4:
-        client._state = Finished()
-        return client
+
+
+def _shared(client: Client, keylist: Any, own: Any, secrets: Secrets, sid: bytes) -> Shared:
+    """State shared: the key list, u's own shares and the pairwise secrets with the peers
+    of the key list (derived again from u's encryption key)."""
     try:
         key_list = decode_server_message(keylist, len(client.roster))
     except ProtocolError as exc:
@@ -287,8 +291,7 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
             or len(own) != 2 * SHARE_BYTES:
         raise _refuse("the key list or own shares are malformed")
     keys = dict(key_list.keys)
-    me = client_id
-    peers_of_key_list = [p for p in sorted(keys) if p != me]
+    peers_of_key_list = [p for p in sorted(keys) if p != client.client_id]
     encryption = KeyPair(secrets.key(secrets.encryption))
     pair_secrets = bytearray(32 * len(peers_of_key_list))
     loaded = {}
@@ -299,25 +302,71 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
         pair_secrets[32 * i:32 * i + 32] = encryption.exchange(loaded[keys[peer].encryption_key])
     own_shares = bytearray(own)
     client._wipeable += [pair_secrets, own_shares]
-    shared = Shared(keys, key_set_digest(sid, keys),
-                     {c: advertisement_digest(sid, c, e) for c, e in keys.items()}, loaded,
-                     own_shares, pair_secrets,
-                     {p: 32 * i for i, p in enumerate(peers_of_key_list)})
-    if code == 1:
-        client._state = shared
-        return client
+    return Shared(keys, key_set_digest(sid, keys),
+                  {c: advertisement_digest(sid, c, e) for c, e in keys.items()}, loaded,
+                  own_shares, pair_secrets,
+                  {p: 32 * i for i, p in enumerate(peers_of_key_list)})
+
+
+def _masked(client: Client, shared: Shared, peers: Any, received: Any) -> Masked:
+    """State masked: F(u) and the shares u received from them."""
     order = sorted(_ids(peers, "F(u)"))
-    if not set(order) <= set(peers_of_key_list) or type(received) is not bytes \
+    if not set(order) <= set(shared.keys) - {client.client_id} or type(received) is not bytes \
             or len(received) != PAIR * len(order):
         raise _refuse("the received shares are malformed")
     shares = bytearray(received)
     client._wipeable.append(shares)
-    masked = Masked(shared, frozenset(order), shares,
-                     {p: PAIR * i for i, p in enumerate(order)})
-    if code == 2:
-        client._state = masked
-        return client
-    client._state = Checked(masked, tuple(sorted(_ids(survivors, "survivors"))))
+    return Masked(shared, frozenset(order), shares, {p: PAIR * i for i, p in enumerate(order)})
+
+
+def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: Config,
+            client_id: int, context: bytes, roster: Iterable[int] | None,
+            signing_key: SigningKey | None,
+            verify_keys: Mapping[int, bytes] | None, key: bytes,
+            min_stage: Stage | None = None) -> Client:
+    """``Client.restore``: the client a snapshot holds, rebuilt step by step (the frame and
+    its MAC, the fields, the session and the stage, the advertisement, the secrets, the
+    guards, then the state), each step refusing (``StaleSnapshot``) what it cannot take."""
+    body, vector = _unseal(data, key)
+    (_, sid, cid, code, advert_raw, enc, mask, seed, input_digest, keylist, own, peers,
+     received, survivors, revealed, answered, reason, abort_stage, nonce) = _fields(body)
+    if type(nonce) is not bytes or len(nonce) not in (0, 32):
+        raise _refuse("the round nonce is malformed")
+    client = cls.__new__(cls)
+    client._setup(config, client_id, roster, context, signing_key, verify_keys, nonce)
+    if sid != client.session_id:
+        raise _refuse("it belongs to another session (config, roster or context differ)")
+    if cid != client_id:
+        raise _refuse(f"it belongs to client {cid!r}, not {client_id}")
+    _stage_reached(code, abort_stage, min_stage)
+    advert = _advertisement(advert_raw, client_id, sid)
+    secrets = _secrets(data, vector, config, code, (enc, mask, seed, input_digest), advert,
+                       sid, client_id)
+    client._secrets = secrets
+    client._wipeable = [secrets.encryption, secrets.masking, secrets.seed]
+    if secrets.input.flags.writeable:
+        client._wipeable.append(secrets.input)
+    client._advertisement = advert
+    client.revealed = _revealed(revealed)
+    _replies(client, answered)
+    if code < 2:
+        _INPUT_DIGESTS[client] = input_digest
+    if code == 0:
+        client._state = Advertised()
+    elif code == 5:
+        if type(abort_stage) is not int or abort_stage not in set(Stage):
+            raise _refuse("the abort stage is malformed")
+        stage = Stage(abort_stage)
+        client._state = Aborted(ProtocolAbort(str(reason), stage=stage, client_id=client_id),
+                                stage)
+    elif code == 4:
+        client._state = Finished()
+    else:
+        shared = _shared(client, keylist, own, secrets, sid)
+        if code == 1:
+            client._state = shared
+        else:
+            masked = _masked(client, shared, peers, received)
+            client._state = masked if code == 2 else Checked(
+                masked, tuple(sorted(_ids(survivors, "survivors"))))
     return client
-
-

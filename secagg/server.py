@@ -14,7 +14,6 @@ one stage is rejected. ``ProtocolAbort`` means the round cannot finish.
 
 from __future__ import annotations
 
-import heapq
 import os
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
@@ -73,21 +72,11 @@ from .transcripts import (
 )
 from .unmasking import (
     MaskJob,
-    apply_masks,
-    balance,
-    derive_mask_keys,
     reconstruct_verified,
+    remove_masks,
     screen_shares,
 )
-
-DEFAULT_UPLOAD_BUDGET = 1 << 30
-"""Bytes the server sets aside for masked inputs that are still streaming in (pending: not
-in the sum until complete, docs/protocol.md 6.3); ``upload_budget // vector bytes`` senders
-stream at once (at least one). 1 GiB: every sender at once up to 2.6 x 10^7 32-bit
-elements, two at a time at 10^8."""
-UNMASK_WINDOW_BYTES = 8 << 20
-"""The window the server removes masks in (bytes of the sum): the correction never takes
-a second d-sized vector."""
+from .uploads import DEFAULT_UPLOAD_BUDGET, Upload, Uploads
 
 
 class RejectionLog:
@@ -129,23 +118,6 @@ class RejectionLog:
 
     def __repr__(self) -> str:
         return f"RejectionLog({[(c, self._counts[c], r) for c, r in self._latest.items()]})"
-
-
-@dataclass(eq=False)
-class _Upload:
-    """A granted sender's masked input while it streams in: pending, never in the sum
-    until its last chunk arrived (a partial input cannot be unmasked without revealing
-    it, docs/protocol.md 6.3)."""
-
-    chunk: int | None = None  # the granted chunk length (elements); None: any
-    vector: np.ndarray | None = None  # allocated by the first chunk
-    next: int = 0  # the element offset the next chunk must start at
-    running: object = None  # malicious mode: SHA-256 of the stream so far
-    last_raw: bytes = b""  # the latest accepted chunk (its redelivery is a no-op)
-    held: dict[int, tuple[MaskedChunk, bytes]] = field(default_factory=dict)
-    """Chunks that arrived ahead of ``next`` (offset -> chunk), on the grant's chunk grid:
-    taken in order once the gap is filled (a broker restart re-delivers a cut chunk after
-    its successor). Each offset once, so they never hold more than one input."""
 
 
 @dataclass(frozen=True)
@@ -248,20 +220,16 @@ class Server:
         self._verify_keys = dict(verify_keys or {})
         self._threshold: int = config.threshold
         self._vector_bytes = config.dim * dtype_for_bits(config.bits).itemsize
-        if upload_budget < 1:
-            raise ValueError("upload_budget must be a positive number of bytes")
-        self.upload_slots = max(1, upload_budget // self._vector_bytes)
+        # the masked inputs: the upload slots, the pending streams and the sum
+        self._uploads = Uploads(config.dim, dtype_for_bits(config.bits), upload_budget)
+        self.upload_slots = self._uploads.slots
         """How many senders may stream a masked input at once (``grant_uploads``)."""
-        self._uploads: dict[int, _Upload] = {}  # granted senders whose input is pending
         self._stage = Stage.ADVERTISE_KEYS
         self._expected: set[int] = set(self.roster)
         self._inbox: dict[int, ClientMessage] = {}
         # _expected minus _inbox, kept as messages arrive: what a transport asks after
         # every message (``pending_count``, ``is_pending``) costs O(1), not O(n)
         self._pending: set[int] = set(self.roster)
-        # stage masked_input: ids not yet granted an upload slot, a heap (lowest id first),
-        # built at the first grant; each id leaves it once (``grant_uploads``)
-        self._grant_queue: list[int] | None = None
         # sha256 of each accepted message (this stage, previous stage): a redelivery is the
         # same bytes, hashed only when the sender already has an accepted message. A digest,
         # not the bytes: n whole masked inputs must not stay behind (docs/protocol.md 6.3)
@@ -278,12 +246,6 @@ class Server:
         self._advert_digests: dict[int, bytes] = {}
         self._share_keys: dict[int, ShareKeys] = {}
         self._forwarded: dict[int, frozenset[int]] = {}
-        # the running sum of complete masked inputs; holds nothing meaningful until the
-        # first one is added (``_sum_fresh``): that one is copied or swapped in, not added
-        # to zeros (first-touching a fresh 400 MB vector costs more than the adds)
-        self._sum = np.empty(config.dim, dtype=dtype_for_bits(config.bits))
-        self._sum_fresh = True
-        self._spares: list[np.ndarray] = []  # finished pending buffers, reused
         self._survivors: frozenset[int] = frozenset()
         self._requests: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
         self._signatures: dict[int, bytes] = {}
@@ -482,7 +444,7 @@ class Server:
     def uploading(self) -> frozenset[int]:
         """Senders granted an upload slot whose masked input has not completed (a copy:
         per message, ask ``is_uploading``)."""
-        return frozenset(self._uploads)
+        return self._uploads.ids()
 
     def is_uploading(self, client_id: int) -> bool:
         """``client_id in uploading`` in O(1)."""
@@ -508,43 +470,14 @@ class Server:
         if self._stage is not Stage.MASKED_INPUT or self.result is not None \
                 or self.aborted is not None:
             return []
-        free = self.upload_slots - len(self._uploads)
-        if free <= 0:
-            return []
-        granted: list[int] = []
-        if client_ids is not None:
-            eligible = (self._pending & set(client_ids)) - self._uploads.keys()
-            for cid in sorted(eligible):
-                if len(granted) == free:
-                    break
-                if cid not in exclude:
-                    self._uploads[cid] = _Upload(chunk_elements)
-                    granted.append(cid)
-            return granted
-        if self._grant_queue is None:
-            self._grant_queue = sorted(self._pending - self._uploads.keys())  # a heap
-        queue, passed = self._grant_queue, []
-        while queue and len(granted) < free:
-            cid = heapq.heappop(queue)
-            # granted once or no longer expected: neither is ever eligible again this stage
-            # (an upload ends in the inbox or in a cancel, which drops the client)
-            if cid not in self._pending or cid in self._uploads:
-                continue
-            if cid in exclude:
-                passed.append(cid)  # for a later call
-                continue
-            self._uploads[cid] = _Upload(chunk_elements)
-            granted.append(cid)
-        for cid in passed:
-            heapq.heappush(queue, cid)
-        return granted
+        return self._uploads.grant(self._pending, client_ids, exclude, chunk_elements)
 
     def cancel_upload(self, client_id: int, reason: str) -> bool:
         """Take back ``client_id``'s upload slot (e.g. it sent nothing for too long): its
         pending chunks are discarded, it is dropped from this round at masked_input with
         ``reason`` (in ``rejected``), and the slot is free for ``grant_uploads``. Returns
         False when it held no slot."""
-        if self._uploads.pop(client_id, None) is None:
+        if not self._uploads.cancel(client_id):
             return False
         self._expected.discard(client_id)
         self._pending.discard(client_id)
@@ -588,7 +521,7 @@ class Server:
             self.refused[cid] = reason
             self._expected.discard(cid)
             self._pending.discard(cid)
-            self._uploads.pop(cid, None)
+            self._uploads.cancel(cid)
             self.dropped.setdefault(cid, Stage.MASKED_INPUT)
             self.rejected.append((cid, reason))
             raise InputRefused(f"client {cid} refused in masked_input: {reason}",
@@ -615,30 +548,11 @@ class Server:
         if isinstance(msg, MaskedInput) and len(msg.masked) != self._vector_bytes:
             raise self._reject(cid, "masked input has the wrong length")
         last = offset + count == cfg.dim
-        upload = self._uploads.get(cid)
-        ahead = False
-        if offset or not last:
-            if upload is None:
-                raise self._reject(cid, f"no upload slot is granted to this client: a "
-                                        f"streamed masked input waits for the server's "
-                                        f"grant ({self.upload_slots} at a time)")
-            # ahead of the stream on the grant's chunk grid: held (below), not refused
-            ahead = (offset > upload.next and upload.chunk is not None
-                     and offset % upload.chunk == 0)
-            if offset != upload.next and not ahead:
-                raise self._reject(cid, f"a chunk at element {offset}, but the stream is "
-                                        f"at element {upload.next} (chunks come in order, "
-                                        f"each once; one ahead on the grant's chunk grid "
-                                        f"waits for the gap)")
-            if upload.chunk is not None and (count > upload.chunk if last
-                                             else count != upload.chunk):
-                raise self._reject(cid, f"a chunk of {count} elements; the grant is for "
-                                        f"chunks of {upload.chunk} (only the last may be "
-                                        f"shorter)")
-        elif upload is not None and upload.next:
-            raise self._reject(cid, f"a whole masked input while its stream is at element "
-                                    f"{upload.next}")
-        width = 8 * self._sum.dtype.itemsize
+        try:
+            upload, ahead = self._uploads.place(cid, offset, count, last)
+        except ValueError as exc:
+            raise self._reject(cid, str(exc)) from None
+        width = 8 * self._uploads.sum.dtype.itemsize
         if cfg.bits < width and int(vector.max()) >> cfg.bits:
             raise self._reject(cid, f"masked input has values >= 2**{cfg.bits}")
         if not constant_time_equal(msg.peers_digest, peers_digest(self._forwarded[cid])):
@@ -650,31 +564,27 @@ class Server:
             raise self._reject(cid, "a signature in a semi-honest round")
         if ahead:
             assert upload is not None and isinstance(msg, MaskedChunk)
-            held = upload.held.get(offset)
-            if held is not None:
-                if held[1] == raw:
-                    return False  # a redelivery of a held chunk
-                raise self._reject(cid, f"a second, different chunk at element {offset}")
-            upload.held[offset] = (msg, raw)
-            return True
+            try:
+                return upload.hold(offset, msg, raw)  # False: a redelivery of a held chunk
+            except ValueError as exc:
+                raise self._reject(cid, str(exc)) from None
         accepted = self._accept_chunk(cid, upload, msg, raw, offset, vector, last, digest)
-        while upload is not None and not last and upload.next in upload.held:
-            msg, raw = upload.held.pop(upload.next)
+        while upload is not None and not last and (held := upload.next_held()) is not None:
+            msg, raw = held
             vector = msg.vector()
             last = msg.offset + vector.shape[0] == cfg.dim
             self._accept_chunk(cid, upload, msg, raw, msg.offset, vector, last)
         return accepted
 
-    def _accept_chunk(self, cid: int, upload: _Upload | None, msg: MaskedInput | MaskedChunk,
+    def _accept_chunk(self, cid: int, upload: Upload | None, msg: MaskedInput | MaskedChunk,
                       raw: bytes, offset: int, vector: np.ndarray, last: bool,
                       digest: bytes | None = None) -> bool:
         """The chunk at the stream's offset, checked by :meth:`_take_masked`: the running
         digest and, on the last, the signature; then into the pending buffer (the sum)."""
         cfg = self.config
-        count = vector.shape[0]
         running = None
         if cfg.malicious:
-            running = (upload.running.copy()  # type: ignore[attr-defined]
+            running = (upload.running.copy()
                        if upload is not None and upload.running is not None
                        else masked_input_hash(cfg.bits, cfg.dim, msg.peers_digest))
             running.update(msg.masked)
@@ -689,40 +599,13 @@ class Server:
                                             f"round's, or its chunks were altered, spliced, "
                                             f"reordered or cut): {exc}") from None
         # accepted: from here on nothing can fail
-        if offset == 0 and last:
-            self._add_to_sum(vector)
-            self._uploads.pop(cid, None)
-        else:
-            assert upload is not None
-            if upload.vector is None:  # a buffer of an earlier upload, or a new one
-                upload.vector = (self._spares.pop() if self._spares
-                                 else np.empty(cfg.dim, dtype=self._sum.dtype))
-            upload.vector[offset:offset + count] = vector
-            upload.next, upload.running, upload.last_raw = offset + count, running, raw
-            if last:
-                spare = self._add_to_sum(upload.vector, owned=True)
-                if len(self._spares) < self.upload_slots:
-                    self._spares.append(spare)
-                del self._uploads[cid]
+        self._uploads.write(cid, upload, raw, offset, vector, last, running)
         if last:
             # kept without its vector (in the sum now), so n whole inputs never stay behind
             self._inbox[cid] = replace(msg, masked=b"")
             self._pending.discard(cid)
             self._accepted_digest[cid] = digest or sha256(raw)
         return True
-
-    def _add_to_sum(self, vector: np.ndarray, *, owned: bool = False) -> np.ndarray:
-        """Add a complete masked input to the sum. The first one becomes the sum (swapped
-        in when the buffer is the server's own, ``owned``); returns the buffer now free."""
-        if not self._sum_fresh:
-            np.add(self._sum, vector, out=self._sum)
-            return vector
-        self._sum_fresh = False
-        if owned:
-            free, self._sum = self._sum, vector
-            return free
-        self._sum[:] = vector
-        return vector
 
     def _check_signature(self, cid: int, msg: ShareKeys | UnmaskingShares | InputProof
                          ) -> None:
@@ -747,12 +630,10 @@ class Server:
 
     def _close(self) -> set[int]:
         responders = set(self._inbox)
-        for cid, upload in sorted(self._uploads.items()):
+        for cid, upload in self._uploads.close():
             self.rejected.append((cid, f"its masked input stopped at element {upload.next} "
                                        f"of {self.config.dim}; an incomplete input never "
                                        f"counts (docs/protocol.md 6.3)"))
-        self._uploads.clear()
-        self._spares.clear()
         for cid in self._expected - responders:
             self.dropped.setdefault(cid, self._stage)
         return responders
@@ -764,7 +645,7 @@ class Server:
         self._stage = stage
         self._expected = set(recipients)
         self._pending = set(self._expected)
-        self._grant_queue = None
+        self._uploads.new_stage()
 
     def advance(self) -> dict[int, ServerMessage]:
         """Close the current stage; return the next messages by recipient."""
@@ -954,7 +835,8 @@ class Server:
         """sum y - sum PRG(b_u) for survivors - the survivors' pairwise masks with dropouts.
 
         The mask work is cut into independent jobs; with an ``executor`` (e.g. a process
-        pool, which the caller owns) they run in parallel, otherwise inline."""
+        pool, which the caller owns) they run in parallel, otherwise inline
+        (:func:`secagg.unmasking.remove_masks`)."""
         cfg = self.config
         jobs: list[MaskJob] = [("self", owner, seed, ()) for owner, seed in seeds.items()]
         masked_with: dict[int, list[int]] = {}  # dropped u -> survivors that masked with u
@@ -968,34 +850,14 @@ class Server:
                 jobs.append(("pair", dropped, pair.private_bytes(), peers))
         header = (self.session_id, cfg.shape_tag, cfg.dim, cfg.bits,
                   {d: self._adverts[d].masking_key for d in private_keys})
-        total = self._sum  # the round is over: unmask in place, no d-sized copy
-        if self._sum_fresh:  # no input at all (cannot pass the threshold checks)
+        total = self._uploads.sum  # the round is over: unmask in place, no d-sized copy
+        if self._uploads.empty:  # no input at all (cannot pass the threshold checks)
             total.fill(0)
-        workers = self._workers if self._executor is not None else 1
-        batches = balance(jobs, workers)
-        pool = self._executor if self._executor is not None and len(batches) > 1 else None
-        if pool is not None:
-            keys = [f.result() for f in [pool.submit(derive_mask_keys, header, batch)
-                                         for batch in batches]]
-        else:
-            keys = [derive_mask_keys(header, batch) for batch in batches]
+        keys = remove_masks(total, header, jobs, self._executor, self._workers)
         if cfg.norm_bound is not None:
             from .validation import blinding
 
             self._blinding = blinding(k for batch in keys for k in batch)
-        window = max(1, UNMASK_WINDOW_BYTES // total.dtype.itemsize)
-        for start in range(0, cfg.dim, window):  # window by window: bounded memory
-            count = min(window, cfg.dim - start)
-            part = total[start:start + count]
-            if pool is not None:
-                futures = [pool.submit(apply_masks, k, cfg.bits, start, count) for k in keys]
-                for future in futures:
-                    np.subtract(part, future.result(), out=part)
-            else:
-                for k in keys:
-                    apply_masks(k, cfg.bits, start, count, out=part)
-        if cfg.bits < 8 * total.dtype.itemsize:
-            np.bitwise_and(total, total.dtype.type((1 << cfg.bits) - 1), out=total)
         return total
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .config import Config
 from .crypto import PROTOCOL, hkdf, sha256, u32
 from .graph import Graph
-from .messages import MAX_CLIENT_ID
+from .wire import MAX_CLIENT_ID
 
 
 def normalize_roster(config: Config, roster: Iterable[int] | None) -> tuple[int, ...]:

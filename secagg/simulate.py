@@ -17,8 +17,9 @@ from .config import Config
 from .crypto import SigningKey
 from .errors import ProtocolAbort, ProtocolError
 from .messages import encode
-from .server import DEFAULT_UPLOAD_BUDGET, Server
+from .server import Server
 from .stage import Stage, round_stages
+from .uploads import DEFAULT_UPLOAD_BUDGET
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable
+from concurrent.futures import Executor
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
@@ -27,6 +28,10 @@ from .shamir import (
     extrapolate,
     reconstruct_value,
 )
+
+UNMASK_WINDOW_BYTES = 8 << 20
+"""The window the server removes masks in (bytes of the sum): the correction never takes
+a second d-sized vector."""
 
 
 def reconstruct_verified(owner: int, shares: dict[int, int], t: int,
@@ -177,3 +182,35 @@ def apply_masks(keys: MaskKeys, bits: int, start: int, count: int,
     for key, added in keys:
         (masker.add if added else masker.subtract)(correction, key, start)
     return correction
+
+
+def remove_masks(total: np.ndarray, header: tuple[bytes, bytes, int, int, dict[int, bytes]],
+                 jobs: list[MaskJob], executor: Executor | None, workers: int
+                 ) -> list[MaskKeys]:
+    """Subtract from ``total`` (the sum of the masked inputs, in place) the masks of
+    ``jobs``, window by window (:data:`UNMASK_WINDOW_BYTES`: bounded memory), mod 2**bits.
+    The jobs are balanced over ``workers`` batches run on ``executor`` (e.g. a process pool,
+    which the caller owns), else inline. Returns the mask keys, batch by batch."""
+    _, _, dim, bits, _ = header
+    workers = workers if executor is not None else 1
+    batches = balance(jobs, workers)
+    pool = executor if executor is not None and len(batches) > 1 else None
+    if pool is not None:
+        keys = [f.result() for f in [pool.submit(derive_mask_keys, header, batch)
+                                     for batch in batches]]
+    else:
+        keys = [derive_mask_keys(header, batch) for batch in batches]
+    window = max(1, UNMASK_WINDOW_BYTES // total.dtype.itemsize)
+    for start in range(0, dim, window):  # window by window: bounded memory
+        count = min(window, dim - start)
+        part = total[start:start + count]
+        if pool is not None:
+            futures = [pool.submit(apply_masks, k, bits, start, count) for k in keys]
+            for future in futures:
+                np.subtract(part, future.result(), out=part)
+        else:
+            for k in keys:
+                apply_masks(k, bits, start, count, out=part)
+    if bits < 8 * total.dtype.itemsize:
+        np.bitwise_and(total, total.dtype.type((1 << bits) - 1), out=total)
+    return keys

@@ -214,14 +214,22 @@ def _imports(module: str, path: Path, modules: set[str], *, annotations: bool = 
     return found - {module}
 
 
-def _circles(layers: tuple[str, ...], *, annotations: bool = False) -> list[str]:
-    """Every import circle among the modules of ``layers`` (one per module on it)."""
+def _graph(layers: tuple[str, ...], *, annotations: bool = False, root: Path = ROOT
+           ) -> tuple[dict[str, set[str]], dict[str, Path]]:
+    """The import graph among the modules of ``layers`` under ``root`` and their paths."""
     paths = {}
     for layer in layers:
-        for path in (ROOT / layer).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for path in (root / layer).rglob("*.py"):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
             paths[name.removesuffix(".__init__")] = path
     graph = {m: _imports(m, p, set(paths), annotations=annotations) for m, p in paths.items()}
+    return graph, paths
+
+
+def _circles(layers: tuple[str, ...], *, annotations: bool = False, root: Path = ROOT
+             ) -> list[str]:
+    """Every import circle among the modules of ``layers`` (one per module on it)."""
+    graph, _ = _graph(layers, annotations=annotations, root=root)
     circles = []
     for start in graph:  # a depth-first search back to the start, from each module
         stack, seen = [(start, (start,))], set()
@@ -248,9 +256,124 @@ ANNOTATION_CIRCLES = {"secagg": {"secagg.client -> secagg.resume -> secagg.clien
                                  "secagg.resume -> secagg.client -> secagg.resume"}}
 
 
-@pytest.mark.parametrize("layer", ["dp", "secagg"])
+@pytest.mark.parametrize("layer", sorted(LAYERS))
 def test_no_import_circles_even_through_annotations(layer: str) -> None:
-    """Within dp/ and secagg/ not even an ``if TYPE_CHECKING:`` import closes a circle: a
-    circle hidden from the interpreter is still one a reader (and a refactor) must untangle.
-    The known one is listed exactly, so a new circle fails and untying it updates the list."""
+    """Within each layer not even an ``if TYPE_CHECKING:`` import closes a circle: a circle
+    hidden from the interpreter is still one a reader (and a refactor) must untangle. The
+    known one is listed exactly, so a new circle fails and untying it updates the list."""
     assert set(_circles((layer,), annotations=True)) == ANNOTATION_CIRCLES.get(layer, set())
+
+
+def test_the_circle_rule_sees_a_circle_closed_by_an_annotation(tmp_path: Path) -> None:
+    """The rule above is only as good as what it sees: a circle closed by an ``if
+    TYPE_CHECKING:`` import (or one in a function) is reported with annotations counted, and
+    only the run-time one without them."""
+    folder = tmp_path / "fl"
+    (folder / "site").mkdir(parents=True)
+    (folder / "__init__.py").write_text("")
+    (folder / "site" / "__init__.py").write_text("")
+    (folder / "site" / "training.py").write_text("from fl.site.idp import SiteIdp\n")
+    (folder / "site" / "idp.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from fl.coordinator import Coordinator\n")
+    (folder / "coordinator.py").write_text(
+        "def f():\n"
+        "    from fl.site import training\n")
+    (folder / "plain.py").write_text("from . import coordinator\n")
+    assert set(_circles(("fl",), root=tmp_path)) == set()
+    assert set(_circles(("fl",), annotations=True, root=tmp_path)) == {
+        "fl.site.training -> fl.site.idp -> fl.coordinator -> fl.site.training",
+        "fl.site.idp -> fl.coordinator -> fl.site.training -> fl.site.idp",
+        "fl.coordinator -> fl.site.training -> fl.site.idp -> fl.coordinator"}
+    (folder / "site" / "idp.py").write_text("from fl.coordinator import Coordinator\n")
+    assert len(_circles(("fl",), root=tmp_path)) == 3  # now a run-time circle
+
+
+#: The coordinator's modules outside fl/plan/; with fl/plan/'s modules other than
+#: ``fl.plan.SHARED_WITH_SITES`` they are what no site module may reach.
+COORDINATOR_MODULES = frozenset({"fl.coordinator", "fl.federation", "fl.remote.coordinator"})
+
+
+def _site_reaches_coordinator(root: Path, shared: frozenset[str]) -> list[str]:
+    """Every way a module under ``root``/fl/site/ reaches a coordinator-only module: the
+    chain of imports from the site module to it. The chain follows every import of an fl
+    module: at module level, in a function and under ``if TYPE_CHECKING:``; importing
+    ``a.b.c`` also runs the packages ``a`` and ``a.b``, whose run-time imports are followed
+    too (a package's own ``TYPE_CHECKING`` block annotates the package only)."""
+    graph, _ = _graph(("fl",), annotations=True, root=root)
+    runtime, _ = _graph(("fl",), root=root)
+    forbidden = COORDINATOR_MODULES | {m for m in graph if m.startswith("fl.plan.")
+                                       and m not in shared}
+
+    def parents(module: str) -> set[str]:
+        parts = module.split(".")
+        return {".".join(parts[:i]) for i in range(1, len(parts))} & set(graph)
+
+    found = []
+    for start in sorted(m for m in graph if m == "fl.site" or m.startswith("fl.site.")):
+        trail = {start: (start,)}
+        imported = {start}  # reached by an import of the module itself: annotations count
+        queue = [start]
+        while queue:
+            node = queue.pop(0)
+            edges = {(m, True) for m in (graph if node in imported else runtime)[node]}
+            edges |= {(p, False) for p in parents(node)}
+            for nxt, as_module in sorted(edges):
+                if nxt in imported or (nxt in trail and not as_module):
+                    continue
+                if nxt not in trail:
+                    trail[nxt] = (*trail[node], nxt)
+                    if nxt in forbidden:
+                        found.append(" -> ".join(trail[nxt]))
+                if as_module:
+                    imported.add(nxt)
+                if nxt not in forbidden:
+                    queue.append(nxt)
+    return found
+
+
+def test_no_site_module_reaches_the_coordinator() -> None:
+    """What a site runs never loads the coordinator's side, not even to annotate: no module
+    under fl/site/ imports -- at module level, in a function, under ``if TYPE_CHECKING:``,
+    or through any chain of fl modules (and the packages those imports run) -- the
+    coordinator (``fl.coordinator``, ``fl.federation``, ``fl.remote.coordinator``) or a
+    module of fl/plan/ other than ``fl.plan.SHARED_WITH_SITES`` (``fl.plan.privacy``, the
+    plans the round's task reads). A site gets what it needs from the coordinator as data
+    (the round's task) or through a narrow protocol of its own (``fl.site.idp.IdpTask``)."""
+    import fl.plan
+
+    assert _site_reaches_coordinator(ROOT, fl.plan.SHARED_WITH_SITES) == []
+
+
+def test_the_site_rule_sees_every_way_to_the_coordinator(tmp_path: Path) -> None:
+    """The rule above is only as good as what it sees: each way from a site module to the
+    coordinator's side is reported (an annotation, a function-local import, a chain through
+    a shared module, a package whose import runs the coordinator), and the shared plan and
+    the site's own modules are not."""
+    fl_dir = tmp_path / "fl"
+    for package in ("", "site", "plan", "remote"):
+        (fl_dir / package).mkdir(parents=True, exist_ok=True)
+        (fl_dir / package / "__init__.py").write_text("")
+    (fl_dir / "remote" / "__init__.py").write_text("from fl.remote import coordinator\n")
+    for name in ("coordinator", "plan/privacy", "plan/scaler", "plan/idp", "remote/coordinator",
+                 "remote/messages", "site/training"):
+        (fl_dir / f"{name}.py").write_text("")
+    (fl_dir / "contribution.py").write_text("from fl.plan.privacy import DistributedPlan\n"
+                                            "from fl.site.training import Scaler\n")
+    (fl_dir / "helper.py").write_text("from fl.plan import idp\n")
+    (fl_dir / "site" / "ok.py").write_text("from fl.contribution import RoundTask\n"
+                                           "from fl.plan.privacy import DistributedPlan\n")
+    (fl_dir / "site" / "annotated.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from fl.coordinator import Coordinator\n")
+    (fl_dir / "site" / "local.py").write_text("def f():\n    from fl.plan import scaler\n")
+    (fl_dir / "site" / "chain.py").write_text("from fl import helper\n")
+    (fl_dir / "site" / "package.py").write_text("from fl.remote.messages import Hello\n")
+    assert sorted(_site_reaches_coordinator(tmp_path, frozenset({"fl.plan.privacy"}))) == [
+        "fl.site.annotated -> fl.coordinator",
+        "fl.site.chain -> fl.helper -> fl.plan.idp",
+        "fl.site.local -> fl.plan.scaler",
+        "fl.site.package -> fl.remote.messages -> fl.remote -> fl.remote.coordinator",
+    ]

@@ -17,8 +17,9 @@ from typing import Any
 
 from secagg import Config, Stage
 from secagg.client import Client, check_input
-from secagg.server import DEFAULT_UPLOAD_BUDGET, AggregateResult, Server
+from secagg.server import AggregateResult, Server
 from secagg.simulate import LocalRound
+from secagg.uploads import DEFAULT_UPLOAD_BUDGET
 
 from .client_driver import ClientDriver, ClientOutcome, DropHook
 from .drivers import (

@@ -19,7 +19,7 @@ SecAgg over the complete graph with ``threshold`` (default: the protocol's floor
 ``verify_keys`` (Flower node id -> enrolled Ed25519 key), sent to the nodes in the setup,
 which each node checks against its own enrolment list (``NodeOptions.trusted_keys``).
 ``privacy=DistributedDP(...)`` switches the encoding to distributed DP (:mod:`dp`): the
-per-node noise comes from ``fl.site.privacy.distributed_plan`` through
+per-node noise comes from ``fl.plan.privacy.distributed_plan`` through
 :func:`fl.round_setup.round_plan` (with an ``epsilon``: the least whose rounds fit it as each
 node's ledger charges them), the budget is spent at that figure and a round that would
 overshoot it is not run.
@@ -47,6 +47,7 @@ from fl.flower.chunks import DEFAULT_CHUNK_BYTES, check_context, chunk_elements
 from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten
 from fl.flower.rounds import RoundDriver, RoundReport
 from fl.flower.setup import RoundSetup
+from fl.plan.privacy import DistributedPlan, make_budget
 from fl.round_setup import (
     DistributedDP,
     charged_event,
@@ -59,7 +60,6 @@ from fl.round_setup import (
     with_distributed_dp,
     with_norm_bound,
 )
-from fl.site.privacy import DistributedPlan, make_budget
 from secagg import Server
 
 log = logging.getLogger("fl.flower")

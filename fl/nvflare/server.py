@@ -58,6 +58,7 @@ from fl.nvflare.common import (
     run_id,
     site_id,
 )
+from fl.plan.privacy import DistributedPlan, make_budget
 from fl.round_setup import (
     DistributedDP,
     RoundSetup,
@@ -72,7 +73,6 @@ from fl.round_setup import (
     with_distributed_dp,
     with_norm_bound,
 )
-from fl.site.privacy import DistributedPlan, make_budget
 from fl.strategies import ADAPTIVE, ServerStrategy
 from fl.vector import ArrayLayout
 from secagg import (

@@ -45,14 +45,14 @@ from fl.federation import (
     uses_scaler,
 )
 from fl.models import make_model
+from fl.plan import idp as fl_idp
+from fl.plan import scaler as private_scaler
+from fl.plan.privacy import DEFAULT_MAX_UNITS, Plan
 from fl.remote.blob import Blob
 from fl.remote.channel import CoordinatorChannel, NotEnoughSites, RemoteRound
 from fl.remote.inputs import Schema, dataset_schema
 from fl.remote.messages import Hello
 from fl.settings import TrainSettings
-from fl.site import idp as fl_idp
-from fl.site import private_scaler
-from fl.site.privacy import DEFAULT_MAX_UNITS, Plan
 from fl.site.training import Scaler
 from fl.vector import ParameterLayout
 from secagg import Config, ProtocolAbort, Stage

@@ -145,6 +145,11 @@ class SiteProcess:
         self._party: PartyLink | None = None
         self._taking: Announce | None = None  # the round _take_part is in
         self._last_control = b""  # digest of the last control message
+        self._reheard = 0
+        """Counts this site's reconnections and every control message it is delivered,
+        repeats included: a site waiting for ``go`` says Ready again when it moves (a broker
+        restarted without persistence forgets the coordinator's subscription, and a Ready
+        published before the coordinator subscribes again reaches no one)."""
         self._run: bytes = b""
         self._control = Reassembler(1 << 20, max_partial=2)
         self._model = Reassembler(256 << 20, max_partial=2)
@@ -259,6 +264,8 @@ class SiteProcess:
                     self.changed.set()
                 continue
             if isinstance(event, Reconnected):
+                self._reheard += 1
+                self.changed.set()
                 await self._hello()
             elif isinstance(event, Delivery) and event.payload:
                 try:
@@ -286,6 +293,7 @@ class SiteProcess:
         if got is None:
             return
         message = decode_coordinator_message(got.payload)
+        self._reheard += 1
         if got.digest != self._last_control:
             # a retained message again (each reconnection re-delivers it; a coordinator
             # re-publishes it after one) is no news: a site whose connection keeps
@@ -343,14 +351,23 @@ class SiteProcess:
             raise WireError("the blob does not match its announcement")
         return data
 
-    async def _go(self, ann: Announce) -> Announce | None:
+    async def _go(self, ann: Announce, ready: bytes) -> Announce | None:
+        """Say ``ready`` and wait for the round's ``go``; say it again after a reconnection
+        or a control message heard again (see ``_reheard``): the coordinator keeps one Ready
+        per site, so a repeat costs it nothing."""
+        assert self._party is not None
         started = asyncio.get_running_loop().time()
+        said = -1
         while True:
             current = self.announce
             if current is not None and current.key == ann.key and current.phase == "go":
                 return current
             if self._superseded(ann) or self._stop_waiting(started):
                 return None
+            if said != self._reheard:
+                said = self._reheard
+                await publish_framed(self._party, self.topics.upstream(self.site_id, READY),
+                                     ready, self.options.max_payload)
             await self._changed(1.0)
 
     async def _decline(self, ann: Announce, label: str, reason: str) -> None:
@@ -425,10 +442,9 @@ class SiteProcess:
             await view.subscribe(topics.control)
             clear = vector.astype("<u8").tobytes() if (
                 self.options.insecure_verify and ann.verify) else None
-            ready = Ready(ann.run, ann.round, ann.attempt, ann.kind, ann.blob, clear)
-            await publish_framed(self._party, self.topics.upstream(self.site_id, READY),
-                                 encode_message(ready), self.options.max_payload)
-            go = await self._go(ann)
+            ready = encode_message(Ready(ann.run, ann.round, ann.attempt, ann.kind, ann.blob,
+                                         clear))
+            go = await self._go(ann, ready)
             if go is None or self.site_id not in go.roster or go.blob != ann.blob:
                 self._ended(admitted, clear, None, "not in the round's roster")
                 self.log(f"{label}: not in the round's roster; sitting it out")

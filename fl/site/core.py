@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 from dp import (
     MODE_DISTRIBUTED,
@@ -43,6 +44,9 @@ from dp import (
     check_delta,
 )
 from secagg.graph import check_pair, complete_graph_threshold
+
+if TYPE_CHECKING:
+    from fl.site.idp import SiteIdp
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,48 @@ class SecureSum:
         return MODE_NONE if self.params is None else MODE_DISTRIBUTED
 
 
-def site_proposal(task: Any, *, secagg_threshold: int, label: str = "",
-                  idp: Any = None) -> Proposal:
+class Release(Protocol):
+    """What a round's task tells a site's policy, whoever sent it: a
+    :class:`fl.contribution.RoundTask`, a :class:`SecureSum` or a
+    :class:`fl.site.private_scaler.ScalerPlan`. ``unit``, ``kind`` and ``count_stddev`` are
+    read when present (default ``patient``, ``train``, None)."""
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def sample_rate(self) -> float: ...
+
+    @property
+    def params(self) -> EncodingParams | None: ...
+
+
+class SiteDpRelease(Release, Protocol):
+    """A site-mode task (``mode == "site"``): DP-SGD at the site."""
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def noise_multiplier(self) -> float: ...
+
+    @property
+    def clip_norm(self) -> float: ...
+
+
+def _site_dp(task: Release) -> TypeGuard[SiteDpRelease]:
+    return task.mode == MODE_SITE
+
+
+def _encoding(task: Release) -> EncodingParams:
+    """A distributed task's encoding (a task without one is malformed)."""
+    if task.params is None:
+        raise PrivacyConfigError("a distributed task carries its encoding (params)")
+    return task.params
+
+
+def site_proposal(task: Release | None, *, secagg_threshold: int, label: str = "",
+                  idp: SiteIdp | None = None) -> Proposal:
     """What a round's task (:class:`fl.contribution.RoundTask`, a :class:`SecureSum`, None for
     the feature statistics' exact sum, a :class:`fl.site.private_scaler.ScalerPlan` for their noised
     sum) asks this site to release, as its policy sees it. ``idp``: under ``--unit
@@ -72,7 +116,7 @@ def site_proposal(task: Any, *, secagg_threshold: int, label: str = "",
     if task is None:
         return Proposal.exact("scaler", secagg_threshold=secagg_threshold, label=label)
     unit = getattr(task, "unit", "patient")  # the unit the task clips and sums over
-    if unit == "patient-idp" and task.mode == MODE_SITE:
+    if unit == "patient-idp" and _site_dp(task):
         if idp is None:
             raise PolicyRefused("unit", "the round is computed per patient by individual "
                                 "sampling rates (patient-idp); this site is not configured "
@@ -80,14 +124,14 @@ def site_proposal(task: Any, *, secagg_threshold: int, label: str = "",
         return Proposal.site_idp(idp.plan, steps=task.steps,
                                  secagg_threshold=secagg_threshold, label=label,
                                  patients=idp.groups.digest())
-    if task.mode == MODE_SITE:
+    if _site_dp(task):
         return Proposal.site_dp(noise_multiplier=task.noise_multiplier,
                                 sample_rate=task.sample_rate, steps=task.steps,
                                 clip_norm=task.clip_norm, secagg_threshold=secagg_threshold,
                                 count_stddev=getattr(task, "count_stddev", None), label=label,
                                 unit=unit)
     if task.mode == MODE_DISTRIBUTED:  # a round, or the noised feature statistics (kind scaler)
-        return Proposal.distributed(task.params, sample_rate=task.sample_rate,
+        return Proposal.distributed(_encoding(task), sample_rate=task.sample_rate,
                                     secagg_threshold=secagg_threshold, label=label,
                                     kind=getattr(task, "kind", "train"), unit=unit,
                                     count_stddev=getattr(task, "count_stddev", None))
@@ -108,7 +152,7 @@ def counted_count_stddev(count_stddev: float, threshold: int, counted: int) -> f
     return count_stddev / math.sqrt(threshold / counted)
 
 
-def lone_share(task: Any, proposal: Proposal) -> Proposal:
+def lone_share(task: Release | None, proposal: Proposal) -> Proposal:
     """``proposal`` as a site must count it when the coordinator alone picks the roster: it
     may fill the round with sites it simulates (zero noise), so only this site's own share
     of a distributed round's noise is certain -- the event and noise multiplier of
@@ -118,18 +162,19 @@ def lone_share(task: Any, proposal: Proposal) -> Proposal:
     if task is None or task.mode != MODE_DISTRIBUTED:
         return proposal
     count = getattr(task, "count_stddev", None)  # this site's own share of the count's
-    alone = Proposal.distributed(own_share(task.params),
+    params = _encoding(task)
+    alone = Proposal.distributed(own_share(params),
                                  sample_rate=task.sample_rate,
                                  secagg_threshold=proposal.secagg_threshold,
                                  label=proposal.label,
                                  count_stddev=None if count is None else
-                                 counted_count_stddev(count, task.params.threshold, 1))
+                                 counted_count_stddev(count, params.threshold, 1))
     return replace(proposal, noise_multiplier=alone.noise_multiplier, event=alone.event,
                    requested_noise_multiplier=proposal.noise_multiplier)
 
 
-def charged_proposal(task: Any, *, secagg_threshold: int, label: str = "", idp: Any = None,
-                     authenticated: bool = False) -> Proposal:
+def charged_proposal(task: Release | None, *, secagg_threshold: int, label: str = "",
+                     idp: SiteIdp | None = None, authenticated: bool = False) -> Proposal:
     """What a site's ledger charges for ``task``: :func:`site_proposal`, counted as
     :func:`lone_share` unless the round's roster is authenticated. The one place both the
     site (:meth:`SiteCore.admit`) and a server reporting the sites' figure compute it."""
@@ -152,10 +197,11 @@ class SiteCore:
     out). ``num_units`` (the site's patients) only feeds the delta warning.
     """
 
-    def __init__(self, ledger: Ledger, log: Any = None, num_units: int | None = None) -> None:
+    def __init__(self, ledger: Ledger, log: Callable[[str], object] | None = None,
+                 num_units: int | None = None) -> None:
         self.ledger = ledger
         self.log = log or (lambda text: None)
-        self.pending: dict[Any, tuple[Charge, int]] = {}
+        self.pending: dict[Hashable, tuple[Charge, int]] = {}
         self.authenticated_roster = False
         warning = check_delta(ledger.policy.delta, num_units) if num_units else None
         if warning:
@@ -194,8 +240,8 @@ class SiteCore:
             raise PolicyRefused("min_dropout_rate", f"SecAgg+ parameters below this site's "
                                 f"own margins ({rates}): {exc}") from None
 
-    def admit(self, task: Any, *, secagg_threshold: int, label: str, key: Any = None,
-              idp: Any = None) -> Charge:
+    def admit(self, task: Release | None, *, secagg_threshold: int, label: str,
+              key: Hashable = None, idp: SiteIdp | None = None) -> Charge:
         """Check and charge the round (raises :class:`dp.policy.PolicyRefused`); ``key``
         (the announcement's) lets :meth:`check_go` and :meth:`not_sent` find the charge;
         ``idp``: the site's own plan and grouping under ``--unit patient-idp``."""
@@ -215,7 +261,7 @@ class SiteCore:
                         if self.ledger.policy.epsilon is not None else ""))
         return charge
 
-    def check_go(self, key: Any, threshold: int) -> None:
+    def check_go(self, key: Hashable, threshold: int) -> None:
         """The round's final secure-aggregation threshold must be the one admitted (a
         coordinator lowering it at ``go`` would decode from fewer sites than calibrated)."""
         _, admitted = self.pending.get(key, (None, threshold))
@@ -223,7 +269,7 @@ class SiteCore:
             raise PolicyRefused("min_threshold", f"the round starts with threshold "
                                 f"{threshold}, below the {admitted} it was admitted with")
 
-    def not_sent(self, key: Any, reason: str) -> None:
+    def not_sent(self, key: Hashable, reason: str) -> None:
         """The input of ``key``'s round never left the site: withdraw its charge (the site
         session's withdrawal rule, :mod:`fl.site.session`)."""
         entry = self.pending.pop(key, None)
@@ -263,7 +309,8 @@ def state_directory() -> Path:
     return folder
 
 
-def open_site_core(*, policy: SitePolicy, ledger_path: str, log: Any = None,
+def open_site_core(*, policy: SitePolicy, ledger_path: str,
+                   log: Callable[[str], object] | None = None,
                    num_units: int | None = None) -> SiteCore:
     """A site's core over the ledger at ``ledger_path`` (created if absent)."""
     if not isinstance(policy, SitePolicy):

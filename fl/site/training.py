@@ -169,7 +169,7 @@ class Site:
         if unit == "patient-idp":
             if self.idp is None:
                 raise ValueError(f"site {self.site_id}: --unit patient-idp needs the site's "
-                                 "plan (fl.site.idp.configure)")
+                                 "plan (fl.plan.idp.configure)")
             return self.idp.update(self, model, layout, steps=steps, lr=lr,
                                    round_number=round_number, expected_batch=expected_batch)
 

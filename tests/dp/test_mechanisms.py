@@ -131,7 +131,7 @@ def coarse() -> Iterator[Coarse]:
 def test_a_mechanism_registered_from_a_test_runs_through_the_public_path(coarse: Coarse
                                                                          ) -> None:
     fl = pytest.importorskip("fl.round_setup")
-    from fl.site.privacy import mechanism_of
+    from fl.plan.privacy import mechanism_of
     from fl.vector import ArraySpec
 
     setup = fl.fixed_setup(

@@ -142,6 +142,6 @@ def test_the_site_weights_release_plan_reads_no_data() -> None:
     planner takes no data argument, so no neighbouring pair can move it."""
     import inspect
 
-    from fl.site import weights as site_weights
+    from fl.plan import weights as site_weights
 
     assert list(inspect.signature(site_weights.release_plan).parameters) == ["settings"]

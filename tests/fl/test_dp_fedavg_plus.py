@@ -22,10 +22,11 @@ from dp.site_weights import release_for_budget, site_weights
 from fl.cli import main
 from fl.contribution import RoundTask, TaskError, round_task, site_input
 from fl.federation import train
+from fl.plan.privacy import distributed_plan
+from fl.plan.weights import release_and_weigh
 from fl.settings import TrainSettings, tcga_brca_settings
 from fl.site.core import open_site_core
-from fl.site.privacy import distributed_plan
-from fl.site.weights import CENTRES, release_and_weigh
+from fl.site.weights import CENTRES
 
 pytestmark = pytest.mark.timeout(150)
 DIM = 20
@@ -244,7 +245,7 @@ def test_training_stops_before_a_round_that_would_exceed_the_budget() -> None:
 
     from types import SimpleNamespace
 
-    from fl.site.privacy import make_budget
+    from fl.plan.privacy import make_budget
 
     spent = SimpleNamespace(budget=make_budget(0.1, 1e-5), events=[], releases=[], sites={})
     with pytest.raises(BudgetExceeded):

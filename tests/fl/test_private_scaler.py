@@ -1,7 +1,8 @@
 """Issue 13 item 2, the third option: in the DP modes the feature scaler of data not on a
 public scale is a noised secure sum of bounded statistics, charged to the run's budget
 (write-ahead), listed in the report and the plan; the exact statistics are never released
-and the noised scaler restores utility on breast-cancer (fl/site/private_scaler.py)."""
+and the noised scaler restores utility on breast-cancer (fl/plan/scaler.py and a site's
+input, fl/site/private_scaler.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from fl import checkpoint as ckpt
 from fl.aggregation import InProcessAggregator
 from fl.cli import main
 from fl.federation import load_split, privacy_plan, train
+from fl.plan import scaler as plan_scaler
 from fl.settings import TrainSettings
-from fl.site import private_scaler
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -67,7 +68,7 @@ def test_dp_runs_release_only_noised_bounded_feature_statistics(
     monkeypatch.setattr(federation, "scaler_input",
                         lambda *a, **k: exact_calls.append(1) or real_exact(*a, **k))
     settings = replace(BC, rounds=1)
-    noised = private_scaler.scaler_plan(settings, load_split(settings).train)
+    noised = plan_scaler.scaler_plan(settings, load_split(settings).train)
     assert noised is not None
     train(settings)
     assert exact_calls == []
@@ -82,7 +83,7 @@ def test_dp_runs_release_only_noised_bounded_feature_statistics(
     clean &= np.uint64((1 << noised.params.bits) - 1)
     noise = codec.decode(total, 3)[0] - codec.decode(clean, 3)[0]
     assert np.std(noise) > 0.5 * np.sqrt(3) * noised.params.noise_stddev  # not rounding
-    decoded = private_scaler.from_sum(noised, total, 3)
+    decoded = plan_scaler.from_sum(noised, total, 3)
     assert not np.allclose(decoded.mean, split.train.x.mean(axis=0), rtol=1e-3)
     # Without DP the exact secure sum is used (and stated by the plan).
     recorded.calls.clear()
@@ -95,7 +96,7 @@ def test_dp_runs_release_only_noised_bounded_feature_statistics(
 def test_the_noised_scaler_is_charged_planned_and_in_the_audit_trail() -> None:
     plan = privacy_plan(BC)
     assert plan["feature_scaling"].startswith("noised secure sum")
-    target = private_scaler.SCALER_FRACTION * BC.epsilon
+    target = plan_scaler.SCALER_FRACTION * BC.epsilon
     assert 0.9 * target < plan["epsilon_before_rounds"] <= target
     report = train(BC)
     scaler_release, *rounds = report["releases"]
@@ -118,17 +119,17 @@ def test_the_scaler_charge_is_written_before_the_sum_exists(
     resumed run charges its new release again."""
     settings = replace(BC, rounds=1, epsilon=None, noise_multiplier=2.0,
                        checkpoint=str(tmp_path))
-    real = private_scaler.from_sum
+    real = plan_scaler.from_sum
 
     def crash(*args: Any) -> Any:
         raise KeyboardInterrupt("power cut after the statistics' sum")
 
-    monkeypatch.setattr(private_scaler, "from_sum", crash)
+    monkeypatch.setattr(plan_scaler, "from_sum", crash)
     with pytest.raises(KeyboardInterrupt):
         train(settings)
     saved = ckpt.load(tmp_path)
     assert saved is not None and saved.round == 0 and len(saved.events) == 1
-    monkeypatch.setattr(private_scaler, "from_sum", real)
+    monkeypatch.setattr(plan_scaler, "from_sum", real)
     resumed = train(replace(settings, resume=True))
     assert len(resumed["dp_events"]["events"]) == 3  # two statistics releases + a round
     fresh = train(replace(settings, checkpoint=None))
@@ -169,7 +170,7 @@ def test_scaler_flags_and_bounds(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert printed["epsilon_after"][0] > printed["epsilon_before_rounds"]
     # Data on a public scale, and PRV accounting, use no noised statistics.
     assert privacy_plan(replace(BC, dataset="ehr", ehr_patients=60))["feature_scaling"] == "none"
-    assert not private_scaler.uses_noised_scaler(replace(BC, dp="site", accountant="prv"))
+    assert not plan_scaler.uses_noised_scaler(replace(BC, dp="site", accountant="prv"))
 
 
 def test_a_site_process_judges_and_charges_the_noised_statistics(tmp_path: Path) -> None:
@@ -185,18 +186,18 @@ def test_a_site_process_judges_and_charges_the_noised_statistics(tmp_path: Path)
     from fl.site.core import open_site_core
 
     data = demo_site_data(BC, 1, (1, 2, 3))
-    noised = private_scaler.scaler_plan(BC, load_split(BC).train)
+    noised = plan_scaler.scaler_plan(BC, load_split(BC).train)
     assert noised is not None
     schema = {"features": list(data.schema.features), "labels": list(data.schema.labels)}
     policy = SitePolicy(modes=("site",), min_noise_multiplier=0.5, max_sample_rate=0.1,
                         epsilon=1.0)
     guard = open_site_core(policy=policy, ledger_path=str(tmp_path / "ledger.json"))
 
-    def run(plan: private_scaler.ScalerPlan | None) -> Any:
+    def run(plan: plan_scaler.ScalerPlan | None) -> Any:
         body: dict[str, Any] = {**schema, "dim": 61, "bits": 64}
         if plan is not None:
             body.update(dim=plan.params.encoded_dim, bits=plan.params.bits,
-                        noised=private_scaler.to_wire(plan))
+                        noised=plan_scaler.to_wire(plan))
         blob = Blob.decode(Blob("scaler", body).encode())
         ann = Announce(os.urandom(16), 0, 0, "scaler", "s", (1, 2, 3), bytes(32), 1,
                        threshold=2)

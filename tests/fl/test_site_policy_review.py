@@ -219,7 +219,7 @@ def test_the_bundled_breast_cancer_bounds_are_its_own_patients_min_and_max() -> 
     precision; they are treated as public by assumption only."""
     from sklearn.datasets import load_breast_cancer
 
-    from fl.site.private_scaler import BREAST_CANCER_BOUNDS
+    from fl.plan.scaler import BREAST_CANCER_BOUNDS
 
     x = load_breast_cancer().data
     bounds = np.asarray(BREAST_CANCER_BOUNDS)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -189,3 +191,40 @@ def report_from_json(data: dict[str, Any]) -> RoundReport:
                        dropped={int(k): v for k, v in data["dropped"].items()},
                        total=None if total is None else np.array(total, dtype=np.uint64),
                        aborted=data["aborted"], seconds=data["seconds"])
+
+
+RAY_REGISTER_SECONDS = 600
+"""How long Ray's raylet waits for a worker process (a simulation actor) to register:
+``worker_register_timeout_seconds``, 60 s by default in ray 2.55, a setting
+(``_system_config`` or ``RAY_worker_register_timeout_seconds``). A loaded host starts
+Python slowly, and the test's own deadlines are logical (the strategy's stage timeouts)."""
+
+RAY_STARTS = 3
+"""Attempts at Ray's node start-up. How long ``ray.init`` waits for its raylet to register
+with the GCS is not a setting: 30 s, a literal in ``ray/_private/node.py`` (ray 2.55.1),
+past which it raises "The current node timed out during startup"; that failed the 50-node
+simulation once at load 13. The start-up is retried; the simulation itself is not."""
+
+
+def simulate(server: Any, client: ClientApp, num_supernodes: int) -> None:
+    """``flwr.simulation.run_simulation`` on Ray with two CPUs, Ray started here first (Flower
+    keeps a running Ray and starts its own only when none runs: flwr 1.42's RayBackend)
+    with the registration wait and the start-up attempts above; Flower shuts Ray down."""
+    import ray
+    from flwr.simulation import run_simulation
+
+    # as Flower's RayBackend.init_ray passes it: the actors import what this process can
+    pythonpath = os.pathsep.join([*sys.path, os.environ.get("PYTHONPATH", "")])
+    for attempt in range(1, RAY_STARTS + 1):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+                     _system_config={"worker_register_timeout_seconds": RAY_REGISTER_SECONDS})
+            break
+        except Exception as exc:  # ray raises a bare Exception for this
+            ray.shutdown()
+            if attempt == RAY_STARTS or "timed out during startup" not in str(exc):
+                raise
+    assert ray.is_initialized()
+    run_simulation(server, client, num_supernodes=num_supernodes,
+                   backend_config={"client_resources": {"num_cpus": 1}})

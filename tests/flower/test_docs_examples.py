@@ -14,6 +14,7 @@ has probability below 3e-4; the hospital's pair (epsilon 4 over 2 rounds) 200 +-
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import re
 from pathlib import Path
@@ -154,3 +155,18 @@ def test_an_apps_own_opt_in_does_not_open_exact_sums(tmp_path: Path) -> None:
     with pytest.raises(NothingReleased, match=r"\[exact-release\] 3"):
         strategy.start(g, initial(), num_rounds=1, timeout=60)
     assert all(charges == [] for charges in ledgers(g, tmp_path))
+
+
+def test_the_readmes_flower_lines_are_the_docs_two_lines() -> None:
+    """README.md's Flower example is the two-line change tested above, statement for
+    statement (so the README's pair trains as the docs' does)."""
+
+    def assignments(code: str) -> list[str]:
+        return [ast.dump(node) for node in ast.parse(code).body if isinstance(node, ast.Assign)]
+
+    readme = [b for b in re.findall(r"```python\n(.*?)```",
+                                    (DOC.parents[1] / "README.md").read_text(), re.S)
+              if "secagg_mod" in b]
+    assert len(readme) == 1
+    docs = assignments(block("app = ClientApp(mods=[secagg_mod])"))
+    assert len(docs) == 2 and assignments(readme[0]) == docs

@@ -18,7 +18,6 @@ import pytest
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
-from flwr.simulation import run_simulation
 
 from dp.ledger import read_charges
 from fl.flower import DistributedDP, SecureAggregation, secagg_mod
@@ -51,9 +50,7 @@ def _simulate() -> None:
         assert report.aborted is None and len(report.included) == NODES, report
         done.append(True)
 
-    run_simulation(server, apps.client_app(None, [secagg_mod]), num_supernodes=NODES,
-                   backend_config={"client_resources": {"num_cpus": 1},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    apps.simulate(server, apps.client_app(None, [secagg_mod]), NODES)
     assert done, "the simulation's server app did not finish its round"
 
 

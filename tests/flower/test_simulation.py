@@ -11,7 +11,6 @@ import pytest
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
-from flwr.simulation import run_simulation
 
 from fl.flower import NodeOptions, SecureAggregation, make_secagg_mod
 from tests.flower import apps
@@ -38,9 +37,7 @@ def test_fifty_virtual_nodes_dropping_at_random_stages_every_aggregate_is_exact(
 
     stages = tmp_path / "stages"  # the nodes' stage records (fl.flower.guard)
     mod = apps.operated(make_secagg_mod(NodeOptions(stage_dir=str(stages))))
-    run_simulation(server, apps.client_app(plan, [mod]), num_supernodes=NODES,
-                   backend_config={"client_resources": {"num_cpus": 1},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    apps.simulate(server, apps.client_app(plan, [mod]), NODES)
     assert len(results) == 1 and len(wrapper.reports) == 2
     for report in wrapper.reports:
         assert report.aborted is None

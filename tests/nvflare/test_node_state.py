@@ -19,6 +19,8 @@ pytest.importorskip("nvflare.apis")  # not the namespace of tests/nvflare/ itsel
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from nvflare_sites import EndImportWarmer  # noqa: E402
+
 from dp.ledger import read_charges  # noqa: E402
 from fl.nvflare.client import DIR_ENV, SecAggExecutor  # noqa: E402
 from fl.nvflare.job import SecureScriptRunner  # noqa: E402
@@ -40,6 +42,7 @@ def _simulate(workspace: Path) -> None:
                                dp={"clip_norm": 1.0, "epsilon": 8.0, "rounds": 4},
                                report_path=str(workspace.parent / "reports.jsonl")))
     job.to_server(NPModelPersistor(), id="persistor")
+    job.to_server(EndImportWarmer(), id="end_import_warmer")  # nvflare_sites: 4-9 s a run
     job.to_clients(SecureScriptRunner(str(HERE / "train_script.py"),
                                       framework=FrameworkType.NUMPY))
     assert job.simulator_run(str(workspace), clients=SITES, threads=len(SITES)) == 0

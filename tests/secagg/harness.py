@@ -214,7 +214,7 @@ class Round:
 def server_state(server: Server) -> tuple[object, ...]:
     """Everything a rejected message must leave unchanged on the server."""
     return (server.stage, server.pending, server.received, dict(server.dropped),
-            server.finished, bytes(server._sum.tobytes()), dict(server._accepted_digest))
+            server.finished, bytes(server._uploads.sum.tobytes()), dict(server._accepted_digest))
 
 
 def assert_pending_consistent(server: Server) -> None:

@@ -115,14 +115,14 @@ def test_chunks_go_in_order_and_count_only_when_complete() -> None:
     server, clients, streams, inputs = _masked_round(config)
     assert server.grant_uploads() == [1, 2, 3, 4]
     chunks = {cid: list(s.chunks(10)) for cid, s in streams.items()}
-    sum_before = server._sum.copy()
+    sum_before = server._uploads.sum.copy()
     assert server.receive(1, encode(chunks[1][0])) is True
     assert server.receive(1, encode(chunks[1][0])) is False  # redelivery of the latest
     server.receive(1, encode(chunks[1][1]))
     for bad in (chunks[1][0], chunks[1][3]):  # an earlier chunk again, a skip ahead
         with pytest.raises(ProtocolError, match="stream is at element 20"):
             server.receive(1, encode(bad))
-    assert np.array_equal(server._sum, sum_before)  # pending: not in the sum yet
+    assert np.array_equal(server._uploads.sum, sum_before)  # pending: not in the sum yet
     assert 1 not in server.received and server.uploading == {1, 2, 3, 4}
     for chunk in chunks[1][2:]:
         server.receive(1, encode(chunk))
@@ -246,12 +246,12 @@ def test_malicious_splice_reorder_truncate_rejected(attack: str) -> None:
         # but a signature taken from another client's stream is not
         sent = [encode(c) for c in victim[:3]] + [
             _relabel(victim[3], signature=other[3].signature)]
-    sum_before = server._sum.copy()
+    sum_before = server._uploads.sum.copy()
     with pytest.raises(ProtocolError, match="signature"):
         for raw in sent:
             server.receive(1, raw)
     assert 1 not in server.received
-    assert np.array_equal(server._sum, sum_before)
+    assert np.array_equal(server._uploads.sum, sum_before)
     result = _finish(server, clients)
     assert 1 not in result.included  # type: ignore[attr-defined]
     assert result.total.tolist() == _exact(inputs, result.included, 32)  # type: ignore[attr-defined]
@@ -277,9 +277,9 @@ def test_unmasking_window_by_window_is_exact(bits: int, monkeypatch: pytest.Monk
     """The server removes masks in windows (UNMASK_WINDOW_BYTES; here 20 bytes, so windows
     that do not divide d and start off a counter block): with a survivor's self mask and
     a dropped client's pairwise masks to remove, the sum is exact."""
-    import secagg.server
+    import secagg.unmasking
 
-    monkeypatch.setattr(secagg.server, "UNMASK_WINDOW_BYTES", 20)
+    monkeypatch.setattr(secagg.unmasking, "UNMASK_WINDOW_BYTES", 20)
     config = Config(num_clients=5, threshold=3, dim=45, bits=bits)
     inputs = _inputs(config, seed=bits)
     result = simulate(config, inputs, drop={3: Stage.MASKED_INPUT, 5: Stage.UNMASKING},

@@ -567,9 +567,9 @@ class RecordedRound:
 
 
 def rejected_without_change(server: Server, cid: int, raw: bytes) -> None:
-    before = (server.stage, server.received, dict(server.dropped), server._sum.tobytes())
+    before = (server.stage, server.received, dict(server.dropped), server._uploads.sum.tobytes())
     with pytest.raises(ProtocolError) as info:
         server.receive(cid, raw)
     assert not isinstance(info.value, ProtocolAbort)
     assert (server.stage, server.received, dict(server.dropped),
-            server._sum.tobytes()) == before
+            server._uploads.sum.tobytes()) == before

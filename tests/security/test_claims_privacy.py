@@ -14,6 +14,7 @@ import pytest
 from adversary import threat
 
 from fl.data import Table, breast_cancer
+from fl.plan import scaler as plan_scaler
 from fl.settings import TrainSettings
 from fl.site import private_scaler
 
@@ -50,9 +51,9 @@ def _one_patient(table: Table, patient: int) -> Table:
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_hostile_feature_bounds_never_raise_a_patients_norm(how: str) -> None:
     table = breast_cancer()
-    plan = private_scaler.scaler_plan(SETTINGS, table)
+    plan = plan_scaler.scaler_plan(SETTINGS, table)
     assert plan is not None
-    body = private_scaler.to_wire(plan)
+    body = plan_scaler.to_wire(plan)
     lo = np.asarray(body["low"], dtype=np.float64)
     hi = np.asarray(body["high"], dtype=np.float64)
     low, high = HOSTILE_BOUNDS[how](lo, hi)

@@ -254,7 +254,7 @@ def test_large_hostile_message_costs_a_small_multiple_of_its_size(kind: str) -> 
     server = Server(config)
     hostile = _hostile(server.session_id, size)[kind]
     assert len(hostile) <= server.max_message_bytes()
-    before = (server.stage, server.received, server._sum.tobytes())
+    before = (server.stage, server.received, server._uploads.sum.tobytes())
     tracemalloc.start()
     started = time.perf_counter()
     try:
@@ -264,7 +264,7 @@ def test_large_hostile_message_costs_a_small_multiple_of_its_size(kind: str) -> 
     finally:
         tracemalloc.stop()
     assert not isinstance(info.value, ProtocolAbort)
-    assert (server.stage, server.received, server._sum.tobytes()) == before
+    assert (server.stage, server.received, server._uploads.sum.tobytes()) == before
     assert peak < 3 * len(hostile), f"peak {peak} bytes for a {len(hostile)}-byte message"
     assert time.perf_counter() - started < 2.0
     client = Client(Config(num_clients=5, dim=4), 1, np.zeros(4, dtype=np.uint64))

@@ -11,6 +11,11 @@ only once an aggregate was released (a round that aborts releases nothing).
 * :class:`DistributedPlan`: one noisy sum of clipped per-patient gradients per round; the
   event is the distributed discrete Gaussian RDP of ``dp.distributed.round_rdp``. Per-site
   noise is calibrated to the secagg threshold, so dropouts never lower it.
+
+Also the federation's budget (:func:`make_budget`, :func:`restore_budget`), the plan report
+(:func:`schedule`) and the audit trail's lines (:func:`release_record`). The one module of
+:mod:`fl.plan` that code a site runs loads (the round's task, :mod:`fl.contribution` and
+:mod:`fl.round_setup`, reads its plans): it imports nothing of the coordinator.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from dp import (
     rdp_to_epsilon,
 )
 from fl.codec import DistributedCodec
+from fl.site.core import counted_count_stddev
 
 Event = GaussianRound | RdpRound
 
@@ -264,8 +270,6 @@ def counted_clipper(clipper: QuantileClipper | None, counted: EncodingParams
     """``clipper`` as the budget counts its clip count's noise beside the update's
     ``counted`` encoding: as many of the equal shares as the update's noise
     (:func:`fl.site.core.counted_count_stddev`)."""
-    from fl.site.core import counted_count_stddev
-
     if clipper is None or counted.threshold == clipper.threshold:
         return clipper
     return replace(clipper, threshold=counted.threshold, count_stddev=counted_count_stddev(
@@ -309,7 +313,7 @@ def schedule(plan: Plan, *, rounds: int, epsilon: float | None, delta: float,
     """The privacy plan of a run: the budget the coordinator keeps (:func:`make_budget`),
     spent round by round with the plan's event exactly as :class:`fl.coordinator.Coordinator`
     does, until ``rounds`` or the budget stops it. ``prior``: releases before the first
-    round (the noised feature statistics, :mod:`fl.site.private_scaler`), spent first as the run
+    round (the noised feature statistics, :mod:`fl.plan.scaler`), spent first as the run
     spends them. ``secagg train --plan`` prints it; the run follows it
     (tests/fl/test_site_policy.py)."""
     out: dict[str, Any] = {"mode": plan.mode, "mechanism": mechanism_of(plan),
