@@ -67,7 +67,17 @@ from dp.idp import (
     plan_idp,
 )
 from dp.ledger import Charge, Ledger
-from dp.policy import MODES, UNITS, PolicyRefused, Proposal, SitePolicy, refusal_summary
+from dp.policy import (
+    MODE_DISTRIBUTED,
+    MODE_NONE,
+    MODE_SITE,
+    MODES,
+    UNITS,
+    PolicyRefused,
+    Proposal,
+    SitePolicy,
+    refusal_summary,
+)
 from dp.randomness import RandomSource
 from secagg.lazy import lazy_exports
 
@@ -82,7 +92,8 @@ __getattr__ = lazy_exports(__name__, {
     "site_unit_gradients": ".units"})
 
 __all__ = [
-    "DEFAULT_MAX_RECORDS", "MODES", "ORDERS", "PLAN_SOURCES", "TORCH_EXTRA_INSTALL", "UNITS",
+    "DEFAULT_MAX_RECORDS", "MODES", "MODE_DISTRIBUTED", "MODE_NONE", "MODE_SITE", "ORDERS",
+    "PLAN_SOURCES", "TORCH_EXTRA_INSTALL", "UNITS",
     "BitsChoice", "BudgetExceeded", "Charge", "EncodingParams", "Event", "GaussianRound",
     "GroupLedger", "IdpClasses", "IdpPlan", "IdpSgd", "IntegerEncoder", "Ledger",
     "LedgerWriteError", "MissingExtra", "NoiseCalibration", "PatientGroups", "PolicyRefused",

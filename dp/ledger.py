@@ -37,7 +37,7 @@ from typing import Any
 
 from dp.budget import PrivacyBudget, event_from_json, event_to_json
 from dp.errors import LedgerWriteError, PrivacyConfigError
-from dp.policy import PolicyRefused, Proposal, SitePolicy
+from dp.policy import MODE_NONE, PolicyRefused, Proposal, SitePolicy
 
 LEDGER_FORMAT = 2
 
@@ -212,7 +212,7 @@ class Ledger:
                        proposal.mechanism, proposal.noise_multiplier, proposal.sample_rate,
                        proposal.steps,
                        None if proposal.event is None else event_to_json(proposal.event),
-                       after, time.time(), unit=None if proposal.mode == "none" else
+                       after, time.time(), unit=None if proposal.mode == MODE_NONE else
                        proposal.unit, groups=groups,
                        patients=proposal.patients if groups else None)
         self._append({"charge": asdict(entry)})

@@ -23,8 +23,16 @@ from dp.budget import Event, GaussianRound
 from dp.errors import PrivacyConfigError, PrivacyError
 from dp.mechanisms import names as integer_mechanisms
 
-MODES = ("none", "site", "distributed")
-"""The privacy modes of a release: an exact sum, DP-SGD at each site, distributed DP."""
+MODE_NONE = "none"
+"""The privacy mode of an exact sum (no DP; a site's operator opts in)."""
+MODE_SITE = "site"
+"""The privacy mode of DP-SGD at each site (the site role only)."""
+MODE_DISTRIBUTED = "distributed"
+"""The privacy mode of distributed DP: each site adds its share of integer noise."""
+MODES = (MODE_NONE, MODE_SITE, MODE_DISTRIBUTED)
+"""The privacy modes of a release, the one vocabulary of every round description (the site
+role's :class:`fl.contribution.RoundTask`, the runtimes' :class:`fl.round_setup.RoundSetup`),
+of site policies and of ``--dp``: an exact sum, DP-SGD at each site, distributed DP."""
 GAUSSIAN = "gaussian"
 """Site mode's mechanism: the sampled Gaussian of DP-SGD (Opacus)."""
 UNITS = ("patient", "record", "patient-idp")
@@ -162,7 +170,7 @@ class Proposal:
         events = plan.group_events(steps) if steps >= 1 else []
         groups = tuple((g.key, g.target_epsilon, e)
                        for g, e in zip(plan.groups, events, strict=True))
-        return cls("train", "site", GAUSSIAN, plan.noise_multiplier,
+        return cls("train", MODE_SITE, GAUSSIAN, plan.noise_multiplier,
                    max(g.sample_rate for g in plan.groups), steps,
                    max(g.clip_norm for g in plan.groups), None, secagg_threshold, None, label,
                    "patient-idp", groups, patients)
@@ -177,7 +185,7 @@ class Proposal:
         if z > 0 and 0 < sample_rate <= 1 and steps >= 1:
             event = GaussianRound(z, sample_rate, steps, count_stddev)
             z = event.effective_noise_multiplier
-        return cls("train", "site", GAUSSIAN, z, sample_rate, steps, clip_norm, None,
+        return cls("train", MODE_SITE, GAUSSIAN, z, sample_rate, steps, clip_norm, None,
                    secagg_threshold, event, label, unit)
 
     @classmethod
@@ -198,13 +206,13 @@ class Proposal:
             threshold=params.threshold, bits=params.bits)
         event = (distributed_event(params, sample_rate, clipper=clipper)
                  if 0 < sample_rate <= 1 else None)
-        return cls(kind, "distributed", params.mechanism, z, sample_rate, 1,
+        return cls(kind, MODE_DISTRIBUTED, params.mechanism, z, sample_rate, 1,
                    params.clip_norm, params.threshold, secagg_threshold, event, label, unit)
 
     @classmethod
     def exact(cls, kind: str, *, secagg_threshold: int, label: str = "") -> Proposal:
         """An exact (un-noised) secure sum: a ``--dp none`` round, or feature statistics."""
-        return cls(kind, "none", None, 0.0, 1.0, 1, None, None, secagg_threshold, None, label)
+        return cls(kind, MODE_NONE, None, 0.0, 1.0, 1, None, None, secagg_threshold, None, label)
 
 
 @dataclass(frozen=True)
@@ -237,7 +245,7 @@ class SitePolicy:
     parties on the complete graph; :meth:`fl.site.core.SiteCore.check_protocol`).
     """
 
-    modes: tuple[str, ...] = ("site", "distributed")
+    modes: tuple[str, ...] = (MODE_SITE, MODE_DISTRIBUTED)
     mechanisms: tuple[str, ...] = field(default_factory=all_mechanisms)
     min_noise_multiplier: float = DEFAULT_MIN_NOISE_MULTIPLIER
     min_threshold: int = 2
@@ -291,12 +299,12 @@ class SitePolicy:
 
     @property
     def requires_dp(self) -> bool:
-        return "none" not in self.modes
+        return MODE_NONE not in self.modes
 
     def describe(self) -> str:
         """The policy in one readable line (what a site logs at start-up)."""
         modes = ", ".join(self.modes)
-        exact = ("exact sums allowed (operator's opt-in)" if "none" in self.modes
+        exact = ("exact sums allowed (operator's opt-in)" if MODE_NONE in self.modes
                  else "exact sums refused")
         total = ("no total cap" if self.epsilon is None
                  else f"at most {self.epsilon:g} in total")
@@ -327,12 +335,12 @@ class SitePolicy:
         mechanisms = tuple(m for m in self.mechanisms if m in other.mechanisms)
         if not modes or not mechanisms:
             wanted = sorted(set(other.modes) - set(self.modes))
-            raise PolicyRefused("exact-release" if "none" in wanted else "modes",
+            raise PolicyRefused("exact-release" if MODE_NONE in wanted else "modes",
                                 f"the app's policy asks for modes {list(other.modes)}; this "
                                 f"site's operator allows {list(self.modes)} and an app may "
                                 "only tighten it"
                                 + (f" (exact sums need the operator's opt-in: {OPT_IN})"
-                                   if "none" in wanted else ""))
+                                   if MODE_NONE in wanted else ""))
         if other.unit != self.unit:
             raise PolicyRefused("unit", f"the app's policy is per {other.unit}; this site's "
                                 f"operator set {self.unit}")
@@ -391,9 +399,9 @@ class SitePolicy:
         ``max_releases`` are the ledger's:
         :meth:`dp.ledger.Ledger.charge`)."""
         # Noised feature statistics are a distributed release in any DP mode of training.
-        noised_statistics = p.kind == "scaler" and p.mode != "none" and self.requires_dp
+        noised_statistics = p.kind == "scaler" and p.mode != MODE_NONE and self.requires_dp
         if p.mode not in self.modes and not noised_statistics:
-            if p.mode == "none":
+            if p.mode == MODE_NONE:
                 raise PolicyRefused("exact-release", f"this site requires differential "
                                     f"privacy ({'/'.join(self.modes)}) and does not release "
                                     f"an exact {p.kind} sum; its operator opts in with "
@@ -404,7 +412,7 @@ class SitePolicy:
             raise PolicyRefused("min_threshold", f"the secure sum could be decoded from "
                                 f"{p.secagg_threshold} sites; this site needs at least "
                                 f"{self.min_threshold}")
-        if p.mode == "none":
+        if p.mode == MODE_NONE:
             return
         if p.unit != self.unit:
             raise PolicyRefused("unit", f"the release is computed per {p.unit}; this site's "

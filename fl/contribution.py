@@ -34,7 +34,16 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dp import MODES, UNITS, EncodingParams, QuantileClipper, mechanisms
+from dp import (
+    MODE_DISTRIBUTED,
+    MODE_NONE,
+    MODE_SITE,
+    MODES,
+    UNITS,
+    EncodingParams,
+    QuantileClipper,
+    mechanisms,
+)
 from fl.codec import (
     DistributedCodec,
     FixedPointCodec,
@@ -87,9 +96,12 @@ class Trainer(Protocol):
 
 @dataclass(frozen=True)
 class RoundTask:
-    """Everything public a round asks of a site (the same object in every role)."""
+    """Everything public a round asks of a site (the same object in every role of
+    ``secagg train``; the Flower and NVFlare runtimes' round is a
+    :class:`fl.round_setup.RoundSetup`, in the same privacy-mode vocabulary)."""
 
     mode: str
+    """The round's privacy mode, one of :data:`dp.policy.MODES`."""
     round: int
     cohort: int
     """Sites in the cohort: the fixed-point headroom of the sum."""
@@ -189,16 +201,16 @@ class RoundTask:
         mode = _str(body, "mode", MODES)
         params = None
         max_units = None
-        if mode == "distributed":
+        if mode == MODE_DISTRIBUTED:
             params = encoding_params(body.get("params"), model_dim + 1)
             max_units = _int(body, "max_units", 1, 1 << 40)
-        weighting = _weights(body) if mode == "distributed" else {}
+        weighting = _weights(body) if mode == MODE_DISTRIBUTED else {}
         if _int(body, "bits", MIN_BITS, MAX_BITS) != (64 if params is None else params.bits):
             raise TaskError("task field 'bits' differs from the encoding's modulus")
         unit = _str(body, "unit", UNITS)
         plan_steps = None
         if unit == "patient-idp":
-            if mode != "site":
+            if mode != MODE_SITE:
                 raise TaskError("unit patient-idp is a site-mode unit (docs/patient_privacy.md)")
             plan_steps = _int(body, "plan_steps", 1, 1 << 24)
         return cls(
@@ -226,7 +238,7 @@ class RoundTask:
 def _norm_bound(body: Mapping[str, Any], mode: str) -> float | None:
     if body.get("norm_bound") is None:
         return None
-    if mode != "none" or body.get("strategy", "fedavg") == "scaffold":
+    if mode != MODE_NONE or body.get("strategy", "fedavg") == "scaffold":
         raise TaskError("task field 'norm_bound' is for mode none with FedAvg or FedProx "
                         "(docs/protocol.md 10)")
     return _float(body, "norm_bound", 0, 1 << 40, low_open=True)
@@ -316,7 +328,7 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
     """Site ``site_id``'s input for ``task`` at the global ``model`` (left unchanged);
     ``control``: SCAFFOLD's server control variate (``task.strategy == "scaffold"``)."""
     layout = ParameterLayout.of(model)
-    if task.mode == "distributed":
+    if task.mode == MODE_DISTRIBUTED:
         assert task.params is not None
         weight = task.weight_of(site_id)  # refused before the data is touched
         rows = cap_units(trainer.unit_gradients(model, sample_rate=task.sample_rate,
@@ -326,7 +338,7 @@ def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
             norms = np.linalg.norm(rows, axis=1) if len(rows) else np.zeros(0)
             vector = np.concatenate([vector, task.clipper().site_share(norms)])
         return Contribution(vector, len(rows))
-    if task.mode == "site":
+    if task.mode == MODE_SITE:
         delta = trainer.site_dp_update(
             model, layout, noise_multiplier=task.noise_multiplier, clip_norm=task.clip_norm,
             sample_rate=task.sample_rate, steps=task.steps, lr=task.lr, unit=task.unit,

@@ -10,11 +10,13 @@ same bytes. The setup is public:
 the roster of node ids (a Flower node id, or the id :mod:`fl.nvflare` derives from a site
 name; a node's secagg client id is its position plus one), the
 protocol parameters, the layout of the reply's arrays, the metrics that are averaged
-securely, the weight key and the encoding (fixed point, or the distributed-DP integer
-encoding of :mod:`dp.encoding`). Its canonical bytes are the round's ``context``, so the
-session id every party derives (docs/architecture.md section 9) binds all of it, the run id,
-the server round and a fresh server nonce: a node that was told something else cannot
-complete the round with the others.
+securely, the weight key and the privacy mode (:data:`dp.policy.MODES`, the vocabulary of
+the site role's :class:`fl.contribution.RoundTask` too: ``none``, an exact sum in fixed
+point; ``distributed``, the distributed-DP integer encoding of :mod:`dp.encoding`). Its
+canonical bytes are the round's ``context``, so the session id every party derives
+(docs/architecture.md section 9) binds all of it, the run id, the server round and a fresh
+server nonce: a node that was told something else cannot complete the round with the
+others.
 
 :meth:`RoundSetup.from_bytes` validates every field and raises :class:`SetupError` (a
 ``ValueError`` that says what is wrong) on anything malformed; nothing is half-built.
@@ -32,7 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dp import EncodingParams, Event, SitePolicy, mechanisms
+from dp import MODE_DISTRIBUTED, MODE_NONE, EncodingParams, Event, SitePolicy, mechanisms
 from fl.codec import (
     DistributedCodec,
     FixedPointCodec,
@@ -58,8 +60,12 @@ from transport import fields
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
 
-VERSION = 1
-ENCODINGS = ("fixed", "ddp")
+VERSION = 2
+"""The setup's wire version (2: the privacy mode named as :data:`dp.policy.MODES` names it,
+key ``mode``; version 1 said ``encoding``, ``fixed``/``ddp``)."""
+SETUP_MODES = (MODE_NONE, MODE_DISTRIBUTED)
+"""The privacy modes a round setup runs (of :data:`dp.policy.MODES`; site DP needs the
+site role's per-patient training, :class:`fl.contribution.RoundTask`)."""
 MAX_ARRAYS = 1 << 12
 MAX_DIM = 1 << 28
 MAX_SETUP_BYTES = 1 << 22
@@ -98,7 +104,8 @@ class RoundSetup:
     arrays: tuple[ArraySpec, ...]
     metrics: tuple[str, ...]
     weight_key: str
-    encoding: str
+    mode: str
+    """The round's privacy mode, one of :data:`SETUP_MODES`."""
     frac_bits: int = 0
     dp: DpSpec | None = None
     dropout_rate: float = 0.0
@@ -139,7 +146,7 @@ class RoundSetup:
         if self.norm_bound is None:
             return None
         try:
-            if self.encoding == "ddp":
+            if self.mode == MODE_DISTRIBUTED:
                 return dp_bound(dp_params(self))
             return fixed_bound(self.norm_bound, self.frac_bits,
                                self.model_dim + len(self.metrics) + 1)
@@ -155,7 +162,7 @@ class RoundSetup:
         bound = self.input_bound
         # fixed point with a bound: the row's last coordinate, its weight, is proved
         # non-negative too (docs/protocol.md 10.7); a distributed-DP row is rotated
-        weight = (dim - 1 if bound is not None and self.encoding != "ddp" else None)
+        weight = (dim - 1 if bound is not None and self.mode != MODE_DISTRIBUTED else None)
         try:
             return Config(num_clients=self.num_clients, threshold=self.threshold, dim=dim,
                           bits=self.bits, neighbors=self.neighbors, security=self.security,
@@ -180,7 +187,7 @@ class RoundSetup:
             "bits": self.bits, "security": self.security,
             "arrays": [[s.name, list(s.shape), s.dtype] for s in self.arrays],
             "metrics": list(self.metrics), "weight": self.weight_key,
-            "encoding": self.encoding, "frac_bits": self.frac_bits,
+            "mode": self.mode, "frac_bits": self.frac_bits,
             "dp": None if self.dp is None else [
                 self.dp.clip_norm, self.dp.scale, self.dp.bits, self.dp.noise_stddev,
                 self.dp.rotation_seed, self.dp.mechanism, self.dp.beta, self.dp.threshold],
@@ -232,9 +239,10 @@ class RoundSetup:
         weight = _str(body, "weight")
         if weight in metrics:
             raise SetupError("the weight key cannot also be an averaged metric")
-        encoding = _str(body, "encoding")
-        if encoding not in ENCODINGS:
-            raise SetupError(f"encoding {encoding!r}: use one of {ENCODINGS}")
+        mode = _str(body, "mode")
+        if mode not in SETUP_MODES:
+            raise SetupError(f"privacy mode {mode!r}: a round setup runs one of "
+                             f"{SETUP_MODES}")
         security = _str(body, "security")
         if security not in SECURITY_MODES:
             raise SetupError(f"security {security!r}: use one of {SECURITY_MODES}")
@@ -249,12 +257,12 @@ class RoundSetup:
             raise SetupError("a semi-honest setup carries no verify keys")
         k = _int(body, "k", 0, fields.MAX_ROSTER)
         frac_bits = _int(body, "frac_bits", 0, 62)
-        dp = _dp_spec(body.get("dp")) if encoding == "ddp" else None
-        if encoding == "ddp" and metrics:
+        dp = _dp_spec(body.get("dp")) if mode == MODE_DISTRIBUTED else None
+        if mode == MODE_DISTRIBUTED and metrics:
             raise SetupError("metrics cannot be averaged under distributed DP (they carry "
                              "no noise); send none")
-        if encoding == "fixed" and body.get("dp") is not None:
-            raise SetupError("a fixed-point round carries no DP parameters")
+        if mode == MODE_NONE and body.get("dp") is not None:
+            raise SetupError("an exact-sum round (mode none) carries no DP parameters")
         if dp is not None and dp.bits != _int(body, "bits", MIN_BITS, MAX_BITS):
             raise SetupError("the DP encoding's modulus (dp bits) must be the secure sum's "
                              "(bits): a sum over a wider modulus than the encoding's does not "
@@ -277,7 +285,7 @@ class RoundSetup:
                    neighbors=k or None, bits=_int(body, "bits", MIN_BITS, MAX_BITS),
                    security=security,
                    arrays=specs, metrics=tuple(metrics), weight_key=weight,
-                   encoding=encoding, frac_bits=frac_bits, dp=dp,
+                   mode=mode, frac_bits=frac_bits, dp=dp,
                    dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
                    verify_keys=tuple(keys), norm_bound=norm_bound)
 
@@ -371,15 +379,16 @@ def dp_params(setup: RoundSetup) -> EncodingParams:
 
 def encoded_dim(setup: RoundSetup) -> int:
     """The length of the secagg vector of this round."""
-    if setup.encoding == "ddp":
+    if setup.mode == MODE_DISTRIBUTED:
         return dp_params(setup).encoded_dim
     return setup.model_dim + len(setup.metrics) + 1
 
 
 def encode_reply(setup: RoundSetup, arrays: F64, metrics: dict[str, float], weight: float,
                  sent: F64 | None) -> U64:
-    """A node's secagg input. ``sent`` is the flattened arrays the server sent (ddp only)."""
-    if setup.encoding == "ddp":
+    """A node's secagg input. ``sent`` is the flattened arrays the server sent (distributed
+    DP only)."""
+    if setup.mode == MODE_DISTRIBUTED:
         if sent is None or sent.shape != arrays.shape:
             raise ReplyError("a distributed-DP round needs the arrays the server sent, in "
                              "the reply's layout")
@@ -403,12 +412,12 @@ def decode_sum(setup: RoundSetup, total: U64, included: int, sent: F64
                ) -> tuple[F64, dict[str, float], float]:
     """The aggregate arrays (flat), averaged metrics and the summed weight of a round.
 
-    ``fixed``: the weighted averages and ``sum w``. ``ddp``: ``sent`` plus the noisy sum
-    of clipped updates over ``included``, the number of nodes in the sum (each adds one
-    row: the server knows that number, so dividing by the row's noisy count, which can be
-    near zero when few nodes carry much noise, would only add error), and the noisy count
-    (floored at one)."""
-    if setup.encoding == "ddp":
+    Mode ``none``: the weighted averages and ``sum w``. ``distributed``: ``sent`` plus the
+    noisy sum of clipped updates over ``included``, the number of nodes in the sum (each
+    adds one row: the server knows that number, so dividing by the row's noisy count, which
+    can be near zero when few nodes carry much noise, would only add error), and the noisy
+    count (floored at one)."""
+    if setup.mode == MODE_DISTRIBUTED:
         sums, count = DistributedCodec(dp_params(setup)).decode(total, included)
         return sent + sums / max(included, 1), {}, max(count, 1.0)
     try:
@@ -428,7 +437,7 @@ def round_release(setup: RoundSetup) -> Callable[[SitePolicy], SecureSum]:
     a whole, which bounds every patient's and every record's influence by the replace-one
     sensitivity (twice the clip): the release is per the policy's unit (patient or record),
     charged at that sensitivity."""
-    params = dp_params(setup) if setup.encoding == "ddp" else None
+    params = dp_params(setup) if setup.mode == MODE_DISTRIBUTED else None
     if params is None:
         validate_fixed(setup)
     # the node's whole update is one clipped row: one patient (or record) can move it
@@ -578,7 +587,7 @@ def fixed_setup(*, run_id: int, server_round: int, roster: Sequence[int],
         run_id=run_id, server_round=server_round, nonce=nonce.value, round_nonce=nonce,
         roster=tuple(roster),
         threshold=probe.threshold, neighbors=probe.neighbors, bits=bits, security=security,
-        arrays=arrays, metrics=metrics, weight_key=weight_key, encoding="fixed",
+        arrays=arrays, metrics=metrics, weight_key=weight_key, mode=MODE_NONE,
         frac_bits=frac_bits, dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
         verify_keys=keys)
 
@@ -614,7 +623,8 @@ def with_distributed_dp(setup: RoundSetup, plan: DistributedPlan, domain: bytes
     rotation = int.from_bytes(hashlib.sha256(domain + setup.nonce).digest()[:8], "big") >> 1
     dp = DpSpec(p.clip_norm, p.scale, p.bits, p.noise_stddev, rotation, p.mechanism,
                 p.beta, p.threshold)
-    return replace(setup, encoding="ddp", frac_bits=0, dp=dp, bits=p.bits, metrics=())
+    return replace(setup, mode=MODE_DISTRIBUTED, frac_bits=0, dp=dp, bits=p.bits,
+                   metrics=())
 
 
 def check_norm_bound(norm_bound: float | str | None, privacy: DistributedDP | None) -> None:

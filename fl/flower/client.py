@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dp import SitePolicy
+from dp import MODE_NONE, SitePolicy
 from fl.errors import FLError
 from fl.flower.chunks import (
     CHUNK,
@@ -457,7 +457,7 @@ def _trained(setup: RoundSetup, content: Any) -> tuple[F64, dict[str, float], fl
     arrays = flatten(_single(content.array_records, "ArrayRecord"), setup.arrays)
     metrics: dict[str, float] = {}
     weight = 0.0
-    if setup.encoding == "fixed":
+    if setup.mode == MODE_NONE:
         metric_record = _single(content.metric_records, "MetricRecord")
         metrics = {name: _number(metric_record, name) for name in setup.metrics}
         weight = _number(metric_record, setup.weight_key)
@@ -466,6 +466,6 @@ def _trained(setup: RoundSetup, content: Any) -> tuple[F64, dict[str, float], fl
 
 def reply_vector(setup: RoundSetup, content: Any, sent: F64 | None) -> U64:
     """The secagg input of a node from its train reply's content (``sent``: the flattened
-    arrays the server sent, for ``ddp``). Deterministic for ``fixed``, so a test can
-    compute the plaintext sum the round must equal."""
+    arrays the server sent, for mode ``distributed``). Deterministic for mode ``none``, so a
+    test can compute the plaintext sum the round must equal."""
     return encode_reply(setup, *_trained(setup, content), sent)

@@ -2,14 +2,15 @@
 
 Both sides call these functions, so node and server cannot disagree on the layout:
 
-* ``fixed``: :class:`fl.codec.FixedPointCodec` over ``[w * arrays, w * metrics, w]`` with
-  ``w`` the reply's weight (``num-examples``): the server learns only
-  ``sum w * arrays``, ``sum w * metrics`` and ``sum w``, i.e. the weighted averages FedAvg
-  computes, with the sample counts summed securely too.
-* ``ddp``: :class:`fl.codec.DistributedCodec` over one row ``[delta clipped, gamma]`` per
-  node, ``delta`` = reply arrays minus the arrays the server sent, with the node's share of
-  integer noise (:mod:`dp.encoding`, :mod:`dp.distributed`): the sum decodes to the noisy sum
-  of clipped updates and a noisy count of nodes (client-level distributed DP).
+* mode ``none`` (an exact sum): :class:`fl.codec.FixedPointCodec` over
+  ``[w * arrays, w * metrics, w]`` with ``w`` the reply's weight (``num-examples``): the
+  server learns only ``sum w * arrays``, ``sum w * metrics`` and ``sum w``, i.e. the
+  weighted averages FedAvg computes, with the sample counts summed securely too.
+* mode ``distributed``: :class:`fl.codec.DistributedCodec` over one row
+  ``[delta clipped, gamma]`` per node, ``delta`` = reply arrays minus the arrays the server
+  sent, with the node's share of integer noise (:mod:`dp.encoding`, :mod:`dp.distributed`):
+  the sum decodes to the noisy sum of clipped updates and a noisy count of nodes
+  (client-level distributed DP).
 """
 
 from __future__ import annotations

@@ -126,8 +126,9 @@ class RoundReport:
     :func:`fl.round_setup.charged_event`; the budget is planned and spent at that figure, so
     ``epsilon`` equals it), ``metrics`` (the train
     metrics averaged securely, ``metrics=[...]``), ``skipped`` (why a round was not run),
-    and the round's protocol: ``security``, ``encoding`` (``fixed`` or
-    ``ddp``), ``bits``, ``threshold``, ``neighbors`` (None: the complete graph);
+    and the round's protocol: ``security``, ``mode`` (the privacy mode, ``none`` or
+    ``distributed``: :data:`fl.round_setup.SETUP_MODES`), ``bits``, ``threshold``,
+    ``neighbors`` (None: the complete graph);
     ``input_refused``: with input validation, site -> why its input proof failed (left out
     of the sum and named; an honest site never is)."""
 
@@ -145,7 +146,7 @@ class RoundReport:
     metrics: dict[str, float] = field(default_factory=dict)
     skipped: str | None = None
     security: str = ""
-    encoding: str = ""
+    mode: str = ""
     bits: int = 0
     threshold: int = 0
     neighbors: int | None = None
@@ -379,7 +380,7 @@ class SecureFedAvg(ModelController):
                               if self.budget else "no setup")
             return report
         self._last_setup = setup
-        report.security, report.encoding, report.bits = setup.security, setup.encoding, setup.bits
+        report.security, report.mode, report.bits = setup.security, setup.mode, setup.bits
         report.threshold, report.neighbors = setup.threshold, setup.neighbors
         names = {site_id(s): s for s in sites}
         server = Server(setup.config(encoded_dim(setup)), roster=range(1, setup.num_clients + 1),

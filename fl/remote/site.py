@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dp import LedgerWriteError, PrivacyError
+from dp import MODE_NONE, LedgerWriteError, PrivacyError
 from fl.codec import EncodingOverflow
 from fl.contribution import TaskError
 from fl.remote.blob import Blob, FetchPacer, blob_digest
@@ -128,7 +128,7 @@ class SiteProcess:
         self.name = site_name(data.site_id)
         self.options = options
         self.guard: SiteCore = options.guard
-        if options.insecure_verify and set(self.guard.policy.modes) - {"none"}:
+        if options.insecure_verify and set(self.guard.policy.modes) - {MODE_NONE}:
             raise ValueError(
                 "--insecure-verify sends this site's input in the clear, and a DP "
                 "site's input carries only its own share of the noise its ledger "

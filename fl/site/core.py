@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 from dp import (
+    MODE_DISTRIBUTED,
+    MODE_NONE,
+    MODE_SITE,
     Charge,
     EncodingParams,
     Ledger,
@@ -59,7 +62,7 @@ class SecureSum:
 
     @property
     def mode(self) -> str:
-        return "none" if self.params is None else "distributed"
+        return MODE_NONE if self.params is None else MODE_DISTRIBUTED
 
 
 class Release(Protocol):
@@ -92,7 +95,7 @@ class SiteDpRelease(Release, Protocol):
 
 
 def _site_dp(task: Release) -> TypeGuard[SiteDpRelease]:
-    return task.mode == "site"
+    return task.mode == MODE_SITE
 
 
 def _encoding(task: Release) -> EncodingParams:
@@ -127,7 +130,7 @@ def site_proposal(task: Release | None, *, secagg_threshold: int, label: str = "
                                 clip_norm=task.clip_norm, secagg_threshold=secagg_threshold,
                                 count_stddev=getattr(task, "count_stddev", None), label=label,
                                 unit=unit)
-    if task.mode == "distributed":  # a round, or the noised feature statistics (kind scaler)
+    if task.mode == MODE_DISTRIBUTED:  # a round, or the noised feature statistics (kind scaler)
         return Proposal.distributed(_encoding(task), sample_rate=task.sample_rate,
                                     secagg_threshold=secagg_threshold, label=label,
                                     kind=getattr(task, "kind", "train"), unit=unit,
@@ -156,7 +159,7 @@ def lone_share(task: Release | None, proposal: Proposal) -> Proposal:
     calibration threshold 1 (the policy's other rules still see the proposed thresholds).
     Site-mode rounds (each site's update private on its own) and exact sums are unchanged.
     """
-    if task is None or task.mode != "distributed":
+    if task is None or task.mode != MODE_DISTRIBUTED:
         return proposal
     count = getattr(task, "count_stddev", None)  # this site's own share of the count's
     params = _encoding(task)

@@ -38,7 +38,7 @@ def _fixed(n: int = 4, bits: int = 64) -> RoundSetup:
 
 def _dp(noise_stddev: float = 0.2, mechanism: str = "dgauss", bits: int = 24) -> RoundSetup:
     setup = _fixed()
-    return replace(setup, encoding="ddp", frac_bits=0, metrics=(), bits=bits,
+    return replace(setup, mode="distributed", frac_bits=0, metrics=(), bits=bits,
                    dp=DpSpec(1.0, 1024.0, bits, noise_stddev, 3, mechanism, 0.5,
                              setup.threshold))
 

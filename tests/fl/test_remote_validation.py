@@ -16,6 +16,7 @@ pytest.importorskip("py_arkworks_bls12381")
 
 import fl.remote.coordinator as remote_coordinator
 import fl.remote.site as remote_site
+import fl.site.session as site_session
 from fl.contribution import TaskError, secagg_bound
 from fl.settings import TrainSettings
 from secagg.client import Client
@@ -54,7 +55,7 @@ class ScalingClient(Client):
 
 
 def test_a_site_role_that_scales_its_row_is_refused_and_named(monkeypatch: Any) -> None:
-    monkeypatch.setattr(remote_site, "Client", ScalingClient)
+    monkeypatch.setattr(site_session, "Client", ScalingClient)  # the site role's client
     validated: list[tuple[str, bool]] = []  # each round's deadlines allow the proofs
 
     def recording(module: Any, who: str) -> None:

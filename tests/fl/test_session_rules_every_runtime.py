@@ -134,3 +134,20 @@ def test_a_replay_is_refused_and_a_never_sent_round_withdrawn_in_every_runtime(
         and "a round is joined once, a replayed setup is neither charged nor trained" in r
         for r in refusals), refusals
     assert withdrawn == [True] and charges == 1
+
+
+def test_a_session_runs_over_exactly_one_site_core() -> None:
+    """The core is mandatory in every runtime: a session without one, or with two, is a
+    ``TypeError``; anything but a ``SiteCore`` held by the runtime a ``ValueError``."""
+    from dp.policy import SitePolicy
+    from fl.site.session import SiteSession
+    from tests.fl.site_cores import site_core
+
+    core = site_core(SitePolicy())
+    with pytest.raises(TypeError, match="runs over its site core"):
+        SiteSession(runtime="next")
+    with pytest.raises(TypeError, match="exactly one"):
+        SiteSession(lambda: core, runtime="next", core=core)
+    with pytest.raises(ValueError, match=r"must be a fl\.site\.core\.SiteCore"):
+        SiteSession(runtime="next", core=object())  # type: ignore[arg-type]
+    assert SiteSession(runtime="next", core=core).core is core

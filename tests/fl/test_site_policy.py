@@ -182,7 +182,7 @@ def test_adaptive_clipping_run_and_its_audit_trail_recompute_independently() -> 
 
 def test_a_site_process_refuses_the_hostile_round_before_computing_anything(
         tmp_path: Path) -> None:
-    """The site role's own code path (fl.remote.inputs.site_input, as SiteProcess calls it):
+    """The site role's own code path (fl.remote.inputs.site_round, as SiteProcess calls it):
     the hostile task is refused naming the rule, nothing is charged; an acceptable task is
     charged before its input exists; the exact feature-statistics task is refused."""
     import os

@@ -235,7 +235,7 @@ def _valid_setup(grid: LocalGrid, **changes: Any) -> RoundSetup:
     setup = RoundSetup(run_id=grid.run.run_id, server_round=1, nonce=bytes(range(32)),
                        roster=tuple(grid.nodes), threshold=3, neighbors=None, bits=64,
                        security="semi-honest", arrays=layout_of(apps.initial_arrays()),
-                       metrics=(), weight_key="num-examples", encoding="fixed",
+                       metrics=(), weight_key="num-examples", mode="none",
                        frac_bits=24)
     return replace(setup, **changes)
 
@@ -291,7 +291,7 @@ def test_distributed_dp_round_decodes_to_the_noisy_average_within_its_noise() ->
         privacy=DistributedDP(clip_norm=4.0, noise_multiplier=0.5))
     result = wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     (report,) = wrapper.reports
-    assert report.setup.encoding == "ddp" and report.setup.dp is not None
+    assert report.setup.mode == "distributed" and report.setup.dp is not None
     assert report.setup.dp.threshold == report.setup.threshold == 5
     assert report.included == frozenset(grid.nodes)
     # the arrays sent are zeros and every update is inside the clip: the exact average is
@@ -354,7 +354,7 @@ def test_the_node_policy_sets_a_noise_floor_relative_to_the_clip() -> None:
         policy = SitePolicy(modes=("distributed",), min_noise_multiplier=floor,
                             round_epsilon=None, epsilon=None)  # the floor alone
         grid, _ = _grid(4, mods=[apps.operated(policy=policy)])
-        setup = replace(_valid_setup(grid), encoding="ddp", frac_bits=0, bits=40,
+        setup = replace(_valid_setup(grid), mode="distributed", frac_bits=0, bits=40,
                         dp=DpSpec(1.0, 100.0, 40, 0.05, 3, "dgauss", 0.5, 3))
         reply = _send(grid, grid.nodes[0],
                       _setup_message(grid, setup.to_bytes(), grid.nodes[0]))

@@ -79,7 +79,7 @@ def test_a_zero_noise_dp_round_is_refused_before_training_and_nothing_is_charged
                         privacy=DistributedDP(clip_norm=1.0, noise_multiplier=1.0))
     apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
     (report,) = wrapper.reports
-    assert report.setup.encoding == "ddp" and report.setup.dp.noise_stddev == 0.0
+    assert report.setup.mode == "distributed" and report.setup.dp.noise_stddev == 0.0
     assert report.aborted is not None and report.total is None
     reasons = _reasons(grid)
     assert len(reasons) == 4 and all(

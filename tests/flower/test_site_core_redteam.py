@@ -117,7 +117,7 @@ def test_a_shape_whose_size_wraps_int64_is_refused_at_the_setup() -> None:
     spec = ArraySpec("w", (1 << 28, 1 << 28, 1 << 8), "float32")
     assert spec.size == 1 << 64  # np.prod(int64) made it 0
     setup = RoundSetup(7, 1, os.urandom(32), (1, 2, 3), 3, None, 64, "semi-honest", (spec,),
-                       (), "num-examples", "fixed", 24)
+                       (), "num-examples", "none", 24)
     with pytest.raises(SetupError, match="more than"):
         RoundSetup.from_bytes(setup.to_bytes())
 

@@ -111,7 +111,7 @@ def test_under_distributed_dp_the_bound_is_the_clip_noise_included() -> None:
     wrapper, _ = _run(grid, privacy=privacy, norm_bound="clip")
     (report,) = wrapper.reports
     setup = report.setup
-    assert setup.encoding == "ddp" and setup.norm_bound == 0.5
+    assert setup.mode == "distributed" and setup.norm_bound == 0.5
     assert setup.input_bound == dp_bound(dp_params(setup))
     assert set(report.input_refused) == {attacker} and report.aborted is None
     assert report.included == frozenset(grid.nodes) - {attacker}

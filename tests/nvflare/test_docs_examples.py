@@ -134,7 +134,7 @@ def test_the_docs_job_is_taken_by_default_sites_at_the_epsilon_it_reports(
     refused: list[str] = []
     for r in range(min(server.num_rounds, dp["rounds"])):
         setup = server._setup(sites, r, specs)
-        assert setup is not None and setup.encoding == "ddp" and setup.security == "malicious"
+        assert setup is not None and setup.mode == "distributed" and setup.security == "malicious"
         spent.spend(charged_event(setup))  # what the workflow spends for a released round
         for site in sites:
             core = open_site_core(policy=SitePolicy(), ledger_path=str(state / site))

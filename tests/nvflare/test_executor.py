@@ -120,7 +120,7 @@ def test_the_nvflare_site_holds_the_same_dp_rules_as_the_flower_node(
     def dp_task(bits: int, dp_bits: int) -> tuple[Shareable, RoundSetup]:
         task = _train_task("job-a")
         fixed = RoundSetup.from_bytes(task.get_header(SETUP_HEADER))
-        setup = replace(fixed, encoding="ddp", frac_bits=0, metrics=(), bits=bits,
+        setup = replace(fixed, mode="distributed", frac_bits=0, metrics=(), bits=bits,
                         dp=DpSpec(1.0, 100.0, dp_bits, 0.5, 3, "dgauss", 0.5, fixed.threshold))
         task.set_header(SETUP_HEADER, setup.to_bytes())
         return task, setup
@@ -169,7 +169,7 @@ def _task(noise_stddev: float | None = None) -> Shareable:
                         dropout_rate=0.1, corrupt_rate=0.1, security="semi-honest", bits=64,
                         frac_bits=24, verify_keys={})
     if noise_stddev is not None:
-        setup = replace(setup, encoding="ddp", frac_bits=0, metrics=(), bits=40,
+        setup = replace(setup, mode="distributed", frac_bits=0, metrics=(), bits=40,
                         dp=DpSpec(1.0, 4096.0, 40, noise_stddev, 3, "dgauss", 0.5,
                                   setup.threshold))
     task = FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=params))

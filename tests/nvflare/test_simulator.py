@@ -127,7 +127,7 @@ def test_malicious_distributed_dp_budget_and_a_zero_noise_round_refused(
     assert third["included"] == names  # its masked input arrived before it dropped
     assert set(third["seconds"]) >= {"consistency_check", "unmasking"}
     for report in (first, third):
-        assert report["encoding"] == "ddp" and report["security"] == "malicious"
+        assert report["mode"] == "distributed" and report["security"] == "malicious"
         assert report["total"] == plain_sum(inputs(tmp_path / "record", report["server_round"],
                                                      report["included"]), report["bits"])
     assert 0 < first["epsilon"] < third["epsilon"] <= dp["epsilon"]
