@@ -594,7 +594,7 @@ def fixed_setup(*, run_id: int, server_round: int, roster: Sequence[int],
 
 def round_plan(privacy: DistributedDP, setup: RoundSetup,
                cache: dict[tuple[int, int, int, str], DistributedPlan]) -> DistributedPlan:
-    """The distributed-DP plan of ``setup``'s round (``fl.site.privacy.distributed_plan``),
+    """The distributed-DP plan of ``setup``'s round (``fl.plan.privacy.distributed_plan``),
     cached per (model size, sites, threshold, security mode) in ``cache``. With an
     ``epsilon`` the per-node noise is the least whose ``rounds`` rounds fit it *as each node's
     ledger charges them* (:func:`charged_params`: the replace-one sensitivity of its one row,
