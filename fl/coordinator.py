@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dp import PrivacyBudget, event_to_json
+from dp import MODE_NONE, PrivacyBudget, event_to_json
 from fl import checkpoint as ckpt
 from fl.aggregation import AggregateOutcome, Aggregator
 from fl.contribution import (
@@ -185,7 +185,7 @@ class Coordinator:
         self.releases: list[dict[str, Any]] = []
         """Audit records of releases made before the rounds (the site weights')."""
         self.budget: PrivacyBudget | None = None
-        if plan.mode != "none":  # always accounted; capped only by --epsilon
+        if plan.mode != MODE_NONE:  # always accounted; capped only by --epsilon
             self.budget = make_budget(settings.epsilon, settings.delta,
                                       settings.release_accountant)
         cohort = settings.cohort_size

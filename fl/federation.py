@@ -21,7 +21,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from dp import EncodingParams, check_delta, event_from_json, run_json
+from dp import (
+    MODE_DISTRIBUTED,
+    MODE_NONE,
+    MODE_SITE,
+    EncodingParams,
+    check_delta,
+    event_from_json,
+    run_json,
+)
 from fl import checkpoint as ckpt
 from fl.aggregation import Aggregator, Tap, open_aggregator
 from fl.contribution import scaler_from_sum, scaler_input
@@ -93,7 +101,7 @@ def uses_scaler(settings: TrainSettings, table: Table) -> bool:
     if settings.scaler_file is not None:
         return False
     if settings.scaling == "auto":
-        return not table.standardized and settings.dp == "none"
+        return not table.standardized and settings.dp == MODE_NONE
     return settings.scaling == "secure"
 
 
@@ -149,7 +157,7 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
     ``charged``: a distributed round's encoding as each site's ledger charges it
     (:func:`site_charge`), the figure the plan is calibrated, spent and reported at."""
     epsilon = settings.epsilon
-    if settings.dp == "site":
+    if settings.dp == MODE_SITE:
         return site_plan(epsilon=epsilon, delta=settings.delta,
                          sample_rate=settings.sample_rate, steps=settings.steps_per_round,
                          rounds=settings.rounds, clip_norm=settings.clip_norm,
@@ -158,7 +166,7 @@ def make_plan(settings: TrainSettings, sites: dict[int, Site] | None, model_dim:
                          accountant=settings.release_accountant,
                          target_quantile=settings.adaptive_clip,
                          count_stddev=settings.clip_count_stddev, prior=prior)
-    if settings.dp == "distributed":
+    if settings.dp == MODE_DISTRIBUTED:
         units = max_units or settings.max_units or DEFAULT_MAX_UNITS
         return distributed_plan(model_dim=model_dim, epsilon=epsilon,
                                 delta=settings.delta, sample_rate=settings.sample_rate,
@@ -198,7 +206,7 @@ def federation_plan(settings: TrainSettings, num_features: int, num_classes: int
 
 
 def plan_warnings(settings: TrainSettings, split: Split) -> list[str]:
-    if settings.dp == "none":
+    if settings.dp == MODE_NONE:
         return []
     units = split.train.num_patients if settings.unit == "patient" else len(split.train)
     warning = check_delta(settings.delta, units)

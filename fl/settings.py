@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dp import MODE_DISTRIBUTED, MODE_NONE, MODE_SITE, UNITS, accountant_names
 from dp import MODES as DP_MODES
-from dp import UNITS, accountant_names
 from secagg import SECURITY_MODES, Config
 
 # fl.models.MODELS (kept here without torch)
@@ -139,7 +139,7 @@ class TrainSettings:
         """Settings a checkpoint must agree with (not where it runs or how long)."""
         skip = {"broker", "checkpoint", "resume", "verify", "max_attempts", "rounds"}
         data = {k: v for k, v in asdict(self).items() if k not in skip}
-        if self.dp != "none" and (self.noise_multiplier is None or self.unit == "patient-idp"):
+        if self.dp != MODE_NONE and (self.noise_multiplier is None or self.unit == "patient-idp"):
             data["rounds"] = self.rounds  # the noise (patient-idp: the rates) was planned for it
         return data
 
@@ -158,9 +158,9 @@ def _privacy_mode(s: TrainSettings) -> Iterator[str]:
     """The privacy mode, what asks for one (a budget, a noise), and the accountant for it."""
     if s.dp not in DP_MODES:
         yield f"--dp {s.dp}: use one of {', '.join(DP_MODES)}"
-    if s.dp != "none" and s.epsilon is None and s.noise_multiplier is None:
+    if s.dp != MODE_NONE and s.epsilon is None and s.noise_multiplier is None:
         yield f"--dp {s.dp} needs --epsilon (the total budget per patient)"
-    if s.dp == "none" and (s.epsilon is not None or s.noise_multiplier is not None
+    if s.dp == MODE_NONE and (s.epsilon is not None or s.noise_multiplier is not None
                            or s.adaptive_clip is not None):
         yield ("--epsilon/--noise-multiplier/--adaptive-clip without --dp would train without "
                "privacy: add --dp site or --dp distributed")
@@ -172,7 +172,7 @@ def _privacy_mode(s: TrainSettings) -> Iterator[str]:
     elif s.accountant == "pld" and s.unit != "patient-idp":
         yield ("--accountant pld is for --unit patient-idp's rate groups; the "
                "sampled Gaussian of the other units uses rdp or prv")
-    elif s.accountant == "prv" and s.dp == "distributed":
+    elif s.accountant == "prv" and s.dp == MODE_DISTRIBUTED:
         yield ("--accountant prv composes only the sampled Gaussian (--dp site); distributed "
                "rounds are accounted with rdp")
 
@@ -181,7 +181,7 @@ def _adaptive_clip(s: TrainSettings) -> Iterator[str]:
     """The private clip's quantile, and the distributed state checkpoints do not hold."""
     if s.adaptive_clip is not None and not 0 < s.adaptive_clip < 1:
         yield f"--adaptive-clip {s.adaptive_clip}: a quantile in (0, 1)"
-    if s.dp == "distributed" and s.checkpoint is not None and (
+    if s.dp == MODE_DISTRIBUTED and s.checkpoint is not None and (
             s.adaptive_clip is not None or s.site_weights is not None):
         yield ("--adaptive-clip/--site-weights with --dp distributed keep state (the clip, the "
                "weights' release) that checkpoints do not hold yet: run without --checkpoint")
@@ -192,7 +192,7 @@ def _site_weights(s: TrainSettings) -> Iterator[str]:
     if s.site_weights is not None:
         if not (s.site_weights >= 0 and math.isfinite(s.site_weights)):
             yield f"--site-weights {s.site_weights}: lambda >= 0"
-        if s.dp != "distributed" or s.model != "discrete-time" or (
+        if s.dp != MODE_DISTRIBUTED or s.model != "discrete-time" or (
                 s.dataset not in SURVIVAL_DATASETS) or s.unit != "patient":
             yield ("--site-weights goes with --dp distributed, --unit patient and --model "
                    "discrete-time on a survival dataset (the released scalar is a patient's "
@@ -214,7 +214,7 @@ def _noised_counts(s: TrainSettings) -> Iterator[str]:
     if s.expected_batch is not None and not (
             math.isfinite(s.expected_batch) and s.expected_batch > 0):
         yield f"--expected-batch {s.expected_batch}: need a positive number"
-    if s.dp == "site" and s.adaptive_clip is not None and s.expected_batch is None:
+    if s.dp == MODE_SITE and s.adaptive_clip is not None and s.expected_batch is None:
         yield ("--adaptive-clip with --dp site divides the noised clip count by the declared "
                "expected batch: add --expected-batch B (patients per step per site, a public "
                "figure)")
@@ -229,10 +229,10 @@ def _feature_scaling(s: TrainSettings) -> Iterator[str]:
     if s.scaler_epsilon is not None and not (
             s.scaler_epsilon > 0 and math.isfinite(s.scaler_epsilon)):
         yield f"--scaler-epsilon {s.scaler_epsilon}: need a positive number"
-    if s.scaler_epsilon is not None and s.dp == "none":
+    if s.scaler_epsilon is not None and s.dp == MODE_NONE:
         yield ("--scaler-epsilon without --dp: the feature statistics are "
                "noised only in the DP modes")
-    if s.dp != "none" and s.scaling == "secure":
+    if s.dp != MODE_NONE and s.scaling == "secure":
         yield ("--scaling secure releases exact feature sums outside the privacy "
                "budget: with --dp use pre-scaled data or --scaling none")
 
@@ -247,7 +247,7 @@ def _budget_and_unit(s: TrainSettings) -> Iterator[str]:
         yield f"--unit {s.unit}: use one of {', '.join(UNITS)}"
     if s.security not in SECURITY_MODES:
         yield f"security {s.security!r}: use one of {SECURITY_MODES}"
-    if s.unit == "patient-idp" and s.dp != "site":
+    if s.unit == "patient-idp" and s.dp != MODE_SITE:
         yield ("--unit patient-idp needs --dp site (individual sampling rates are accounted "
                "for the Gaussian; distributed mode's integer noise has no such analysis: "
                "docs/patient_privacy.md section 5)")
@@ -283,7 +283,7 @@ def _training(s: TrainSettings) -> Iterator[str]:
         yield f"--strategy {s.strategy}: use one of {', '.join(STRATEGIES)}"
     if s.strategy == "fedprox" and not s.fedprox_mu > 0:
         yield "--strategy fedprox needs --fedprox-mu > 0"
-    if s.strategy in ("fedprox", "scaffold") and s.dp != "none":
+    if s.strategy in ("fedprox", "scaffold") and s.dp != MODE_NONE:
         yield (f"--strategy {s.strategy} trains without --dp (SCAFFOLD's control variates and "
                "FedProx's local steps are not private); with --dp use fedavg or a server "
                "optimizer")
@@ -299,7 +299,7 @@ def _training(s: TrainSettings) -> Iterator[str]:
 def _dataset_and_model(s: TrainSettings) -> Iterator[str]:
     """The model fits the dataset (survival or classification); the scaling is known."""
     if s.dataset in SURVIVAL_DATASETS and s.csv is None:
-        if s.dp != "none" and s.model == "cox":
+        if s.dp != MODE_NONE and s.model == "cox":
             yield (f"--dataset {s.dataset} --model cox runs without --dp: the partial likelihood "
                    "couples the patients of a batch, so per-patient clipping does not bound one "
                    "patient's influence; use --model discrete-time (a sum of per-patient terms)")
@@ -334,7 +334,7 @@ def _inputs(s: TrainSettings) -> Iterator[str]:
         yield "--resume needs --checkpoint DIR"
     if s.norm_bound is not None and not (math.isfinite(s.norm_bound) and s.norm_bound > 0):
         yield f"--norm-bound {s.norm_bound}: need a positive number"
-    elif s.norm_bound is not None and (s.dp != "none" or s.strategy == "scaffold"):
+    elif s.norm_bound is not None and (s.dp != MODE_NONE or s.strategy == "scaffold"):
         yield ("--norm-bound covers --dp none with --strategy fedavg, fedprox or a "
                "server optimizer (a row [n x, n]); drop it for this mode")
 
@@ -376,7 +376,7 @@ def dataset_defaults(dataset: str, strategy: str | None = None,
     others."""
     if dataset != "tcga-brca":
         return {} if strategy is None else {"strategy": strategy}
-    private = dp == "distributed"
+    private = dp == MODE_DISTRIBUTED
     if strategy is None:
         strategy = TCGA_BRCA_DISTRIBUTED_DP["strategy"] if private else "fedavg"
     if strategy not in FLAMBY_TCGA_BRCA:

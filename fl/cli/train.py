@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dp import TORCH_EXTRA_INSTALL, PrivacyError
+from dp import MODE_NONE, TORCH_EXTRA_INSTALL, PrivacyError
 from fl.cli._common import (
     Stopped,
     UsageError,
@@ -75,7 +75,7 @@ def print_plan(args: argparse.Namespace, settings: TrainSettings) -> int:
           f"{plan['secagg_threshold']} of {plan['cohort']} sites, feature scaling "
           f"{plan['feature_scaling']}")
     eps = plan["epsilon_after"]
-    if plan["mode"] == "none":
+    if plan["mode"] == MODE_NONE:
         print(f"  {plan['rounds_run']} rounds, no differential privacy")
     else:
         budget = plan["epsilon_budget"]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dp import (
+    MODE_SITE,
     EncodingParams,
     GaussianRound,
     PrivacyBudget,
@@ -385,7 +386,7 @@ def release_record(plan: Plan, round_number: int, included: list[int], event: Ev
     record: dict[str, Any] = {
         "round": round_number, "to": "the coordinator (and whoever it shares the model with)",
         "what": ("the sum over the included sites of their updates and unit counts"
-                 if plan.mode != "site" else
+                 if plan.mode != MODE_SITE else
                  "the sum of the included sites' DP-SGD model updates and the number of sites"),
         "included": included, "mode": plan.mode, "mechanism": mechanism_of(plan),
         "attempts": attempts}

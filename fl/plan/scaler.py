@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from dp import EncodingParams, choose_bits, event_json, event_to_json, noise_for_budget
+from dp import MODE_NONE, EncodingParams, choose_bits, event_json, event_to_json, noise_for_budget
 from fl import checkpoint as ckpt
 from fl.data import Table
 from fl.models import make_model
@@ -110,7 +110,7 @@ def uses_noised_scaler(settings: TrainSettings, table: Table | None = None) -> b
         return False
     has_bounds = (settings.feature_bounds is not None
                   or (settings.csv is None and settings.dataset == "breast-cancer"))
-    return (settings.dp != "none" and settings.scaling == "auto" and has_bounds
+    return (settings.dp != MODE_NONE and settings.scaling == "auto" and has_bounds
             and settings.scaler_file is None and settings.release_accountant == "rdp"
             and settings.unit != "patient-idp")
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dp import MODE_NONE
 from fl.aggregation import AggregateOutcome
 from fl.contribution import (
     RoundTask,
@@ -304,7 +305,7 @@ async def train_coordinator_async(settings: TrainSettings, options: RemoteOption
     elif settings.scaling == "auto":
         # A user's table is not on a public scale; in the DP modes an exact sum is never
         # released (docs/privacy.md section 1).
-        needs_scaler = settings.dp == "none"
+        needs_scaler = settings.dp == MODE_NONE
     # The modulus is sized for a public bound (--max-units or the default), never a
     # site's real patient count: bits is published.
     max_units = max_units or settings.max_units or DEFAULT_MAX_UNITS
