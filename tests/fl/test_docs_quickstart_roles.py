@@ -6,7 +6,11 @@ hospitals' visit tables, the coordinator's held-out table and public feature bou
 ``--rounds`` shortened as the docs show a flag overriding. The sites run their operators'
 default policy (``--dp distributed``, no budget flags). Every site takes part in every
 round, the held-out loss falls, the accuracy is above chance and each site's ledger holds
-the epsilon the coordinator reports, within the command's 4."""
+the epsilon the coordinator reports, within the command's 4. Run twice: as printed, and with
+the section's recommended site identities (``secagg keygen`` per site, the flags its
+keyed lines add: ``--signing-key``/``--peer-keys`` on a site, ``--peer-keys`` on the
+coordinator), where the rounds run authenticated and each site counts the round's whole
+noise."""
 
 from __future__ import annotations
 
@@ -19,10 +23,11 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_docs_quickstart_dp import _command
+from test_docs_quickstart_dp import DOC, _command
 from test_multiprocess_training import READY_TIMEOUT, Party, federation_broker, finish
 
 from dp.ledger import read_charges
+from fl.cli import main
 from transport.topics import SERVER_USER, site_name
 
 SITES = (1, 2, 3)
@@ -39,6 +44,12 @@ def command(marker: str) -> list[str]:
 
 def swap(argv: list[str], flag: str, value: str) -> None:
     argv[argv.index(flag) + 1] = value
+
+
+def keyed(marker: str) -> list[str]:
+    """The flags the docs' keyed line starting with ``marker`` adds after its ``...``."""
+    (line,) = [x for x in DOC.read_text().splitlines() if x.startswith(marker + "...")]
+    return line.split("...", 1)[1].split()
 
 
 def visits(path: Path, seed: int, patients: int) -> None:
@@ -58,8 +69,9 @@ def visits(path: Path, seed: int, patients: int) -> None:
                                "yes" if y else "no"])
 
 
+@pytest.mark.parametrize("keys", [False, True], ids=["as-printed", "site-identities"])
 def test_the_quickstart_coordinator_and_sites_train_with_dp(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keys: bool) -> None:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the sites' ledgers
     coordinator_argv = command("--role coordinator --sites 1,2,3")
     site_argv = command("--role site --site-id 2 --csv visits.csv")
@@ -72,6 +84,21 @@ def test_the_quickstart_coordinator_and_sites_train_with_dp(
     # public bounds, fixed without looking at the data (docs/quickstart.md section 2)
     (tmp_path / "bounds.json").write_text(json.dumps({"low": [18, 80, 0.3],
                                                       "high": [100, 200, 3.0]}))
+    site_keys: dict[int, list[str]] = {cid: [] for cid in SITES}
+    if keys:
+        peers = tmp_path / "federation"
+        peers.mkdir()
+        for cid in SITES:
+            assert main(["keygen", "--out", str(tmp_path / f"site-{cid}.key"), "-q"]) == 0
+            (tmp_path / f"site-{cid}.pub").rename(peers / f"site-{cid}.pub")
+            site_keys[cid] = keyed("secagg train --role site --site-id 2 ")
+            assert site_keys[cid] == ["--signing-key", "site-2.key", "--peer-keys",
+                                      "federation/"]
+            swap(site_keys[cid], "--signing-key", str(tmp_path / f"site-{cid}.key"))
+            swap(site_keys[cid], "--peer-keys", str(peers))
+        coordinator_keys = keyed("secagg train --role coordinator ")
+        assert coordinator_keys == ["--peer-keys", "federation/"]
+        coordinator_argv += ["--peer-keys", str(peers)]
     report = tmp_path / "report.json"
     with federation_broker(SITES) as urls:
         for flag, value in (("--broker", urls[SERVER_USER]), ("--report", str(report)),
@@ -89,8 +116,11 @@ def test_the_quickstart_coordinator_and_sites_train_with_dp(
             swap(argv, "--csv", str(tmp_path / f"visits-{cid}.csv"))
             swap(argv, "--broker", urls[site_name(cid)])
             # above the coordinator's longest silence (its ready wait, docs/deployment.md)
-            sites[cid] = Party([*argv, "--idle-timeout", "300"])
+            sites[cid] = Party([*argv, *site_keys[cid], "--idle-timeout", "300"])
         finish(coordinator, sites, timeout=240)
+    if keys:
+        for party in sites.values():
+            assert "rounds run authenticated (secagg malicious mode)" in party.log, party.log
     result = json.loads(report.read_text())
     rows = result["rounds"]
     assert [r["round"] for r in rows] == [1, 2, 3]
