@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import aiomqtt
 
 from .link import Delivery, Event, LinkLost, Reconnected, Will
-from .tasks import retrieve_outcome, stop_task
+from .tasks import cancel_requests, raise_if_cancelled, retrieve_outcome, stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -332,9 +332,16 @@ class MqttLink:
         ``deadline`` (``loop.time()``): every attempt, and every await in it (a TCP connect
         in aiomqtt's executor thread, a CONNACK, a SUBACK), ends by then."""
         last: list[Exception] = []
+        before = cancel_requests()
         try:
             async with asyncio.timeout_at(deadline):
-                return await self._try_connect(deadline, last)
+                client = await self._try_connect(deadline, last)
+                try:
+                    raise_if_cancelled(before)  # a cancel aiomqtt's wait_for dropped
+                except BaseException:
+                    await _discard(client)
+                    raise
+                return client
         except TimeoutError:
             reason = last[-1] if last else "no answer in time"
             raise LinkLost(f"{self._name}: cannot reach the MQTT broker at "
@@ -456,6 +463,7 @@ class MqttLink:
 
         aiomqtt keeps waiting for the PUBACK, SUBACK or UNSUBACK of a call whose connection
         died (up to its timeout); this stops waiting as soon as the link goes down."""
+        before = cancel_requests()
         task = asyncio.ensure_future(call)
         down = asyncio.ensure_future(self._down.wait())
         try:
@@ -468,6 +476,7 @@ class MqttLink:
         if not task.done():
             await stop_task(task)
             return False, None
+        raise_if_cancelled(before)  # a cancel aiomqtt's wait_for dropped as it completed
         return True, task.result()
 
     async def subscribe(self, topic_filter: str) -> None:

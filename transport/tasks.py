@@ -28,3 +28,23 @@ async def stop_task(task: asyncio.Future[Any]) -> None:
         return
     task.cancel()
     await asyncio.wait({task})
+
+
+
+def cancel_requests() -> int:
+    """How many cancellations of the current task are pending (0 outside a task)."""
+    task = asyncio.current_task()
+    return 0 if task is None else task.cancelling()
+
+
+def raise_if_cancelled(before: int) -> None:
+    """Raise ``CancelledError`` when the current task was asked to stop since it counted
+    ``before`` (:func:`cancel_requests`) and the request got lost: on Python 3.11
+    ``asyncio.wait_for`` (aiomqtt's wait for a CONNACK or SUBACK) returns the result and
+    drops a cancellation that arrives as its future completes, and the task then carried on
+    (``secagg simulate`` hung in ``stop_task`` on a server that had gone on to wait for its
+    round: tests/transport/test_logical_deadlines.py, 1 run in 8 here). Only a request made
+    during the call counts: a task already cancelling (a cleanup that still publishes) is
+    left to finish."""
+    if cancel_requests() > before:
+        raise asyncio.CancelledError
