@@ -24,32 +24,26 @@ for the same reason.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import Any, Protocol, TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from dp import (
-    MODE_DISTRIBUTED,
-    MODE_NONE,
-    MODE_SITE,
-    MODES,
-    UNITS,
-    EncodingParams,
-    QuantileClipper,
-    mechanisms,
-)
-from fl.codec import (
-    DistributedCodec,
-    FixedPointCodec,
-    decode_weighted,
-    encode_weighted,
-    noisy_mean,
+from dp import UNITS, EncodingParams, QuantileClipper
+from fl.codec import DistributedCodec, FixedPointCodec, decode_weighted, encode_weighted
+from fl.modes import (
+    PrivacyMode,
+    SumEncoding,
+    Trainer,
+    encoding_fields,
+    local_seed,
+    mode_names,
+    privacy_mode,
+    read_encoding,
 )
 from fl.plan.privacy import DistributedPlan, Plan, SiteDpPlan
 from fl.settings import STRATEGIES, TrainSettings
@@ -57,6 +51,9 @@ from fl.site.training import Scaler
 from fl.vector import ParameterLayout
 from secagg import MAX_BITS, MIN_BITS
 from transport import fields
+
+__all__ = ["Contribution", "RoundTask", "TaskError", "Trainer", "decoder", "local_seed",
+           "round_task", "scaler_from_sum", "scaler_input", "secagg_bound", "site_input"]
 
 from .errors import FLError
 
@@ -75,25 +72,6 @@ _float = partial(fields.number, error=TaskError, what="task field")
 _str = partial(fields.text, error=TaskError, what="task field")
 
 
-class Trainer(Protocol):
-    """What a site needs to contribute: :class:`fl.site.training.Site` and
-    :class:`fl.api.PrivateSite`."""
-
-    @property
-    def num_records(self) -> int: ...
-
-    def fedavg_update(self, model: torch.nn.Module, layout: ParameterLayout, *, epochs: int,
-                      lr: float, batch_size: int, mu: float = 0.0, seed: int = 0) -> F64: ...
-
-    def site_dp_update(self, model: torch.nn.Module, layout: ParameterLayout, *,
-                       noise_multiplier: float, clip_norm: float, sample_rate: float,
-                       steps: int, lr: float, unit: str = "patient",
-                       expected_batch: float | None = None) -> F64: ...
-
-    def unit_gradients(self, model: torch.nn.Module, *, sample_rate: float,
-                       unit: str = "patient") -> F64: ...
-
-
 @dataclass(frozen=True)
 class RoundTask:
     """Everything public a round asks of a site (the same object in every role of
@@ -101,7 +79,8 @@ class RoundTask:
     :class:`fl.round_setup.RoundSetup`, in the same privacy-mode vocabulary)."""
 
     mode: str
-    """The round's privacy mode, one of :data:`dp.policy.MODES`."""
+    """The round's privacy mode: a registered :class:`fl.modes.PrivacyMode`'s name (the
+    built-in ones are :data:`dp.policy.MODES`)."""
     round: int
     cohort: int
     """Sites in the cohort: the fixed-point headroom of the sum."""
@@ -155,6 +134,19 @@ class RoundTask:
         one coordinate after the update's encoding."""
         return self.params is not None and self.count_stddev is not None
 
+    @property
+    def privacy(self) -> PrivacyMode:
+        """The round's privacy mode (:mod:`fl.modes`)."""
+        return privacy_mode(self.mode, TaskError)
+
+    def encoding(self, model_dim: int) -> SumEncoding:
+        """How this round's rows become the integers a site masks (a model of
+        ``model_dim`` parameters): 64-bit fixed point with headroom for the cohort, or the
+        noised mode's integer encoding, one row per sampled unit."""
+        return SumEncoding(width=model_dim, sites=self.cohort, params=self.params,
+                           max_weight=self.max_weight or 1.0, per_unit=True,
+                           norm_bound=self.norm_bound)
+
     def encoded_dim(self, model_dim: int) -> int:
         if self.params is None:  # SCAFFOLD: [delta_y, delta_c, n] (site_input)
             return (2 if self.strategy == "scaffold" else 1) * model_dim + 1
@@ -191,26 +183,27 @@ class RoundTask:
         body = {k: v for k, v in asdict(self).items() if v is not None}
         body["bits"] = self.bits  # the secagg modulus the site's client is configured with
         if self.params is not None:
-            body["params"] = {k: v for k, v in asdict(self.params).items()
-                              if k != "encoded_dim"}
+            body["params"] = encoding_fields(self.params, with_dim=True)
         return body
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any], model_dim: int) -> RoundTask:
         """Validate every field (a hostile coordinator makes a site refuse, never crash)."""
-        mode = _str(body, "mode", MODES)
+        privacy = privacy_mode(_str(body, "mode", mode_names()), TaskError)
+        mode = privacy.name
         params = None
         max_units = None
-        if mode == MODE_DISTRIBUTED:
-            params = encoding_params(body.get("params"), model_dim + 1)
+        if privacy.noised:
+            params = read_encoding(body.get("params"), model_dim + 1, error=TaskError,
+                                   what="task field", with_dim=True)
             max_units = _int(body, "max_units", 1, 1 << 40)
-        weighting = _weights(body) if mode == MODE_DISTRIBUTED else {}
+        weighting = _weights(body) if privacy.noised else {}
         if _int(body, "bits", MIN_BITS, MAX_BITS) != (64 if params is None else params.bits):
             raise TaskError("task field 'bits' differs from the encoding's modulus")
         unit = _str(body, "unit", UNITS)
         plan_steps = None
         if unit == "patient-idp":
-            if mode != MODE_SITE:
+            if not privacy.idp:
                 raise TaskError("unit patient-idp is a site-mode unit (docs/patient_privacy.md)")
             plan_steps = _int(body, "plan_steps", 1, 1 << 24)
         return cls(
@@ -231,14 +224,14 @@ class RoundTask:
             strategy=_str(body, "strategy", STRATEGIES) if "strategy" in body else "fedavg",
             local_steps=(_int(body, "local_steps", 1, 1 << 24)
                          if body.get("local_steps") is not None else None),
-            norm_bound=_norm_bound(body, mode),
+            norm_bound=_norm_bound(body, privacy),
             **_adaptive(body), **weighting)
 
 
-def _norm_bound(body: Mapping[str, Any], mode: str) -> float | None:
+def _norm_bound(body: Mapping[str, Any], privacy: PrivacyMode) -> float | None:
     if body.get("norm_bound") is None:
         return None
-    if mode != MODE_NONE or body.get("strategy", "fedavg") == "scaffold":
+    if not privacy.validated_rows or body.get("strategy", "fedavg") == "scaffold":
         raise TaskError("task field 'norm_bound' is for mode none with FedAvg or FedProx "
                         "(docs/protocol.md 10)")
     return _float(body, "norm_bound", 0, 1 << 40, low_open=True)
@@ -254,14 +247,12 @@ def secagg_bound(body: Mapping[str, Any], dim: int) -> SecaggBound:
     row ``[n x, n]`` in 64-bit fixed point, its weight last (:func:`fl.input_bound.fixed_bound`,
     the one place of that arithmetic). The coordinator and every site call this on the same
     public map, so both sides' ``Config`` (and session id) agree."""
-    from fl.input_bound import fixed_bound
-
     if body.get("norm_bound") is None:
         return None, None
-    bound = _norm_bound(body, _str(body, "mode", MODES))
-    assert bound is not None
+    privacy = privacy_mode(_str(body, "mode", mode_names()), TaskError)
+    bound = _norm_bound(body, privacy)
     try:
-        return fixed_bound(bound, FixedPointCodec(dim).frac_bits, dim), dim - 1
+        return privacy.bound(SumEncoding(width=dim - 1, sites=1, norm_bound=bound))
     except ValueError as exc:
         raise TaskError(f"norm_bound: {exc}") from None
 
@@ -295,11 +286,6 @@ def round_task(settings: TrainSettings, plan: Plan, round_number: int, cohort: i
     return task
 
 
-def local_seed(seed: int, round_number: int, site_id: int) -> int:
-    """The seed of site ``site_id``'s shuffles in round ``round_number`` (public)."""
-    return (seed * 1_000_003 + round_number * 1009 + site_id) % (1 << 62)
-
-
 @dataclass(frozen=True)
 class Contribution:
     """A site's secure-aggregation input and the count it carries (for reports)."""
@@ -310,87 +296,51 @@ class Contribution:
     """SCAFFOLD: the site's next control variate, adopted if the round's sum includes it."""
 
 
-def cap_units(rows: F64, max_units: int | None) -> F64:
-    """At most ``max_units`` of a round's sampled units (the federation's bound, so the sum
-    cannot wrap): a larger sample keeps a uniformly random ``max_units`` of its rows (secret
-    coins), never a refusal -- whether a site takes part must not depend on how many of its
-    patients were sampled (docs/privacy.md section 1, "After the privacy gate")."""
-    if max_units is None or len(rows) <= max_units:
-        return rows
-
-    keep = np.random.default_rng(int.from_bytes(os.urandom(16), "big")).choice(
-        len(rows), size=max_units, replace=False)
-    return rows[np.sort(keep)]
-
-
 def site_input(trainer: Trainer, model: torch.nn.Module, task: RoundTask,
                site_id: int, control: F64 | None = None) -> Contribution:
-    """Site ``site_id``'s input for ``task`` at the global ``model`` (left unchanged);
+    """Site ``site_id``'s input for ``task`` at the global ``model`` (left unchanged): its
+    privacy mode's rows (:meth:`fl.modes.PrivacyMode.update`), encoded by the mode;
     ``control``: SCAFFOLD's server control variate (``task.strategy == "scaffold"``)."""
     layout = ParameterLayout.of(model)
-    if task.mode == MODE_DISTRIBUTED:
-        assert task.params is not None
-        weight = task.weight_of(site_id)  # refused before the data is touched
-        rows = cap_units(trainer.unit_gradients(model, sample_rate=task.sample_rate,
-                                                unit=task.unit), task.max_units)
-        vector = task.codec().encode(rows, weight=weight)
-        if task.clip_count:  # [||g_p|| <= C] per unit, with its noise share, in the same sum
-            norms = np.linalg.norm(rows, axis=1) if len(rows) else np.zeros(0)
-            vector = np.concatenate([vector, task.clipper().site_share(norms)])
-        return Contribution(vector, len(rows))
-    if task.mode == MODE_SITE:
-        delta = trainer.site_dp_update(
-            model, layout, noise_multiplier=task.noise_multiplier, clip_norm=task.clip_norm,
-            sample_rate=task.sample_rate, steps=task.steps, lr=task.lr, unit=task.unit,
-            expected_batch=task.expected_batch,
-            **({} if task.count_stddev is None else {
-                "target_quantile": task.target_quantile, "count_stddev": task.count_stddev}),
-            **({"round_number": task.round} if task.unit == "patient-idp" else {}))
-        weight = 1  # uniform: a site's count is not protected in site mode
-    elif task.strategy == "scaffold":
-        if control is None or not hasattr(trainer, "scaffold_update"):  # a remote site
-            raise TaskError("a SCAFFOLD round needs the server's control variate and a site "
-                            "that keeps its own (fl.site.Site: the simulated sites and the "
-                            "site role)")
-        own = getattr(trainer, "control", None)
-        own = np.zeros(layout.size) if own is None else own
-        delta, new_control = trainer.scaffold_update(
-            model, layout, server_control=control, epochs=task.local_epochs, lr=task.lr,
-            batch_size=task.batch_size, seed=local_seed(task.seed, task.round, site_id),
-            steps=task.local_steps)
-        weight = trainer.num_records
-        codec = FixedPointCodec(2 * layout.size + 1, bits=64, max_summands=task.cohort)
-        values = np.concatenate([delta, new_control - own])  # [delta_y, delta_c], weighted
-        return Contribution(encode_weighted(codec, values, weight), weight, new_control)
-    else:
-        steps = {} if task.local_steps is None else {"steps": task.local_steps}
-        delta = trainer.fedavg_update(model, layout, epochs=task.local_epochs, lr=task.lr,
-                                      batch_size=task.batch_size, mu=task.fedprox_mu,
-                                      seed=local_seed(task.seed, task.round, site_id), **steps)
-        weight = trainer.num_records
-    codec = FixedPointCodec(layout.size + 1, bits=64, max_summands=task.cohort)
-    if task.norm_bound is not None:  # the row clipped to the bound: a lower weight
-        from fl.input_bound import capped_weight
+    if task.strategy == "scaffold":
+        return _scaffold_input(trainer, model, layout, task, site_id, control)
+    privacy = task.privacy
+    update = privacy.update(trainer, model, layout, task, site_id)
+    vector = privacy.encode(task.encoding(layout.size), update.rows, update.weight)
+    if task.clip_count:  # [||g_p|| <= C] per unit, with its noise share, in the same sum
+        rows = update.rows
+        norms = np.linalg.norm(rows, axis=1) if len(rows) else np.zeros(0)
+        vector = np.concatenate([vector, task.clipper().site_share(norms)])
+    return Contribution(vector, update.counted)
 
-        return Contribution(encode_weighted(codec, delta, capped_weight(
-            weight, delta, task.norm_bound)), weight)
-    return Contribution(encode_weighted(codec, delta, weight), weight)
+
+def _scaffold_input(trainer: Trainer, model: torch.nn.Module, layout: ParameterLayout,
+                    task: RoundTask, site_id: int, control: F64 | None) -> Contribution:
+    """SCAFFOLD (mode none): ``[n_k delta_y, n_k delta_c, n_k]`` and the site's next
+    control variate."""
+    if control is None or not hasattr(trainer, "scaffold_update"):  # a remote site
+        raise TaskError("a SCAFFOLD round needs the server's control variate and a site "
+                        "that keeps its own (fl.site.Site: the simulated sites and the "
+                        "site role)")
+    own = getattr(trainer, "control", None)
+    own = np.zeros(layout.size) if own is None else own
+    delta, new_control = trainer.scaffold_update(
+        model, layout, server_control=control, epochs=task.local_epochs, lr=task.lr,
+        batch_size=task.batch_size, seed=local_seed(task.seed, task.round, site_id),
+        steps=task.local_steps)
+    weight = trainer.num_records
+    codec = FixedPointCodec(2 * layout.size + 1, bits=64, max_summands=task.cohort)
+    values = np.concatenate([delta, new_control - own])  # [delta_y, delta_c], weighted
+    return Contribution(encode_weighted(codec, values, weight), weight, new_control)
 
 
 def decoder(task: RoundTask, model_dim: int) -> Decoder:
-    """``(sum, number of included sites) -> (averaged update, count)`` for ``task``."""
-    if task.params is not None:
-        codec = task.codec()
-
-        def decode_distributed(total: U64, included: int) -> tuple[F64, float]:
-            update = np.asarray(total)[:codec.encoded_dim]  # the clip count follows it
-            mean_gradient, count = noisy_mean(codec, update, included)
-            return -mean_gradient, count
-
-        return decode_distributed
-    width = 2 * model_dim if task.strategy == "scaffold" else model_dim  # [delta_y, delta_c]
-    fixed = FixedPointCodec(width + 1, bits=64, max_summands=task.cohort)
-    return lambda total, included: decode_weighted(fixed, total)
+    """``(sum, number of included sites) -> (averaged update, count)`` for ``task``: its
+    privacy mode's decode (:meth:`fl.modes.PrivacyMode.decode`)."""
+    if task.strategy == "scaffold":  # [delta_y, delta_c]
+        fixed = FixedPointCodec(2 * model_dim + 1, bits=64, max_summands=task.cohort)
+        return lambda total, included: decode_weighted(fixed, total)
+    return partial(task.privacy.decode, task.encoding(model_dim))
 
 
 # -- the feature scaler's secure sum -------------------------------------------------------
@@ -415,25 +365,6 @@ def scaler_from_sum(total: U64, num_features: int, sites: int) -> Scaler:
 
 
 # -- task field validation ----------------------------------------------------------------
-def encoding_params(raw: Any, dim: int) -> EncodingParams:
-    """A task's distributed-DP encoding (``dim`` coordinates), every field checked."""
-    if not isinstance(raw, Mapping):
-        raise TaskError("task field 'params' must be a map")
-    try:
-        return EncodingParams(
-            dim=_int(raw, "dim", dim, dim),
-            clip_norm=_float(raw, "clip_norm", low_open=True),
-            scale=_float(raw, "scale", low_open=True),
-            bits=_int(raw, "bits", MIN_BITS, MAX_BITS),
-            noise_stddev=_float(raw, "noise_stddev"),
-            rotation_seed=_int(raw, "rotation_seed", 0, (1 << 63) - 1),
-            mechanism=_str(raw, "mechanism", mechanisms.names()),
-            beta=_float(raw, "beta", 0, 1),
-            threshold=_int(raw, "threshold", 1, 1 << 16))
-    except ValueError as exc:
-        raise TaskError(f"invalid distributed-DP parameters: {exc}") from None
-
-
 def adapt_clip(clipper: QuantileClipper, total: U64, included: int, units: float) -> float:
     """Adaptive clipping's step from a distributed round's sum: the noised count is its last
     coordinate (:meth:`RoundTask.encoded_dim`), ``units`` the round's noised unit count

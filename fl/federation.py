@@ -36,6 +36,7 @@ from fl.contribution import scaler_from_sum, scaler_input
 from fl.coordinator import Coordinator, RoundCapture, evaluate
 from fl.data import Table, dirichlet_split, load_csv, load_dataset, split_patients
 from fl.models import make_model
+from fl.modes import own_share
 from fl.plan import idp as fl_idp
 from fl.plan import scaler as plan_scaler
 from fl.plan import weights as site_weights
@@ -49,7 +50,6 @@ from fl.plan.privacy import (
 )
 from fl.settings import TrainSettings
 from fl.site import private_scaler
-from fl.site.core import own_share
 from fl.site.training import Scaler, Site
 from fl.survival import evaluate_cox
 from fl.vector import ParameterLayout
@@ -186,7 +186,7 @@ def site_charge(authenticated: bool) -> Callable[[EncodingParams], EncodingParam
     """How the sites of a multi-machine run charge a distributed release
     (:func:`fl.site.core.charged_proposal`): every share of the noise it is calibrated to
     when the roster is authenticated by the operators' own keys (``--peer-keys``), else the
-    site's own share only (:func:`fl.site.core.own_share`: the coordinator could fill the
+    site's own share only (:func:`fl.modes.own_share`: the coordinator could fill the
     rest of the round with sites it simulates). ``--role all`` simulates its sites and
     counts every share (None)."""
     return None if authenticated else own_share

@@ -35,16 +35,23 @@ import numpy as np
 import numpy.typing as npt
 
 from dp import MODE_DISTRIBUTED, MODE_NONE, EncodingParams, Event, SitePolicy, mechanisms
-from fl.codec import (
-    DistributedCodec,
-    FixedPointCodec,
-    decode_weighted,
-    encode_weighted,
-)
+from fl.codec import FixedPointCodec
 from fl.errors import FLError
-from fl.input_bound import bits_for, capped_weight, dp_bound, fixed_bound
+from fl.input_bound import bits_for
+from fl.modes import (
+    ENCODING_KEYS,
+    ModeError,
+    PrivacyMode,
+    SumEncoding,
+    encoding_fields,
+    mode_names,
+    own_share,
+    privacy_mode,
+    read_encoding,
+)
+from fl.modes import DpSpec as DpSpec  # the setup's encoding, said here too
 from fl.plan.privacy import DistributedPlan, distributed_plan
-from fl.site.core import SecureSum, charged_proposal, own_share
+from fl.site.core import SecureSum, charged_proposal
 from fl.vector import ArraySpec
 from secagg import (
     MAX_BITS,
@@ -63,9 +70,10 @@ U64 = npt.NDArray[np.uint64]
 VERSION = 2
 """The setup's wire version (2: the privacy mode named as :data:`dp.policy.MODES` names it,
 key ``mode``; version 1 said ``encoding``, ``fixed``/``ddp``)."""
-SETUP_MODES = (MODE_NONE, MODE_DISTRIBUTED)
-"""The privacy modes a round setup runs (of :data:`dp.policy.MODES`; site DP needs the
-site role's per-patient training, :class:`fl.contribution.RoundTask`)."""
+SETUP_MODES = mode_names(in_setup=True)
+"""The built-in privacy modes a round setup runs (of :data:`dp.policy.MODES`; site DP needs
+the site role's per-patient training, :class:`fl.contribution.RoundTask`); a mode registered
+later (:func:`fl.modes.register`) with ``in_setup`` runs too."""
 MAX_ARRAYS = 1 << 12
 MAX_DIM = 1 << 28
 MAX_SETUP_BYTES = 1 << 22
@@ -74,21 +82,6 @@ DTYPES = ("float16", "float32", "float64")
 
 class SetupError(FLError, ValueError):
     """A round setup is malformed or unsafe; the node refuses the round."""
-
-
-@dataclass(frozen=True)
-class DpSpec:
-    """The public parameters of :class:`dp.encoding.EncodingParams` for one round (the
-    model dimension plus one count column is implied by the array layout)."""
-
-    clip_norm: float
-    scale: float
-    bits: int
-    noise_stddev: float
-    rotation_seed: int
-    mechanism: str
-    beta: float
-    threshold: int
 
 
 @dataclass(frozen=True)
@@ -105,7 +98,8 @@ class RoundSetup:
     metrics: tuple[str, ...]
     weight_key: str
     mode: str
-    """The round's privacy mode, one of :data:`SETUP_MODES`."""
+    """The round's privacy mode: a registered :class:`fl.modes.PrivacyMode` that a setup
+    runs (:data:`SETUP_MODES`)."""
     frac_bits: int = 0
     dp: DpSpec | None = None
     dropout_rate: float = 0.0
@@ -140,18 +134,34 @@ class RoundSetup:
         return self.roster[client_id - 1]
 
     @property
-    def input_bound(self) -> int | None:
-        """The integer L2 bound every site proves (``secagg.Config(norm_bound=)``) from
-        :attr:`norm_bound` and the encoding (:mod:`fl.input_bound`); None: no validation."""
-        if self.norm_bound is None:
-            return None
+    def privacy(self) -> PrivacyMode:
+        """The round's privacy mode (:mod:`fl.modes`)."""
+        mode = privacy_mode(self.mode, SetupError)
+        if not mode.in_setup:
+            raise SetupError(f"privacy mode {self.mode!r}: a round setup runs one of "
+                             f"{mode_names(in_setup=True)}")
+        return mode
+
+    def encoding(self) -> SumEncoding:
+        """How this round's rows become the integers a node masks: one row per node,
+        ``[arrays, metrics]`` and its weight (fixed point), or the noised mode's encoding."""
+        return SumEncoding(width=self.model_dim + len(self.metrics), sites=self.num_clients,
+                           bits=self.bits, frac_bits=self.frac_bits,
+                           params=dp_params(self) if self.dp is not None else None,
+                           norm_bound=self.norm_bound)
+
+    def _bound(self) -> tuple[int | None, int | None]:
         try:
-            if self.mode == MODE_DISTRIBUTED:
-                return dp_bound(dp_params(self))
-            return fixed_bound(self.norm_bound, self.frac_bits,
-                               self.model_dim + len(self.metrics) + 1)
+            return self.privacy.bound(self.encoding())
         except ValueError as exc:
             raise SetupError(f"norm_bound: {exc}") from None
+
+    @property
+    def input_bound(self) -> int | None:
+        """The integer L2 bound every site proves (``secagg.Config(norm_bound=)``) from
+        :attr:`norm_bound` and the encoding (:meth:`fl.modes.PrivacyMode.bound`); None: no
+        validation."""
+        return self._bound()[0]
 
     def config(self, dim: int) -> Config:
         """The secagg configuration (``dim`` is the encoded length, see fl.flower.encoding)."""
@@ -159,10 +169,9 @@ class RoundSetup:
         rates: dict[str, Any] = ({} if self.neighbors is None else
                                  {"dropout_rate": self.dropout_rate,
                                   "corrupt_rate": self.corrupt_rate})
-        bound = self.input_bound
         # fixed point with a bound: the row's last coordinate, its weight, is proved
         # non-negative too (docs/protocol.md 10.7); a distributed-DP row is rotated
-        weight = (dim - 1 if bound is not None and self.mode != MODE_DISTRIBUTED else None)
+        bound, weight = self._bound()
         try:
             return Config(num_clients=self.num_clients, threshold=self.threshold, dim=dim,
                           bits=self.bits, neighbors=self.neighbors, security=self.security,
@@ -188,9 +197,7 @@ class RoundSetup:
             "arrays": [[s.name, list(s.shape), s.dtype] for s in self.arrays],
             "metrics": list(self.metrics), "weight": self.weight_key,
             "mode": self.mode, "frac_bits": self.frac_bits,
-            "dp": None if self.dp is None else [
-                self.dp.clip_norm, self.dp.scale, self.dp.bits, self.dp.noise_stddev,
-                self.dp.rotation_seed, self.dp.mechanism, self.dp.beta, self.dp.threshold],
+            "dp": None if self.dp is None else list(encoding_fields(self.dp).values()),
             "rates": [self.dropout_rate, self.corrupt_rate],
             "vk": list(self.verify_keys),
         }
@@ -240,9 +247,10 @@ class RoundSetup:
         if weight in metrics:
             raise SetupError("the weight key cannot also be an averaged metric")
         mode = _str(body, "mode")
-        if mode not in SETUP_MODES:
+        if mode not in mode_names(in_setup=True):
             raise SetupError(f"privacy mode {mode!r}: a round setup runs one of "
-                             f"{SETUP_MODES}")
+                             f"{mode_names(in_setup=True)}")
+        privacy = privacy_mode(mode, SetupError)
         security = _str(body, "security")
         if security not in SECURITY_MODES:
             raise SetupError(f"security {security!r}: use one of {SECURITY_MODES}")
@@ -257,12 +265,13 @@ class RoundSetup:
             raise SetupError("a semi-honest setup carries no verify keys")
         k = _int(body, "k", 0, fields.MAX_ROSTER)
         frac_bits = _int(body, "frac_bits", 0, 62)
-        dp = _dp_spec(body.get("dp")) if mode == MODE_DISTRIBUTED else None
-        if mode == MODE_DISTRIBUTED and metrics:
+        dp = (_dp_spec(body.get("dp"), sum(s.size for s in specs) + 1) if privacy.noised
+              else None)
+        if privacy.noised and metrics:
             raise SetupError("metrics cannot be averaged under distributed DP (they carry "
                              "no noise); send none")
-        if mode == MODE_NONE and body.get("dp") is not None:
-            raise SetupError("an exact-sum round (mode none) carries no DP parameters")
+        if not privacy.noised and body.get("dp") is not None:
+            raise SetupError(f"an exact-sum round (mode {mode}) carries no DP parameters")
         if dp is not None and dp.bits != _int(body, "bits", MIN_BITS, MAX_BITS):
             raise SetupError("the DP encoding's modulus (dp bits) must be the secure sum's "
                              "(bits): a sum over a wider modulus than the encoding's does not "
@@ -324,17 +333,14 @@ def _array_spec(item: object) -> ArraySpec:
     return ArraySpec(name, tuple(shape), dtype)
 
 
-def _dp_spec(item: object) -> DpSpec:
-    if not isinstance(item, list) or len(item) != 8:
-        raise SetupError("a distributed-DP round needs its 8 encoding parameters")
-    dp = dict(zip(("clip_norm", "scale", "bits", "noise_stddev", "rotation_seed",
-                   "mechanism", "beta", "threshold"), item, strict=True))
-    return DpSpec(_float(dp, "clip_norm", 0.0, low_open=True),
-                  _float(dp, "scale", 0.0, low_open=True), _int(dp, "bits", MIN_BITS, MAX_BITS),
-                  _float(dp, "noise_stddev", 0.0), _int(dp, "rotation_seed", 0, (1 << 63) - 1),
-                  fields.text(dp, "mechanism", mechanisms.names(), error=SetupError,
-                              what="DP parameter"),
-                  _float(dp, "beta", 0.0, 0.999999), _int(dp, "threshold", 1, fields.MAX_ROSTER))
+def _dp_spec(item: object, dim: int) -> DpSpec:
+    """The setup's encoding: :func:`fl.modes.read_encoding` of its wire list (the
+    :data:`fl.modes.ENCODING_KEYS` in order) for ``dim`` coordinates."""
+    if not isinstance(item, list) or len(item) != len(ENCODING_KEYS):
+        raise SetupError(f"a distributed-DP round needs its {len(ENCODING_KEYS)} encoding "
+                         "parameters")
+    return DpSpec.of(read_encoding(dict(zip(ENCODING_KEYS, item, strict=True)), dim,
+                                   error=SetupError, what="DP parameter"))
 
 
 # --- a site's arrays <-> its secagg vector (both sides call these) -----------------------
@@ -350,17 +356,23 @@ class ReplyError(FLError, ValueError):
 
 
 def _fixed(setup: RoundSetup) -> FixedPointCodec:
-    dim = setup.model_dim + len(setup.metrics) + 1
+    """A fixed-point round's codec (:class:`SetupError` when it cannot hold the round)."""
+    codec = _codec(setup)
+    if not isinstance(codec, FixedPointCodec):
+        raise SetupError(f"a round in mode {setup.mode} is not a fixed-point sum")
+    return codec
+
+
+def _codec(setup: RoundSetup) -> Any:
     try:
-        return FixedPointCodec(dim, bits=setup.bits, frac_bits=setup.frac_bits,
-                               max_summands=setup.num_clients)
+        return setup.privacy.codec(setup.encoding())
     except ValueError as exc:
-        raise SetupError(f"fixed-point parameters: {exc}") from None
+        raise SetupError(f"{setup.mode} encoding parameters: {exc}") from None
 
 
 def validate_fixed(setup: RoundSetup) -> None:
-    """Refuse (:class:`SetupError`) fixed-point parameters that cannot hold the round."""
-    _fixed(setup)
+    """Refuse (:class:`SetupError`) encoding parameters that cannot hold the round."""
+    _codec(setup)
 
 
 def dp_params(setup: RoundSetup) -> EncodingParams:
@@ -368,42 +380,30 @@ def dp_params(setup: RoundSetup) -> EncodingParams:
     if spec is None:
         raise SetupError("a distributed-DP round carries no DP parameters")
     try:
-        return EncodingParams(dim=setup.model_dim + 1, clip_norm=spec.clip_norm,
-                              scale=spec.scale, bits=spec.bits, noise_stddev=spec.noise_stddev,
-                              rotation_seed=spec.rotation_seed,
-                              mechanism=spec.mechanism,
-                              beta=spec.beta, threshold=spec.threshold)
+        return spec.params(setup.model_dim + 1)
     except ValueError as exc:
         raise SetupError(f"distributed-DP parameters: {exc}") from None
 
 
 def encoded_dim(setup: RoundSetup) -> int:
     """The length of the secagg vector of this round."""
-    if setup.mode == MODE_DISTRIBUTED:
-        return dp_params(setup).encoded_dim
-    return setup.model_dim + len(setup.metrics) + 1
+    return int(_codec(setup).encoded_dim)
 
 
 def encode_reply(setup: RoundSetup, arrays: F64, metrics: dict[str, float], weight: float,
                  sent: F64 | None) -> U64:
-    """A node's secagg input. ``sent`` is the flattened arrays the server sent (distributed
-    DP only)."""
-    if setup.mode == MODE_DISTRIBUTED:
-        if sent is None or sent.shape != arrays.shape:
-            raise ReplyError("a distributed-DP round needs the arrays the server sent, in "
-                             "the reply's layout")
-        codec = DistributedCodec(dp_params(setup))
-        return codec.encode((arrays - sent)[None, :], noise=True)
-    if not (np.isfinite(weight) and weight > 0):
-        raise ReplyError(f"the weight {setup.weight_key!r} must be a positive number, got "
-                         f"{weight!r}")
-    values = [metrics[name] for name in setup.metrics]
-    # no d-sized concatenation when there are no metrics
-    row = np.concatenate([arrays, np.asarray(values, dtype=np.float64)]) if values else arrays
-    if setup.norm_bound is not None:  # the row clipped to the bound: a lower weight
-        weight = capped_weight(weight, row, setup.norm_bound)
+    """A node's secagg input: its mode's row of the reply (:meth:`fl.modes.PrivacyMode.reply`;
+    ``sent``: the flattened arrays the server sent, for a mode that encodes the update
+    relative to them), encoded (:meth:`fl.modes.PrivacyMode.encode`)."""
+    privacy = setup.privacy
+    values = np.asarray([metrics[name] for name in setup.metrics], dtype=np.float64)
     try:
-        return encode_weighted(_fixed(setup), row, weight)
+        rows = privacy.reply(arrays, values, weight, sent)
+    except ModeError as exc:
+        raise ReplyError(str(exc)) from None
+    encoding = setup.encoding()
+    try:
+        return privacy.encode(encoding, rows.rows, rows.weight)
     except ValueError as exc:
         raise ReplyError(str(exc)) from None
 
@@ -417,15 +417,15 @@ def decode_sum(setup: RoundSetup, total: U64, included: int, sent: F64
     adds one row: the server knows that number, so dividing by the row's noisy count, which
     can be near zero when few nodes carry much noise, would only add error), and the noisy
     count (floored at one)."""
-    if setup.mode == MODE_DISTRIBUTED:
-        sums, count = DistributedCodec(dp_params(setup)).decode(total, included)
-        return sent + sums / max(included, 1), {}, max(count, 1.0)
+    privacy = setup.privacy
     try:
-        averages, weight = decode_weighted(_fixed(setup), total)
+        averages, weight = privacy.decode(setup.encoding(), total, included)
     except ValueError as exc:
         raise ReplyError(str(exc)) from None
     d = setup.model_dim
     metrics = {name: float(averages[d + i]) for i, name in enumerate(setup.metrics)}
+    if privacy.relative:  # the mean update, added to what was sent; a noisy count >= 1
+        return sent + averages[:d], metrics, max(weight, 1.0)
     return averages[:d], metrics, weight
 
 
@@ -437,13 +437,10 @@ def round_release(setup: RoundSetup) -> Callable[[SitePolicy], SecureSum]:
     a whole, which bounds every patient's and every record's influence by the replace-one
     sensitivity (twice the clip): the release is per the policy's unit (patient or record),
     charged at that sensitivity."""
-    params = dp_params(setup) if setup.mode == MODE_DISTRIBUTED else None
-    if params is None:
-        validate_fixed(setup)
-    # the node's whole update is one clipped row: one patient (or record) can move it
-    # anywhere in the clip ball, so it is charged at the replace-one sensitivity (twice the
-    # row's bound), not the add/remove one of the site role's one-row-per-patient sums
-    charged = None if params is None else params.replace_one()
+    validate_fixed(setup)
+    # the node's whole update is one clipped row: a noised mode charges it at the
+    # replace-one sensitivity (twice the row's bound, fl.modes.PrivacyMode.released)
+    charged = setup.privacy.released(None if setup.dp is None else dp_params(setup))
 
     def release(policy: SitePolicy) -> SecureSum:
         unit = policy.unit if policy.unit in ("patient", "record") else "patient"
@@ -621,8 +618,7 @@ def with_distributed_dp(setup: RoundSetup, plan: DistributedPlan, domain: bytes
     would carry no noise); the rotation seed is drawn from the round's nonce."""
     p = plan.params
     rotation = int.from_bytes(hashlib.sha256(domain + setup.nonce).digest()[:8], "big") >> 1
-    dp = DpSpec(p.clip_norm, p.scale, p.bits, p.noise_stddev, rotation, p.mechanism,
-                p.beta, p.threshold)
+    dp = replace(DpSpec.of(p), rotation_seed=rotation)
     return replace(setup, mode=MODE_DISTRIBUTED, frac_bits=0, dp=dp, bits=p.bits,
                    metrics=())
 

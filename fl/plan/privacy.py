@@ -47,7 +47,7 @@ from dp import (
     rdp_to_epsilon,
 )
 from fl.codec import DistributedCodec
-from fl.site.core import counted_count_stddev
+from fl.modes import counted_count_stddev
 
 Event = GaussianRound | RdpRound
 
@@ -270,7 +270,7 @@ def counted_clipper(clipper: QuantileClipper | None, counted: EncodingParams
                     ) -> QuantileClipper | None:
     """``clipper`` as the budget counts its clip count's noise beside the update's
     ``counted`` encoding: as many of the equal shares as the update's noise
-    (:func:`fl.site.core.counted_count_stddev`)."""
+    (:func:`fl.modes.counted_count_stddev`)."""
     if clipper is None or counted.threshold == clipper.threshold:
         return clipper
     return replace(clipper, threshold=counted.threshold, count_stddev=counted_count_stddev(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,7 @@ from dp import MODE_NONE, EncodingParams, choose_bits, event_json, event_to_json
 from fl import checkpoint as ckpt
 from fl.data import Table
 from fl.models import make_model
+from fl.modes import encoding_fields
 from fl.plan.privacy import DEFAULT_MAX_UNITS, restore_budget
 from fl.settings import TrainSettings
 from fl.site.private_scaler import Bounds
@@ -238,7 +239,7 @@ def release_record(plan: ScalerPlan, included: list[int], epsilon_before: float,
 
 # -- the plan on the wire (multi-machine: the coordinator's blob, validated by each site) --
 def to_wire(plan: ScalerPlan) -> dict[str, Any]:
-    return {"params": {k: v for k, v in asdict(plan.params).items() if k != "encoded_dim"},
+    return {"params": encoding_fields(plan.params, with_dim=True),
             "low": plan.bounds.low.tolist(), "high": plan.bounds.high.tolist(),
             "unit": plan.unit, "epsilon_target": plan.epsilon_target}
 

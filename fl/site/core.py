@@ -22,17 +22,15 @@ check added here holds in every runtime. Nothing here imports torch or a runtime
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeGuard
+from typing import TYPE_CHECKING
 
 from dp import (
     MODE_DISTRIBUTED,
     MODE_NONE,
-    MODE_SITE,
     Charge,
     EncodingParams,
     Ledger,
@@ -43,6 +41,7 @@ from dp import (
     SitePolicy,
     check_delta,
 )
+from fl.modes import Release, privacy_mode
 from secagg.graph import check_pair, complete_graph_threshold
 
 if TYPE_CHECKING:
@@ -65,112 +64,28 @@ class SecureSum:
         return MODE_NONE if self.params is None else MODE_DISTRIBUTED
 
 
-class Release(Protocol):
-    """What a round's task tells a site's policy, whoever sent it: a
-    :class:`fl.contribution.RoundTask`, a :class:`SecureSum` or a
-    :class:`fl.site.private_scaler.ScalerPlan`. ``unit``, ``kind`` and ``count_stddev`` are
-    read when present (default ``patient``, ``train``, None)."""
-
-    @property
-    def mode(self) -> str: ...
-
-    @property
-    def sample_rate(self) -> float: ...
-
-    @property
-    def params(self) -> EncodingParams | None: ...
-
-
-class SiteDpRelease(Release, Protocol):
-    """A site-mode task (``mode == "site"``): DP-SGD at the site."""
-
-    @property
-    def steps(self) -> int: ...
-
-    @property
-    def noise_multiplier(self) -> float: ...
-
-    @property
-    def clip_norm(self) -> float: ...
-
-
-def _site_dp(task: Release) -> TypeGuard[SiteDpRelease]:
-    return task.mode == MODE_SITE
-
-
-def _encoding(task: Release) -> EncodingParams:
-    """A distributed task's encoding (a task without one is malformed)."""
-    if task.params is None:
-        raise PrivacyConfigError("a distributed task carries its encoding (params)")
-    return task.params
-
-
 def site_proposal(task: Release | None, *, secagg_threshold: int, label: str = "",
                   idp: SiteIdp | None = None) -> Proposal:
     """What a round's task (:class:`fl.contribution.RoundTask`, a :class:`SecureSum`, None for
     the feature statistics' exact sum, a :class:`fl.site.private_scaler.ScalerPlan` for their noised
-    sum) asks this site to release, as its policy sees it. ``idp``: under ``--unit
-    patient-idp`` the site's *own* plan and grouping for the task (:class:`fl.site.idp.SiteIdp`),
-    whose rate groups are charged each their own cost; without one such a task is
-    refused."""
+    sum) asks this site to release, as its policy sees it: its privacy mode's proposal
+    (:meth:`fl.modes.PrivacyMode.proposal`). ``idp``: under ``--unit patient-idp`` the site's
+    *own* plan and grouping for the task (:class:`fl.site.idp.SiteIdp`), whose rate groups are
+    charged each their own cost; without one such a task is refused."""
     if task is None:
         return Proposal.exact("scaler", secagg_threshold=secagg_threshold, label=label)
-    unit = getattr(task, "unit", "patient")  # the unit the task clips and sums over
-    if unit == "patient-idp" and _site_dp(task):
-        if idp is None:
-            raise PolicyRefused("unit", "the round is computed per patient by individual "
-                                "sampling rates (patient-idp); this site is not configured "
-                                "for it (its operator's --unit)")
-        return Proposal.site_idp(idp.plan, steps=task.steps,
-                                 secagg_threshold=secagg_threshold, label=label,
-                                 patients=idp.groups.digest())
-    if _site_dp(task):
-        return Proposal.site_dp(noise_multiplier=task.noise_multiplier,
-                                sample_rate=task.sample_rate, steps=task.steps,
-                                clip_norm=task.clip_norm, secagg_threshold=secagg_threshold,
-                                count_stddev=getattr(task, "count_stddev", None), label=label,
-                                unit=unit)
-    if task.mode == MODE_DISTRIBUTED:  # a round, or the noised feature statistics (kind scaler)
-        return Proposal.distributed(_encoding(task), sample_rate=task.sample_rate,
-                                    secagg_threshold=secagg_threshold, label=label,
-                                    kind=getattr(task, "kind", "train"), unit=unit,
-                                    count_stddev=getattr(task, "count_stddev", None))
-    return Proposal.exact(getattr(task, "kind", "train"), secagg_threshold=secagg_threshold,
-                          label=label)
-
-
-def own_share(params: EncodingParams) -> EncodingParams:
-    """``params`` as a site counts them when the coordinator alone picks the roster: its own
-    noise share only (calibration threshold 1; :func:`lone_share`)."""
-    return replace(params, threshold=1)
-
-
-def counted_count_stddev(count_stddev: float, threshold: int, counted: int) -> float:
-    """The central stddev of a round's clip-count noise (adaptive clipping) calibrated to
-    ``threshold`` equal shares, as counted when only ``counted`` of them are certain (1: the
-    site's own share, :func:`lone_share`)."""
-    return count_stddev / math.sqrt(threshold / counted)
+    return privacy_mode(task.mode, PrivacyConfigError).proposal(
+        task, secagg_threshold=secagg_threshold, label=label, idp=idp)
 
 
 def lone_share(task: Release | None, proposal: Proposal) -> Proposal:
     """``proposal`` as a site must count it when the coordinator alone picks the roster: it
     may fill the round with sites it simulates (zero noise), so only this site's own share
-    of a distributed round's noise is certain -- the event and noise multiplier of
-    calibration threshold 1 (the policy's other rules still see the proposed thresholds).
-    Site-mode rounds (each site's update private on its own) and exact sums are unchanged.
-    """
-    if task is None or task.mode != MODE_DISTRIBUTED:
+    of a noised round's noise is certain (:meth:`fl.modes.PrivacyMode.lone`). Site-mode
+    rounds (each site's update private on its own) and exact sums are unchanged."""
+    if task is None:
         return proposal
-    count = getattr(task, "count_stddev", None)  # this site's own share of the count's
-    params = _encoding(task)
-    alone = Proposal.distributed(own_share(params),
-                                 sample_rate=task.sample_rate,
-                                 secagg_threshold=proposal.secagg_threshold,
-                                 label=proposal.label,
-                                 count_stddev=None if count is None else
-                                 counted_count_stddev(count, params.threshold, 1))
-    return replace(proposal, noise_multiplier=alone.noise_multiplier, event=alone.event,
-                   requested_noise_multiplier=proposal.noise_multiplier)
+    return privacy_mode(task.mode, PrivacyConfigError).lone(task, proposal)
 
 
 def charged_proposal(task: Release | None, *, secagg_threshold: int, label: str = "",

@@ -24,8 +24,9 @@ import numpy.typing as npt
 
 from dp import EncodingParams, RdpRound, distributed_event
 from fl.codec import DistributedCodec
-from fl.contribution import TaskError, encoding_params
+from fl.contribution import TaskError
 from fl.data import Table
+from fl.modes import read_encoding
 
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
@@ -118,7 +119,8 @@ def from_wire(body: object, num_features: int) -> ScalerPlan:
     :class:`fl.contribution.TaskError`); its cost is then the site's own to judge."""
     if not isinstance(body, dict):
         raise TaskError("task field 'noised' must be a map")
-    params = encoding_params(body.get("params"), 2 * num_features + 1)
+    params = read_encoding(body.get("params"), 2 * num_features + 1, error=TaskError,
+                           what="task field", with_dim=True)
     try:
         bounds = Bounds(np.asarray(body.get("low"), dtype=np.float64),
                         np.asarray(body.get("high"), dtype=np.float64))

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dp import MODE_DISTRIBUTED, Charge
+from dp import Charge
 from fl.errors import FLError
 from fl.round_setup import (
     RoundSetup,
@@ -239,7 +239,7 @@ class SiteSession:
             authenticated=setup.security == "malicious"),  # enrolled keys only
             previous, erase)
         return Joined(admitted.key, admitted.charge, setup, client_id,
-                      config, arrays if setup.mode == MODE_DISTRIBUTED else None, identity)
+                      config, arrays if setup.privacy.relative else None, identity)
 
     def admit(self, terms: Terms, previous: tuple[int, int | None] | None = None,
               erase: Callable[[], None] | None = None) -> Admitted:
