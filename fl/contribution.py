@@ -7,16 +7,10 @@ What a round asks of a site is one public :class:`RoundTask` (the multi-machine 
 sends it in the round's blob, :meth:`RoundTask.to_wire` / :meth:`RoundTask.from_wire`), so
 the privacy arithmetic cannot drift between the two modes.
 
-Per mode (the encodings are those of :mod:`fl.codec`):
-
-* ``none``: ``[n_k * delta_k, n_k]`` in 64-bit fixed point, ``delta_k`` after
-  ``local_epochs`` (or ``local_steps`` minibatches) of seeded SGD (FedProx if ``fedprox_mu >
-  0``): weighted FedAvg; SCAFFOLD: ``[n_k * delta_k, n_k * delta_c_k, n_k]``.
-* ``site``: ``[delta_k, 1]``: the update is DP-SGD-private at the site (Opacus), and the
-  count coordinate carries only the number of sites (an exact record count is not private).
-* ``distributed``: per sampled unit ``[g_p clipped, gamma]`` through the integer encoder
-  with the site's noise share (:class:`fl.codec.DistributedCodec`); the decoded sum is
-  ``-sum g / noisy count``.
+Per mode, what a site computes and encodes and how the sum is decoded is the mode's object
+(:mod:`fl.modes`: :meth:`~fl.modes.PrivacyMode.update`, ``encode``, ``decode``); this module
+adds SCAFFOLD's control variates (a strategy of mode ``none``) and distributed DP's clip
+count (adaptive clipping), which travel in the same sum.
 
 The feature scaler's secure sum (:func:`scaler_input`, :func:`scaler_from_sum`) lives here
 for the same reason.
