@@ -16,6 +16,7 @@ from dp import EncodingParams, Proposal
 from fl.codec import (
     DistributedCodec,
     FixedPointCodec,
+    UInt,
     decode_weighted,
     encode_weighted,
 )
@@ -215,7 +216,7 @@ class PrivacyMode:
     def encoded_dim(self, enc: SumEncoding) -> int:
         return self.codec(enc).encoded_dim
 
-    def encode(self, enc: SumEncoding, rows: F64, weight: float) -> U64:
+    def encode(self, enc: SumEncoding, rows: F64, weight: float) -> UInt:
         """A fixed-point mode's row ``[w x, w]`` (``w`` lowered to input validation's bound
         when there is one)."""
         codec = self.codec(enc)
@@ -223,7 +224,7 @@ class PrivacyMode:
         row = np.asarray(rows, dtype=np.float64).reshape(-1)
         if enc.norm_bound is not None:
             weight = capped_weight(weight, row, enc.norm_bound)
-        return np.asarray(encode_weighted(codec, row, weight), dtype=np.uint64)
+        return encode_weighted(codec, row, weight)  # in the sum's natural width
 
     def decode(self, enc: SumEncoding, total: U64, included: int) -> tuple[F64, float]:
         """The weighted mean of the summed rows and the summed weight."""
