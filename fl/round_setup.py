@@ -453,7 +453,7 @@ def charged_params(params: EncodingParams, security: str) -> EncodingParams:
     """The encoding ``params`` as a node's ledger charges a round that carries it: the
     replace-one sensitivity of its one row (:func:`round_release`) and, unless the roster is
     authenticated (``security="malicious"``, every key enrolled), its own noise share only
-    (:func:`fl.site.core.own_share`). What a server plans its noise for
+    (:func:`fl.modes.own_share`). What a server plans its noise for
     (:func:`round_plan`), so the epsilon it reports is each node's."""
     one_row = params.replace_one()
     return one_row if security == "malicious" else own_share(one_row)
