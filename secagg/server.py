@@ -10,6 +10,11 @@ aggregate.
 A rejected message raises ``ProtocolError`` and changes nothing. The exact same message
 twice is accepted once (QoS 1 redelivery); a different second message from one client in
 one stage is rejected. ``ProtocolAbort`` means the round cannot finish.
+
+This module is the state machine; beside it: the upload slots and each masked-input
+chunk's checks (``secagg/uploads.py``), the unmasking stage's recovery of the secrets and
+removal of the masks (``secagg/recovery.py``), the log of refusals
+(``secagg/rejections.py``) and the round nonce (``secagg/nonce.py``).
 """
 
 from __future__ import annotations
