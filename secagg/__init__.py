@@ -26,7 +26,8 @@ from .errors import (
 )
 from .graph import SECURITY_MODES, GraphParameters, secagg_plus_parameters
 from .messages import decode, encode
-from .server import AggregateResult, RoundNonce, Server
+from .nonce import RoundNonce
+from .server import AggregateResult, Server
 from .simulate import LocalRound, SimulationResult, simulate
 from .stage import Stage, round_stages
 

@@ -10,12 +10,16 @@ aggregate.
 A rejected message raises ``ProtocolError`` and changes nothing. The exact same message
 twice is accepted once (QoS 1 redelivery); a different second message from one client in
 one stage is rejected. ``ProtocolAbort`` means the round cannot finish.
+
+This module is the state machine; beside it: the upload slots and each masked-input
+chunk's checks (``secagg/uploads.py``), the unmasking stage's recovery of the secrets and
+removal of the masks (``secagg/recovery.py``), the log of refusals
+(``secagg/rejections.py``) and the round nonce (``secagg/nonce.py``).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 
@@ -24,12 +28,8 @@ import numpy as np
 from .config import Config
 from .crypto import (
     CryptoError,
-    KeyPair,
     check_public_key,
-    constant_time_equal,
     dtype_for_bits,
-    is_clamped,
-    self_mask_commitment,
     sha256,
     verify_signature,
 )
@@ -54,6 +54,9 @@ from .messages import (
     encode,
     peers_digest,
 )
+from .nonce import RoundNonce
+from .recovery import recover, unmask
+from .rejections import RejectionLog
 from .session import derive_session_id, normalize_roster, session_graph
 from .shamir import (
     PRIME,
@@ -65,59 +68,12 @@ from .transcripts import (
     advertisement_transcript,
     client_message_transcript,
     key_set_digest,
-    masked_input_hash,
     payload_digest,
     survivors_transcript,
     transcript,
 )
-from .unmasking import (
-    MaskJob,
-    reconstruct_verified,
-    remove_masks,
-    screen_shares,
-)
-from .uploads import DEFAULT_UPLOAD_BUDGET, Upload, Uploads
-
-
-class RejectionLog:
-    """``Server.rejected``: why the server refused each client's messages, one entry per
-    client (its latest reason, and how many were refused), most recent last.
-
-    Iterating gives ``(client id, latest reason)`` pairs (indexing too, ``log[-1]``);
-    ``count(cid)`` is how many of ``cid``'s messages were refused. The memory is bounded
-    by the roster, whatever a client sends: a flood of refused messages only moves its
-    entry to the end and adds to its count. Ids outside the roster (a caller handing the
-    server an unauthenticated id) share ``spare`` further entries, the oldest evicted."""
-
-    def __init__(self, roster: Iterable[int], spare: int = 16) -> None:
-        self._limit = len(frozenset(roster)) + spare
-        self._latest: dict[int, str] = {}
-        self._counts: dict[int, int] = {}
-
-    def append(self, entry: tuple[int, str]) -> None:
-        cid, reason = entry
-        self._latest.pop(cid, None)  # re-inserted: the most recent comes last
-        self._latest[cid] = reason
-        self._counts[cid] = self._counts.get(cid, 0) + 1
-        while len(self._latest) > self._limit:
-            oldest = next(iter(self._latest))
-            del self._latest[oldest], self._counts[oldest]
-
-    def count(self, client_id: int) -> int:
-        """How many of ``client_id``'s messages were refused (0: none, or evicted)."""
-        return self._counts.get(client_id, 0)
-
-    def __iter__(self) -> Iterator[tuple[int, str]]:
-        return iter(list(self._latest.items()))
-
-    def __len__(self) -> int:
-        return len(self._latest)
-
-    def __getitem__(self, index: int) -> tuple[int, str]:
-        return list(self._latest.items())[index]
-
-    def __repr__(self) -> str:
-        return f"RejectionLog({[(c, self._counts[c], r) for c, r in self._latest.items()]})"
+from .unmasking import MaskKeys
+from .uploads import DEFAULT_UPLOAD_BUDGET, Uploads
 
 
 @dataclass(frozen=True)
@@ -142,51 +98,6 @@ class AggregateResult:
     corrupt_shares: Mapping[int, frozenset[int]] = field(default_factory=dict)
     unattributable: frozenset[int] = frozenset()
     refused: Mapping[int, str] = field(default_factory=dict)
-
-
-class RoundNonce:
-    """A round's nonce N (docs/protocol.md 5.7): 32 bytes drawn from ``os.urandom`` when it
-    is made, taken by one :class:`Server` only.
-
-    A host that builds the round's public setup before its :class:`Server` (the setup
-    carries N to the clients) draws one, relays :attr:`value`, and hands the object to
-    ``Server(nonce=...)``. There is no way to make one from given bytes, and a second
-    ``Server`` given the same object is refused, so no host can run two rounds under one N
-    (a recorded advertisement verifies only under its own N). It cannot be pickled or
-    copied into another one: relay :attr:`value`.
-    """
-
-    __slots__ = ("_taken", "_value")
-
-    def __init__(self) -> None:
-        self._value = os.urandom(32)
-        self._taken = False
-
-    @property
-    def value(self) -> bytes:
-        """N, for the host to relay to the clients (in the round's setup)."""
-        return self._value
-
-    def take(self) -> bytes:
-        """N, once: the second call raises ``ValueError`` (the nonce was used)."""
-        if self._taken:
-            raise ValueError("this RoundNonce was already taken by a Server: a nonce is "
-                             "single-use; draw a new RoundNonce() for every round")
-        self._taken = True
-        return self._value
-
-    def __copy__(self) -> RoundNonce:
-        return self  # a copy would be a second use of the same N
-
-    def __deepcopy__(self, memo: object) -> RoundNonce:
-        return self
-
-    def __reduce__(self) -> tuple[object, ...]:
-        raise TypeError("a RoundNonce is not pickled or stored: relay its .value; the "
-                        "Server takes the object itself")
-
-    def __repr__(self) -> str:
-        return f"RoundNonce({'taken' if self._taken else 'fresh'})"
 
 
 class Server:
@@ -221,7 +132,7 @@ class Server:
         self._threshold: int = config.threshold
         self._vector_bytes = config.dim * dtype_for_bits(config.bits).itemsize
         # the masked inputs: the upload slots, the pending streams and the sum
-        self._uploads = Uploads(config.dim, dtype_for_bits(config.bits), upload_budget)
+        self._uploads = Uploads(config.dim, config.bits, upload_budget)
         self.upload_slots = self._uploads.slots
         """How many senders may stream a masked input at once (``grant_uploads``)."""
         self._stage = Stage.ADVERTISE_KEYS
@@ -249,18 +160,13 @@ class Server:
         self._survivors: frozenset[int] = frozenset()
         self._requests: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
         self._signatures: dict[int, bytes] = {}
-        self._seed_shares: dict[int, dict[int, int]] = {}
-        self._key_shares: dict[int, dict[int, int]] = {}
         self.result: AggregateResult | None = None
-        self._suspects: set[int] = set()
-        self._unattributable: set[int] = set()
         self.aborted: ProtocolAbort | None = None
         # input validation (docs/protocol.md 10): each verified client's input commitment,
         # the digest of its proof message, and who was refused and why
         self._commitments: dict[int, object] = {}
         self._proof_digests: dict[int, bytes] = {}
         self.refused: dict[int, str] = {}
-        self._blinding = 0
         if config.norm_bound is not None:
             from .validation import available
             from .validation.group import ValidationUnavailable
@@ -531,81 +437,34 @@ class Server:
 
     def _take_masked(self, cid: int, msg: MaskedInput | MaskedChunk, raw: bytes,
                      digest: bytes | None) -> bool:
-        """One chunk of a masked input (a ``MaskedInput`` is the chunk [0, dim)): checked
-        whole before anything changes, then held pending, and added to the sum only when
-        the sender's last chunk completes it. ``digest``: sha256(raw), if known."""
+        """One chunk of a masked input, to its upload (:meth:`Uploads.take` checks it and
+        adds the input to the sum when it is complete); the completed input goes into the
+        inbox. ``digest``: sha256(raw), if known."""
         cfg = self.config
         if cfg.norm_bound is not None and cid not in self._commitments:
             raise self._reject(cid, f"no verified input proof before the masked input "
                                     f"(the round has norm_bound={cfg.norm_bound}: "
                                     f"docs/protocol.md 10)")
-        if msg.bits != cfg.bits or msg.dim != cfg.dim:
-            raise self._reject(cid, f"masked input has bits={msg.bits}, dim={msg.dim}; "
-                                    f"the round uses bits={cfg.bits}, dim={cfg.dim}")
-        offset = msg.offset if isinstance(msg, MaskedChunk) else 0
-        vector = msg.vector()
-        count = vector.shape[0]
-        if isinstance(msg, MaskedInput) and len(msg.masked) != self._vector_bytes:
-            raise self._reject(cid, "masked input has the wrong length")
-        last = offset + count == cfg.dim
+
+        def verify(stream: bytes, signature: bytes) -> None:
+            verify_signature(self._verify_keys.get(cid, b""), signature,
+                             transcript(SIGNED_TAGS[MaskedInput], self.session_id,
+                                        Stage.MASKED_INPUT, cid, stream, self._key_sets[cid]))
+
         try:
-            upload, ahead = self._uploads.place(cid, offset, count, last)
+            new, done = self._uploads.take(cid, msg, raw,
+                                           peers=peers_digest(self._forwarded[cid]),
+                                           verify=verify if cfg.malicious else None)
         except ValueError as exc:
             raise self._reject(cid, str(exc)) from None
-        width = 8 * self._uploads.sum.dtype.itemsize
-        if cfg.bits < width and int(vector.max()) >> cfg.bits:
-            raise self._reject(cid, f"masked input has values >= 2**{cfg.bits}")
-        if not constant_time_equal(msg.peers_digest, peers_digest(self._forwarded[cid])):
-            raise self._reject(cid, "the client masked with other peers than the server "
-                                    "forwarded (the ciphertext list was altered)")
-        if cfg.malicious and msg.signature and not last:
-            raise self._reject(cid, "a signature on a chunk that is not the last")
-        if not cfg.malicious and msg.signature:
-            raise self._reject(cid, "a signature in a semi-honest round")
-        if ahead:
-            assert upload is not None and isinstance(msg, MaskedChunk)
-            try:
-                return upload.hold(offset, msg, raw)  # False: a redelivery of a held chunk
-            except ValueError as exc:
-                raise self._reject(cid, str(exc)) from None
-        accepted = self._accept_chunk(cid, upload, msg, raw, offset, vector, last, digest)
-        while upload is not None and not last and (held := upload.next_held()) is not None:
-            msg, raw = held
-            vector = msg.vector()
-            last = msg.offset + vector.shape[0] == cfg.dim
-            self._accept_chunk(cid, upload, msg, raw, msg.offset, vector, last)
-        return accepted
-
-    def _accept_chunk(self, cid: int, upload: Upload | None, msg: MaskedInput | MaskedChunk,
-                      raw: bytes, offset: int, vector: np.ndarray, last: bool,
-                      digest: bytes | None = None) -> bool:
-        """The chunk at the stream's offset, checked by :meth:`_take_masked`: the running
-        digest and, on the last, the signature; then into the pending buffer (the sum)."""
-        cfg = self.config
-        running = None
-        if cfg.malicious:
-            running = (upload.running.copy()
-                       if upload is not None and upload.running is not None
-                       else masked_input_hash(cfg.bits, cfg.dim, msg.peers_digest))
-            running.update(msg.masked)
-            if last:
-                try:
-                    verify_signature(self._verify_keys.get(cid, b""), msg.signature,
-                                     transcript(SIGNED_TAGS[MaskedInput], self.session_id,
-                                                Stage.MASKED_INPUT, cid, running.digest(),
-                                                self._key_sets[cid]))
-                except CryptoError as exc:
-                    raise self._reject(cid, f"the masked_input signature is invalid (another "
-                                            f"round's, or its chunks were altered, spliced, "
-                                            f"reordered or cut): {exc}") from None
-        # accepted: from here on nothing can fail
-        self._uploads.write(cid, upload, raw, offset, vector, last, running)
-        if last:
+        if done is not None:
+            last, last_raw = done
             # kept without its vector (in the sum now), so n whole inputs never stay behind
-            self._inbox[cid] = replace(msg, masked=b"")
+            self._inbox[cid] = replace(last, masked=b"")
             self._pending.discard(cid)
-            self._accepted_digest[cid] = digest or sha256(raw)
-        return True
+            known = digest if last_raw is raw else None
+            self._accepted_digest[cid] = known or sha256(last_raw)
+        return new
 
     def _check_signature(self, cid: int, msg: ShareKeys | UnmaskingShares | InputProof
                          ) -> None:
@@ -750,67 +609,34 @@ class Server:
     # --- unmasking ------------------------------------------------------------------------
 
     def _after_unmasking(self, u5: set[int]) -> dict[int, ServerMessage]:
-        t = self._threshold
-        for cid, msg in self._inbox.items():
-            assert isinstance(msg, UnmaskingShares)
-            for owner, share in msg.self_mask_shares.items():
-                self._seed_shares.setdefault(owner, {})[cid] = int.from_bytes(share, "big")
-            for owner, share in msg.masking_key_shares.items():
-                self._key_shares.setdefault(owner, {})[cid] = int.from_bytes(share, "big")
         survivors = self._survivors
-        dropouts = sorted(set().union(*(self._forwarded[v] for v in survivors)) - survivors)
-        corrupt: dict[int, set[int]] = {}
-        self._suspects = self._screen(
-            [self._seed_shares.get(o, {}) for o in survivors]
-            + [self._key_shares.get(o, {}) for o in dropouts])
-        seeds: dict[int, bytes] = {}
-        for owner in sorted(survivors):
-            shares = self._seed_shares.get(owner, {})
-            if len(shares) < t:
-                raise self._abort(f"only {len(shares)} self-mask shares of client {owner} "
-                                  f"arrived; {t} are needed")
-            commitment = self._adverts[owner].self_mask_commitment
-
-            def seed_ok(seed: bytes, owner: int = owner, commitment: bytes = commitment
-                        ) -> bool:
-                return constant_time_equal(
-                    self_mask_commitment(seed, self.session_id, owner), commitment)
-
-            seeds[owner] = self._reconstruct(owner, shares, seed_ok, corrupt)
-        private_keys: dict[int, KeyPair] = {}
-        for owner in dropouts:
-            shares = self._key_shares.get(owner, {})
-            if len(shares) < t:
-                raise self._abort(f"only {len(shares)} masking-key shares of dropped client "
-                                  f"{owner} arrived; {t} are needed")
-            advertised = self._adverts[owner].masking_key
-
-            def key_ok(secret: bytes, advertised: bytes = advertised) -> bool:
-                # only the canonical clamped form: X25519 ignores 5 bits of a private key,
-                # and a shifted secret that differs in them must not "verify"
-                return is_clamped(secret) and constant_time_equal(
-                    KeyPair.from_private_bytes(secret).public, advertised)
-
-            private_keys[owner] = KeyPair.from_private_bytes(
-                self._reconstruct(owner, shares, key_ok, corrupt))
-        total = self._unmask(seeds, private_keys)
+        replies = [(cid, msg) for cid, msg in self._inbox.items()
+                   if isinstance(msg, UnmaskingShares)]
+        recovered = recover(replies, survivors, self._forwarded, self._adverts,
+                            self.session_id, self._threshold, self._abort)
+        total = self._uploads.sum  # the round is over: unmask in place, no d-sized copy
+        if self._uploads.empty:  # no input at all (cannot pass the threshold checks)
+            total.fill(0)
+        keys = unmask(total, recovered, survivors, self._forwarded, self._adverts,
+                      self.session_id, self.config, self._executor, self._workers)
         if self.config.norm_bound is not None:
-            self._check_commitments(total, survivors)
+            self._check_commitments(total, survivors, keys)
         self.result = AggregateResult(
             total=total, included=frozenset(survivors), dropped=dict(self.dropped),
-            corrupt_shares={h: frozenset(o) for h, o in corrupt.items()},
-            unattributable=frozenset(self._unattributable), refused=dict(self.refused))
+            corrupt_shares={h: frozenset(o) for h, o in recovered.corrupt.items()},
+            unattributable=frozenset(recovered.unattributable), refused=dict(self.refused))
         self._open(Stage.UNMASKING, ())
         return {}
 
-    def _check_commitments(self, total: np.ndarray, survivors: frozenset[int]) -> None:
+    def _check_commitments(self, total: np.ndarray, survivors: frozenset[int],
+                           keys: list[MaskKeys]) -> None:
         """docs/protocol.md 10.4: the survivors' commitments must open to the unmasked sum
-        with the blinding the removed masks carried; otherwise someone masked another
-        vector than it proved, and nothing is released."""
-        from .validation import check_sum
+        with the blinding the removed masks (their ``keys``) carried; otherwise someone
+        masked another vector than it proved, and nothing is released."""
+        from .validation import blinding, check_sum
 
         if not check_sum([self._commitments[u] for u in sorted(survivors)], total,
-                         self.config.bits, self._blinding):
+                         self.config.bits, blinding(k for batch in keys for k in batch)):
             error = InputMismatch(
                 "server aborted the round in unmasking: the included clients' input "
                 "commitments do not open to the unmasked sum, so at least one of "
@@ -818,47 +644,6 @@ class Server:
                 "sum is not released (docs/protocol.md 10.4)", stage=self._stage)
             self.aborted = error
             raise error
-
-    def _reconstruct(self, owner: int, shares: dict[int, int],
-                     check: Callable[[bytes], bool], corrupt: dict[int, set[int]]) -> bytes:
-        secret = reconstruct_verified(owner, shares, self._threshold, check, self._suspects,
-                                      corrupt, self._unattributable)
-        if secret is None:
-            raise self._abort(f"the shares of client {owner}'s secret are inconsistent and "
-                              f"no {self._threshold} of them reconstruct the committed value")
-        return secret
-
-    def _screen(self, sharesets: list[dict[int, int]]) -> set[int]:
-        return screen_shares(sharesets, self._threshold)
-
-    def _unmask(self, seeds: dict[int, bytes], private_keys: dict[int, KeyPair]) -> np.ndarray:
-        """sum y - sum PRG(b_u) for survivors - the survivors' pairwise masks with dropouts.
-
-        The mask work is cut into independent jobs; with an ``executor`` (e.g. a process
-        pool, which the caller owns) they run in parallel, otherwise inline
-        (:func:`secagg.unmasking.remove_masks`)."""
-        cfg = self.config
-        jobs: list[MaskJob] = [("self", owner, seed, ()) for owner, seed in seeds.items()]
-        masked_with: dict[int, list[int]] = {}  # dropped u -> survivors that masked with u
-        for survivor in sorted(self._survivors):
-            for peer in self._forwarded[survivor]:
-                masked_with.setdefault(peer, []).append(survivor)
-        for dropped, pair in private_keys.items():
-            peers = tuple((v, self._adverts[v].masking_key)
-                          for v in masked_with.get(dropped, ()))
-            if peers:
-                jobs.append(("pair", dropped, pair.private_bytes(), peers))
-        header = (self.session_id, cfg.shape_tag, cfg.dim, cfg.bits,
-                  {d: self._adverts[d].masking_key for d in private_keys})
-        total = self._uploads.sum  # the round is over: unmask in place, no d-sized copy
-        if self._uploads.empty:  # no input at all (cannot pass the threshold checks)
-            total.fill(0)
-        keys = remove_masks(total, header, jobs, self._executor, self._workers)
-        if cfg.norm_bound is not None:
-            from .validation import blinding
-
-            self._blinding = blinding(k for batch in keys for k in batch)
-        return total
 
 
 def _entry(msg: AdvertiseKeys) -> KeyEntry:

@@ -7,21 +7,25 @@ is in: a partial input cannot be unmasked without revealing it. The memory is th
 at most ``slots`` pending vectors, never n (``slots = max(1, budget // vector bytes)``); a
 finished stream's buffer is reused by the next one.
 
-:class:`Uploads` decides only where a chunk falls in its stream (granted, in order, on the
-grant's chunk grid, or held ahead of a gap); what a chunk says (its width, values, peers
-and signature) is checked by the server (``secagg/server.py``) before it is written here.
+:class:`Uploads` takes each chunk (:meth:`Uploads.take`): it checks where the chunk falls in
+its stream (granted, in order, on the grant's chunk grid, or held ahead of a gap) and what
+it says (its width, values, peers and, on the last, the signature over the whole stream)
+before anything changes. Which senders may send one at all (the stage, the roster, an input
+proof first) is the server's state machine (``secagg/server.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .messages import MaskedChunk
+from .crypto import CryptoError, constant_time_equal, dtype_for_bits
+from .messages import MaskedChunk, MaskedInput
+from .transcripts import masked_input_hash
 
 DEFAULT_UPLOAD_BUDGET = 1 << 30
 """Bytes the server sets aside for masked inputs that are still streaming in (pending: not
@@ -68,10 +72,11 @@ class Uploads:
     stream, and the sum that complete inputs are added to (``sum``; holds nothing
     meaningful while ``empty``)."""
 
-    def __init__(self, dim: int, dtype: np.dtype, budget: int) -> None:
+    def __init__(self, dim: int, bits: int, budget: int) -> None:
         if budget < 1:
             raise ValueError("upload_budget must be a positive number of bytes")
-        self._dim = dim
+        dtype = dtype_for_bits(bits)
+        self._dim, self._bits = dim, bits
         self.slots = max(1, budget // (dim * dtype.itemsize))
         """How many senders may stream a masked input at once (``grant``)."""
         self._streams: dict[int, Upload] = {}  # granted senders whose input is pending
@@ -153,7 +158,70 @@ class Uploads:
 
     # --- chunks ---------------------------------------------------------------------------
 
-    def place(self, client_id: int, offset: int, count: int, last: bool
+    def take(self, client_id: int, msg: MaskedInput | MaskedChunk, raw: bytes, *,
+             peers: bytes, verify: Callable[[bytes, bytes], None] | None
+             ) -> tuple[bool, tuple[MaskedInput | MaskedChunk, bytes] | None]:
+        """One chunk of ``client_id``'s masked input (a ``MaskedInput`` is the chunk [0,
+        dim)), checked whole before anything changes (``peers``: the digest of the peers the
+        server forwarded it; ``verify(stream digest, signature)``, malicious mode only,
+        raises ``CryptoError``), then held pending, and added to the sum only when the
+        sender's last chunk completes it; a held chunk that the stream reaches is taken too.
+
+        Returns whether the chunk is new (``False``: a redelivery of a held chunk) and, once
+        the input is complete, the message and bytes that completed it. Raises
+        ``ValueError`` saying why the chunk is refused."""
+        bits, dim = self._bits, self._dim
+        if msg.bits != bits or msg.dim != dim:
+            raise ValueError(f"masked input has bits={msg.bits}, dim={msg.dim}; the round "
+                             f"uses bits={bits}, dim={dim}")
+        offset = msg.offset if isinstance(msg, MaskedChunk) else 0
+        vector = msg.vector()
+        count = vector.shape[0]
+        if isinstance(msg, MaskedInput) and len(msg.masked) != dim * self.sum.dtype.itemsize:
+            raise ValueError("masked input has the wrong length")
+        last = offset + count == dim
+        upload, ahead = self._place(client_id, offset, count, last)
+        if bits < 8 * self.sum.dtype.itemsize and int(vector.max()) >> bits:
+            raise ValueError(f"masked input has values >= 2**{bits}")
+        if not constant_time_equal(msg.peers_digest, peers):
+            raise ValueError("the client masked with other peers than the server forwarded "
+                             "(the ciphertext list was altered)")
+        if verify is not None and msg.signature and not last:
+            raise ValueError("a signature on a chunk that is not the last")
+        if verify is None and msg.signature:
+            raise ValueError("a signature in a semi-honest round")
+        if ahead:
+            assert upload is not None and isinstance(msg, MaskedChunk)
+            return upload.hold(offset, msg, raw), None  # False: a redelivery of a held chunk
+        self._accept(client_id, upload, msg, raw, offset, vector, last, verify)
+        while upload is not None and not last and (held := upload.next_held()) is not None:
+            msg, raw = held
+            vector = msg.vector()
+            last = msg.offset + vector.shape[0] == dim
+            self._accept(client_id, upload, msg, raw, msg.offset, vector, last, verify)
+        return True, (msg, raw) if last else None
+
+    def _accept(self, client_id: int, upload: Upload | None, msg: MaskedInput | MaskedChunk,
+                raw: bytes, offset: int, vector: np.ndarray, last: bool,
+                verify: Callable[[bytes, bytes], None] | None) -> None:
+        """The chunk at the stream's offset, checked by :meth:`take`: the running digest
+        and, on the last, the signature; then into the pending buffer (the sum)."""
+        running = None
+        if verify is not None:
+            running = (upload.running.copy()
+                       if upload is not None and upload.running is not None
+                       else masked_input_hash(self._bits, self._dim, msg.peers_digest))
+            running.update(msg.masked)
+            if last:
+                try:
+                    verify(running.digest(), msg.signature)
+                except CryptoError as exc:
+                    raise ValueError(f"the masked_input signature is invalid (another "
+                                     f"round's, or its chunks were altered, spliced, "
+                                     f"reordered or cut): {exc}") from None
+        self._write(client_id, upload, raw, offset, vector, last, running)  # cannot fail
+
+    def _place(self, client_id: int, offset: int, count: int, last: bool
               ) -> tuple[Upload | None, bool]:
         """Where ``count`` elements at element ``offset`` fall in ``client_id``'s input
         (``last``: they end it): its stream (``None`` for a whole input sent without a
@@ -183,7 +251,7 @@ class Uploads:
                              f"{upload.next}")
         return upload, ahead
 
-    def write(self, client_id: int, upload: Upload | None, raw: bytes, offset: int,
+    def _write(self, client_id: int, upload: Upload | None, raw: bytes, offset: int,
               vector: np.ndarray, last: bool, running: hashlib._Hash | None) -> None:
         """An accepted chunk at the stream's position (:meth:`place`) into its pending
         buffer; the last one completes the input, which goes into the sum and frees the

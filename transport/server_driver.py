@@ -1,5 +1,11 @@
 """The server side of a round over a bus: ``ServerDriver`` runs a ``secagg.Server`` (how
-the drivers work: :mod:`transport.drivers`)."""
+the drivers work: :mod:`transport.drivers`).
+
+This module is the stage loop, the receiving path and the publishing; beside it: the
+upload leases (``transport/upload_leases.py``), the bounded queue of each sender and its
+waste budget (``transport/sender_queues.py``), and which clients are gone
+(``transport/presence.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 
 from secagg import ProtocolAbort, ProtocolError, Stage, encode, round_stages
 from secagg.crypto import dtype_for_bits
@@ -46,8 +51,11 @@ from .framing import (
     round_reassembler,
 )
 from .link import Delivery, Link, LinkLost, Reconnected
+from .presence import Presence
+from .sender_queues import SenderQueues
 from .tasks import stop_task
 from .topics import ABORT, OFFLINE, RECEIPT, Topics, stage_of
+from .upload_leases import UploadLeases
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +86,7 @@ class ServerDriver:
         self.on_message = on_message
         self.seconds: dict[str, float] = {}
         self.bytes_received: dict[int, dict[str, int]] = {}
-        self.gone: dict[int, str] = {}
-        self._wills: dict[int, float] = {}  # client -> when its last will arrived
-        # gone because its will stood for will_grace (not signed off, not aborted): any
-        # later delivery from it clears that, and it does not cost it its upload slot
-        self._gone_by_will: set[int] = set()
+        self._presence = Presence()
         self.client_aborts: dict[int, str] = {}
         self.invalid_payloads = 0
         self.rejected = 0
@@ -96,17 +100,12 @@ class ServerDriver:
                    + self.chunk_elements * width)
         self._reassembler = round_reassembler(largest + 4096, len(server.roster), max_payload)
         self.reassembly_bound = self._reassembler.max_buffered_bytes
-        # deliveries wait in one queue per sender and are taken in turn, one per sender
-        # (docs/security.md, bounds per login): a flooding sender delays only itself.
-        # A queue holds at most what an honest sender can have in flight (its reassembly
-        # quota plus twice its window of chunks), charged as the reassembly charges frames
+        # deliveries wait in one queue per sender, taken in turn (SenderQueues). A queue
+        # holds at most what an honest sender can have in flight (its reassembly quota
+        # plus twice its window of chunks), charged as the reassembly charges frames
         step = max(1, max_payload - HEADER_BYTES)
         chunk_wire = self.chunk_elements * width + 4096
         chunk_cost = chunk_wire + chunk_charge(HEADER_BYTES) * (chunk_wire // step + 1)
-        self.queue_bound = self._reassembler.max_sender_bytes + 2 * window * chunk_cost
-        self._queues: OrderedDict[int, deque[tuple[str, bytes]]] = OrderedDict()
-        self._queued: dict[int, int] = {}  # sender -> bytes charged in its queue
-        self._work = asyncio.Event()
         # what a sender may make the server spend on messages that change nothing (refused,
         # malformed, duplicates, queue overflow) per stage; past it its deliveries are
         # dropped unread until the next stage. An honest sender gives up after one refusal
@@ -114,20 +113,10 @@ class ServerDriver:
         longest = max(self._deadlines_for(server))
         if not math.isfinite(longest):  # logical deadlines (a simulation): no stage ends on
             longest = MAX_STAGE_SECONDS  # a clock, so the budget is the longest real stage's
-        self.waste_budget = 32 + 2 * window * math.ceil(longest / max(self.timeouts.retry,
-                                                                       1e-3))
-        self._waste: dict[int, int] = {}  # this stage: sender -> messages wasted
-        self.flood_dropped = 0  # deliveries dropped unread (a sender past its budget)
-        # uploading client -> when its last chunk arrived (from its first: before that it
-        # may still be waiting for the Ciphertexts its grant overtook; its lease applies)
-        self._upload_seen: dict[int, float] = {}
-        self._lease_end: dict[int, float] = {}  # uploading client -> when its grant ends
-        self._lease: float | None = None  # seconds each grant of this masked_input lasts
-        # no upload slot can be due for reclaiming by its idle limit or lease before this
-        # time (a lower bound, kept as grants and wills come): the O(uploads) scan runs only
-        # then, not after every message; uploaders that left are checked at once (_recheck)
-        self._reclaim_due = math.inf
-        self._recheck: set[int] = set()
+        self._senders = SenderQueues(
+            self._reassembler.max_sender_bytes + 2 * window * chunk_cost,
+            32 + 2 * window * math.ceil(longest / max(self.timeouts.retry, 1e-3)))
+        self._leases = UploadLeases(self.timeouts.upload_idle_limit)
         self.reassembly_peak = 0  # the most bytes the reassembly ever held (its bound)
         self._outbox: dict[int, tuple[Stage, bytes]] = {}
         self._answered: dict[int, bytes] = {}  # client -> digest its outbox message answers
@@ -150,6 +139,26 @@ class ServerDriver:
 
     def _deadlines_for(self, server: Server) -> list[float]:
         return [self.timeouts.deadline(s) for s in round_stages(server.config)]
+
+    @property
+    def gone(self) -> dict[int, str]:
+        """The clients known to be gone, and why (``Presence``)."""
+        return self._presence.gone
+
+    @property
+    def queue_bound(self) -> int:
+        """The bytes one sender's queue holds at most (``SenderQueues``)."""
+        return self._senders.bound
+
+    @property
+    def waste_budget(self) -> int:
+        """Messages that change nothing a sender may send per stage (``SenderQueues``)."""
+        return self._senders.waste_budget
+
+    @property
+    def flood_dropped(self) -> int:
+        """Deliveries dropped unread (a sender past its waste budget or queue bound)."""
+        return self._senders.dropped
 
     # -- public ----------------------------------------------------------------------
 
@@ -182,13 +191,9 @@ class ServerDriver:
         """The caller knows ``cid`` will send nothing more (its process failed, e.g. every
         site of a simulation's worker process raised): the round stops waiting for it now,
         as for a sign-off, and drops it where it stands; ``reason`` is logged."""
-        if cid not in self.server.roster or (cid in self.gone
-                                             and cid not in self._gone_by_will):
+        if cid not in self.server.roster or not self._presence.lost(cid):
             return
         logger.warning("server: client %d is lost: %s", cid, reason)
-        self.gone[cid] = "lost"
-        self._gone_by_will.discard(cid)
-        self._wills.pop(cid, None)
         self._progress.set()
 
     # -- stages ----------------------------------------------------------------------
@@ -198,57 +203,31 @@ class ServerDriver:
         the wills and upload slots now due). O(1) while more clients are pending than
         gone, O(pending) after: it runs after every message."""
         now = asyncio.get_running_loop().time()
-        for cid, at in list(self._wills.items()):
-            if now - at >= self.timeouts.will_grace:
-                del self._wills[cid]
-                logger.info("server: client %d is gone (last will)", cid)
-                self.gone[cid] = "offline"
-                self._gone_by_will.add(cid)
-                if cid in self._lease_end:
-                    # it keeps its slot, should it come back; its idle clock runs from
-                    # its will (a killed site loses the slot after upload_idle)
-                    self._upload_seen[cid] = min(at, self._upload_seen.get(cid, at))
-                    self._reclaim_due = min(self._reclaim_due,
-                                            at + self.timeouts.upload_idle_limit())
+        for cid, at in self._presence.wills_standing(now, self.timeouts.will_grace):
+            logger.info("server: client %d is gone (last will)", cid)
+            self._leases.will(cid, at)
         self._reclaim_uploads(now)
-        if self.server.pending_count > len(self.gone):
-            return True
-        return any(cid not in self.gone for cid in self.server.pending)
-
-    def _missing(self) -> int:
-        """How many clients the stage still waits for (pending, not gone); O(pending)."""
-        return sum(1 for cid in self.server.pending if cid not in self.gone)
+        return self._presence.waiting(self.server.pending_count, self.server.pending)
 
     def _next_wake(self, deadline: float) -> float:
-        deadline = min(deadline, self._reclaim_due)
-        if not self._wills:
-            return deadline
-        return min(deadline, min(self._wills.values()) + self.timeouts.will_grace)
+        return min(deadline, self._leases.due,
+                   self._presence.next_will(self.timeouts.will_grace))
 
     # -- flow control of streamed masked inputs ------------------------------------------
 
     def _grant_uploads(self) -> None:
-        """Give free upload slots to clients still expected and not gone, each a lease of
-        ``_lease_seconds()`` for its whole stream, in chunks of ``chunk_elements``."""
+        """Give free upload slots to clients still expected and not gone, each a lease
+        (``UploadLeases.length``: the masked_input deadline, of the round's deadline model,
+        shared by the waves of senders the slots take) for its whole stream, in chunks of
+        ``chunk_elements``."""
         server = self.server
         now = asyncio.get_running_loop().time()
         for cid in server.grant_uploads(exclude=self.gone,
                                         chunk_elements=self.chunk_elements):
-            self._lease_end[cid] = now + self._lease_seconds()
-            self._reclaim_due = min(self._reclaim_due, self._lease_end[cid])
+            lease = self._leases.length(server.pending_count, server.upload_slots,
+                                        self._deadlines[Stage.MASKED_INPUT.label])
+            self._leases.grant(cid, now + lease)
             self._spawn(self._send_grant(cid))
-
-    def _lease_seconds(self) -> float:
-        """How long one grant lasts: the masked_input deadline (the round's deadline
-        model, ``transport.deadlines.round_timeouts``) shared by the waves of senders the
-        slots take, ceil(senders / upload_slots). Senders that hold their slot to its
-        end still leave every later wave its share of the stage; a sender that drips
-        or stalls loses its slot to the next wave (docs/deployment.md 6.1)."""
-        if self._lease is None:
-            senders = max(1, self.server.pending_count)
-            waves = math.ceil(senders / self.server.upload_slots)
-            self._lease = self._deadlines[Stage.MASKED_INPUT.label] / waves
-        return self._lease
 
     async def _send_grant(self, cid: int) -> None:
         grant = Grant(self.server.session_id, self.chunk_elements, self.window)
@@ -257,39 +236,12 @@ class ServerDriver:
 
     def _reclaim_uploads(self, now: float) -> None:
         """Take back the slots of senders that left (signed off or aborted: a last will
-        alone does not count, the connection may come back), sent nothing for
-        ``timeouts.upload_idle_limit()`` seconds since their last one or ran out of their
-        lease (which alone bounds a sender that never starts), and grant
-        them to the next clients.
+        alone does not count, the connection may come back), idled while a slot is wanted
+        or ran out of their lease (``UploadLeases.reclaim``), and grant them to the next
+        clients."""
 
-        Every slot is examined only once ``_reclaim_due`` has passed (which the scan then
-        moves to the next time any slot can be due); between two, only the senders that
-        left since (``_recheck``): O(1) per message, not O(uploads)."""
-        idle = self.timeouts.upload_idle_limit()
-        if now >= self._reclaim_due:
-            candidates: Iterable[int] = list(self._lease_end)
-            self._reclaim_due = math.inf
-        else:
-            candidates = [cid for cid in self._recheck if cid in self._lease_end]
-        self._recheck.clear()
-        for cid in candidates:
-            if not self.server.is_uploading(cid):
-                self._forget_upload(cid)
-                continue
-            if cid in self.gone and cid not in self._gone_by_will:
-                reason = f"it left while streaming its masked input ({self.gone[cid]})"
-            elif now - self._upload_seen.get(cid, now) >= idle and self._slot_wanted():
-                reason = (f"its upload slot was taken back: no chunk of its masked input "
-                          f"for {idle:g} s while other sites waited for a slot")
-            elif now >= self._lease_end[cid]:
-                reason = (f"its upload slot was taken back: its masked input did not "
-                          f"complete within its lease of {self._lease_seconds():g} s (the "
-                          f"masked_input deadline shared by the senders that wait)")
-            else:
-                self._reclaim_due = min(self._reclaim_due, self._lease_end[cid],
-                                        self._upload_seen.get(cid, math.inf) + idle)
-                continue
-            self._revoke(cid, reason)
+        self._leases.reclaim(now, self.server.is_uploading, self._presence.left_for_good,
+                             self._slot_wanted, self._revoke)
         self._grant_uploads()
 
     def _slot_wanted(self) -> bool:
@@ -307,20 +259,16 @@ class ServerDriver:
     def _left(self, cid: int, why: str) -> None:
         """``cid`` is gone for good this stage (signed off, aborted or flooding): the
         stage stops waiting for it and its upload slot, if any, is taken back."""
-        self.gone[cid] = why
-        self._recheck.add(cid)
+        self._presence.leave(cid, why)
+        self._leases.recheck(cid)
 
     def _revoke(self, cid: int, reason: str) -> None:
         """Cancel ``cid``'s upload (its pending chunks discarded: they never count) and
         tell it why; the caller grants the slot to the next client."""
-        self._forget_upload(cid)
+        self._leases.forget(cid)
         if self.server.cancel_upload(cid, reason):
             logger.warning("server: client %d dropped at masked_input: %s", cid, reason)
             self._spawn(self._receipt(cid, Receipt(UPLOAD_RECEIPT, False, reason)))
-
-    def _forget_upload(self, cid: int) -> None:
-        self._upload_seen.pop(cid, None)
-        self._lease_end.pop(cid, None)
 
     async def _run_stage(self) -> None:
         loop = asyncio.get_running_loop()
@@ -336,7 +284,7 @@ class ServerDriver:
             if remaining <= 0:
                 deadline_hit = True
                 logger.info("%s: deadline passed; %d clients did not answer", stage.label,
-                            self._missing())
+                            self._presence.missing(self.server.pending))
                 break
             self._progress.clear()
             wake = self._next_wake(deadline) - loop.time()
@@ -349,19 +297,15 @@ class ServerDriver:
         answered = dict(self._accepted)
         out = self.server.advance()  # raises ProtocolAbort when too few remain
         self._accepted = {}
-        self._waste.clear()
+        self._senders.new_stage()
         self._answered = {cid: answered[cid] for cid in out if cid in answered}
         encoded = {cid: (self.server.stage, encode(msg)) for cid, msg in out.items()}
         self._outbox = encoded
         await asyncio.gather(*(self._send(cid) for cid in encoded))
-        self._upload_seen.clear()
-        self._lease_end.clear()
-        self._reclaim_due = math.inf
-        self._recheck.clear()
+        self._leases.new_stage()
         for cid, digests in self._stream_seen.items():
             self._seen.difference_update((cid, d) for d in digests[:-self.window])
         self._stream_seen.clear()
-        self._lease = None
         self._grant_uploads()
         seconds = loop.time() - opened
         self.seconds[stage.label] = seconds
@@ -426,49 +370,22 @@ class ServerDriver:
             self.invalid_payloads += 1
             logger.debug("server: message from client %d on kind %r dropped", cid, kind)
             return
-        if self._waste.get(cid, 0) >= self.waste_budget:
-            self.flood_dropped += 1
-            return
-        cost = chunk_charge(len(event.payload))
-        queued = self._queued.get(cid, 0)
-        if queued + cost > self.queue_bound:
-            self.flood_dropped += 1
-            self._wasted(cid, f"its queue holds {queued} bytes (bound {self.queue_bound})")
-            return
-        queue = self._queues.get(cid)
-        if queue is None:
-            queue = self._queues[cid] = deque()
-        queue.append((kind, event.payload))
-        self._queued[cid] = queued + cost
-        self._work.set()
+        full = self._senders.put(cid, kind, event.payload)
+        if full is not None:
+            self._wasted(cid, full)
 
     async def _serve_senders(self) -> None:
-        """Handle the senders' queues in turn, one delivery each, yielding to the loop
-        between two (the link keeps being read, the stage loop keeps its deadlines)."""
-        queues = self._queues
+        """Handle the senders' deliveries in turn (``SenderQueues.take``), yielding to the
+        loop between two (the link keeps being read, the stage loop keeps its deadlines)."""
         while True:
-            if not queues:
-                self._work.clear()
-                await self._work.wait()
-                continue
-            cid, queue = queues.popitem(last=False)
-            kind, payload = queue.popleft()
-            self._queued[cid] -= chunk_charge(len(payload))
-            if queue:
-                queues[cid] = queue  # its next delivery waits for every other sender's
-            else:
-                del self._queued[cid]
-            if self._waste.get(cid, 0) >= self.waste_budget:
-                self.flood_dropped += 1
-            else:
-                self._on_delivery(cid, kind, payload)
+            cid, kind, payload = await self._senders.take()
+            self._on_delivery(cid, kind, payload)
             await asyncio.sleep(0)
 
     def _wasted(self, cid: int, why: str) -> None:
         """Count one message of ``cid`` that changed nothing; past ``waste_budget`` this
         stage, its deliveries are dropped unread (logged once)."""
-        waste = self._waste.get(cid, 0) + 1
-        self._waste[cid] = waste
+        waste = self._senders.waste(cid)
         if waste == self.waste_budget:
             logger.warning("server: client %d sent %d messages that change nothing in this "
                            "stage (last: %s); its messages are dropped unread until the next "
@@ -479,11 +396,7 @@ class ServerDriver:
 
     def _on_reconnected(self) -> None:
         logger.info("server: reconnected; re-publishing the round state")
-        # Wills published while the broker went down say nothing about the clients.
-        self._wills.clear()
-        for cid in [c for c, why in self.gone.items() if why == "offline"]:
-            del self.gone[cid]
-        self._gone_by_will.clear()
+        self._presence.reconnected()
         if self._control is not None:
             self._spawn(publish_framed(self.link, self.topics.control, self._control,
                                        self.max_payload, retain=True))
@@ -512,19 +425,10 @@ class ServerDriver:
         if stage is None:
             self._on_notice(cid, kind, message.payload)
         else:
-            self._back(cid)
+            if self._presence.back(cid):  # a will stands for a connection, which came back
+                logger.info("server: client %d is back after its last will", cid)
             self._on_client_message(cid, message.digest, message.payload)
         self._progress.set()  # the stage loop re-evaluates (answers, wills, grace timers)
-
-    def _back(self, cid: int) -> None:
-        """A message from ``cid``: it is connected, whatever its last will said (a will
-        stands for a connection, which came back). A waiting client is granted again; a
-        sign-off or an abort stays final."""
-        self._wills.pop(cid, None)
-        if cid in self._gone_by_will:
-            self._gone_by_will.discard(cid)
-            del self.gone[cid]
-            logger.info("server: client %d is back after its last will", cid)
 
     def _on_notice(self, cid: int, kind: str, payload: bytes) -> None:
         try:
@@ -536,20 +440,18 @@ class ServerDriver:
                            exc)
             return
         if kind == OFFLINE and isinstance(notice, Offline):
-            after_will = notice.final and cid in self._gone_by_will
-            if cid in self.server.roster and (cid not in self.gone or after_will):
+            if cid in self.server.roster and self._presence.may_sign_off(cid, notice.final):
                 logger.info("server: client %d is offline (%s)", cid, notice.reason)
                 if notice.final:  # a sign-off is final, also after a will
-                    self._left(cid, "offline")
-                    self._wills.pop(cid, None)
-                    self._gone_by_will.discard(cid)
+                    self._presence.signed_off(cid)
+                    self._leases.recheck(cid)
                 else:
-                    self._wills.setdefault(cid, asyncio.get_running_loop().time())
+                    self._presence.will(cid, asyncio.get_running_loop().time())
         elif kind == ABORT and isinstance(notice, ClientAbort):
             if cid in self.server.roster:
                 logger.warning("server: client %d aborted: %s", cid, notice.reason)
-                self._left(cid, "aborted")
-                self._gone_by_will.discard(cid)
+                self._presence.aborted(cid)
+                self._leases.recheck(cid)
                 self.client_aborts[cid] = notice.reason
         else:
             self.invalid_payloads += 1
@@ -583,7 +485,7 @@ class ServerDriver:
         except ProtocolError as exc:
             self.rejected += 1
             if uploading:  # a refused input proof also cancels its upload
-                self._recheck.add(cid)
+                self._leases.recheck(cid)
             self._wasted(cid, "a refused message")
             logger.warning("server: %s", exc)
             # An honest client gives up on its refused message and signs off, which frees
@@ -597,22 +499,19 @@ class ServerDriver:
             return
         self._accepted[cid] = digest  # of a stream: its latest chunk
         self._seen.add((cid, digest))
-        if self.gone.get(cid) != "lost":  # a message it sent before it failed
-            self.gone.pop(cid, None)
+        self._presence.accepted(cid)
         counts = self.bytes_received.setdefault(cid, {})
         counts[stage.label] = counts.get(stage.label, 0) + len(payload)
         if uploading:
             self.chunks += 1
-            seen = self._upload_seen[cid] = asyncio.get_running_loop().time()
-            self._reclaim_due = min(self._reclaim_due,
-                                    seen + self.timeouts.upload_idle_limit())
+            self._leases.chunk(cid, asyncio.get_running_loop().time())
             self._stream_seen.setdefault(cid, []).append(digest)
         complete = not self.server.is_pending(cid)  # accepted, and not a chunk or proof
         if complete and self.on_message is not None:
             self.on_message(cid, stage)
         self._spawn(self._receipt(cid, Receipt(digest, True)))
         if complete and uploading:
-            self._forget_upload(cid)
+            self._leases.forget(cid)
             self._grant_uploads()  # its slot is free
 
     async def _receipt(self, cid: int, receipt: Receipt) -> None:
