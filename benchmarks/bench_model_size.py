@@ -72,10 +72,19 @@ ROWS = {row.name: row for row in (
 )}
 
 _WRAPPER = """
-import json, resource, subprocess, sys
+import ctypes, json, os, resource, subprocess, sys
+# A subreaper: every process the command starts (its broker, its fork server and the
+# workers forked from it) is reaped here once it ends, however it was started, so that
+# RUSAGE_CHILDREN counts the CPU of all of them, not only of those the command waited for.
+subreaper = ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
 rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
+while subreaper:
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
 usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-print(json.dumps({"rc": rc, "max_rss": usage.ru_maxrss * 1024,
+print(json.dumps({"rc": rc, "max_rss": usage.ru_maxrss * 1024, "subreaper": subreaper,
                   "cpu": usage.ru_utime + usage.ru_stime}))
 """
 
