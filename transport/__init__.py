@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 # Every name but the errors and ``fields`` is imported on first use: a process that needs
 # one part of the layer (the embedded broker's ``python -m transport.broker``, a
 # ``secagg simulate`` worker) does not import the rest (numpy, secagg, paho, the server's
-# driver); issue 32 measured 0.85 CPU s of imports in the broker's process before, 0.2 now.
+# driver): issue 32 measured 0.44-0.68 CPU s of imports in the broker's process before,
+# 0.19-0.26 now.
 _LAZY = {
     "ClientDriver": ".client_driver", "ControlError": ".control", "Offline": ".control",
     "encode_control": ".control", "write_federation": ".credentials",

@@ -11,11 +11,11 @@ federation's PKI would.
 Workers are forked from multiprocessing's fork server, which imports this module once
 (``forkserver`` with ``transport.workers`` preloaded, where the platform has it; ``spawn``
 elsewhere): each worker then starts without importing numpy, secagg and the MQTT client
-again (issue 32: about 0.8 CPU s per worker on the 2-core VM of docs/performance.md). The
-fork server is a fresh interpreter, not the caller: no event loop, thread or socket of the
-caller's is inherited. A worker exits once the process that started it is gone, even
-SIGKILLed (``transport.lifeline.watch_process``), and the fork server once its workers and
-that process are.
+again (issue 32: 0.5-0.7 CPU s of imports per worker on the 2-core VM of
+docs/performance.md). The fork server is a fresh interpreter, not the caller: no event
+loop, thread or socket of the caller's is inherited. A worker exits once the process that
+started it is gone, even SIGKILLed (``transport.lifeline.watch_process``), and the fork
+server once its workers and that process are.
 """
 
 from __future__ import annotations
