@@ -25,8 +25,10 @@ the 10^8 rows are meant to be run under ``nice``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -134,7 +136,9 @@ _ENV: dict[Path, dict[str, str]] = {}
 
 def run_row(row: Row, source: Path) -> dict[str, Any]:
     if source not in _ENV:
-        _ENV[source] = bytecode_env(source, Path(tempfile.mkdtemp(prefix="bench-pyc-")))
+        cache = tempfile.mkdtemp(prefix="bench-pyc-")
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+        _ENV[source] = bytecode_env(source, Path(cache))
     env = _ENV[source]
     started = time.perf_counter()
     if row.inprocess:
