@@ -9,8 +9,13 @@ _floor.py), the peak RSS of the largest process of the run (the command's own pr
 its broker process and its worker processes: ``getrusage(RUSAGE_CHILDREN)`` of a wrapper
 that runs only that command), the bytes each client put on the wire against d x bits / 8,
 the payloads the server dropped (full buffers, bad frames: must be 0) and whether the sum
-was checked correct. Each row runs in a fresh process, one at a time; the 10^8 rows are
-meant to be run under ``nice``.
+was checked correct; the command's CPU seconds, every process it started (broker, fork
+server, workers) and their start-up included (the wrapper is a subreaper, so it reaps and
+counts them all). Row ``10x1e3`` is the same command with next to no data: its CPU is the
+command's fixed cost (interpreters, imports, key agreement, logins), which the data rows'
+CPU minus it leaves as the cost of the data. Modules run from bytecode compiled once, as an
+installed package's (``bytecode_env``). Each row runs in a fresh process, one at a time;
+the 10^8 rows are meant to be run under ``nice``.
 
     nice python benchmarks/bench_model_size.py                       # every row
     nice python benchmarks/bench_model_size.py --rows 5x1e8 --source /tmp/before  # old code
@@ -20,8 +25,10 @@ meant to be run under ``nice``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,6 +68,7 @@ class Row:
 
 
 ROWS = {row.name: row for row in (
+    Row("10x1e3", 10, 10**3),  # the same command with next to no data: its fixed cost
     Row("10x1e6", 10, 10**6),
     Row("5x1e7", 5, 10**7),
     Row("10x1e7", 10, 10**7),
@@ -72,10 +80,19 @@ ROWS = {row.name: row for row in (
 )}
 
 _WRAPPER = """
-import json, resource, subprocess, sys
+import ctypes, json, os, resource, subprocess, sys
+# A subreaper: every process the command starts (its broker, its fork server and the
+# workers forked from it) is reaped here once it ends, however it was started, so that
+# RUSAGE_CHILDREN counts the CPU of all of them, not only of those the command waited for.
+subreaper = ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
 rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
+while subreaper:
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
 usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-print(json.dumps({"rc": rc, "max_rss": usage.ru_maxrss * 1024,
+print(json.dumps({"rc": rc, "max_rss": usage.ru_maxrss * 1024, "subreaper": subreaper,
                   "cpu": usage.ru_utime + usage.ru_stime}))
 """
 
@@ -99,8 +116,30 @@ print(json.dumps({"seconds": result.seconds["total"], "correct": bool(
 """
 
 
+def bytecode_env(source: Path, cache: Path) -> dict[str, str]:
+    """The environment the rows run in: ``source`` on the path and its modules' bytecode
+    compiled once into ``cache``, as an installed package's are (pip compiles them), even
+    where ``PYTHONDONTWRITEBYTECODE`` is set (then every process of the command would
+    compile every module it imports from source: 0.1-0.2 CPU s each here)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env.update(PYTHONPATH=str(source), PYTHONPYCACHEPREFIX=str(cache),
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    packages = [str(source / p) for p in ("secagg", "transport", "dp", "fl")
+                if (source / p).is_dir()]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *packages], env=env,
+                   stdout=subprocess.DEVNULL, check=True)
+    return env
+
+
+_ENV: dict[Path, dict[str, str]] = {}
+
+
 def run_row(row: Row, source: Path) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(source), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    if source not in _ENV:
+        cache = tempfile.mkdtemp(prefix="bench-pyc-")
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+        _ENV[source] = bytecode_env(source, Path(cache))
+    env = _ENV[source]
     started = time.perf_counter()
     if row.inprocess:
         out = subprocess.run([sys.executable, "-c", _INPROCESS, str(row.clients),
@@ -149,20 +188,22 @@ def table(results: list[tuple[Row, dict[str, Any], float]], source: Path,
           notes: list[str] | None = None) -> str:
     code = "this checkout" if source == REPO else f"`{source}`"
     lines = [f"Code: {code}; 32 bits, no dropouts, seed 1.", *(notes or []), "",
-             "| run | clients | d | round s | floor s | ratio | peak RSS, largest process "
+             "| run | clients | d | round s | floor s | ratio | command CPU s "
+             "| peak RSS, largest process "
              "| wire bytes per client / (d x 4) | dropped payloads | correct |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row, got, floor_s in results:
         if got.get("error") and "seconds" not in got:
             rss = f"{got.get('max_rss', 0) / 2**30:.2f} GiB" if got.get("max_rss") else "-"
             lines.append(f"| {row.label} | {row.clients} | {row.dim:.0e} | failed: "
-                         f"{' '.join(got['error'])[:120]} | {floor_s:.2f} | - | {rss} | - | - "
-                         "| no |")
+                         f"{' '.join(got['error'])[:120]} | {floor_s:.2f} | - | - | {rss} | - "
+                         "| - | no |")
             continue
         seconds = got["seconds"]
         lines.append(
             f"| {row.label} | {row.clients} | {row.dim:.0e} | {seconds:.2f} | {floor_s:.2f} "
-            f"| {seconds / floor_s:.1f}x | {got['max_rss'] / 2**30:.2f} GiB "
+            f"| {seconds / floor_s:.1f}x | {got.get('cpu', float('nan')):.2f} "
+            f"| {got['max_rss'] / 2**30:.2f} GiB "
             f"| {got['wire'] / (row.dim * BITS / 8):.4f} | {got['dropped_payloads']} "
             f"| {'yes' if got['correct'] else 'NO'}"
             + ("" if got.get("included", row.clients) == row.clients

@@ -4,8 +4,8 @@ Imports ``secagg`` only. This module is the layer's front door: what users, the 
 the ``fl`` layer import comes from here (``from transport import MqttNetwork, Topics,
 serve_client``; ``tests/test_layout.py`` fails on an import from ``fl`` past it), and every
 error the layer raises is a ``TransportError``. The control-plane field checks are exported
-as the module ``fields``; ``broker_main`` (the embedded broker's command line) is imported on
-first use, so importing the layer does not import the broker's command line.
+as the module ``fields``. Every other name is imported on first use, so importing the layer
+(or one of its parts: the embedded broker, a worker) loads only what it uses.
 
 * ``rounds``: a whole round (``run_round``) and one party's side (``serve_client``,
   ``serve_server``) over any ``Network``;
@@ -18,35 +18,66 @@ first use, so importing the layer does not import the broker's command line.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from secagg.lazy import lazy_exports
+from typing import TYPE_CHECKING, Any
 
 from . import fields
-from .client_driver import ClientDriver
-from .control import ControlError, Offline, encode_control
-from .credentials import write_federation
-from .deadlines import round_timeouts, validation_allowance
-from .drivers import StageProgress, Timeouts, TimeoutsError, client_will, publish_framed
 from .errors import TransportError
-from .framing import DEFAULT_MAX_PAYLOAD, HEADER_BYTES, FrameError, Reassembler, frame
-from .heap import keep_large_buffers
-from .launch import broker_for, running_broker
-from .link import Delivery, Event, Link, LinkError, LinkLost, Network, Reconnected, Will
-from .memory import MemoryNetwork
-from .mosquitto import MosquittoBroker, MosquittoError, mosquitto_available
-from .mqtt import BrokerSettings, MqttNetwork, TlsSettings, parse_broker_url, probe
-from .rounds import RoundReport, new_round_name, run_round, serve_client, serve_server
-from .runner import SimulationSpec, run_simulation
-from .server_driver import ServerDriver
-from .topics import SERVER_USER, Topics, acl_table, check_round_name, site_name
-from .workers import InputSource, input_ids
 
 if TYPE_CHECKING:
     from .broker.cli import main as broker_main
+    from .client_driver import ClientDriver
+    from .control import ControlError, Offline, encode_control
+    from .credentials import write_federation
+    from .deadlines import round_timeouts, validation_allowance
+    from .drivers import StageProgress, Timeouts, TimeoutsError, client_will, publish_framed
+    from .framing import DEFAULT_MAX_PAYLOAD, HEADER_BYTES, FrameError, Reassembler, frame
+    from .heap import keep_large_buffers
+    from .launch import broker_for, running_broker
+    from .link import Delivery, Event, Link, LinkError, LinkLost, Network, Reconnected, Will
+    from .memory import MemoryNetwork
+    from .mosquitto import MosquittoBroker, MosquittoError, mosquitto_available
+    from .mqtt import BrokerSettings, MqttNetwork, TlsSettings, parse_broker_url, probe
+    from .rounds import RoundReport, new_round_name, run_round, serve_client, serve_server
+    from .runner import SimulationSpec, run_simulation
+    from .server_driver import ServerDriver
+    from .topics import SERVER_USER, Topics, acl_table, check_round_name, site_name
+    from .workers import InputSource, input_ids
 
-# imported on first use: importing the layer does not load the broker's command line
-__getattr__ = lazy_exports(__name__, {"broker_main": ".broker.cli:main"})
+# Every name but the errors and ``fields`` is imported on first use: a process that needs
+# one part of the layer (the embedded broker's ``python -m transport.broker``, a
+# ``secagg simulate`` worker) does not import the rest (numpy, secagg, paho, the server's
+# driver): issue 32 measured 0.44-0.68 CPU s of imports in the broker's process before,
+# 0.19-0.26 now.
+_LAZY = {
+    "ClientDriver": ".client_driver", "ControlError": ".control", "Offline": ".control",
+    "encode_control": ".control", "write_federation": ".credentials",
+    "round_timeouts": ".deadlines", "validation_allowance": ".deadlines",
+    "StageProgress": ".drivers", "Timeouts": ".drivers", "TimeoutsError": ".drivers",
+    "client_will": ".drivers", "publish_framed": ".drivers",
+    "DEFAULT_MAX_PAYLOAD": ".framing", "HEADER_BYTES": ".framing", "FrameError": ".framing",
+    "Reassembler": ".framing", "frame": ".framing", "keep_large_buffers": ".heap",
+    "broker_for": ".launch", "running_broker": ".launch", "Delivery": ".link",
+    "Event": ".link", "Link": ".link", "LinkError": ".link", "LinkLost": ".link",
+    "Network": ".link", "Reconnected": ".link", "Will": ".link", "MemoryNetwork": ".memory",
+    "MosquittoBroker": ".mosquitto", "MosquittoError": ".mosquitto",
+    "mosquitto_available": ".mosquitto", "BrokerSettings": ".mqtt", "MqttNetwork": ".mqtt",
+    "TlsSettings": ".mqtt", "parse_broker_url": ".mqtt", "probe": ".mqtt",
+    "RoundReport": ".rounds", "new_round_name": ".rounds", "run_round": ".rounds",
+    "serve_client": ".rounds", "serve_server": ".rounds", "SimulationSpec": ".runner",
+    "run_simulation": ".runner", "ServerDriver": ".server_driver", "SERVER_USER": ".topics",
+    "Topics": ".topics", "acl_table": ".topics", "check_round_name": ".topics",
+    "site_name": ".topics", "InputSource": ".workers", "input_ids": ".workers",
+    "broker_main": ".broker.cli:main",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # the lazy-export helper itself on first use: ``secagg`` (numpy) is not imported by a
+    # process that needs none of it (the embedded broker's)
+    from secagg.lazy import lazy_exports
+
+    return lazy_exports(__name__, _LAZY)(name)
+
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD",

@@ -44,7 +44,7 @@ from .mqtt import MqttNetwork
 from .rounds import new_round_name, serve_server
 from .tasks import stop_task
 from .topics import SERVER_USER, Topics, acl_table, site_name
-from .workers import InputSource, Workers, WorkerSpec, worker_processes
+from .workers import InputSource, Workers, WorkerSpec, start_fork_server, worker_processes
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,7 @@ async def run_simulation(spec: SimulationSpec,
     timeouts = logical_timeouts(spec.timeouts) if logical else spec.timeouts
     progress = _Progress(on_stage, on_message)
     max_payload = max_payload_for(spec)
+    start_fork_server()  # the workers' imports run while the broker starts
     async with running_broker(spec.broker, passwords, acl,
                               max_payload=max_payload) as broker_settings:
         settings = dataclasses.replace(broker_settings, client_id_suffix=f"-{round_name}")

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 from secagg import Stage
 
+from .broker.topics import SERVER_USER as SERVER_USER  # defined with the broker
 from .broker.topics import TopicAcl
 
 ROOT = "secagg"
-SERVER_USER = "server"
 SITE_PREFIX = "site-"
 OFFLINE = "offline"
 ABORT = "abort"

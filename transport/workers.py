@@ -1,17 +1,27 @@
 """The sites' side of ``secagg simulate``: their inputs, and the worker processes that run
 many of them each.
 
-A worker process (``spawn``) runs its sites on one asyncio loop, one MQTT connection and one
+A worker process runs its sites on one asyncio loop, one MQTT connection and one
 last will per site, and reports to the parent over a pipe: ``ready`` once every site listens,
 ``error`` (a site could not join, or the worker failed), ``killed`` (its sites reached their
 drop stage and it SIGKILLs itself), ``outcomes`` at the end. Nothing here is secret-bearing
 except the sites' signing keys (``malicious`` mode), handed over by the coordinator as the
 federation's PKI would.
+
+Workers are forked from multiprocessing's fork server, which imports this module once
+(``forkserver`` with ``transport.workers`` preloaded, where the platform has it; ``spawn``
+elsewhere): each worker then starts without importing numpy, secagg and the MQTT client
+again (issue 32: 0.5-0.7 CPU s of imports per worker on the 2-core VM of
+docs/performance.md). The fork server is a fresh interpreter, not the caller: no event
+loop, thread or socket of the caller's is inherited. A worker exits once the process that
+started it is gone, even SIGKILLed (``transport.lifeline.watch_process``), and the fork
+server once its workers and that process are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -19,7 +29,11 @@ import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.context
+import multiprocessing.forkserver
+import multiprocessing.util
 import os
+import shutil
 import signal
 import sys
 import traceback
@@ -41,7 +55,7 @@ from .client_driver import ClientDriver, ClientOutcome
 from .drivers import Timeouts
 from .framing import DEFAULT_MAX_PAYLOAD
 from .heap import keep_large_buffers
-from .lifeline import watch_parent
+from .lifeline import watch_parent, watch_process
 from .mqtt import BrokerSettings, MqttNetwork
 from .rounds import serve_client
 from .topics import Topics
@@ -102,9 +116,71 @@ def input_ids(directory: str) -> list[int]:
 # --------------------------------------------------------------------------- workers
 
 
+START_METHOD = ("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                else "spawn")
+"""How worker processes start (see the module's docstring)."""
+
+
+PRELOAD = [__name__, "numpy.random", "cryptography.hazmat.backends.openssl.backend"]
+"""What the fork server imports for every worker: this module, and what a worker would
+otherwise import on first use (numpy's generators for random inputs, the OpenSSL backend
+behind the first X25519 key)."""
+
+
+def worker_context() -> (multiprocessing.context.ForkServerContext
+                         | multiprocessing.context.SpawnContext):
+    """The multiprocessing context worker processes start from: the fork server preloads
+    this module, so a worker imports nothing at its start."""
+    if START_METHOD != "forkserver":
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    # takes effect when this process starts its fork server (once, at its first use)
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+FORK_SERVER_ENV = "SECAGG_FORK_SERVER"
+"""Set in the fork server's environment: ``<pid> <folder>``, the process that starts it and
+the folder of its listening socket (that process's multiprocessing ``pymp-*`` folder)."""
+
+
+def start_fork_server() -> None:
+    """Start the fork server now, if workers start from one: its imports then overlap the
+    caller's own start-up (the broker's), instead of following it. Idempotent."""
+    if START_METHOD != "forkserver":
+        return
+    worker_context()
+    resource_tracker.ensure_running()  # first: it unblocks SIGINT (see ``Workers.start``)
+    # started with SIGINT blocked, like the workers: they inherit the fork server's mask
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    had = os.environ.get(FORK_SERVER_ENV)
+    os.environ[FORK_SERVER_ENV] = f"{os.getpid()} {multiprocessing.util.get_temp_dir()}"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if had is None:
+            del os.environ[FORK_SERVER_ENV]
+        else:
+            os.environ[FORK_SERVER_ENV] = had
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _remove_if_orphaned(setting: str) -> None:
+    """At the fork server's exit: its starter removes the socket's folder when it ends,
+    unless it was SIGKILLed; then (the server was re-parented) the server removes it."""
+    starter, _, folder = setting.partition(" ")
+    if starter.isdigit() and folder and os.getppid() != int(starter):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if os.environ.get(FORK_SERVER_ENV) and multiprocessing.parent_process() is None:
+    # imported by the fork server (its preload): it ends once its starter and workers have
+    atexit.register(_remove_if_orphaned, os.environ[FORK_SERVER_ENV])
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything one worker process needs (pickled to it by ``spawn``)."""
+    """Everything one worker process needs (pickled to it)."""
 
     index: int
     config: Config
@@ -136,8 +212,14 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     keep_large_buffers()  # its chunks and frames reuse memory (transport.heap)
-    # A parent SIGKILLed cannot stop its workers: each exits by itself once it is gone.
-    watch_parent(spec.parent_pid, functools.partial(os._exit, 1))
+    # A parent SIGKILLed cannot stop its workers: each exits by itself once it is gone. A
+    # worker forked by the fork server (its parent) watches the process that started it:
+    # the fork server ends only once its workers have.
+    exit_now = functools.partial(os._exit, 1)
+    if os.getppid() == spec.parent_pid:
+        watch_parent(spec.parent_pid, exit_now)
+    else:
+        watch_process(spec.parent_pid, exit_now)
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(asctime)s worker{spec.index} %(levelname)s %(name)s: "
                                "%(message)s")
@@ -221,7 +303,7 @@ class Workers:
     """Worker processes and the parent's end of their pipes, read on the event loop."""
 
     def __init__(self, specs: list[WorkerSpec]) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = worker_context()
         self.specs = specs
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self.conns: list[multiprocessing.connection.Connection] = []

@@ -96,11 +96,15 @@ def test_logical_deadlines_ignore_the_clock_on_a_starved_host() -> None:
 
 
 def _workers() -> list[psutil.Process]:
-    """This process's ``secagg simulate`` worker processes (multiprocessing spawn)."""
+    """This process's ``secagg simulate`` worker processes: spawned (``spawn_main``), or
+    forked by multiprocessing's fork server (its children; not the server itself)."""
     out = []
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if any("spawn_main" in part for part in child.cmdline()):
+            spawned = any("spawn_main" in part for part in child.cmdline())
+            forked = any("forkserver import main" in part
+                         for part in child.parent().cmdline())
+            if spawned or forked:
                 out.append(child)
     return out
 

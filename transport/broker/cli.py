@@ -26,12 +26,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..topics import SERVER_USER
 from .auth import DEFAULT_LOG2_N, hash_password, is_password_hash
 from .broker import LOOPBACK_HOSTS, EmbeddedBroker
 from .config import DEFAULT_MAX_PAYLOAD, BrokerLimits
 from .errors import BrokerConfigError, BrokerError, BrokerStartError
-from .topics import TopicAcl
+from .topics import SERVER_USER, TopicAcl
 
 logger = logging.getLogger("transport.broker")
 PROG = "python -m transport.broker"

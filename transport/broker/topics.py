@@ -14,6 +14,11 @@ from typing import Literal
 
 from .errors import BrokerConfigError
 
+SERVER_USER = "server"
+"""The aggregation server's user name (``transport.topics`` lays out its topics; the
+broker's command line exempts it from the publish rate limit by default). Defined here so
+that the broker's process imports no more than the broker."""
+
 # One logger for the whole embedded broker, whichever module it lives in.
 logger = logging.getLogger("transport.broker")
 
