@@ -47,9 +47,9 @@ CONNECT_TIMEOUT = 10.0
 READY_TIMEOUT = 20.0
 """A ceiling only (a ready wait ends once every site is ready), times the host's pace
 (tests/pace.py) up to ``READY_CEILING``: the first round imports and warms up torch in every
-site (10 s at load average 8 here). It is also what a round the restart cut costs (its
-Ready messages died with the broker): a fixed 60 s made the Mosquitto run take 120 s
-instead of 25 s on a quiet host."""
+site (10 s at load average 8 here). A round whose Ready messages died with the broker waits
+all of it: before sites said Ready again after a reconnection (docs/deployment.md), these
+tests took either 10-25 s or 78-120 s in the suite's logs."""
 READY_CEILING = 60.0
 """The ready wait that held on a host loaded with a CPU hog per core and other jobs (load
 average 16), where a fixed 20 s was outlasted in two attempts out of two."""
