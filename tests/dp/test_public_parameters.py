@@ -81,23 +81,7 @@ def _heavy_ids(seed: int = 0) -> list[int]:
     return [i for i, c in enumerate(counts.tolist()) for _ in range(c)]
 
 
-@pytest.fixture
-def epsilon_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``dp.idp.patient_epsilon`` computed once per question within the test. It is a pure
-    function of its arguments, so a plan made again from the same classes asks it the same
-    questions and gets the same answers, while a plan that read the counts would ask other
-    ones (computed afresh): the comparison is as strong, and the second plan costs no
-    accounting (the first one's search asks about 1,000 questions, 88 % of its time in
-    ``dp.accounting._group_rdp_integer``)."""
-    import functools
-
-    import dp.idp
-
-    monkeypatch.setattr(dp.idp, "patient_epsilon", functools.cache(dp.idp.patient_epsilon))
-
-
-@pytest.mark.slow  # ~1 min: 26 declared classes up to 96 records
-@pytest.mark.usefixtures("epsilon_once")
+@pytest.mark.slow  # ~1-2 min: 26 declared classes up to 96 records
 def test_the_planner_ignores_one_92_record_patient() -> None:
     """The issue's case: target 8, q 0.01, 1,500 steps. Planned from the table's own group
     sizes, z was 1.738 without one 92-record patient and 2.645 with it (and every group's
@@ -112,7 +96,6 @@ def test_the_planner_ignores_one_92_record_patient() -> None:
     assert [g.patients for g in plans[0].groups] != [g.patients for g in plans[1].groups]
 
 
-@pytest.mark.usefixtures("epsilon_once")
 def test_the_planner_reads_classes_not_counts() -> None:
     """Adding or removing a patient at a class edge (16/17 records, the cut) or with a budget
     between two classes leaves every mechanism parameter of the plan unchanged."""
