@@ -3,7 +3,8 @@ three sites that are each their own ``secagg train`` process, on the embedded br
 Mosquitto: every party finishes or exits by itself within its timeouts, never hangs.
 
 The parties' deadlines are short (``--connect-timeout 10``: each reconnection succeeds or
-gives up within 10 s; ``--stage-timeout 15``, ``--idle-timeout 90``), so "by itself" is a
+gives up within 10 s; ``--stage-timeout 15``; ``--ready-timeout 20`` times the host's pace,
+tests/pace.py, up to 60, and ``--idle-timeout`` 30 s above it), so "by itself" is a
 bound a hang cannot meet. Before, a site could stay hung after
 "Connection reset by peer" (``MqttLink._run_pump`` awaited aiomqtt's ``__aexit__`` with no
 bound) and the coordinator then stalled for ``--ready-timeout`` every round. Measured here
@@ -33,6 +34,7 @@ import pytest
 
 from tests.fl.test_long_federation import SITES, _urls, _users
 from tests.fl.test_multiprocess_training import COMMON, Party
+from tests.pace import slowdown
 from transport.launch import _listening_port, _start_embedded, stop_process
 from transport.mosquitto import MosquittoBroker, _free_port, mosquitto_available
 from transport.topics import SERVER_USER, acl_table, site_name
@@ -42,40 +44,52 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a hang guard above 
 ROUNDS = 12
 RESTART_AFTER = 5
 CONNECT_TIMEOUT = 10.0
-READY_TIMEOUT = 60.0
-"""A ceiling only (a ready wait ends once every site is ready): the first round imports and
-warms up torch in every site, which on a host loaded with a CPU hog per core and other jobs
-(load average 16) outlasted a 20 s ready wait in two attempts out of two."""
+READY_TIMEOUT = 20.0
+"""A ceiling only (a ready wait ends once every site is ready), times the host's pace
+(tests/pace.py) up to ``READY_CEILING``: the first round imports and warms up torch in every
+site (10 s at load average 8 here). A round whose Ready messages died with the broker waits
+all of it: before sites said Ready again after a reconnection (docs/deployment.md), these
+tests took either 10-25 s or 78-120 s in the suite's logs."""
+READY_CEILING = 60.0
+"""The ready wait that held on a host loaded with a CPU hog per core and other jobs (load
+average 16), where a fixed 20 s was outlasted in two attempts out of two."""
 STAGE_TIMEOUT = 15.0
-IDLE_TIMEOUT = READY_TIMEOUT + 2 * STAGE_TIMEOUT
-"""Above the coordinator's longest silence toward a site that is waiting (docs/deployment.md:
-a ready wait, then a stage of the attempt whose ``go`` the restart lost, before the next
-attempt's announcement). At 30 s, under the ready timeout, CI once saw every site give up
-waiting for the cut round's ``go`` while the coordinator was still in that attempt, and the
-run failed at round 6 with no site left."""
 START_BOUND = 300.0
 """How long the run may take to reach the restart (start-up and the first rounds under
 load; nothing is measured there)."""
-EXIT_BOUND = CONNECT_TIMEOUT + READY_TIMEOUT + IDLE_TIMEOUT + 80.0
-"""From the restart, the most any party may take to end: a reconnection (10 s), one failed
-attempt of the round the restart cut (its ready wait, 60 s), the rounds left (7, about 1 s
-each at load average 16: 80 s leaves room), and the idle timeout (90 s) for a site that lost
-its coordinator. A site stuck in a finished round (its driver's give-up, about 120 s) makes
-the rounds after it fail and cannot meet it."""
+
+
+def _idle_timeout(ready: float) -> float:
+    """Above the coordinator's longest silence toward a site that is waiting
+    (docs/deployment.md: a ready wait, then a stage of the attempt whose ``go`` the restart
+    lost, before the next attempt's announcement). Under the ready timeout, CI once saw
+    every site give up waiting for the cut round's ``go`` while the coordinator was still in
+    that attempt, and the run failed at round 6 with no site left."""
+    return ready + 2 * STAGE_TIMEOUT
+
+
+def _exit_bound(ready: float) -> float:
+    """From the restart, the most any party may take to end: a reconnection (10 s), one
+    failed attempt of the round the restart cut (its ready wait), the rounds left (7, about
+    1 s each at load average 16: 80 s leaves room), and the idle timeout for a site that
+    lost its coordinator. A site stuck in a finished round (its driver's give-up, about
+    120 s) makes the rounds after it fail and cannot meet it."""
+    return CONNECT_TIMEOUT + ready + _idle_timeout(ready) + 80.0
 
 
 Broker = tuple[int, Callable[[], None], Callable[[], str]]
 """(port, kill and restart it, its log's tail)"""
 
-def _parties(urls: dict[str, str], report: Path) -> tuple[Party, dict[int, Party]]:
+def _parties(urls: dict[str, str], report: Path, ready: float
+             ) -> tuple[Party, dict[int, Party]]:
     timeouts = ["--connect-timeout", str(CONNECT_TIMEOUT)]
     coordinator = Party(["--role", "coordinator", "--sites", "1,2,3", "--rounds", str(ROUNDS),
                          "--dp", "none", "--broker", urls[SERVER_USER], "--report",
                          str(report), "--join-timeout", "60", "--ready-timeout",
-                         str(READY_TIMEOUT), "--insecure-verify", *timeouts, *COMMON])
+                         str(ready), "--insecure-verify", *timeouts, *COMMON])
     sites = {cid: Party(["--role", "site", "--site-id", str(cid), "--sites", "3",
                          "--broker", urls[site_name(cid)], "--idle-timeout",
-                         str(IDLE_TIMEOUT), "--dp", "none", "--insecure-verify",
+                         str(_idle_timeout(ready)), "--dp", "none", "--insecure-verify",
                          *timeouts, *COMMON]) for cid in SITES}
     return coordinator, sites
 
@@ -136,9 +150,11 @@ def _kill_restart_mid_run(broker: Callable[..., object], tmp_path: Path,
     monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
     users = _users()
     report = tmp_path / "report.json"
+    ready = min(READY_TIMEOUT * slowdown(), READY_CEILING)
+    bound = _exit_bound(ready)
     with broker(users, tmp_path) as (port, restart, broker_log):  # type: ignore[attr-defined]
         urls = _urls(users, "127.0.0.1", port)
-        coordinator, sites = _parties(urls, report)
+        coordinator, sites = _parties(urls, report, ready)
         parties = [coordinator, *sites.values()]
         try:
             coordinator.wait_for(f"round {RESTART_AFTER:3d}/{ROUNDS}", timeout=START_BOUND)
@@ -146,7 +162,7 @@ def _kill_restart_mid_run(broker: Callable[..., object], tmp_path: Path,
             restarted = time.monotonic()
             codes = {}
             for name, party in zip(("coordinator", *map(str, SITES)), parties, strict=True):
-                left = EXIT_BOUND - (time.monotonic() - restarted)
+                left = bound - (time.monotonic() - restarted)
                 try:
                     codes[name] = party.wait(max(left, 0.1))
                 except subprocess.TimeoutExpired:
@@ -155,7 +171,7 @@ def _kill_restart_mid_run(broker: Callable[..., object], tmp_path: Path,
                             hung.proc.send_signal(signal.SIGABRT)
                             hung.wait(10)
                     logs = "\n\n".join([*(p.log for p in parties), broker_log()])
-                    pytest.fail(f"{name} still running {EXIT_BOUND:.0f} s after the broker "
+                    pytest.fail(f"{name} still running {bound:.0f} s after the broker "
                                 f"restart:\n{logs}")
         finally:
             for party in parties:

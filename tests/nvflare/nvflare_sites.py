@@ -34,8 +34,13 @@ HERE = Path(__file__).resolve().parent
 
 PLAN_ENV = "SECAGG_TEST_PLAN"
 """A JSON file: {"record": dir, "zero_round": round, "drops": {site: {round: [stage label,
-"fail" | "kill" | "stall", seconds]}}, "scaling": [site, ...]}: the scaling sites run the
-attacker's session (tests/scaling_site.py)."""
+"fail" | "kill" | "stall", seconds]}}, "scaling": [site, ...], "workspace": dir, "report":
+path}: the scaling sites run the attacker's session (tests/scaling_site.py). A stalled site
+is silent for ``seconds`` or until the server has reported the round (``report``: the
+server's ``report_path``, searched under ``workspace`` when relative), whichever comes
+first: its late answer still cannot be taken, and the simulator, which ends a job only
+once every site's task has returned, does not wait out the rest of the stall (20 s of
+35 in tests/nvflare/test_nvflare_user.py's dead site)."""
 
 STAGES = ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmasking")
 
@@ -77,10 +82,32 @@ class RecordingExecutor(SecAggExecutor):
                 os.kill(os.getppid(), signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
             if drop[1] == "stall":
-                time.sleep(float(drop[2]))
+                _stall(self._plan(), self._round, float(drop[2]))
             else:
                 return make_reply(ReturnCode.EXECUTION_EXCEPTION)  # the task failed
         return super().execute(task_name, shareable, fl_ctx, abort_signal)
+
+
+def _reported(plan: dict[str, Any], server_round: int) -> bool:
+    """Whether the server has written its report of ``server_round``."""
+    if not plan.get("report"):
+        return False
+    report = Path(plan["report"])
+    paths = [report] if report.is_absolute() else Path(plan["workspace"]).rglob(report.name)
+    for path in paths:
+        with contextlib.suppress(OSError):
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    if json.loads(line).get("server_round") == server_round:
+                        return True
+    return False
+
+
+def _stall(plan: dict[str, Any], server_round: int, seconds: float) -> None:
+    """Silent for ``seconds``, or until the server has reported ``server_round``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not _reported(plan, server_round):
+        time.sleep(0.2)
 
 
 class ZeroNoiseFedAvg(SecureFedAvg):
@@ -177,7 +204,9 @@ def run_job(tmp: Path, monkeypatch: Any, server: Any, sites: dict[str, dict],
     record.mkdir()
     (tmp / "plan.json").write_text(json.dumps({"record": str(record), "drops": drops,
                                                "zero_round": zero_round,
-                                               "scaling": list(scaling)}))
+                                               "scaling": list(scaling),
+                                               "workspace": str(tmp / "ws"),
+                                               "report": server.report_path}))
     monkeypatch.setenv(PLAN_ENV, str(tmp / "plan.json"))
     monkeypatch.setenv(DIR_ENV, str(tmp / "sites"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
