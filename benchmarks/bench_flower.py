@@ -440,10 +440,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # one row, for the subprocess
     args = parser.parse_args(argv)
-    if DIR_ENV not in os.environ:  # the nodes' ledgers: this run's own (rows inherit it)
+    own = DIR_ENV not in os.environ
+    if own:  # the nodes' ledgers: this run's own (its row subprocesses inherit it)
         import tempfile
 
         os.environ[DIR_ENV] = tempfile.mkdtemp(prefix="bench-flower-ledgers-")
+    try:
+        return _report(args)
+    finally:
+        if own:
+            del os.environ[DIR_ENV]
+
+
+def _report(args: argparse.Namespace) -> int:
     logging.getLogger("flwr").setLevel(logging.ERROR)
     logging.getLogger("fl.flower").setLevel(logging.ERROR)
     if args.row:

@@ -449,8 +449,10 @@ def _train(msg: Any, context: Any, call_next: Callable[[Any, Any], Any],
     the data). Either way the round answers nothing more."""
     setup = joined.setup
     try:
-        sent = session.check_sent(setup, lambda s: flatten(
+        sent: F64 | None = session.check_sent(setup, lambda s: flatten(
             _single(msg.content.array_records, "ArrayRecord"), s.arrays))
+        if setup.mode != MODE_DISTRIBUTED:
+            sent = None  # only checked: not held through the training
     except SetupError:
         _end(context, stage_record)
         session.end(joined, client, "the arrays sent with the masked-input request do not "
@@ -463,9 +465,13 @@ def _train(msg: Any, context: Any, call_next: Callable[[Any, Any], Any],
             _end(context, stage_record)
             return reply
         arrays, metrics, weight = _trained(setup, reply.content)
-        client.provide_input(session.encode(
-            replace(joined, sent=sent if setup.mode == MODE_DISTRIBUTED else None),
-            arrays, metrics, weight))
+        # neither the reply's arrays nor the arrays sent are needed to encode (the flat
+        # copies are): let them go before the encoding's working copies exist
+        del reply
+        for key in list(msg.content.array_records):
+            del msg.content[key]
+        client.provide_input(session.encode(replace(joined, sent=sent), arrays, metrics,
+                                            weight))
     except Exception:
         _end(context, stage_record)
         raise
