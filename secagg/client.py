@@ -24,6 +24,7 @@ Rejections and aborts (docs/protocol.md section 7):
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TypeVar, cast
@@ -530,8 +531,19 @@ class Client:
         signer = self._signing_key if self.config.malicious else None
         return MaskedStream(vector, keys, peers_digest(senders), state.key_set, proof,
                             session_id=sid, client_id=me, bits=self.config.bits,
-                            signer=signer,
-                            over=self._stream_over)
+                            signer=signer, over=self._weak_over())
+
+    def _weak_over(self) -> Callable[[], ProtocolError | None]:
+        """``_stream_over`` through a weak reference: the stream this client caches (in its
+        reply cache) must not hold the client in a reference cycle, which would keep both,
+        with the input and the masked vector, alive until Python's cycle collector runs."""
+        method = weakref.WeakMethod(self._stream_over)
+
+        def over() -> ProtocolError | None:
+            bound = method()
+            return None if bound is None else bound()
+
+        return over
 
     def _stream_over(self) -> ProtocolError | None:
         """Why this client's masked input can no longer be streamed (its input is wiped once

@@ -467,15 +467,24 @@ def _train(msg: Any, context: Any, call_next: Callable[[Any, Any], Any],
         arrays, metrics, weight = _trained(setup, reply.content)
         # neither the reply's arrays nor the arrays sent are needed to encode (the flat
         # copies are): let them go before the encoding's working copies exist
+        _let_go(reply.content)
+        _let_go(msg.content)
         del reply
-        for key in list(msg.content.array_records):
-            del msg.content[key]
         client.provide_input(session.encode(replace(joined, sent=sent), arrays, metrics,
                                             weight))
     except Exception:
         _end(context, stage_record)
         raise
     return None
+
+
+def _let_go(content: Any) -> None:
+    """Empty a message's array records: Flower's records sit in reference cycles, so a
+    model-sized array they hold would otherwise live until Python's cycle collector runs."""
+    for key, record in list(content.array_records.items()):
+        for name in list(record):
+            del record[name]
+        del content[key]
 
 
 def _end(context: Any, stage_record: Any) -> None:

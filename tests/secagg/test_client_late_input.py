@@ -152,3 +152,29 @@ def test_the_constructor_form_with_the_input_still_works() -> None:
     result = simulate(config, inputs, seed=2)
     assert result.total.tolist() == [int(x) % 2**20 for x in
                                      sum(v.astype(object) for v in inputs.values())]
+
+
+def test_a_clients_masked_stream_does_not_keep_it_alive_in_a_cycle() -> None:
+    """The stream a client caches for its masked input reaches the client only weakly, so a
+    host that lets the client go frees it (its input and masked vector with it) at once,
+    not when Python's cycle collector happens to run."""
+    import gc
+    import weakref
+
+    config, server, clients, inputs, _ = _round(64)
+    for cid, client in clients.items():
+        server.receive(cid, encode(client.advertise()))
+        client.provide_input(inputs[cid])
+    for _ in range(2):
+        out = server.advance()
+        for cid, client in clients.items():
+            server.receive(cid, encode(client.handle(encode(out[cid]))))
+    gone = weakref.ref(clients[1])
+    stream = clients[1].stream(encode(out[1]))  # the cached masked-input stream
+    gc.disable()
+    try:
+        del clients[1], client
+        assert gone() is None
+        assert stream.whole().dim == config.dim  # the stream alone still works
+    finally:
+        gc.enable()
