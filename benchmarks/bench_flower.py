@@ -18,7 +18,8 @@ raw cipher floor measured in the same run (``benchmarks/_floor.py``: AES-128-CTR
 for every mask of the round, the ``n (k + 1)`` masks at the sum's width, plus the X25519
 exchanges), server CPU seconds, mean CPU seconds per node, mean serialised bytes a node
 receives / sends (train message included) and the upload over ``d x bits / 8`` (the
-masked vector at its natural width; Flower's SecAgg+ masks mod 2^32), peak memory, and how
+masked vector at its natural width; Flower's SecAgg+ masks mod 2^32), the largest
+``Context`` a node saved between messages (LocalGrid), peak memory, and how
 far the aggregate is from the exact weighted average of the included nodes' updates.
 
     python benchmarks/bench_flower.py [--nodes 20] [--dim 10000] [--drop-rate 0.1] [--json]
@@ -70,7 +71,7 @@ from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow  # noqa: E4
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from fl.flower import NodeOptions, SecureAggregation, make_secagg_mod  # noqa: E402
-from fl.flower.client import DP_KEY  # noqa: E402
+from fl.flower.client import DIR_ENV, DP_KEY  # noqa: E402
 from fl.flower.local import LocalGrid  # noqa: E402
 from fl.flower.records import stage_of  # noqa: E402
 from secagg import secagg_plus_parameters  # noqa: E402
@@ -277,6 +278,7 @@ def _row(name: str, bits: int, n: int, dim: int, timer: _Timer, error: float | N
             "client_cpu_per_node": timer.client_cpu / n if local else None,
             "bytes_down_per_node": sum(grid.bytes_down.values()) / n if local else None,
             "bytes_up_per_node": up,
+            "context_bytes_per_node": max(grid.context_bytes.values()) if local else None,
             "up_over_vector": None if up is None else up / (dim * bits / 8),
             "peak_rss": timer.peak if peak is None else None,
             "peak_server_rss": None if peak is None else peak.server,
@@ -438,6 +440,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # one row, for the subprocess
     args = parser.parse_args(argv)
+    own = DIR_ENV not in os.environ
+    if own:  # the nodes' ledgers: this run's own (its row subprocesses inherit it)
+        import tempfile
+
+        os.environ[DIR_ENV] = tempfile.mkdtemp(prefix="bench-flower-ledgers-")
+    try:
+        return _report(args)
+    finally:
+        if own:
+            del os.environ[DIR_ENV]
+
+
+def _report(args: argparse.Namespace) -> int:
     logging.getLogger("flwr").setLevel(logging.ERROR)
     logging.getLogger("fl.flower").setLevel(logging.ERROR)
     if args.row:
@@ -459,9 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     print("floor (AES-CTR keystream of the round's masks + X25519): "
           + ", ".join(f"{b}-bit {s:.2f} s" for b, s in floors.items()) + "\n")
     print("| scenario | protocol | completed | s / round | x floor | server CPU s | node CPU s "
-          "| MB down / node | MB up / node | up / (d bits/8) | peak RSS MiB | "
-          "max abs error | integer sum exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| MB down / node | MB up / node | up / (d bits/8) | node Context KB | "
+          "peak RSS MiB | max abs error | integer sum exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         error = "aborted" if r["max_abs_error"] is None else f"{r['max_abs_error']:.1e}"
         exact = {None: "n/a", True: "yes", False: "NO"}[r["exact_sum"]]
@@ -473,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{_fmt(r['client_cpu_per_node'], '.3f')} | "
               f"{_fmt(r['bytes_down_per_node'], '.2f', 1e6)} | "
               f"{_fmt(r['bytes_up_per_node'], '.2f', 1e6)} | "
-              f"{_fmt(r['up_over_vector'], '.2f')} | {peak} | {error} | {exact} |")
+              f"{_fmt(r['up_over_vector'], '.2f')} | "
+              f"{_fmt(r.get('context_bytes_per_node'), '.1f', 1e3)} | {peak} | {error} | "
+              f"{exact} |")
     return 0
 
 

@@ -24,6 +24,7 @@ Rejections and aborts (docs/protocol.md section 7):
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TypeVar, cast
@@ -177,9 +178,14 @@ class Client:
     peers. ``nonce``: the server's ``Server.nonce`` for this round, relayed by the
     transport before the client advertises; the advertisement's signature binds it, so a
     recorded advertisement of another round is refused (docs/protocol.md 5.7, 9.2).
+
+    ``input_vector``: the client's input (``check_input``), now or later: a host that
+    computes it only when the masked-input request arrives builds the client without it and
+    calls ``provide_input`` before answering that request (its snapshots then carry no
+    input until it is given, ``secagg.resume``).
     """
 
-    def __init__(self, config: Config, client_id: int, input_vector: object, *,
+    def __init__(self, config: Config, client_id: int, input_vector: object = None, *,
                  roster: Iterable[int] | None = None, context: bytes = b"",
                  signing_key: SigningKey | None = None,
                  verify_keys: Mapping[int, bytes] | None = None, nonce: bytes = b"") -> None:
@@ -189,9 +195,11 @@ class Client:
             buffer[:] = X25519PrivateKey.generate().private_bytes_raw()
             clamp(buffer)  # canonical form: the same key, one-to-one with its public key
         seed = bytearray(os.urandom(32))
-        self._secrets = Secrets(encryption, masking, seed, check_input(input_vector, config))
-        self._wipeable: list[bytearray | np.ndarray] = [encryption, masking, seed,
-                                                        self._secrets.input]
+        vector = None if input_vector is None else check_input(input_vector, config)
+        self._secrets = Secrets(encryption, masking, seed, vector)
+        self._wipeable: list[bytearray | np.ndarray] = [encryption, masking, seed]
+        if vector is not None:
+            self._wipeable.append(vector)
         self._advertisement = self._build_advertisement()
         self._state: State = Advertised()
         # digest of server message -> reply
@@ -330,6 +338,32 @@ class Client:
         self._advertisement = self._build_advertisement()
         return self._advertisement
 
+    @property
+    def has_input(self) -> bool:
+        """Whether this client holds its input (given at construction or by
+        ``provide_input``) and has not masked it yet."""
+        return self._secrets.input is not None and isinstance(self._state,
+                                                              (Advertised, Shared))
+
+    def provide_input(self, input_vector: object) -> None:
+        """Give the client its input, once, any time before it answers the ``Ciphertexts``
+        message (the masked-input request): a host that computes its input late (a Flower
+        node trains at that request) builds ``Client(config, client_id)`` without one, and
+        its snapshots carry no input until it is given. The input is checked as at
+        construction (``ValueError`` naming what to change; ``ValidationUnavailable`` for a
+        ``norm_bound`` without the group library) and nothing changes when it is refused. A
+        second input, or one after masking, is refused with ``ProtocolError``: the client
+        masks one input per round (two masked inputs under the same masks would reveal
+        their difference)."""
+        if self._secrets.input is not None or not isinstance(self._state,
+                                                             (Advertised, Shared)):
+            raise ProtocolError(f"client {self.client_id} already has its input "
+                                f"(stage {self.stage.label}); a client masks one input per "
+                                "round", stage=self.stage, client_id=self.client_id)
+        vector = check_input(input_vector, self.config)
+        self._secrets = replace(self._secrets, input=vector)
+        self._wipeable.append(vector)
+
     # --- dispatch -------------------------------------------------------------------------
 
     def handle(self, message: ServerMessage | bytes | bytearray | memoryview) -> ClientMessage:
@@ -453,6 +487,12 @@ class Client:
     def _on_ciphertexts(self, msg: Ciphertexts) -> MaskedStream:
         state = self._state
         assert isinstance(state, Shared)  # guaranteed by CLIENT_ACCEPTS
+        vector = self._secrets.input
+        if vector is None:  # refused before anything changes: the request may come again
+            raise ProtocolError(f"client {self.client_id} has no input to mask: give it with "
+                                "client.provide_input(vector) before answering the "
+                                "masked-input request", stage=state.stage,
+                                client_id=self.client_id)
         t = self.config.threshold
         sid, me = self.session_id, self.client_id
         senders = set(msg.ciphertexts)
@@ -488,14 +528,39 @@ class Client:
         proof = self._input_proof(keys, state.adverts[me], state.key_set)
         self._state = Masked(state, frozenset(senders), received,
                               {p: PAIR * i for i, p in enumerate(order)})
-        return MaskedStream(self, keys, peers_digest(senders), state.key_set, proof)
+        signer = self._signing_key if self.config.malicious else None
+        return MaskedStream(vector, keys, peers_digest(senders), state.key_set, proof,
+                            session_id=sid, client_id=me, bits=self.config.bits,
+                            signer=signer, over=self._weak_over())
+
+    def _weak_over(self) -> Callable[[], ProtocolError | None]:
+        """``_stream_over`` through a weak reference: the stream this client caches (in its
+        reply cache) must not hold the client in a reference cycle, which would keep both,
+        with the input and the masked vector, alive until Python's cycle collector runs."""
+        method = weakref.WeakMethod(self._stream_over)
+
+        def over() -> ProtocolError | None:
+            bound = method()
+            return None if bound is None else bound()
+
+        return over
+
+    def _stream_over(self) -> ProtocolError | None:
+        """Why this client's masked input can no longer be streamed (its input is wiped once
+        it aborted or finished), else None."""
+        if self.aborted is None and not self.done:
+            return None
+        return ProtocolError(f"client {self.client_id} has "
+                             f"{'aborted' if self.aborted else 'finished'}; its masked input "
+                             "is gone", stage=self.stage, client_id=self.client_id)
 
     def _input_proof(self, keys: list[tuple[bytearray, bool]], advertisement: bytes,
                      key_set: bytes) -> InputProof | None:
         """With ``norm_bound``: the proof that the vector this client masks is within the
         bound, its commitment blinded by what its mask keys carry (docs/protocol.md 10)."""
         cfg = self.config
-        if cfg.norm_bound is None:
+        vector = self._secrets.input
+        if cfg.norm_bound is None or vector is None:  # _on_ciphertexts checked it is given
             return None
         from .validation import NormStatement, blinding, prove
 
@@ -503,7 +568,7 @@ class Client:
                                   cfg.norm_bound, advertisement, cfg.weight_index)
         blind = blinding((bytes(key), added) for key, added in keys)
         return self._signed(InputProof(self.session_id, self.client_id,
-                                       prove(statement, self._secrets.input, blind)), key_set)
+                                       prove(statement, vector, blind)), key_set)
 
     def _mask_keys(self, state: Shared, peers: list[int]) -> list[tuple[bytearray, bool]]:
         """The AES keys of y = x + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv),
@@ -638,7 +703,7 @@ class Client:
 
     def _sent_masked_input(self) -> MaskedStream:
         """A restored reply-cache entry for a masked input sent before the snapshot."""
-        return SentMaskedInput(self)
+        return SentMaskedInput(self.config, self.client_id)
 
     def snapshot(self, key: bytes = b"") -> bytes:
         """This client's whole state as bytes, **secrets included**, authenticated with
@@ -672,11 +737,17 @@ class MaskedStream:
     holds more than one window of y; ``whole()`` is the one-chunk case as a ``MaskedInput``
     (what ``Client.handle`` returns). The same bytes come out every time and for every
     chunking: a transport may restart the stream. In malicious mode the last chunk is
-    signed over the running SHA-256 of the whole stream (docs/protocol.md 5.7, 6.3)."""
+    signed over the running SHA-256 of the whole stream (docs/protocol.md 5.7, 6.3).
 
-    def __init__(self, client: Client, keys: list[tuple[bytearray, bool]],
-                 peers: bytes, key_set: bytes, proof: InputProof | None = None) -> None:
-        self._client = client
+    Built by ``Client`` with everything it reads: the input ``vector``, the mask ``keys``
+    (each with its sign), the round's ids and width, the ``signer`` (malicious mode) and ``over``,
+    which says why the client's round is over (its input wiped) so the stream stops."""
+
+    def __init__(self, vector: np.ndarray, keys: list[tuple[bytearray, bool]],
+                 peers: bytes, key_set: bytes, proof: InputProof | None = None, *,
+                 session_id: bytes, client_id: int, bits: int, signer: SigningKey | None,
+                 over: Callable[[], ProtocolError | None]) -> None:
+        self._input = vector
         self.proof = proof
         """With ``norm_bound``: the ``InputProof`` a transport sends before the masked
         input (docs/protocol.md 10); ``None`` otherwise."""
@@ -684,9 +755,11 @@ class MaskedStream:
         self.peers_digest = peers
         self._key_set = key_set
         self._whole: MaskedInput | None = None
-        config = client.config
-        self.dim = config.dim
-        self.bits = config.bits
+        self._session_id, self._client_id = session_id, client_id
+        self._signer = signer
+        self._over = over
+        self.dim = int(vector.shape[0])
+        self.bits = bits
 
     @property
     def nbytes(self) -> int:
@@ -697,21 +770,18 @@ class MaskedStream:
         """The masked input as chunks of ``elements`` elements (the last may be shorter)."""
         if not isinstance(elements, int) or elements < 1:
             raise ValueError(f"chunks of {elements!r} elements: use a positive integer")
-        client = self._client
-        config = client.config
-        sid, me, dim, bits = client.session_id, client.client_id, self.dim, self.bits
+        sid, me, dim, bits = self._session_id, self._client_id, self.dim, self.bits
         window = min(elements, dim)
         masker = Masker(window, bits)
-        signer = client._signing_key if config.malicious else None
+        signer = self._signer
         running = masked_input_hash(bits, dim, self.peers_digest) if signer else None
         top = masker.dtype.type((1 << bits) - 1) if bits < 8 * masker.dtype.itemsize else None
         for start in range(0, dim, window):
-            if client.aborted is not None or client.done:
-                raise ProtocolError(f"client {me} has {'aborted' if client.aborted else 'finished'}"
-                                    "; its masked input is gone", stage=client.stage,
-                                    client_id=me)
+            over = self._over()
+            if over is not None:
+                raise over
             count = min(window, dim - start)
-            x = client._secrets.input[start:start + count]
+            x = self._input[start:start + count]
             y = np.empty(count, dtype=masker.dtype)  # each chunk its own bytes
             for i, (key, added) in enumerate(self._keys):
                 stream = masker.keystream(bytes(key), start, count)
@@ -752,16 +822,16 @@ class SentMaskedInput(MaskedStream):
     the same request again is refused (``ProtocolError``; the client stays as it is)
     instead of answered."""
 
-    def __init__(self, client: Client) -> None:
-        self._client = client
-        self.dim, self.bits = client.config.dim, client.config.bits
+    def __init__(self, config: Config, client_id: int) -> None:
+        self._client_id = client_id
+        self.dim, self.bits = config.dim, config.bits
 
     def _gone(self) -> ProtocolError:
         return ProtocolError(
-            f"client {self._client.client_id} sent its masked input before its state was "
+            f"client {self._client_id} sent its masked input before its state was "
             "saved; the saved state keeps only the request's digest (no input, no masked "
             "vector), so the same request is not answered again",
-            stage=Stage.MASKED_INPUT, client_id=self._client.client_id)
+            stage=Stage.MASKED_INPUT, client_id=self._client_id)
 
     def chunks(self, elements: int) -> Iterator[MaskedChunk]:
         raise self._gone()

@@ -33,7 +33,8 @@ class Secrets:
     encryption: bytearray  # c_u, 32 bytes
     masking: bytearray  # s_u, 32 bytes
     seed: bytearray  # b_u, 32 bytes
-    input: np.ndarray  # x_u, unmasked: y_u streams from it (MaskedStream), wiped at the end
+    input: np.ndarray | None  # x_u, unmasked (None until given, Client.provide_input): y_u
+    # streams from it (MaskedStream), wiped at the end
 
     def key(self, which: bytearray) -> X25519PrivateKey:
         return X25519PrivateKey.from_private_bytes(which)

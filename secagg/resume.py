@@ -25,7 +25,7 @@ A host that breaks these rules gives up "one share per peer"
 limitation).
 
 The snapshot holds the round's **secrets** (both X25519 private keys, the self-mask seed,
-the input or masked input, the shares received): it is node-local and must never be sent
+the input once given and until masked, the shares received): it is node-local and must never be sent
 to the server or anyone else. It is authenticated with HMAC-SHA256 under ``key``: with the
 default empty key the MAC detects corruption and truncation only; with a key the node
 keeps outside the stored state it also detects tampering. ``restore`` refuses
@@ -36,24 +36,29 @@ round with the same context has the same session id: give each round its own con
 record the stage per session as above) so that it is refused at ``restore``.
 
 Layout: magic ``"SAS2"``, the body's length (4 bytes, big-endian), the body (a msgpack
-array), the input's bytes (only while the client still has to mask it: advertised or
-shared), then a 32-byte MAC over the body. The body holds the session id, client id, state
-code (0 advertised, 1 shared, 2 masked, 3 checked, 4 finished, 5 aborted), the
-advertisement's wire bytes, the three 32-byte secrets, the SHA-256 of the input (which binds
-the input bytes to the MAC), the key list's wire bytes, u's own two shares, F(u), the
+array), the input's bytes (only while the client has it and still has to mask it:
+advertised or shared, after ``Client(..., input_vector)`` or ``provide_input``), then a
+32-byte MAC over the body. The body holds the session id, client id, state code (0
+advertised, 1 shared, 2 masked, 3 checked, 4 finished, 5 aborted), the advertisement's wire
+bytes, the three 32-byte secrets, the SHA-256 of the input (which binds the input bytes to
+the MAC; empty while no input was given), the key list's wire bytes, u's own two shares, F(u), the
 received shares, the signed survivor list, ``revealed``, the reply cache, the abort reason
 and stage, the server's round nonce.
 
-**What a snapshot costs (a node's CPU per message).** The MAC covers the body only (a few
-KB): the input is hashed once when first saved, and checked against its digest only by
-the restore that precedes masking (state shared), the one that uses it; a restore before
-that carries the bytes on unread (a corrupted input still never reaches a mask). Once the
-client has masked, the snapshot keeps neither the input nor the masked vector (at
-d = 10^7 and 32 bits that is 80 MB less in the host's state after every message): the
-reply cache keeps the masked-input request's digest only, and the same request again is
-refused with a ``ProtocolError`` (a re-sent masked input cannot be re-derived without the
-input, and masking a second input under the same masks would reveal the difference; the
-server has the first answer, or counts the client as dropped at masked_input).
+**What a snapshot costs (a node's CPU per message).** A client built without its input
+(``Client(config, client_id)``, given it by ``provide_input`` at the masked-input request,
+as the Flower node does) is a few KB at every stage whatever ``dim``
+(``tests/secagg/test_client_late_input.py``): the host never carries the input between
+messages. Otherwise the MAC covers the body only (a few KB): the input is hashed once when
+first saved, and checked against its digest only by the restore that precedes masking
+(state shared), the one that uses it; a restore before that carries the bytes on unread (a
+corrupted input still never reaches a mask). Once the client has masked, the snapshot keeps
+neither the input nor the masked vector (at d = 10^7 and 32 bits that is 80 MB less in the
+host's state after every message): the reply cache keeps the masked-input request's digest
+only, and the same request again is refused with a ``ProtocolError`` (a re-sent masked
+input cannot be re-derived without the input, and masking a second input under the same
+masks would reveal the difference; the server has the first answer, or counts the client as
+dropped at masked_input).
 """
 
 from __future__ import annotations
@@ -102,9 +107,13 @@ masked, so later snapshots do not hash it again."""
 
 
 def _input_digest(client: Client) -> bytes:
+    """The input's SHA-256, or empty while the client has none yet (``provide_input``)."""
+    vector = client._secrets.input
+    if vector is None:
+        return b""
     digest = _INPUT_DIGESTS.get(client)
     if digest is None:
-        digest = hashlib.sha256(client._secrets.input.data).digest()
+        digest = hashlib.sha256(vector.data).digest()
         _INPUT_DIGESTS[client] = digest
     return digest
 
@@ -120,8 +129,9 @@ def snapshot(client: Client, key: bytes = b"") -> bytes:
     if masked is not None:
         shared = masked.shared
     live = code < 4
-    unmasked = code < 2  # the input is still to be masked: it is kept
     secrets = client._secrets
+    # the input is kept while it is still to be masked (advertised or shared) and given
+    unmasked = code < 2 and secrets.input is not None
     keylist = b""
     own = b""
     if shared is not None:
@@ -141,7 +151,7 @@ def snapshot(client: Client, key: bytes = b"") -> bytes:
         int(state.stage) if isinstance(state, Aborted) else 0,
         client.nonce,
     ], use_bin_type=True)
-    vector = secrets.input.data.cast("B") if unmasked else b""
+    vector = secrets.input.data.cast("B") if unmasked and secrets.input is not None else b""
     return b"".join((MAGIC, _LENGTH.pack(len(body)), body, vector, _mac(key, body)))
 
 
@@ -220,28 +230,31 @@ def _secrets(data: bytes | bytearray | memoryview, vector: memoryview, config: C
     round is over for this client (finished or aborted)."""
     enc, mask, seed, input_digest = fields
     live = code < 4
-    unmasked = code < 2
+    # before masking the input is there once given (its digest in the body), absent before
+    unmasked = code < 2 and input_digest != b""
     dtype = dtype_for_bits(config.bits)
     if len(vector) != (config.dim * dtype.itemsize if unmasked else 0):
         raise _refuse("the input has the wrong length for this config and state")
     if unmasked and (type(input_digest) is not bytes or len(input_digest) != 32):
         raise _refuse("the input's digest is malformed")
-    if code == 1 and not hmac.compare_digest(hashlib.sha256(vector).digest(), input_digest):
+    if not unmasked and input_digest != b"":
+        raise _refuse("a digest of an input this state does not keep")
+    if code == 1 and unmasked and not hmac.compare_digest(hashlib.sha256(vector).digest(),
+                                                          input_digest):
         # the restore before masking, the one that uses the input, checks it
         raise _refuse("the input does not match its digest: corrupted or tampered with")
     if not live:
-        return Secrets(bytearray(32), bytearray(32), bytearray(32), np.zeros(0, dtype=dtype))
+        return Secrets(bytearray(32), bytearray(32), bytearray(32), None)
     if any(type(b) is not bytes or len(b) != 32 for b in (enc, mask, seed)):
         raise _refuse("the secrets are malformed")
     # the input of immutable snapshot bytes is read in place (the host's bytes: there is
-    # nothing of the client's own to wipe), of a mutable buffer copied; masked or later it
-    # is gone: empty, never read (the masked input is not re-derived,
+    # nothing of the client's own to wipe), of a mutable buffer copied; not given yet, or
+    # masked or later, it is None (the masked input is not re-derived,
     # secagg.client.SentMaskedInput)
     shared_input = unmasked and isinstance(data, bytes)
     secrets = Secrets(bytearray(enc), bytearray(mask), bytearray(seed),
                       np.frombuffer(vector if shared_input else bytearray(vector),
-                                    dtype=dtype) if unmasked
-                      else np.zeros(0, dtype=dtype))
+                                    dtype=dtype) if unmasked else None)
     if (KeyPair(secrets.key(secrets.encryption)).public != advert.encryption_key
             or KeyPair(secrets.key(secrets.masking)).public != advert.masking_key
             or self_mask_commitment(seed, sid, client_id) != advert.self_mask_commitment):
@@ -344,12 +357,12 @@ def restore(cls: type[Client], data: bytes | bytearray | memoryview, *, config: 
                        sid, client_id)
     client._secrets = secrets
     client._wipeable = [secrets.encryption, secrets.masking, secrets.seed]
-    if secrets.input.flags.writeable:
+    if secrets.input is not None and secrets.input.flags.writeable:
         client._wipeable.append(secrets.input)
     client._advertisement = advert
     client.revealed = _revealed(revealed)
     _replies(client, answered)
-    if code < 2:
+    if secrets.input is not None:
         _INPUT_DIGESTS[client] = input_digest
     if code == 0:
         client._state = Advertised()

@@ -31,11 +31,12 @@ def scale_masked_input(client: Client, stream: MaskedStream, scale: float
     input of its vector times ``scale``, each coordinate rounded towards zero)."""
     cfg = client.config
     scaled = np.array([int(v * scale) if isinstance(scale, float) else v * scale
-                       for v in norm.centered(client._secrets.input, cfg.bits)],
+                       for v in norm.centered(stream._input, cfg.bits)],
                       dtype=object) % cfg.modulus
-    # (a restored client's input is a read-only view of its snapshot: replaced, not written)
-    object.__setattr__(client._secrets, "input", scaled.astype(dtype_for_bits(cfg.bits)))
-    secret = client._secrets.input
+    # the vector the stream masks is replaced (a restored client's input may be a read-only
+    # view of its snapshot)
+    stream._input = scaled.astype(dtype_for_bits(cfg.bits))
+    secret = stream._input
     proof = None
     if cfg.norm_bound is not None:
         shared = client._state.shared  # type: ignore[attr-defined]

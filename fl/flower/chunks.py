@@ -57,12 +57,6 @@ MAX_CHUNKS = 1 << 16
 length; a node refuses a request for more): bounds the entries either side handles."""
 MAX_CHUNK_BYTES = 1 << 30
 """The largest chunk (under gRPC's 2 GiB message limit, with room)."""
-CONTEXT_LIMIT = (1 << 31) - 1
-"""The most bytes a node's ``Context`` may take serialised: Flower moves a ClientApp's
-Context as one protobuf message (between the ClientApp process and its SuperNode), and
-protobuf and Flower's gRPC limit (``flwr.supercore.grpc.GRPC_MAX_MESSAGE_LENGTH``) stop at
-2 GiB."""
-_STATE_MARGIN = 1 << 20  # keys, shares, setup and Flower's own fields of the Context
 _ENVELOPE_BYTES = 1024  # an envelope is ~150 bytes (~220 with a signature)
 _NPY_HEADER = 256  # the .npy header of one chunk (Flower's Array serialisation)
 
@@ -100,20 +94,6 @@ def check_layout(chunk: object, bits: int, dim: int) -> int:
                          f"{math.ceil(dim / chunk)} chunks, more than {MAX_CHUNKS}; raise "
                          "chunk_bytes")
     return chunk
-
-
-def check_context(dim: int, bits: int) -> None:
-    """Refuse (:class:`ChunkError`, one line) a round whose node state cannot cross
-    Flower: between its messages a node keeps its round in ``Context.state``, at most its
-    input until it has masked it (``d`` elements of the sum's width; once masked neither
-    the input nor the masked vector is kept, ``secagg.resume``), and a Context travels as
-    one message of at most :data:`CONTEXT_LIMIT` bytes."""
-    state = dim * dtype_for_bits(bits).itemsize + _STATE_MARGIN
-    if state > CONTEXT_LIMIT:
-        raise ChunkError(f"a round of d={dim} at {bits} bits keeps about {state >> 20} MiB of "
-                         "round state in each node's Context (its input, until masked), "
-                         f"more than the {CONTEXT_LIMIT >> 20} MiB Flower moves in one "
-                         "message; use bits=32 or fewer parameters per round")
 
 
 def offsets(dim: int, chunk: int) -> range:

@@ -36,14 +36,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dp import MODE_NONE, SitePolicy
+from dp import MODE_DISTRIBUTED, MODE_NONE, SitePolicy
 from fl.errors import FLError
 from fl.flower.chunks import (
     CHUNK,
     MASKED,
-    ChunkError,
     answer_digest,
-    check_context,
     check_layout,
     to_records,
 )
@@ -65,11 +63,20 @@ from fl.flower.guard import (
     remove_stale_nodes,
     snapshot_key,
 )
-from fl.flower.records import PAYLOAD, PROOF, RECORD, SESSION, SETUP, STATE, secagg_record
+from fl.flower.records import (
+    PAYLOAD,
+    PROOF,
+    RECORD,
+    SESSION,
+    SETUP,
+    STATE,
+    secagg_record,
+    stage_of,
+)
 from fl.flower.setup import RoundSetup, SetupError
 from fl.round_setup import check_identity
 from fl.site.core import SiteCore, open_site_core, state_directory
-from fl.site.session import SiteSession
+from fl.site.session import Joined, SiteSession
 from secagg import Client, ProtocolAbort, SigningKey, Stage, encode
 from secagg.messages import MaskedInput
 
@@ -198,7 +205,6 @@ class NodeOptions:
         """The node's site session (:mod:`fl.site.session`) over its core and identity."""
         return SiteSession(lambda: self.open_core(context), runtime="flower",
                            signing_key=self.signing_key, trusted_keys=self.trusted_keys,
-                           check_setup=_movable,
                            log=lambda text: log.info("node %s: %s", context.node_id, text))
 
 
@@ -244,14 +250,6 @@ def simulation_run_id(context: Any) -> int | None:
     return None
 
 
-def _movable(setup: RoundSetup, config: Any) -> None:
-    """A round state Flower cannot move between messages is refused before training."""
-    try:
-        check_context(config.dim, setup.bits)
-    except ChunkError as exc:
-        raise SetupError(str(exc)) from None
-
-
 _ANNOUNCED: set[tuple[str, SitePolicy]] = set()
 """The (ledger, policy) pairs whose policy line this process logged."""
 
@@ -281,8 +279,8 @@ def make_secagg_mod(options: NodeOptions | Callable[[Any], NodeOptions] | None =
         node = (options if isinstance(options, NodeOptions)
                 else NodeOptions() if options is None else options(context))
         if SETUP in record:
-            return _start(msg, context, call_next, record, node)
-        return _continue(msg, context, record, node)
+            return _start(msg, context, record, node)
+        return _continue(msg, context, call_next, record, node)
 
     return secagg_mod
 
@@ -319,28 +317,22 @@ def _number(record: Any, key: str) -> float:
     return float(value)
 
 
-def _start(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record: Any,
-           options: NodeOptions) -> Any:
+def _start(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
     """Join a round through the site session (:mod:`fl.site.session`): the whole setup is
-    checked and the round charged to the node's ledger before the user's training runs (a
-    refused round never trains); an unfinished earlier round is abandoned."""
+    checked and the round charged to the node's ledger (a refused round never trains); an
+    unfinished earlier round is abandoned. The node advertises a client without its input:
+    it trains at the masked-input request (:func:`_train`), so nothing model-sized waits in
+    its ``Context`` between messages."""
     session = options.session(context)
     directory = options.directory(context)
     saved = context.state.config_records.get(STATE)
     joined = session.join(record.get(SETUP), run_id=msg.metadata.run_id,
-                          node_id=msg.metadata.dst_node_id,
-                          sent=lambda setup: flatten(
-                              _single(msg.content.array_records, "ArrayRecord"), setup.arrays),
+                          node_id=msg.metadata.dst_node_id, sent=None,
                           previous=None if saved is None else _previous(saved, directory,
                                                                         msg),
                           erase=lambda: _erase(context, saved, directory, msg))
     context.state.config_records.pop(STATE, None)  # an unfinished earlier round is gone
-    del msg.content.config_records[RECORD]  # the user's train sees its own message only
-    reply = call_next(msg, context)
-    if reply.has_error():
-        return reply  # the node's own training failed: its charge stays
-    client, advertisement = session.advertise(
-        joined, session.encode(joined, *_trained(joined.setup, reply.content)))
+    client, advertisement = session.advertise(joined, None)
     with hold(directory, client.session_id, joined.client_id) as stage_record:
         stage_record.join_round(int(client.stage), advertisement)
         _save(context, joined.setup, client, snapshot_key(stage_record, options.snapshot_key),
@@ -386,7 +378,8 @@ def _erase(context: Any, saved: Any, directory: Path, msg: Any) -> None:
                 stage_record.abort()
 
 
-def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
+def _continue(msg: Any, context: Any, call_next: Callable[[Any, Any], Any], record: Any,
+              options: NodeOptions) -> Any:
     saved = context.state.config_records.get(STATE)
     if saved is None:
         raise RoundStateError("no secure-aggregation round is in progress on this node "
@@ -407,12 +400,21 @@ def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
             raise GuardError("this node aborted the round; it answers nothing more in it")
         key = snapshot_key(stage_record, options.snapshot_key)
         session_site = options.session(context)
+        identity = check_identity(setup, client_id, options.signing_key,
+                                  options.trusted_keys)
         client = Client.restore(
             saved.get("snapshot"), config=setup.config(encoded_dim(setup)),
             client_id=client_id, context=setup.context(),
             roster=range(1, setup.num_clients + 1), key=key,
             min_stage=None if stage_record.stage is None else Stage(stage_record.stage),
-            **check_identity(setup, client_id, options.signing_key, options.trusted_keys))
+            **identity)
+        if client.stage == Stage.SHARE_KEYS and stage_of(msg) == "masked_input":
+            joined = Joined(session, int(saved.get(CHARGE)), setup, client_id, client.config,
+                            None, identity)
+            trained = _train(msg, context, call_next, session_site, joined, client,
+                             stage_record)
+            if trained is not None:
+                return trained  # the node's own training failed: its charge stays
         try:
             proof, message = session_site.answer_with_proof(client, payload,
                                                             int(saved.get(CHARGE)))
@@ -434,6 +436,62 @@ def _continue(msg: Any, context: Any, record: Any, options: NodeOptions) -> Any:
         else:
             _save(context, setup, client, key, int(saved.get(CHARGE)))
     return _reply(msg, client.session_id, out, arrays, proof)
+
+
+def _train(msg: Any, context: Any, call_next: Callable[[Any, Any], Any],
+           session: SiteSession, joined: Joined, client: Client, stage_record: Any
+           ) -> Any | None:
+    """At the masked-input request: check the arrays it carries against the setup, run the
+    user's training on them and give the client its encoded input; None when it has it, or
+    the training's own error reply. The round was charged at its setup, before this. A
+    layout refusal ends the round with its charge withdrawn (nothing of the node's data was
+    computed); a failed training ends it with its charge kept (the failure may depend on
+    the data). Either way the round answers nothing more."""
+    setup = joined.setup
+    try:
+        sent: F64 | None = session.check_sent(setup, lambda s: flatten(
+            _single(msg.content.array_records, "ArrayRecord"), s.arrays))
+        if setup.mode != MODE_DISTRIBUTED:
+            sent = None  # only checked: not held through the training
+    except SetupError:
+        _end(context, stage_record)
+        session.end(joined, client, "the arrays sent with the masked-input request do not "
+                    "match the round setup")
+        raise
+    del msg.content.config_records[RECORD]  # the user's train sees its own message only
+    try:
+        reply = call_next(msg, context)
+        if reply.has_error():
+            _end(context, stage_record)
+            return reply
+        arrays, metrics, weight = _trained(setup, reply.content)
+        # neither the reply's arrays nor the arrays sent are needed to encode (the flat
+        # copies are): let them go before the encoding's working copies exist
+        _let_go(reply.content)
+        _let_go(msg.content)
+        del reply
+        client.provide_input(session.encode(replace(joined, sent=sent), arrays, metrics,
+                                            weight))
+    except Exception:
+        _end(context, stage_record)
+        raise
+    return None
+
+
+def _let_go(content: Any) -> None:
+    """Empty a message's array records: Flower's records sit in reference cycles, so a
+    model-sized array they hold would otherwise live until Python's cycle collector runs."""
+    for key, record in list(content.array_records.items()):
+        for name in list(record):
+            del record[name]
+        del content[key]
+
+
+def _end(context: Any, stage_record: Any) -> None:
+    """The round ends on this node before its masked input existed: nothing more is
+    answered in it (its stage record says aborted), its state is dropped."""
+    stage_record.abort()
+    context.state.config_records.pop(STATE, None)
 
 
 def _error(msg: Any, reason: str) -> Any:

@@ -8,7 +8,8 @@ a timeout); exceptions in the ClientApp become Flower error replies. ``node_conf
 to a node's config what its operator would pass a SuperNode (``--node-config``).
 
 For measurements it keeps, per node, the CPU seconds its ClientApp spent (serde of its
-messages included) and the serialised bytes of the messages it received and sent.
+messages included), the serialised bytes of the messages it received and sent, and the
+largest serialised ``Context`` it saved between messages (``context_bytes``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class LocalGrid(Grid):
         self.client_cpu: dict[int, float] = {}
         self.bytes_down: dict[int, int] = {}
         self.bytes_up: dict[int, int] = {}
+        self.context_bytes: dict[int, int] = {}  # node -> its largest saved Context
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -106,6 +108,8 @@ class LocalGrid(Grid):
         self.bytes_up[node] = self.bytes_up.get(node, 0) + proto.ByteSize()
         out = message_from_proto(proto)
         self.client_cpu[node] = self.client_cpu.get(node, 0.0) + time.process_time() - started
+        self.context_bytes[node] = max(self.context_bytes.get(node, 0),
+                                       self.contexts[node].ByteSize())
         if self.record:
             self.replies.append(out)
         return out

@@ -1,11 +1,13 @@
 """One secure-aggregation round driven through a Flower ``Grid``: the stage loop.
 
-The first stage's messages are the strategy's own train messages plus the round setup;
-every later stage sends each node the ``secagg.Server``'s message for it. A stage closes
-when every node it was sent to answered or the stage timeout passed (``Grid.send_and_receive``
-returns what arrived); an error reply, a missing reply and a reply the server rejects all
-count as that node dropping out at that stage, exactly as the protocol allows. The round
-aborts (``ProtocolAbort``) only when the protocol cannot finish.
+The first stage's messages carry the round setup only; every later stage sends each node
+the ``secagg.Server``'s message for it, and the masked-input request also carries the
+strategy's own train message content (the arrays and config the node trains from: the node
+trains then, as in Flower's SecAgg+, so it keeps nothing model-sized between messages). A
+stage closes when every node it was sent to answered or the stage timeout passed
+(``Grid.send_and_receive`` returns what arrived); an error reply, a missing reply and a
+reply the server rejects all count as that node dropping out at that stage, exactly as the
+protocol allows. The round aborts (``ProtocolAbort``) only when the protocol cannot finish.
 """
 
 from __future__ import annotations
@@ -104,20 +106,21 @@ class RoundDriver:
     """Runs the stages of one round; ``run`` returns the report (``total`` set on success)."""
 
     def __init__(self, grid: Any, setup: RoundSetup, server: Server, message_type: str,
-                 timeout: float | None, *, first_timeout: float | None = None,
+                 timeout: float | None, *, train_timeout: float | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        """``timeout``: each stage after the first; ``first_timeout``: the first (the
-        nodes train in it; default ``timeout``); ``chunk_bytes``: the bytes of one chunk
+        """``timeout``: each stage but masked_input; ``train_timeout``: masked_input
+        (the nodes train in it; default ``timeout``); ``chunk_bytes``: the bytes of one chunk
         of a node's masked input (:mod:`fl.flower.chunks`)."""
         self.grid = grid
         self.setup = setup
         self.server = server
         self.message_type = message_type
         self.timeout = timeout
-        self.first_timeout = timeout if first_timeout is None else first_timeout
+        self.train_timeout = timeout if train_timeout is None else train_timeout
         self.report = RoundReport(setup)
         self.chunk = chunk_elements(chunk_bytes, server.config.bits, server.config.dim)
         self._cpu = 0.0
+        self._train: dict[int, Any] = {}  # node -> the strategy's train content
 
     def run(self, first: Iterable[Any]) -> RoundReport:
         from flwr.app import ConfigRecord, Message, RecordDict
@@ -126,8 +129,10 @@ class RoundDriver:
         setup_bytes = self.setup.to_bytes()
         outgoing = []
         for message in first:
-            content = RecordDict(dict(message.content.items()))
-            content[RECORD] = ConfigRecord({SETUP: setup_bytes})
+            # the strategy's own content (the arrays to train from, its config) goes with the
+            # masked-input request, where the node trains (Flower's SecAgg+ does the same)
+            self._train[message.metadata.dst_node_id] = message.content
+            content = RecordDict({RECORD: ConfigRecord({SETUP: setup_bytes})})
             outgoing.append(Message(content=content, dst_node_id=message.metadata.dst_node_id,
                                     message_type=self.message_type,
                                     group_id=str(self.setup.server_round),
@@ -162,20 +167,26 @@ class RoundDriver:
         from flwr.app import Message
 
         session = self.server.session_id
-        chunk = self.chunk if self.server.stage == Stage.MASKED_INPUT else None
+        train = self.server.stage == Stage.MASKED_INPUT
+        chunk = self.chunk if train else None
         out = []
         for cid, message in sorted(to_send.items()):
             node = self.setup.node_of(cid)
             payload = encode(message)
             self.report.bytes_down[node] = self.report.bytes_down.get(node, 0) + len(payload)
-            out.append(Message(content=_content(payload, session, chunk), dst_node_id=node,
+            content = _content(payload, session, chunk)
+            if train:  # the node trains now: the strategy's arrays and config come along
+                for key, value in self._train.pop(node).items():
+                    content[key] = value
+            out.append(Message(content=content, dst_node_id=node,
                                message_type=self.message_type,
                                group_id=str(self.setup.server_round)))
         return out
 
     def _exchange(self, stage: Stage, outgoing: list[Any]) -> None:
         started = time.perf_counter()
-        timeout = self.first_timeout if stage == Stage.ADVERTISE_KEYS else self.timeout
+        # the nodes train at the masked-input request: that stage waits for train_timeout
+        timeout = self.train_timeout if stage == Stage.MASKED_INPUT else self.timeout
         if stage == Stage.MASKED_INPUT and timeout is not None:
             timeout += proof_allowance(self.server.config)
         sent_to = {m.metadata.dst_node_id for m in outgoing}

@@ -43,7 +43,7 @@ from flwr.serverapp.strategy.result import Result
 
 from dp import refusal_summary
 from fl.errors import NothingReleased
-from fl.flower.chunks import DEFAULT_CHUNK_BYTES, check_context, chunk_elements
+from fl.flower.chunks import DEFAULT_CHUNK_BYTES, chunk_elements
 from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unflatten
 from fl.flower.rounds import RoundDriver, RoundReport
 from fl.flower.setup import RoundSetup
@@ -66,11 +66,12 @@ log = logging.getLogger("fl.flower")
 
 
 DEFAULT_STAGE_TIMEOUT = 120.0
-"""Seconds a node has to answer each stage after the first. The first stage (the train
-message: the user's training runs in it) waits for the ``timeout`` of ``start`` (Flower's
-round timeout, 3,600 s by default); the later stages are the node's own crypto on messages of
-kilobytes to megabytes (milliseconds to seconds) plus a ClientApp start in deployment, so a
-silent node costs the round at most two minutes per stage, not an hour."""
+"""Seconds a node has to answer each stage but masked_input. The masked-input request
+(it carries the strategy's train message: the user's training runs in it) waits for the
+``timeout`` of ``start`` (Flower's round timeout, 3,600 s by default); the other stages are
+the node's own crypto on messages of kilobytes to megabytes (milliseconds to seconds) plus a
+ClientApp start in deployment, so a silent node costs the round at most two minutes per
+stage, not an hour."""
 
 PER_UPDATE = {
     "FedMedian": "the coordinate-wise median of the node updates",
@@ -179,8 +180,8 @@ class SecureAggregation(Strategy):
 
     ``metrics``: train-reply metrics averaged securely (weighted like the arrays); every
     other metric of a train reply stays on the node (none by default: name them).
-    ``stage_timeout``: seconds each stage after the first waits for the nodes
-    (:data:`DEFAULT_STAGE_TIMEOUT`); the first, in which the nodes train, waits for the
+    ``stage_timeout``: seconds each stage but masked_input waits for the nodes
+    (:data:`DEFAULT_STAGE_TIMEOUT`); masked_input, in which the nodes train, waits for the
     ``timeout`` of :meth:`start`. A strategy that needs each node's update (FedMedian, Krum,
     ...) is refused (:func:`check_strategy`). ``reports`` holds one
     :class:`fl.flower.rounds.RoundReport` per round; each round's drops are also logged to
@@ -216,7 +217,7 @@ class SecureAggregation(Strategy):
         chunk_elements(chunk_bytes, 8, 1)  # a positive size under the gRPC limit
         if stage_timeout is not None and not stage_timeout > 0:
             raise ValueError(f"stage_timeout={stage_timeout!r}: the seconds a node has for a "
-                             "secure-aggregation stage after its training (> 0)")
+                             "secure-aggregation stage but masked_input, where it trains (> 0)")
         self.strategy = strategy
         self.neighbors = neighbors
         self.threshold = threshold
@@ -328,10 +329,8 @@ class SecureAggregation(Strategy):
             raise ValueError("distributed DP decodes updates against the arrays sent: the "
                              "strategy must send every node the same ArrayRecord")
         server_round = self._server_round(first)
-        try:  # no safe protocol parameters for this many nodes, or a state Flower cannot move
+        try:  # no safe protocol parameters for this many nodes
             setup = self._setup(grid, sorted(nodes), server_round, layout_of(arrays))
-            if setup is not None:
-                check_context(encoded_dim(setup), setup.bits)
         except ValueError as exc:
             log.error("round %d is not run: %s", server_round, exc)
             return []
@@ -342,7 +341,7 @@ class SecureAggregation(Strategy):
                         verify_keys=setup.peer_keys() if setup.verify_keys else None,
                         nonce=setup.round_nonce)
         driver = RoundDriver(grid, setup, server, messages[0].metadata.message_type,
-                             self.stage_timeout, first_timeout=timeout,
+                             self.stage_timeout, train_timeout=timeout,
                              chunk_bytes=self.chunk_bytes)
         report = driver.run(messages)
         self.reports.append(report)

@@ -25,7 +25,12 @@ and every runtime calls these methods in it:
 4. **encode** (:meth:`SiteSession.encode`, :func:`fl.round_setup.encode_reply`; the site
    role's vector comes encoded from its task);
 5. **advertise** (:meth:`SiteSession.advertise`, over :meth:`SiteSession.client`, which the
-   site role calls at ``go``): the round's ``secagg.Client`` on the encoded input;
+   site role calls at ``go``): the round's ``secagg.Client`` on the encoded input. The
+   Flower node advertises first and runs steps 3-4 at the masked-input request, giving the
+   client its input then (``Client.provide_input``; the arrays it trains from arrive with
+   that request and are checked against the setup first, :meth:`SiteSession.check_sent`),
+   so its ``Context`` carries no model-sized vector between messages; the charge is still
+   made at step 2, before any training;
 6. **answer** (:meth:`SiteSession.answer`, :meth:`SiteSession.answer_with_proof`; the site
    role's ``transport.ClientDriver`` answers on the same client);
 7. **erase / withdraw** (:meth:`SiteSession.end`, :meth:`SiteSession.abandon`): the runtime
@@ -197,14 +202,16 @@ class SiteSession:
 
     # -- 1-2. join and admit --------------------------------------------------------------
     def join(self, raw: object, *, run_id: int, node_id: int,
-             sent: Callable[[RoundSetup], F64],
+             sent: Callable[[RoundSetup], F64] | None,
              previous: tuple[int, int | None] | None = None,
              erase: Callable[[], None] | None = None) -> Joined:
         """Parse and check the setup, then admit and charge the round (raises
         :class:`fl.round_setup.SetupError`, :class:`Replayed` or
         :class:`dp.policy.PolicyRefused`); the runtime trains only after this returns.
         ``sent``: the arrays the runtime received, flattened in the setup's layout (raising
-        ``ValueError`` when they do not match it). ``previous``: the unfinished round this
+        ``ValueError`` when they do not match it); None when they arrive later, with the
+        masked-input request (the Flower node: :meth:`check_sent` there, before it trains).
+        ``previous``: the unfinished round this
         one replaces (its charge id and the last stage the site answered in it, None if it
         never advertised): once the new setup is known not to be a replay, that round is
         abandoned (:meth:`abandon`) before the new one is charged. ``erase``: the runtime's
@@ -220,10 +227,7 @@ class SiteSession:
             raise SetupError("a malicious-mode round needs this site's signing key")
         identity = check_identity(setup, client_id, self.signing_key, self.trusted_keys)
         config = setup.config(encoded_dim(setup))
-        try:
-            arrays: F64 | None = sent(setup)
-        except ValueError as exc:
-            raise SetupError(f"the arrays sent do not match the round setup: {exc}") from None
+        arrays = None if sent is None else self.check_sent(setup, sent)
         release = round_release(setup)  # refuses a setup whose encoding cannot hold it
         if self.check_setup is not None:
             self.check_setup(setup, config)
@@ -240,6 +244,15 @@ class SiteSession:
             previous, erase)
         return Joined(admitted.key, admitted.charge, setup, client_id,
                       config, arrays if setup.privacy.relative else None, identity)
+
+    @staticmethod
+    def check_sent(setup: RoundSetup, sent: Callable[[RoundSetup], F64]) -> F64:
+        """The arrays the runtime received (``sent``, flattened in the setup's layout),
+        or :class:`fl.round_setup.SetupError` when they do not have the setup's layout."""
+        try:
+            return sent(setup)
+        except ValueError as exc:
+            raise SetupError(f"the arrays sent do not match the round setup: {exc}") from None
 
     def admit(self, terms: Terms, previous: tuple[int, int | None] | None = None,
               erase: Callable[[], None] | None = None) -> Admitted:
@@ -274,17 +287,19 @@ class SiteSession:
         return encode_reply(joined.setup, arrays, dict(metrics), weight, joined.sent)
 
     # -- 5. advertise -------------------------------------------------------------------------
-    def client(self, client_id: int, vector: U64, *, config: Config, roster: Iterable[int],
-               context: bytes, nonce: bytes = b"",
+    def client(self, client_id: int, vector: U64 | None, *, config: Config,
+               roster: Iterable[int], context: bytes, nonce: bytes = b"",
                identity: Mapping[str, Any] | None = None) -> Client:
-        """The round's ``secagg.Client`` on the encoded input, with the site's identity
+        """The round's ``secagg.Client`` on the encoded input (None: given later, at the
+        masked-input request, ``Client.provide_input``), with the site's identity
         (``identity``: :func:`fl.round_setup.check_identity`'s keys in malicious mode)."""
         return Client(config, client_id, vector, roster=roster, context=context, nonce=nonce,
                       **dict(identity or {}))
 
-    def advertise(self, joined: Joined, vector: U64) -> tuple[Client, bytes]:
-        """Start the round's client on the encoded input: its public-key advertisement is
-        the only reply."""
+    def advertise(self, joined: Joined, vector: U64 | None) -> tuple[Client, bytes]:
+        """Start the round's client on the encoded input (None: the runtime trains at the
+        masked-input request and gives it then, ``Client.provide_input``, as the Flower
+        node does): its public-key advertisement is the only reply."""
         setup = joined.setup
         client = self.client(joined.client_id, vector, config=joined.config,
                              roster=range(1, setup.num_clients + 1), context=setup.context(),

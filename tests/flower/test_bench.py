@@ -32,3 +32,6 @@ def test_the_flower_benchmark_runs_and_reports_both_protocols(
             # each row ran in its own process: its peak RSS, its ratio to the floor
             assert row["peak_rss"] > 0 and row["over_floor"] > 0 and row["floor_seconds"] > 0
             assert row["up_over_vector"] > 0
+            # the adapter's node keeps a few KB between messages (it trains at the
+            # masked-input request), as Flower's SecAgg+ node does
+            assert 0 < row["context_bytes_per_node"] < 16_000

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import io
-import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -21,14 +20,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.serverapp.strategy import FedAvg
 
-from fl.flower import SecureAggregation, chunks
+from fl.flower import SecureAggregation
 from fl.flower.chunks import (
     CHUNK,
     MASKED,
     MAX_CHUNK_BYTES,
     MAX_CHUNKS,
     ChunkError,
-    check_context,
     check_layout,
     chunk_elements,
 )
@@ -259,47 +257,6 @@ def test_chunk_sizes_the_server_refuses_or_lengthens() -> None:
     assert check_layout(1, 32, MAX_CHUNKS) == 1
 
 
-def test_a_round_whose_node_state_flower_cannot_move_is_not_run_and_says_why(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """Between messages a node keeps its input and masked vector in its Context, which
-    Flower moves as one message of at most 2 GiB (chunks.CONTEXT_LIMIT, lowered here): the
-    server does not start such a round and says why in one line; a node sent such a setup
-    anyway refuses it before its training runs."""
-    monkeypatch.setattr(chunks, "CONTEXT_LIMIT", 1000)
-    grid = LocalGrid(None, 4)
-    grid.app = apps.client_app()
-    with caplog.at_level(logging.ERROR, logger="fl.flower"):
-        apps.unreleased(_wrapper(4, 64, 28).start, grid, apps.initial_arrays(), num_rounds=1,
-                        timeout=5)
-    lines = [r.getMessage() for r in caplog.records if "is not run" in r.getMessage()]
-    assert len(lines) == 1 and "\n" not in lines[0], lines
-    assert "round state in each node's Context" in lines[0] and "bits=32" in lines[0]
-    assert grid.sent == []  # no node was asked anything
-    monkeypatch.undo()  # the server checks with the real limit, the nodes with a low one
-    grid = LocalGrid(None, 4)
-    trained: list[int] = []
-
-    def counting(msg: Message, context: Context, call_next: Any) -> Message:
-        if msg.metadata.message_type == "train" and RECORD not in msg.content:
-            trained.append(context.node_id)  # the user's train function is reached
-        return call_next(msg, context)
-
-    grid.app = apps.client_app(None, [apps.open_mod, counting])
-    deliver = grid.deliver
-
-    def node_side(message: Message) -> Message | None:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(chunks, "CONTEXT_LIMIT", 1000)
-            return deliver(message)
-
-    grid.deliver = node_side  # type: ignore[method-assign]
-    wrapper = _wrapper(4, 64, 28)
-    apps.unreleased(wrapper.start, grid, apps.initial_arrays(), num_rounds=1, timeout=5)
-    assert wrapper.reports[0].aborted is not None and trained == []
-    reasons = {r.error.reason.split(":")[0] for r in grid.replies if r.has_error()}
-    assert reasons == {"SetupError"}
-
-
 class _PullGrid(LocalGrid):
     """A grid with push and pull, as Flower's simulation and deployment grids have: each
     pull delivers one pushed message and returns its reply; it records, at every pull,
@@ -346,13 +303,3 @@ def test_the_server_sums_each_masked_input_as_it_arrives_and_lets_it_go() -> Non
     assert report.included == frozenset(grid.nodes)
     assert len(grid.returned) == 6 and all(ref() is None for ref in grid.returned)
     assert max(grid.alive_at_pull) == 0
-
-
-def test_the_node_state_limit_counts_the_input_once() -> None:
-    """docs/flower.md: a node's Context holds its input until masked, never the masked
-    vector too, so d up to about 5.4 x 10^8 at 32 bits (2.7 x 10^8 at 64) can be run."""
-    check_context(530_000_000, 32)
-    check_context(265_000_000, 64)
-    for dim, bits in ((540_000_000, 32), (270_000_000, 64)):
-        with pytest.raises(ChunkError, match="its input, until masked"):
-            check_context(dim, bits)

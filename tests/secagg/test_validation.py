@@ -366,7 +366,7 @@ def run_round(config: Config, inputs: Mapping[int, np.ndarray],
 
 def nudge(cid: int, parties: LocalRound, stream: MaskedStream) -> tuple[None, bool]:
     """Cheat: mask the proved vector plus one in coordinate 7 (after the proof was made)."""
-    stream._client._secrets.input[7] += np.uint64(1)
+    stream._input[7] += np.uint64(1)
     return None, True
 
 
@@ -463,7 +463,7 @@ def test_masking_another_vector_than_the_proved_one_is_caught() -> None:
     inputs = small_inputs(5, 30, 5000)
 
     def switch(cid: int, parties: LocalRound, stream: MaskedStream) -> tuple[None, bool]:
-        vector = stream._client._secrets.input
+        vector = stream._input
         vector[:] = encode_signed(np.asarray(norm.centered(vector, BITS)) * 100)
         return None, True
 
@@ -750,7 +750,7 @@ def test_negative_weight_in_a_round_is_refused_named_and_left_out() -> None:
                             parties.server._advert_digests[cid], cfg.weight_index)
         q = norm.four_square_slack(WBOUND * WBOUND - sum(v * v for v in evil))
         squares = [] if cfg.weight_index is None else norm.four_square_slack(-evil[-1])
-        stream._client._secrets.input[:] = encode_signed(evil)
+        stream._input[:] = encode_signed(evil)
         return norm.prove_relation(st_, evil + q + squares, 1), True
 
     config = Config(n, dim=WDIM, bits=BITS, norm_bound=WBOUND, weight_index=WDIM - 1)

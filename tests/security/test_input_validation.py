@@ -97,7 +97,7 @@ def test_masking_another_vector_releases_nothing(how: str) -> None:
     inputs = small_inputs(N, DIM, BOUND)
 
     def switch(cid: int, parties: object, stream: object) -> tuple[None, bool]:
-        vector = stream._client._secrets.input  # type: ignore[attr-defined]
+        vector = stream._input  # type: ignore[attr-defined]
         vector[:] = _scaled({ATTACKER: vector})
         return None, True
 
@@ -149,7 +149,7 @@ def _forge(vector: np.ndarray, bits: int) -> object:
         cfg = server.config
         statement = NormStatement(server.session_id, cid, cfg.dim, bits, cfg.norm_bound,
                                   server._advert_digests[cid])
-        stream._client._secrets.input[:] = vector  # type: ignore[attr-defined]
+        stream._input[:] = vector  # type: ignore[attr-defined]
         return norm.prove_relation(statement, norm.centered(vector, bits)
                                    + [0] * norm.SLACK, 1), True
     return attack

@@ -55,9 +55,9 @@ class SwapSession(SiteSession):
         if not isinstance(reply, MaskedStream):
             return proof, reply
         cfg = client.config
-        scaled = np.array([v * 1000 for v in norm.centered(client._secrets.input, cfg.bits)],
+        scaled = np.array([v * 1000 for v in norm.centered(reply._input, cfg.bits)],
                           dtype=object) % cfg.modulus
-        object.__setattr__(client._secrets, "input", scaled.astype(dtype_for_bits(cfg.bits)))
+        reply._input = scaled.astype(dtype_for_bits(cfg.bits))
         reply._whole = None  # masked again, from the swapped input
         return proof, reply.whole()
 
