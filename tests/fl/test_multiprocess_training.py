@@ -97,14 +97,18 @@ measured at 15.3 s with three sites on a loaded 2-core machine (load average ~3)
 
 def start(urls: dict[str, str], report: Path, rounds: int, extra: list[str] | None = None,
           site_ids: tuple[int, ...] = SITES) -> tuple[Party, dict[int, Party]]:
+    # the parties' deadlines follow the host's pace (tests/pace.py): at load average ~15 on
+    # two cores the sites' first Ready (torch's import and warm-up) outlasted a fixed 90 s
+    pace = slowdown()
     coordinator = Party(["--role", "coordinator", "--sites", ",".join(map(str, site_ids)),
                          "--rounds", str(rounds),
                          "--dp", "none", "--broker", urls[SERVER_USER], "--report",
-                         str(report), "--join-timeout", "60", "--ready-timeout", READY_TIMEOUT,
+                         str(report), "--join-timeout", f"{60 * pace:.0f}",
+                         "--ready-timeout", f"{float(READY_TIMEOUT) * pace:.0f}",
                          "--insecure-verify", *COMMON, *(extra or [])])
     sites = {cid: Party(["--role", "site", "--site-id", str(cid), "--sites",
                          str(len(site_ids)), "--broker", urls[site_name(cid)],
-                         "--idle-timeout", "60",
+                         "--idle-timeout", f"{max(60, float(READY_TIMEOUT) + 30) * pace:.0f}",
                          "--dp", "none",  # the operators opt in to exact (no-DP) releases
                          "--insecure-verify", *COMMON]) for cid in site_ids}
     return coordinator, sites
@@ -135,7 +139,7 @@ def test_training_completes_when_a_site_is_killed(tmp_path: Path) -> None:
     with federation_broker() as urls:
         coordinator, sites = start(urls, report_path, rounds=8)
         try:
-            coordinator.wait_for("round   1/8", timeout=100)
+            coordinator.wait_for("round   1/8", timeout=100 * slowdown())
             os.kill(sites[3].proc.pid, signal.SIGKILL)
             sites[3].wait(10)
             finish(coordinator, {c: p for c, p in sites.items() if c != 3})
