@@ -49,9 +49,9 @@ class NegativeWeightSession(SiteSession):
     and proves it with the prover's own core (its honest client refuses a negative weight):
     the norm's slack honestly, and, when the round asks for the weight's squares, the
     squares of |w| (the cheapest lie: any small squares sum to a non-negative number).
-    Its client is built on a weight-1 row (a client checks its input) and handed the evil
-    row before anything else reads it. A session lives for one message: the row is kept
-    per client id in between."""
+    Its client is given a weight-1 row at the masked-input request (a client checks its
+    input) and handed the evil row before it masks or proves anything. A session lives for
+    one message: the row is kept per client id in between."""
 
     evil_rows: ClassVar[dict[int, Any]] = {}
 
@@ -68,15 +68,15 @@ class NegativeWeightSession(SiteSession):
         row[-1] = 1.0  # what its client is built with (it checks its input)
         return _fixed(setup).encode(row)
 
-    def advertise(self, joined: Joined, vector: Any) -> tuple[Client, bytes]:
-        client, advert = super().advertise(joined, vector)
-        evil = self.evil_rows[joined.client_id].astype(client._secrets.input.dtype)
-        object.__setattr__(client._secrets, "input", evil)
-        return client, advert
-
     def answer_with_proof(self, client: Client, payload: bytes, charge: int
                           ) -> tuple[bytes | None, Any]:
         cfg = client.config
+        honest = client._secrets.input
+        if honest is not None and client.client_id in self.evil_rows:
+            # the node trained at this request and gave its client the weight-1 row
+            # (``provide_input`` checks it); the evil row replaces it before it is masked
+            evil = self.evil_rows.pop(client.client_id).astype(honest.dtype)
+            object.__setattr__(client._secrets, "input", evil)
 
         def forged(keys: Any, advertisement: bytes, key_set: bytes) -> InputProof:
             assert cfg.norm_bound is not None
