@@ -47,7 +47,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from secagg import Config, SigningKey, Stage, encode, secagg_plus_parameters  # noqa: E402
-from secagg.client import Client, MaskedStream  # noqa: E402
+from secagg.client import Client  # noqa: E402
+from secagg.masked_stream import MaskedStream  # noqa: E402
 from secagg.server import Server  # noqa: E402
 from secagg.simulate import LocalRound  # noqa: E402
 from transport.deadlines import (  # noqa: E402

@@ -1,8 +1,9 @@
 """What the server asks of a site for one securely aggregated round, and its checks: the
 round setup that every runtime without the ``secagg train`` roles sends with its train
-message (the Flower adapter, :mod:`fl.flower`; the NVFlare runtime, :mod:`fl.nvflare`), and
-the encoding of a site's trained arrays to and from its secagg vector that both sides of those
-runtimes share.
+message (the Flower adapter, :mod:`fl.flower`; the NVFlare runtime, :mod:`fl.nvflare`), its
+wire codec, and whether its encoding can hold the round (:func:`encoded_dim`). A site's reply
+to it and what the round releases: :mod:`fl.round_reply`; how a server plans it:
+:mod:`fl.round_plan`.
 
 The server side (:mod:`fl.flower.server`, :mod:`fl.nvflare.server`) sends one
 :class:`RoundSetup` with the train message of a round; every site of the round receives the
@@ -24,34 +25,23 @@ others.
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
-from dp import MODE_DISTRIBUTED, MODE_NONE, EncodingParams, Event, SitePolicy, mechanisms
+from dp import EncodingParams
 from fl.codec import FixedPointCodec
 from fl.errors import FLError
-from fl.input_bound import bits_for
 from fl.modes import (
     ENCODING_KEYS,
-    ModeError,
     PrivacyMode,
     SumEncoding,
     encoding_fields,
     mode_names,
-    own_share,
     privacy_mode,
     read_encoding,
 )
 from fl.modes import DpSpec as DpSpec  # the setup's encoding, said here too
-from fl.plan.privacy import DistributedPlan, distributed_plan
-from fl.site.core import SecureSum, charged_proposal
 from fl.vector import ArraySpec
 from secagg import (
     MAX_BITS,
@@ -59,13 +49,8 @@ from secagg import (
     SECURITY_MODES,
     Config,
     RoundNonce,
-    Stage,
-    secagg_plus_parameters,
 )
 from transport import fields
-
-F64 = npt.NDArray[np.float64]
-U64 = npt.NDArray[np.uint64]
 
 VERSION = 2
 """The setup's wire version (2: the privacy mode named as :data:`dp.policy.MODES` names it,
@@ -343,17 +328,7 @@ def _dp_spec(item: object, dim: int) -> DpSpec:
                                    error=SetupError, what="DP parameter"))
 
 
-# --- a site's arrays <-> its secagg vector (both sides call these) -----------------------
-
-class ReplyError(FLError, ValueError):
-    """The user's train reply does not match the round's layout; the message says how."""
-
-
-
-
-
-
-
+# --- the setup's encoding: can it hold the round, and how long is its vector ------------
 
 def _fixed(setup: RoundSetup) -> FixedPointCodec:
     """A fixed-point round's codec (:class:`SetupError` when it cannot hold the round)."""
@@ -388,275 +363,3 @@ def dp_params(setup: RoundSetup) -> EncodingParams:
 def encoded_dim(setup: RoundSetup) -> int:
     """The length of the secagg vector of this round."""
     return int(_codec(setup).encoded_dim)
-
-
-def encode_reply(setup: RoundSetup, arrays: F64, metrics: dict[str, float], weight: float,
-                 sent: F64 | None) -> U64:
-    """A node's secagg input: its mode's row of the reply (:meth:`fl.modes.PrivacyMode.reply`;
-    ``sent``: the flattened arrays the server sent, for a mode that encodes the update
-    relative to them), encoded (:meth:`fl.modes.PrivacyMode.encode`)."""
-    privacy = setup.privacy
-    values = np.asarray([metrics[name] for name in setup.metrics], dtype=np.float64)
-    try:
-        rows = privacy.reply(arrays, values, weight, sent)
-    except ModeError as exc:
-        raise ReplyError(str(exc)) from None
-    encoding = setup.encoding()
-    try:
-        return privacy.encode(encoding, rows.rows, rows.weight)
-    except ValueError as exc:
-        raise ReplyError(str(exc)) from None
-
-
-def decode_sum(setup: RoundSetup, total: U64, included: int, sent: F64
-               ) -> tuple[F64, dict[str, float], float]:
-    """The aggregate arrays (flat), averaged metrics and the summed weight of a round.
-
-    Mode ``none``: the weighted averages and ``sum w``. ``distributed``: ``sent`` plus the
-    noisy sum of clipped updates over ``included``, the number of nodes in the sum (each
-    adds one row: the server knows that number, so dividing by the row's noisy count, which
-    can be near zero when few nodes carry much noise, would only add error), and the noisy
-    count (floored at one)."""
-    privacy = setup.privacy
-    try:
-        averages, weight = privacy.decode(setup.encoding(), total, included)
-    except ValueError as exc:
-        raise ReplyError(str(exc)) from None
-    d = setup.model_dim
-    metrics = {name: float(averages[d + i]) for i, name in enumerate(setup.metrics)}
-    if privacy.relative:  # the mean update, added to what was sent; a noisy count >= 1
-        return sent + averages[:d], metrics, max(weight, 1.0)
-    return averages[:d], metrics, weight
-
-
-def round_release(setup: RoundSetup) -> Callable[[SitePolicy], SecureSum]:
-    """What a round releases, as the site core charges it (given the node's policy): an
-    exact sum, or one distributed-DP sum of the node's clipped update. The node charges it
-    at sample rate 1: the server picks the roster, so the node cannot count on being
-    sampled (the NVFlare site likewise, :mod:`fl.nvflare.client`). The update is clipped as
-    a whole, which bounds every patient's and every record's influence by the replace-one
-    sensitivity (twice the clip): the release is per the policy's unit (patient or record),
-    charged at that sensitivity."""
-    validate_fixed(setup)
-    # the node's whole update is one clipped row: a noised mode charges it at the
-    # replace-one sensitivity (twice the row's bound, fl.modes.PrivacyMode.released)
-    charged = setup.privacy.released(None if setup.dp is None else dp_params(setup))
-
-    def release(policy: SitePolicy) -> SecureSum:
-        unit = policy.unit if policy.unit in ("patient", "record") else "patient"
-        return SecureSum(params=charged, sample_rate=1.0, unit=unit)
-
-    return release
-
-
-def charged_params(params: EncodingParams, security: str) -> EncodingParams:
-    """The encoding ``params`` as a node's ledger charges a round that carries it: the
-    replace-one sensitivity of its one row (:func:`round_release`) and, unless the roster is
-    authenticated (``security="malicious"``, every key enrolled), its own noise share only
-    (:func:`fl.modes.own_share`). What a server plans its noise for
-    (:func:`round_plan`), so the epsilon it reports is each node's."""
-    one_row = params.replace_one()
-    return one_row if security == "malicious" else own_share(one_row)
-
-
-def charged_event(setup: RoundSetup) -> Event | None:
-    """The budget event each node's ledger records for ``setup``'s round, computed as the
-    node computes it (:func:`fl.site.core.charged_proposal` of :func:`round_release`); None
-    for an exact sum."""
-    return charged_proposal(round_release(setup)(SitePolicy()),
-                            secagg_threshold=setup.threshold,
-                            authenticated=setup.security == "malicious").event
-
-
-def inputs_requested(stages: Collection[str]) -> bool:
-    """Whether a round's masked inputs may have left the nodes: the server sent the
-    masked-input request (``stages``: the labels of the stages the server ran). From then on
-    a node keeps the round's charge whether or not the round is released (the withdrawal
-    rule, :mod:`fl.site.session`), so the server spends :func:`charged_event` for it too."""
-    return Stage.MASKED_INPUT.label in stages
-
-
-def whose_noise(setup: RoundSetup) -> str:
-    """Whose noise a node counts in ``setup``'s round (for a server's report of the nodes'
-    epsilon)."""
-    return ("the enrolled nodes' noise counted" if setup.security == "malicious"
-            else "its own noise share only: the roster is the server's word")
-
-
-def check_identity(setup: RoundSetup, client_id: int, signing_key: Any,
-                   trusted_keys: frozenset[bytes]) -> dict[str, Any]:
-    """A malicious-mode setup must give this site its own verify key and only enrolled
-    keys (:class:`SetupError` otherwise); the keyword arguments ``secagg.Client`` needs for
-    the round's security mode."""
-    if setup.security != "malicious":
-        return {}
-    if signing_key is None:
-        raise SetupError("a malicious-mode round needs this site's signing key")
-    if setup.verify_keys[client_id - 1] != signing_key.public:
-        raise SetupError("the setup gives this site a verify key that is not its own")
-    strangers = [i + 1 for i, key in enumerate(setup.verify_keys) if key not in trusted_keys]
-    if strangers:
-        raise SetupError(f"the setup names verify keys that are not enrolled (roster "
-                         f"positions {strangers[:10]}); refused")
-    return {"signing_key": signing_key, "verify_keys": setup.peer_keys()}
-
-
-# --- the server side: a round's setup -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DistributedDP:
-    """Client-level distributed DP: each node clips its update (reply minus the arrays
-    sent) to ``clip_norm`` and adds its share of integer noise. Give ``epsilon`` (with
-    ``delta``, the node ``sample_rate`` and the planned ``rounds``) to have the noise fit
-    the budget and the budget enforced, or a central ``noise_multiplier``. The budget is
-    planned and spent as each node's ledger charges the rounds (:func:`round_plan`), at
-    sample rate 1: a node cannot verify it was sampled, so ``sample_rate`` stays 1.0."""
-
-    clip_norm: float
-    epsilon: float | None = None
-    delta: float = 1e-5
-    sample_rate: float = 1.0
-    rounds: int = 1
-    noise_multiplier: float | None = None
-    granularity_bits: int = 12
-    adaptive_clip: float | None = None
-    site_weights: float | None = None
-    """DP-FedAvg+'s private adaptive clip and site weights: not carried by this round setup
-    yet (``secagg train`` runs them); asking for them is refused, never ignored."""
-    mechanism: str = "dgauss"
-    """The integer noise, by its name in :mod:`dp.mechanisms` (``"dgauss"``, ``"skellam"``)."""
-
-    def __post_init__(self) -> None:
-        if self.mechanism not in mechanisms.names():
-            raise SetupError(f"mechanism {self.mechanism!r}: use one of {mechanisms.names()} "
-                             "(dp.mechanisms)")
-        if self.sample_rate != 1.0:
-            raise SetupError(f"sample_rate={self.sample_rate!r}: a node charges every round it "
-                             "joins at sample rate 1 (the server picks the roster; a node "
-                             "cannot verify it was sampled), so the plan is at 1 too: leave "
-                             "sample_rate at 1.0")
-        if self.adaptive_clip is not None or self.site_weights is not None:
-            raise SetupError("adaptive_clip/site_weights: the Flower and NVFlare round setup "
-                             "does not carry DP-FedAvg+'s clip count or site weights yet; run "
-                             "them with secagg train --dp distributed")
-
-
-def protocol_graph(n: int, *, neighbors: int | str | None, threshold: int | None,
-                   dropout_rate: float, corrupt_rate: float, security: str
-                   ) -> tuple[int | None, int | None]:
-    """The (k, t) a server asks of ``n`` sites: ``neighbors="auto"``: SecAgg+'s for the
-    rates (``secagg.secagg_plus_parameters``; k None: the complete graph when no sparse one
-    is safe); an int k with ``threshold``; None: the complete graph with ``threshold``
-    (None: the protocol's floor, which ``secagg.Config`` fills in)."""
-    if neighbors == "auto":
-        graph = secagg_plus_parameters(n, dropout_rate, corrupt_rate, security)
-        return graph.neighbors, graph.threshold
-    return (neighbors, threshold) if isinstance(neighbors, int) else (None, threshold)
-
-
-def fixed_setup(*, run_id: int, server_round: int, roster: Sequence[int],
-                arrays: tuple[ArraySpec, ...], metrics: tuple[str, ...], weight_key: str,
-                neighbors: int | str | None, threshold: int | None, dropout_rate: float,
-                corrupt_rate: float, security: str, bits: int, frac_bits: int,
-                verify_keys: Mapping[Any, bytes], members: Sequence[Any] | None = None
-                ) -> RoundSetup:
-    """A fixed-point round's setup with a fresh nonce and the graph of
-    :func:`protocol_graph`. Malicious mode: ``verify_keys`` maps each of ``members``
-    (default the roster) to its enrolled key; a member without one is a ``ValueError``."""
-    n = len(roster)
-    k, t = protocol_graph(n, neighbors=neighbors, threshold=threshold,
-                          dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
-                          security=security)
-    nonce = RoundNonce()  # its value goes out in the setup; the round's Server takes it
-    # Config fills in the protocol's threshold floor for t = 0; the rates check SecAgg+'s k
-    probe = Config(num_clients=n, threshold=t or 0, neighbors=k, security=security,
-                   dropout_rate=None if k is None else dropout_rate,
-                   corrupt_rate=None if k is None else corrupt_rate)
-    keys: tuple[bytes, ...] = ()
-    if security == "malicious":
-        who = list(roster if members is None else members)
-        unknown = [m for m in who if m not in verify_keys]
-        if unknown:
-            raise ValueError(f"no enrolled verify key for {unknown[:10]}")
-        keys = tuple(verify_keys[m] for m in who)
-    return RoundSetup(
-        run_id=run_id, server_round=server_round, nonce=nonce.value, round_nonce=nonce,
-        roster=tuple(roster),
-        threshold=probe.threshold, neighbors=probe.neighbors, bits=bits, security=security,
-        arrays=arrays, metrics=metrics, weight_key=weight_key, mode=MODE_NONE,
-        frac_bits=frac_bits, dropout_rate=dropout_rate, corrupt_rate=corrupt_rate,
-        verify_keys=keys)
-
-
-def round_plan(privacy: DistributedDP, setup: RoundSetup,
-               cache: dict[tuple[int, int, int, str], DistributedPlan]) -> DistributedPlan:
-    """The distributed-DP plan of ``setup``'s round (``fl.plan.privacy.distributed_plan``),
-    cached per (model size, sites, threshold, security mode) in ``cache``. With an
-    ``epsilon`` the per-node noise is the least whose ``rounds`` rounds fit it *as each node's
-    ledger charges them* (:func:`charged_params`: the replace-one sensitivity of its one row,
-    at sample rate 1, and in a semi-honest round its own noise share only), so a default
-    node accepts the plan and the epsilon the server reports is the one every ledger
-    records; a ``noise_multiplier`` is the central one any ``threshold`` survivors carry."""
-    key = (setup.model_dim, setup.num_clients, setup.threshold, setup.security)
-    if key not in cache:
-        cache[key] = distributed_plan(
-            model_dim=setup.model_dim, epsilon=privacy.epsilon, delta=privacy.delta,
-            sample_rate=privacy.sample_rate, rounds=privacy.rounds,
-            clip_norm=privacy.clip_norm, num_sites=setup.num_clients,
-            threshold=setup.threshold, max_units_per_site=1,
-            noise_multiplier=privacy.noise_multiplier,
-            granularity_bits=privacy.granularity_bits,
-            charged=partial(charged_params, security=setup.security),
-            mechanism=privacy.mechanism)
-    return cache[key]
-
-
-def with_distributed_dp(setup: RoundSetup, plan: DistributedPlan, domain: bytes
-                        ) -> RoundSetup:
-    """``setup`` switched to the distributed-DP encoding of ``plan`` (no metrics: they
-    would carry no noise); the rotation seed is drawn from the round's nonce."""
-    p = plan.params
-    rotation = int.from_bytes(hashlib.sha256(domain + setup.nonce).digest()[:8], "big") >> 1
-    dp = replace(DpSpec.of(p), rotation_seed=rotation)
-    return replace(setup, mode=MODE_DISTRIBUTED, frac_bits=0, dp=dp, bits=p.bits,
-                   metrics=())
-
-
-def check_norm_bound(norm_bound: float | str | None, privacy: DistributedDP | None) -> None:
-    """A server's ``norm_bound`` argument (input validation, docs/protocol.md 10.6): None
-    (off), a positive number (fixed point: the L2 bound on each site's row ``[w x, w m,
-    w]``) or ``"clip"`` (distributed DP: the clip); ``ValueError`` saying which otherwise."""
-    if norm_bound is None:
-        return
-    if privacy is not None:
-        if norm_bound != "clip":
-            raise ValueError(f"norm_bound={norm_bound!r} with distributed DP: the bound a "
-                             "site proves is the DP clip, pass norm_bound='clip'")
-        return
-    if isinstance(norm_bound, bool) or not isinstance(norm_bound, (int, float)) or not (
-            0 < norm_bound < math.inf):
-        raise ValueError(f"norm_bound={norm_bound!r}: give the L2 bound on each site's row "
-                         "[w * arrays, w * metrics, w] as a positive number ('clip' is for "
-                         "distributed DP)")
-
-
-def with_norm_bound(setup: RoundSetup, norm_bound: float | str) -> RoundSetup:
-    """``setup`` with input validation (:func:`check_norm_bound`'s ``norm_bound``). Under
-    distributed DP the sum's bits are raised if the bounded contributions of the roster
-    could wrap (``secagg.validation.check_parameters``; a wider modulus changes no privacy
-    parameter). ``ValueError`` (a :class:`SetupError`) naming the fix when the bound cannot
-    be proved at these parameters."""
-    if setup.dp is not None:
-        bounded = replace(setup, norm_bound=setup.dp.clip_norm)
-        bound = bounded.input_bound
-        assert bound is not None
-        bits = max(setup.bits, bits_for(setup.num_clients, bound))
-        if bits > 64:
-            raise SetupError(f"input validation at the DP clip needs {bits} bits for "
-                             f"{setup.num_clients} sites (> 64): lower granularity_bits")
-        bounded = replace(bounded, bits=bits, dp=replace(setup.dp, bits=bits))
-    else:
-        bounded = replace(setup, norm_bound=float(norm_bound))
-    bounded.config(encoded_dim(bounded))  # the proof's own limits (SetupError: the fix)
-    return bounded

@@ -10,7 +10,7 @@ The state machines ``Client`` and ``Server`` are for embedding the protocol in a
 ``simulate`` drives them in one process. docs/protocol.md is the normative spec.
 """
 
-from .client import Client, MaskedStream
+from .client import Client
 from .config import Config, required_bits
 from .crypto import MAX_BITS, MIN_BITS, SigningKey
 from .errors import (
@@ -25,6 +25,7 @@ from .errors import (
     StaleSnapshot,
 )
 from .graph import SECURITY_MODES, GraphParameters, secagg_plus_parameters
+from .masked_stream import MaskedStream
 from .messages import decode, encode
 from .nonce import RoundNonce
 from .server import AggregateResult, Server

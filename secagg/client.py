@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -48,10 +48,8 @@ from .config import Config
 from .crypto import (
     CryptoError,
     KeyPair,
-    Masker,
     SigningKey,
     clamp,
-    dtype_for_bits,
     load_public_key,
     open_sealed,
     pairwise_mask_key,
@@ -65,6 +63,8 @@ from .crypto import (
 )
 from .errors import ProtocolAbort, ProtocolError, ShamirError
 from .graph import survivor_graph_problem
+from .input_check import check_input
+from .masked_stream import MaskedStream, SentMaskedInput
 from .messages import (
     SCHEDULE,
     SHARE_PLAINTEXT_BYTES,
@@ -75,7 +75,6 @@ from .messages import (
     InputProof,
     KeyEntry,
     KeyList,
-    MaskedChunk,
     MaskedInput,
     ServerMessage,
     ShareKeys,
@@ -91,15 +90,12 @@ from .session import session_view
 from .shamir import SHARE_BYTES, decode_share, split_many
 from .stage import Stage
 from .transcripts import (
-    SIGNED_TAGS,
     advertisement_digest,
     advertisement_transcript,
     client_message_transcript,
     key_set_digest,
-    masked_input_hash,
     share_associated_data,
     survivors_transcript,
-    transcript,
 )
 
 # Which server message each client stage accepts, by (stage of the last message the client
@@ -111,48 +107,6 @@ CLIENT_ACCEPTS: Mapping[tuple[Stage, bool], type] = {
 }
 """(stage, malicious) -> the server message the client accepts there, read off
 ``secagg.messages.SCHEDULE``."""
-
-
-def check_input(vector: object, config: Config, who: str = "input") -> np.ndarray:
-    """A validated copy of a client's input as the protocol's working dtype (within the
-    round's ``norm_bound``, when it has one)."""
-    arr = np.asarray(vector)
-    if arr.ndim != 1 or arr.shape[0] != config.dim:
-        raise ValueError(f"{who} has shape {arr.shape}; it must be a vector of length "
-                         f"dim={config.dim}")
-    if arr.dtype.kind not in "ui":
-        raise ValueError(f"{who} has dtype {arr.dtype}; use unsigned integers "
-                         f"(uint64) with values below 2**bits")
-    if arr.size and ((arr.dtype.kind == "i" and int(arr.min()) < 0)
-                     or int(arr.max()) >= config.modulus):
-        raise ValueError(f"{who} has values outside [0, 2**{config.bits}); reduce them "
-                         f"mod 2**bits or raise bits")
-    out = arr.astype(dtype_for_bits(config.bits), copy=True)
-    if config.norm_bound is not None:
-        _check_norm(out, config, who)
-    return out
-
-
-def _check_norm(vector: np.ndarray, config: Config, who: str) -> None:
-    """An honest client's input must be within the round's norm bound: clipping is the
-    caller's job (the bound is public, docs/protocol.md 10)."""
-    from .validation import available
-    from .validation.group import ValidationUnavailable
-    from .validation.norm import centered
-
-    if not available():
-        raise ValidationUnavailable("norm_bound needs the group library: pip install "
-                                    "'secagg[validation]' (py-arkworks-bls12381)")
-    bound = config.norm_bound
-    assert bound is not None
-    norm2 = sum(v * v for v in centered(vector, config.bits))
-    if norm2 > bound * bound:
-        raise ValueError(f"{who} has L2 norm sqrt({norm2}) > norm_bound={bound} (as centred "
-                         f"integers mod 2**{config.bits}): clip it to the bound")
-    k = config.weight_index
-    if k is not None and centered(vector[k:k + 1], config.bits)[0] < 0:
-        raise ValueError(f"{who} has a negative weight in coordinate {k} (as a centred "
-                         f"integer mod 2**{config.bits}): a weight must be non-negative")
 
 
 def _reencode(message: object, stage: Stage, client_id: int | None = None) -> bytes:
@@ -730,111 +684,9 @@ class Client:
                        key=key, min_stage=min_stage)
 
 
-class MaskedStream:
-    """A client's masked input y = x + masks mod 2^bits (stage masked_input), produced
-    chunk by chunk: ``chunks(elements)`` yields ``MaskedChunk`` messages in order, each
-    expanding every mask over its own window only (AES-CTR seeks), so the client never
-    holds more than one window of y; ``whole()`` is the one-chunk case as a ``MaskedInput``
-    (what ``Client.handle`` returns). The same bytes come out every time and for every
-    chunking: a transport may restart the stream. In malicious mode the last chunk is
-    signed over the running SHA-256 of the whole stream (docs/protocol.md 5.7, 6.3).
-
-    Built by ``Client`` with everything it reads: the input ``vector``, the mask ``keys``
-    (each with its sign), the round's ids and width, the ``signer`` (malicious mode) and ``over``,
-    which says why the client's round is over (its input wiped) so the stream stops."""
-
-    def __init__(self, vector: np.ndarray, keys: list[tuple[bytearray, bool]],
-                 peers: bytes, key_set: bytes, proof: InputProof | None = None, *,
-                 session_id: bytes, client_id: int, bits: int, signer: SigningKey | None,
-                 over: Callable[[], ProtocolError | None]) -> None:
-        self._input = vector
-        self.proof = proof
-        """With ``norm_bound``: the ``InputProof`` a transport sends before the masked
-        input (docs/protocol.md 10); ``None`` otherwise."""
-        self._keys = keys
-        self.peers_digest = peers
-        self._key_set = key_set
-        self._whole: MaskedInput | None = None
-        self._session_id, self._client_id = session_id, client_id
-        self._signer = signer
-        self._over = over
-        self.dim = int(vector.shape[0])
-        self.bits = bits
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of the whole masked vector."""
-        return self.dim * dtype_for_bits(self.bits).itemsize
-
-    def chunks(self, elements: int) -> Iterator[MaskedChunk]:
-        """The masked input as chunks of ``elements`` elements (the last may be shorter)."""
-        if not isinstance(elements, int) or elements < 1:
-            raise ValueError(f"chunks of {elements!r} elements: use a positive integer")
-        sid, me, dim, bits = self._session_id, self._client_id, self.dim, self.bits
-        window = min(elements, dim)
-        masker = Masker(window, bits)
-        signer = self._signer
-        running = masked_input_hash(bits, dim, self.peers_digest) if signer else None
-        top = masker.dtype.type((1 << bits) - 1) if bits < 8 * masker.dtype.itemsize else None
-        for start in range(0, dim, window):
-            over = self._over()
-            if over is not None:
-                raise over
-            count = min(window, dim - start)
-            x = self._input[start:start + count]
-            y = np.empty(count, dtype=masker.dtype)  # each chunk its own bytes
-            for i, (key, added) in enumerate(self._keys):
-                stream = masker.keystream(bytes(key), start, count)
-                # the first mask is added to x straight into y: no separate copy of x
-                (np.add if added else np.subtract)(x if i == 0 else y, stream, out=y)
-            if top is not None:
-                np.bitwise_and(y, top, out=y)
-            data = cast(bytes, y.data.cast("B").toreadonly())
-            signature = b""
-            if running is not None and signer is not None:
-                running.update(data)
-                if start + count == dim:
-                    signature = signer.sign(transcript(
-                        SIGNED_TAGS[MaskedInput], sid, Stage.MASKED_INPUT, me,
-                        running.digest(), self._key_set))
-            yield MaskedChunk(sid, me, bits, dim, start, data, self.peers_digest, signature)
-
-    def whole(self) -> MaskedInput:
-        """The masked input as one ``MaskedInput`` (the same object every time)."""
-        if self._whole is None:
-            chunk = next(iter(self.chunks(self.dim)))
-            self._whole = MaskedInput(chunk.session_id, chunk.client_id, self.bits, self.dim,
-                                      chunk.masked, self.peers_digest, chunk.signature)
-        return self._whole
-
-
 _HANDLERS: Mapping[type, Callable[[Client, object], ClientMessage | MaskedStream]] = {
     KeyList: Client._on_key_list,  # type: ignore[dict-item]
     Ciphertexts: Client._on_ciphertexts,  # type: ignore[dict-item]
     SurvivorList: Client._on_survivor_list,  # type: ignore[dict-item]
     UnmaskRequest: Client._on_unmask_request,  # type: ignore[dict-item]
 }
-
-
-class SentMaskedInput(MaskedStream):
-    """The reply cache's entry, after a restore, for a masked input this client sent before
-    its snapshot: neither the input nor the masked vector is kept (``secagg.resume``), so
-    the same request again is refused (``ProtocolError``; the client stays as it is)
-    instead of answered."""
-
-    def __init__(self, config: Config, client_id: int) -> None:
-        self._client_id = client_id
-        self.dim, self.bits = config.dim, config.bits
-
-    def _gone(self) -> ProtocolError:
-        return ProtocolError(
-            f"client {self._client_id} sent its masked input before its state was "
-            "saved; the saved state keeps only the request's digest (no input, no masked "
-            "vector), so the same request is not answered again",
-            stage=Stage.MASKED_INPUT, client_id=self._client_id)
-
-    def chunks(self, elements: int) -> Iterator[MaskedChunk]:
-        raise self._gone()
-
-    def whole(self) -> MaskedInput:
-        raise self._gone()

@@ -250,7 +250,7 @@ def _secrets(data: bytes | bytearray | memoryview, vector: memoryview, config: C
     # the input of immutable snapshot bytes is read in place (the host's bytes: there is
     # nothing of the client's own to wipe), of a mutable buffer copied; not given yet, or
     # masked or later, it is None (the masked input is not re-derived,
-    # secagg.client.SentMaskedInput)
+    # secagg.masked_stream.SentMaskedInput)
     shared_input = unmasked and isinstance(data, bytes)
     secrets = Secrets(bytearray(enc), bytearray(mask), bytearray(seed),
                       np.frombuffer(vector if shared_input else bytearray(vector),

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .client import Client, MaskedStream
+from .client import Client
 from .config import Config
 from .crypto import SigningKey
 from .errors import ProtocolAbort, ProtocolError
+from .masked_stream import MaskedStream
 from .messages import encode
 from .server import Server
 from .stage import Stage, round_stages

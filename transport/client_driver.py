@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from secagg import DecodeError, ProtocolAbort, ProtocolError, Stage, decode, encode
-from secagg.client import Client, MaskedStream
+from secagg.client import Client
+from secagg.masked_stream import MaskedStream
 from secagg.messages import ClientMessage, MaskedChunk, MaskedInput, split_masked_input
 
 from .control import (

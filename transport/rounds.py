@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from secagg import Config, Stage
-from secagg.client import Client, check_input
+from secagg.client import Client
+from secagg.input_check import check_input
 from secagg.server import AggregateResult, Server
 from secagg.simulate import LocalRound
 from secagg.uploads import DEFAULT_UPLOAD_BUDGET

@@ -48,8 +48,9 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from secagg import Config, SigningKey, Stage
-from secagg.client import Client, check_input
+from secagg.client import Client
 from secagg.crypto import dtype_for_bits
+from secagg.input_check import check_input
 
 from .client_driver import ClientDriver, ClientOutcome
 from .drivers import Timeouts

@@ -25,7 +25,7 @@ from fl.flower.client import NodeOptions, RoundStateError, make_secagg_mod, seca
 from fl.flower.rounds import RoundReport
 from fl.flower.server import SecureAggregation
 from fl.flower.setup import RoundSetup, SetupError
-from fl.round_setup import DistributedDP
+from fl.round_plan import DistributedDP
 
 __all__ = [
     "DistributedDP",

@@ -74,7 +74,7 @@ from fl.flower.records import (
     stage_of,
 )
 from fl.flower.setup import RoundSetup, SetupError
-from fl.round_setup import check_identity
+from fl.round_reply import check_identity
 from fl.site.core import SiteCore, open_site_core, state_directory
 from fl.site.session import Joined, SiteSession
 from secagg import Client, ProtocolAbort, SigningKey, Stage, encode

@@ -20,14 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fl.round_setup import (
-    ReplyError,
-    decode_sum,
-    dp_params,
-    encode_reply,
-    encoded_dim,
-    validate_fixed,
-)
+from fl.round_reply import ReplyError, decode_sum, encode_reply
+from fl.round_setup import dp_params, encoded_dim, validate_fixed
 from fl.vector import ArrayLayout, ArraySpec, LayoutError
 
 F64 = npt.NDArray[np.float64]

@@ -64,7 +64,7 @@ class RoundReport:
     """Distributed DP: the epsilon each node's ledger holds after this run's rounds whose
     masked inputs may have left the nodes, released or not (its own noise share unless the
     roster is authenticated, the replace-one sensitivity of its one row:
-    :func:`fl.round_setup.charged_event`); with a budget the server plans and
+    :func:`fl.round_reply.charged_event`); with a budget the server plans and
     spends that same figure, so ``epsilon`` equals it."""
     input_refused: dict[int, str] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)

@@ -20,7 +20,7 @@ SecAgg over the complete graph with ``threshold`` (default: the protocol's floor
 which each node checks against its own enrolment list (``NodeOptions.trusted_keys``).
 ``privacy=DistributedDP(...)`` switches the encoding to distributed DP (:mod:`dp`): the
 per-node noise comes from ``fl.plan.privacy.distributed_plan`` through
-:func:`fl.round_setup.round_plan` (with an ``epsilon``: the least whose rounds fit it as each
+:func:`fl.round_plan.round_plan` (with an ``epsilon``: the least whose rounds fit it as each
 node's ledger charges them), the budget is spent at that figure and a round that would
 overshoot it is not run.
 ``norm_bound`` turns on input validation (docs/protocol.md 10): every node proves in zero
@@ -48,18 +48,16 @@ from fl.flower.encoding import decode_sum, encoded_dim, flatten, layout_of, unfl
 from fl.flower.rounds import RoundDriver, RoundReport
 from fl.flower.setup import RoundSetup
 from fl.plan.privacy import DistributedPlan, make_budget
-from fl.round_setup import (
+from fl.round_plan import (
     DistributedDP,
-    charged_event,
     check_norm_bound,
     fixed_setup,
-    inputs_requested,
     protocol_graph,
     round_plan,
-    whose_noise,
     with_distributed_dp,
     with_norm_bound,
 )
+from fl.round_reply import charged_event, inputs_requested, whose_noise
 from secagg import Server
 
 log = logging.getLogger("fl.flower")
@@ -291,9 +289,9 @@ class SecureAggregation(Strategy):
 
     def _spend(self, setup: RoundSetup, report: RoundReport) -> None:
         """A DP round whose masked inputs may have left the nodes (released or not,
-        :func:`fl.round_setup.inputs_requested`): spend the epsilon each node's ledger
-        charges for it (:func:`fl.round_setup.charged_event`, the node's own computation;
-        the plan fits the budget as charged, :func:`fl.round_setup.round_plan`) and report
+        :func:`fl.round_reply.inputs_requested`): spend the epsilon each node's ledger
+        charges for it (:func:`fl.round_reply.charged_event`, the node's own computation;
+        the plan fits the budget as charged, :func:`fl.round_plan.round_plan`) and report
         it."""
         assert self.privacy is not None and self._spent is not None
         event = charged_event(setup)

@@ -14,7 +14,7 @@ withdrawal rules as ``secagg train --role site`` and the Flower node). For a tra
    and charge it, write-ahead, to the site's ledger (a refused round never trains);
 3. only then runs the user's training (the inner executor), encodes its result (weighted
    FedAvg with the count, or the distributed-DP encoding with the site's noise share:
-   :func:`fl.round_setup.encode_reply`) and answers with its public key advertisement only.
+   :func:`fl.round_reply.encode_reply`) and answers with its public key advertisement only.
 
 Every later stage goes to the same ``secagg.Client``, kept in this process's memory (the
 NVFlare client job process): no snapshot and no secret leaves it, and every reply carries

@@ -59,20 +59,16 @@ from fl.nvflare.common import (
     site_id,
 )
 from fl.plan.privacy import DistributedPlan, make_budget
-from fl.round_setup import (
+from fl.round_plan import (
     DistributedDP,
-    RoundSetup,
-    charged_event,
     check_norm_bound,
-    decode_sum,
-    encoded_dim,
     fixed_setup,
-    inputs_requested,
     round_plan,
-    whose_noise,
     with_distributed_dp,
     with_norm_bound,
 )
+from fl.round_reply import charged_event, decode_sum, inputs_requested, whose_noise
+from fl.round_setup import RoundSetup, encoded_dim
 from fl.strategies import ADAPTIVE, ServerStrategy
 from fl.vector import ArrayLayout
 from secagg import (
@@ -123,7 +119,7 @@ class RoundReport:
     (the budget spent after the round, distributed DP with a budget), ``node_epsilon``
     (distributed DP: the epsilon each site's ledger holds after the job's rounds whose
     masked inputs may have left the sites, released or not,
-    :func:`fl.round_setup.charged_event`; the budget is planned and spent at that figure, so
+    :func:`fl.round_reply.charged_event`; the budget is planned and spent at that figure, so
     ``epsilon`` equals it), ``metrics`` (the train
     metrics averaged securely, ``metrics=[...]``), ``skipped`` (why a round was not run),
     and the round's protocol: ``security``, ``mode`` (the privacy mode, ``none`` or
@@ -173,7 +169,7 @@ class SecureFedAvg(ModelController):
     ``stage_timeout`` (seconds per stage for the network, plus the modelled work),
     ``train_timeout`` (the train stage, :data:`DEFAULT_TRAIN_TIMEOUT`),
     ``progress_interval`` (seconds between "waiting for" log lines of a stage). ``dp``:
-    client-level distributed DP, a dict of :class:`fl.round_setup.DistributedDP`'s fields
+    client-level distributed DP, a dict of :class:`fl.round_plan.DistributedDP`'s fields
     (``clip_norm``, ``epsilon``, ``delta``, ``rounds``, ``noise_multiplier``,
     ``granularity_bits``); with an ``epsilon`` the noise is planned and the budget spent as
     each site's ledger charges the rounds, and a round that would overshoot it is not run.
@@ -234,7 +230,7 @@ class SecureFedAvg(ModelController):
         try:
             self.privacy = DistributedDP(**dp) if dp is not None else None
         except TypeError as exc:
-            raise ValueError(f"dp takes the fields of fl.round_setup.DistributedDP: {exc}"
+            raise ValueError(f"dp takes the fields of fl.round_plan.DistributedDP: {exc}"
                              ) from None
         if self.privacy is not None and self.privacy.epsilon is None \
                 and self.privacy.noise_multiplier is None:

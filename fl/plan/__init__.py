@@ -7,7 +7,7 @@ there imports this package or the coordinator, not even to annotate
   ``DistributedPlan``; ``site_plan``, ``distributed_plan``), the federation's budget
   (``make_budget``, ``restore_budget``), the plan report (``schedule``, ``mechanism_of``)
   and the audit trail's lines (``release_record``). The one module of this package the
-  round's task (``fl.contribution``, ``fl.round_setup``), which sites run too, reads:
+  round's task (``fl.contribution``), which sites run too, reads (and ``fl.round_plan``):
   :data:`SHARED_WITH_SITES`.
 * ``scaler``: the noised feature statistics' plan, its share of the budget and its charge,
   and the decoding of their noised sum (a site's input: ``fl.site.private_scaler``).

@@ -14,8 +14,9 @@ only once an aggregate was released (a round that aborts releases nothing).
 
 Also the federation's budget (:func:`make_budget`, :func:`restore_budget`), the plan report
 (:func:`schedule`) and the audit trail's lines (:func:`release_record`). The one module of
-:mod:`fl.plan` that code a site runs loads (the round's task, :mod:`fl.contribution` and
-:mod:`fl.round_setup`, reads its plans): it imports nothing of the coordinator.
+:mod:`fl.plan` that code a site runs loads (the round's task, :mod:`fl.contribution`, reads
+its plans; so does the Flower and NVFlare servers' :mod:`fl.round_plan`): it imports nothing
+of the coordinator.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def distributed_plan(*, model_dim: int, epsilon: float | None, delta: float,
     a round, as in site mode). ``charged``: the encoding as the budget is spent on it, when
     that is not the encoding itself (a Flower or NVFlare node charges its one row at the
     replace-one sensitivity, and its own noise share only without an authenticated roster:
-    :func:`fl.round_setup.charged_params`); the noise is the least whose ``rounds`` fit
+    :func:`fl.round_reply.charged_params`); the noise is the least whose ``rounds`` fit
     ``epsilon`` as charged.
     """
     as_charged = charged or (lambda params: params)

@@ -9,8 +9,8 @@ and every runtime calls these methods in it:
 1. **join** (:meth:`SiteSession.join`): parse the setup (:class:`fl.round_setup.RoundSetup`)
    and **check the run** it names; **identity**: the site's place in the roster and, in
    malicious mode, its own verify key and only enrolled keys
-   (:func:`fl.round_setup.check_identity`); **layout**: the arrays sent have the setup's
-   layout, the release is one the site can encode (:func:`fl.round_setup.round_release`),
+   (:func:`fl.round_reply.check_identity`); **layout**: the arrays sent have the setup's
+   layout, the release is one the site can encode (:func:`fl.round_reply.round_release`),
    plus the runtime's own limits (``check_setup``). The site role's announcements carry its
    own task (:class:`fl.contribution.RoundTask`: per-patient sampling, site DP, adaptive
    clipping, the feature statistics, SCAFFOLD); it parses and checks them itself
@@ -22,7 +22,7 @@ and every runtime calls these methods in it:
    write-ahead, to the ledger (:mod:`fl.site.core`); it returns an :class:`Admitted` round;
 3. **train**: the runtime's I/O (the Flower mod's ``call_next``, the NVFlare trainer, the
    site role's :func:`fl.contribution.site_input`), only after the round is admitted;
-4. **encode** (:meth:`SiteSession.encode`, :func:`fl.round_setup.encode_reply`; the site
+4. **encode** (:meth:`SiteSession.encode`, :func:`fl.round_reply.encode_reply`; the site
    role's vector comes encoded from its task);
 5. **advertise** (:meth:`SiteSession.advertise`, over :meth:`SiteSession.client`, which the
    site role calls at ``go``): the round's ``secagg.Client`` on the encoded input. The
@@ -62,14 +62,8 @@ import numpy.typing as npt
 
 from dp import Charge
 from fl.errors import FLError
-from fl.round_setup import (
-    RoundSetup,
-    SetupError,
-    check_identity,
-    encode_reply,
-    encoded_dim,
-    round_release,
-)
+from fl.round_reply import check_identity, encode_reply, round_release
+from fl.round_setup import RoundSetup, SetupError, encoded_dim
 from fl.site.core import SiteCore
 from secagg import Client, Config, MaskedStream, ProtocolAbort, Stage, encode
 from secagg.messages import MaskedInput
@@ -283,7 +277,7 @@ class SiteSession:
     def encode(self, joined: Joined, arrays: F64, metrics: Mapping[str, float],
                weight: float) -> U64:
         """The site's secure-aggregation input from its trained arrays (with its noise share
-        under distributed DP, :func:`fl.round_setup.encode_reply`)."""
+        under distributed DP, :func:`fl.round_reply.encode_reply`)."""
         return encode_reply(joined.setup, arrays, dict(metrics), weight, joined.sent)
 
     # -- 5. advertise -------------------------------------------------------------------------
@@ -292,7 +286,7 @@ class SiteSession:
                identity: Mapping[str, Any] | None = None) -> Client:
         """The round's ``secagg.Client`` on the encoded input (None: given later, at the
         masked-input request, ``Client.provide_input``), with the site's identity
-        (``identity``: :func:`fl.round_setup.check_identity`'s keys in malicious mode)."""
+        (``identity``: :func:`fl.round_reply.check_identity`'s keys in malicious mode)."""
         return Client(config, client_id, vector, roster=roster, context=context, nonce=nonce,
                       **dict(identity or {}))
 

@@ -131,19 +131,21 @@ def coarse() -> Iterator[Coarse]:
 def test_a_mechanism_registered_from_a_test_runs_through_the_public_path(coarse: Coarse
                                                                          ) -> None:
     fl = pytest.importorskip("fl.round_setup")
+    fl_plan = pytest.importorskip("fl.round_plan")
+    fl_reply = pytest.importorskip("fl.round_reply")
     from fl.plan.privacy import mechanism_of
     from fl.vector import ArraySpec
 
-    setup = fl.fixed_setup(
+    setup = fl_plan.fixed_setup(
         run_id=1, server_round=1, roster=[11, 12, 13, 14], arrays=(ArraySpec("w", (6,),
                                                                              "float64"),),
         metrics=(), weight_key="n", neighbors=None, threshold=None, dropout_rate=0.1,
         corrupt_rate=0.1, security="semi-honest", bits=64, frac_bits=24, verify_keys={})
 
     def plan(name: str) -> Any:
-        privacy = fl.DistributedDP(clip_norm=1.0, epsilon=4.0, delta=1e-5, rounds=3,
+        privacy = fl_plan.DistributedDP(clip_norm=1.0, epsilon=4.0, delta=1e-5, rounds=3,
                                    mechanism=name)
-        return fl.round_plan(privacy, setup, {})
+        return fl_plan.round_plan(privacy, setup, {})
 
     ours, theirs = plan(coarse.name), plan("dgauss")
     assert ours.params.mechanism == coarse.name
@@ -152,10 +154,10 @@ def test_a_mechanism_registered_from_a_test_runs_through_the_public_path(coarse:
     assert ours.params.noise_stddev > 1.2 * theirs.params.noise_stddev
     assert ours.params.bits >= theirs.params.bits
     # the round setup carries it over the wire and the node encodes with its sampler
-    received = fl.RoundSetup.from_bytes(fl.with_distributed_dp(setup, ours, b"t").to_bytes())
+    received = fl.RoundSetup.from_bytes(fl_plan.with_distributed_dp(setup, ours, b"t").to_bytes())
     assert received.dp is not None and received.dp.mechanism == coarse.name
     sent = np.zeros(6)
-    reply = fl.encode_reply(received, np.full(6, 0.1), {}, 1.0, sent)
+    reply = fl_reply.encode_reply(received, np.full(6, 0.1), {}, 1.0, sent)
     params = fl.dp_params(received)
     assert reply.shape == (params.encoded_dim,) and coarse.draws >= params.encoded_dim
     # the accountant: its own RDP (twice the discrete Gaussian's at q = 1), in the budget
@@ -178,4 +180,4 @@ def test_a_mechanism_registered_from_a_test_runs_through_the_public_path(coarse:
     # once it is gone, the same setup is refused by name
     unregister(coarse.name)
     with pytest.raises(fl.SetupError, match="'mechanism' must be one of"):
-        fl.RoundSetup.from_bytes(fl.with_distributed_dp(setup, ours, b"t").to_bytes())
+        fl.RoundSetup.from_bytes(fl_plan.with_distributed_dp(setup, ours, b"t").to_bytes())

@@ -254,7 +254,8 @@ def test_training_stops_before_a_round_that_would_exceed_the_budget() -> None:
 
 
 def test_flower_and_nvflare_refuse_what_their_round_setup_cannot_carry() -> None:
-    from fl.round_setup import DistributedDP, SetupError
+    from fl.round_plan import DistributedDP
+    from fl.round_setup import SetupError
 
     for option in ({"adaptive_clip": 0.75}, {"site_weights": 1.0}):
         with pytest.raises(SetupError, match="does not carry"):

@@ -12,15 +12,9 @@ import numpy as np
 import pytest
 
 from fl.input_bound import HONEST_FAILURE_LOG2, bits_for, dp_bound, fixed_bound
-from fl.round_setup import (
-    DpSpec,
-    RoundSetup,
-    SetupError,
-    dp_params,
-    encode_reply,
-    fixed_setup,
-    with_norm_bound,
-)
+from fl.round_plan import fixed_setup, with_norm_bound
+from fl.round_reply import encode_reply
+from fl.round_setup import DpSpec, RoundSetup, SetupError, dp_params
 from fl.vector import ArraySpec
 from secagg.validation.norm import centered
 from transport import fields

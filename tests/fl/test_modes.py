@@ -30,7 +30,8 @@ from fl.modes import (
     register,
     unregister,
 )
-from fl.round_setup import RoundSetup, SetupError, decode_sum, encoded_dim
+from fl.round_reply import decode_sum
+from fl.round_setup import RoundSetup, SetupError, encoded_dim
 from fl.site.session import SiteSession
 from fl.vector import ParameterLayout
 from tests.fl.site_cores import site_core

@@ -20,7 +20,7 @@ from fl.errors import NothingReleased
 from fl.flower import DistributedDP, NodeOptions, SecureAggregation, make_secagg_mod
 from fl.flower.encoding import dp_params
 from fl.flower.setup import RoundSetup, SetupError
-from fl.round_setup import round_release
+from fl.round_reply import round_release
 from fl.vector import ArraySpec
 from tests.flower import apps
 from tests.flower.test_site_core import Trained, _grid, _ledger, _reasons

@@ -47,7 +47,8 @@ from nvflare.lighter.impl.he import HEBuilder  # noqa: E402
 
 from fl.nvflare import SecAggExecutor, SiteConfig  # noqa: E402
 from fl.nvflare.common import PAYLOAD, SESSION, SETUP_HEADER, STAGE_TASK, run_id, site_id  # noqa: E402
-from fl.round_setup import encoded_dim, fixed_setup  # noqa: E402
+from fl.round_plan import fixed_setup  # noqa: E402
+from fl.round_setup import encoded_dim  # noqa: E402
 from fl.vector import ArrayLayout  # noqa: E402
 from secagg import Server, SigningKey, decode, encode  # noqa: E402
 from secagg.messages import SurvivorList, UnmaskingShares, UnmaskRequest  # noqa: E402

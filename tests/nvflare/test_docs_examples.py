@@ -34,14 +34,9 @@ from dp.ledger import read_charges
 from dp.policy import PolicyRefused, SitePolicy
 from fl.codec import DistributedCodec
 from fl.nvflare.server import SecureFedAvg
-from fl.round_setup import (
-    charged_event,
-    decode_sum,
-    dp_params,
-    encode_reply,
-    round_plan,
-    round_release,
-)
+from fl.round_plan import round_plan
+from fl.round_reply import charged_event, decode_sum, encode_reply, round_release
+from fl.round_setup import dp_params
 from fl.site.core import open_site_core
 from fl.vector import ArrayLayout
 

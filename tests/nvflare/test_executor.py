@@ -28,7 +28,8 @@ from dp.ledger import Ledger, read_charges
 from dp.policy import DEFAULT_EPSILON
 from fl.nvflare import SecAggExecutor, SiteConfig
 from fl.nvflare.common import PAYLOAD, SESSION, SETUP_HEADER, STAGE_TASK, run_id, site_id
-from fl.round_setup import DpSpec, RoundSetup, encoded_dim, fixed_setup
+from fl.round_plan import fixed_setup
+from fl.round_setup import DpSpec, RoundSetup, encoded_dim
 from fl.vector import ArrayLayout
 from secagg import Server, Stage, encode
 from secagg.messages import KeyList

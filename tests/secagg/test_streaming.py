@@ -11,8 +11,9 @@ import pytest
 from harness import assert_pending_consistent
 
 from secagg import Config, ProtocolError, Stage, encode, simulate
-from secagg.client import Client, MaskedStream
+from secagg.client import Client
 from secagg.crypto import Masker, dtype_for_bits
+from secagg.masked_stream import MaskedStream
 from secagg.messages import MaskedChunk, MaskedInput, split_masked_input
 from secagg.server import Server
 from secagg.simulate import LocalRound

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from secagg import Config, ProtocolError, Stage, simulate
-from secagg.client import MaskedStream
 from secagg.errors import InputMismatch, InputRefused, ProtocolAbort
+from secagg.masked_stream import MaskedStream
 from secagg.messages import SCHEDULE, InputProof, MessageKind, decode, encode
 from secagg.simulate import LocalRound
 from secagg.stage import round_stages

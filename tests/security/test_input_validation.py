@@ -18,7 +18,9 @@ from secagg import Config, simulate
 
 pytest.importorskip("py_arkworks_bls12381")
 
-from fl.round_setup import RoundSetup, dp_params, encode_reply, encoded_dim, with_norm_bound
+from fl.round_plan import with_norm_bound
+from fl.round_reply import encode_reply
+from fl.round_setup import RoundSetup, dp_params, encoded_dim
 from secagg.errors import InputMismatch
 from secagg.validation import NormStatement, norm
 from tests.fl.test_input_bound import _dp as dp_setup

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 from adversary import threat
 
-from fl.round_setup import RoundSetup, SetupError, fixed_setup, with_norm_bound
+from fl.round_plan import fixed_setup, with_norm_bound
+from fl.round_setup import RoundSetup, SetupError
 from fl.vector import ArraySpec
 
 

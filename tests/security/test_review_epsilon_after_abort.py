@@ -29,7 +29,7 @@ N = 3
         adversary="malicious server",
         controls="every node silent in unmasking, after the masked inputs left",
         protocol="once the masked-input request is sent the server spends the round's charged "
-                 "event, released or not (fl.round_setup.inputs_requested)")
+                 "event, released or not (fl.round_reply.inputs_requested)")
 def test_the_reported_epsilon_equals_the_ledgers_after_a_round_aborted_in_unmasking(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

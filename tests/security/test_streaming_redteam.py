@@ -26,7 +26,7 @@ import pytest
 from adversary import Puppeteer, threat
 
 from secagg import Config, ProtocolAbort, ProtocolError, Stage, decode, encode
-from secagg.client import MaskedStream
+from secagg.masked_stream import MaskedStream
 from secagg.messages import MaskedChunk, peers_digest
 from secagg.server import Server
 from secagg.session import derive_session_id, normalize_roster
