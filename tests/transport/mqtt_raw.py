@@ -12,6 +12,8 @@ import asyncio
 import socket
 from dataclasses import dataclass
 
+from transport.tasks import cancel_requests, raise_if_cancelled
+
 CONNECT, CONNACK, PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP = 1, 2, 3, 4, 5, 6, 7
 SUBSCRIBE, SUBACK, UNSUBSCRIBE, UNSUBACK, PINGREQ, PINGRESP, DISCONNECT = range(8, 15)
 
@@ -158,7 +160,13 @@ class RawClient:
             body = await self.reader.readexactly(length) if length else b""
             return Received(first >> 4, first & 0x0F, body)
 
-        return await asyncio.wait_for(one(), timeout)
+        # Python 3.11's wait_for returns a packet that arrives with a cancellation and drops
+        # the cancellation: an attack loop cancelled at a ping then dripped on for ever
+        # (tests/security/test_streaming_redteam.py, CI at 990e960)
+        before = cancel_requests()
+        received = await asyncio.wait_for(one(), timeout)
+        raise_if_cancelled(before)
+        return received
 
     async def read_kind(self, kind: int, timeout: float = 5.0) -> Received:
         """The next packet of ``kind``, skipping others (PINGRESPs, stray acks)."""
