@@ -464,9 +464,13 @@ def _group_rdp_integer(z: float, q: float, k: int, max_order: int) -> tuple[floa
         big_m = np.arange(len(poly), dtype=np.float64)
         forward[a] = _logsumexp(poly + big_m * big_m / (2 * z * z)) / (a - 1)
     # D_a(Q || P) = log E_Q[(P/Q)^(1-a)] / (a-1), on a grid in units of the noise stddev.
+    # The grid ends at u = 40: L = P/Q is increasing in u, so every point past 0 has
+    # L^(1-a) <= L(0)^(1-a) <= that of every point in [-1, 0]; the points past 40 weigh at
+    # most Phi(-40) / Q([-1, 0]) < 1e-340 of the sum, which is 0 in float64 (the grid once
+    # ran to 40 + k/z: the same epsilon, 2-3x the time at k = 96).
     width = 1.0 / math.sqrt(1.0 + (max_order - 1) * k * k / (4 * z * z))
     du = min(0.05, width / 4)
-    u = np.arange(-40.0, 40.0 + k / z + du, du)
+    u = np.arange(-40.0, 40.0 + du, du)
     log_l = np.full(len(u), -np.inf)
     for j in range(k + 1):
         log_l = np.logaddexp(log_l, log_b[j] + (2 * j * z * u - j * j) / (2 * z * z))

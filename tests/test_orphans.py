@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli_simulate import SIGNAL_POINTS, _processes_of, _start_cli
+from transport.workers import FORK_SERVER_ENV, SOCKET_PATH_MAX
 
 pytestmark = [pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc"),
               pytest.mark.timeout(120)]
@@ -69,6 +70,20 @@ def test_kill_9_of_train_role_all_leaves_no_broker_and_no_folder(tmp_path: Path)
         proc.communicate()
 
 
+def _fork_server_folders(pids: list[int]) -> set[Path]:
+    """The socket folders of the fork servers among ``pids`` (from their environment)."""
+    found = set()
+    for pid in pids:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for entry in environ:
+            if entry.startswith(FORK_SERVER_ENV.encode() + b"="):
+                found.add(Path(entry.split(b" ", 1)[1].decode()))
+    return found
+
+
 @pytest.mark.parametrize("point", ["workers-starting", "round-running"])
 def test_kill_9_of_simulate_leaves_no_worker_broker_or_folder(tmp_path: Path,
                                                               point: str) -> None:
@@ -77,6 +92,31 @@ def test_kill_9_of_simulate_leaves_no_worker_broker_or_folder(tmp_path: Path,
     try:
         assert _wait_until(lambda: SIGNAL_POINTS[point](tmp), 60), f"{point} not reached"
         _kill_and_check(proc, tmp)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_a_tmpdir_too_long_for_a_socket_runs_and_leaves_no_socket_folder(
+        tmp_path: Path) -> None:
+    """A ``TMPDIR`` whose fork-server socket path would pass the Unix limit (a test runner's
+    nested folder): the command ran no worker and exited 1 with "AF_UNIX path too long".
+    The socket's folder goes to a short folder, and is removed after a SIGKILL too."""
+    deep = tmp_path / ("nested-" * 12)
+    deep.mkdir()
+    tmp = deep / "tmp"
+    assert len(os.fsencode(tmp)) + 32 > SOCKET_PATH_MAX
+    proc = _start_cli(deep, "--clients", "6", "--dim", "4000000", "--processes", "2")
+    try:
+        assert _wait_until(lambda: SIGNAL_POINTS["round-running"](tmp), 60), \
+            proc.poll() and proc.communicate()
+        folders = _fork_server_folders(_processes_of(proc.pid, str(tmp)))
+        assert len(folders) == 1, folders
+        folder = folders.pop()
+        assert folder.is_dir() and len(os.fsencode(folder)) + 18 <= SOCKET_PATH_MAX
+        _kill_and_check(proc, tmp)
+        assert _wait_until(lambda: not folder.exists(), GONE_WITHIN), list(folder.iterdir())
     finally:
         if proc.poll() is None:
             proc.kill()

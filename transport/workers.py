@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import traceback
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -128,11 +129,46 @@ otherwise import on first use (numpy's generators for random inputs, the OpenSSL
 behind the first X25519 key)."""
 
 
+SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+"""The longest path of a Unix socket (``sun_path`` less its terminating NUL)."""
+
+_SOCKET_UNDER_TEMP = len("/pymp-12345678/listener-12345678")
+"""What multiprocessing adds to the temporary folder for the fork server's socket: its own
+``pymp-*`` folder and the ``listener-*`` socket in it."""
+
+
+def _socket_fits(base: str) -> bool:
+    return len(os.fsencode(base)) + _SOCKET_UNDER_TEMP <= SOCKET_PATH_MAX
+
+
+def _fork_server_folder() -> str | None:
+    """multiprocessing's temporary folder (where the fork server's socket goes), made in a
+    folder short enough for the socket's path, or None if there is none.
+
+    With a long ``TMPDIR`` (a CI runner's or a test runner's nested folder) the socket's
+    path passed the limit, and ``secagg simulate`` exited with "AF_UNIX path too long"
+    before any worker started. The folder is then made in the first of /tmp, /var/tmp,
+    /dev/shm that is short and writable; it is removed at exit as before, or by the fork
+    server if the caller was SIGKILLed (``FORK_SERVER_ENV``)."""
+    for base in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"):
+        if _socket_fits(base) and os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+            break
+    else:
+        return None
+    saved, tempfile.tempdir = tempfile.tempdir, base
+    try:
+        folder = multiprocessing.util.get_temp_dir()  # made once per process, then reused
+    finally:
+        tempfile.tempdir = saved
+    return folder if _socket_fits(os.path.dirname(folder)) else None
+
+
 def worker_context() -> (multiprocessing.context.ForkServerContext
                          | multiprocessing.context.SpawnContext):
     """The multiprocessing context worker processes start from: the fork server preloads
-    this module, so a worker imports nothing at its start."""
-    if START_METHOD != "forkserver":
+    this module, so a worker imports nothing at its start. Workers are spawned instead
+    where there is no fork server, or no folder short enough for its socket."""
+    if START_METHOD != "forkserver" or _fork_server_folder() is None:
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     # takes effect when this process starts its fork server (once, at its first use)
@@ -148,9 +184,8 @@ the folder of its listening socket (that process's multiprocessing ``pymp-*`` fo
 def start_fork_server() -> None:
     """Start the fork server now, if workers start from one: its imports then overlap the
     caller's own start-up (the broker's), instead of following it. Idempotent."""
-    if START_METHOD != "forkserver":
+    if worker_context().get_start_method() != "forkserver":
         return
-    worker_context()
     resource_tracker.ensure_running()  # first: it unblocks SIGINT (see ``Workers.start``)
     # started with SIGINT blocked, like the workers: they inherit the fork server's mask
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
