@@ -76,6 +76,9 @@ def run(*, features: int, classes: int, sites: int, slow: float, rounds: int,
     users.update({site_name(c): secrets.token_urlsafe(12) for c in ids})
     with tempfile.TemporaryDirectory() as tmp, \
             broker_for("embedded", users, acl_table(ids)) as broker:
+        # the sites' ledgers in the run's own folder, not the user's state folder (and not
+        # one ledger file for the sites of two runs at once, which refuses the second)
+        env["XDG_STATE_HOME"] = tmp
         tables = {c: Path(tmp) / f"site-{c}.csv" for c in ids}
         for c, path in tables.items():
             _table(path, rows, features, classes, c)
@@ -105,8 +108,14 @@ def run(*, features: int, classes: int, sites: int, slow: float, rounds: int,
         try:
             _, err = procs[0].communicate(timeout=3600)
             if procs[0].returncode != 0:
+                for proc in procs[1:]:
+                    if proc.poll() is None:
+                        proc.kill()
+                sites_said = "".join(
+                    f"\n[site {c}] {proc.communicate()[1].decode(errors='replace')[-1000:]}"
+                    for c, proc in zip(ids, procs[1:], strict=True))
                 raise RuntimeError(f"the coordinator exited {procs[0].returncode}:\n"
-                                   f"{err.decode(errors='replace')[-3000:]}")
+                                   f"{err.decode(errors='replace')[-3000:]}{sites_said}")
             for proc in procs[1:]:
                 proc.wait(120)
         finally:

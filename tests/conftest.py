@@ -30,6 +30,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(autouse=True)
+def _own_state_home(tmp_path_factory: pytest.TempPathFactory,
+                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test's sites and nodes keep their default ledgers (``$XDG_STATE_HOME/secagg``)
+    in a folder of the test's own, as do the processes it starts. Before, the tests that set
+    none wrote to the user's ``~/.local/state/secagg`` (464 files here), and runs of the
+    suite at once shared those ledgers, which admit one process each (dp/ledger.py): in
+    three runs at once the slow-link benchmark's coordinator heard none of its sites in
+    300 s. A test that sets its own folder overrides this one."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+
+
+@pytest.fixture(autouse=True)
 def _root_logging_restored() -> Iterator[None]:
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level

@@ -25,6 +25,7 @@ from fl.flower.client import DIR_ENV
 from fl.flower.local import LocalGrid
 from fl.site.core import state_directory
 from tests.flower import apps
+from tests.pace import slowdown
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = 3
@@ -34,7 +35,7 @@ def _strategy() -> SecureAggregation:
     return SecureAggregation(
         FedAvg(fraction_evaluate=0.0, min_train_nodes=NODES, min_available_nodes=NODES),
         neighbors=None, privacy=DistributedDP(clip_norm=1.0, noise_multiplier=5.0),
-        stage_timeout=120)
+        stage_timeout=120 * slowdown())
 
 
 def _simulate() -> None:
@@ -45,7 +46,7 @@ def _simulate() -> None:
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
-        wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=120)
+        wrapper.start(grid, apps.initial_arrays(), num_rounds=1, timeout=120 * slowdown())
         (report,) = wrapper.reports
         assert report.aborted is None and len(report.included) == NODES, report
         done.append(True)

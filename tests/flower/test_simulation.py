@@ -14,6 +14,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fl.flower import NodeOptions, SecureAggregation, make_secagg_mod
 from tests.flower import apps
+from tests.pace import slowdown
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = 50
@@ -27,13 +28,14 @@ def test_fifty_virtual_nodes_dropping_at_random_stages_every_aggregate_is_exact(
     plan = apps.ranked_drops(2, seed=11)  # 8 of 50 nodes per round, 2 at each stage
     wrapper = SecureAggregation(
         FedAvg(fraction_evaluate=0.0, min_train_nodes=NODES, min_available_nodes=NODES),
-        dropout_rate=0.2, metrics=("train_loss",), stage_timeout=120)
+        dropout_rate=0.2, metrics=("train_loss",), stage_timeout=120 * slowdown())
     results = []
     server = ServerApp()
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
-        results.append(wrapper.start(grid, apps.initial_arrays(), num_rounds=2, timeout=120))
+        results.append(wrapper.start(grid, apps.initial_arrays(), num_rounds=2,
+                                      timeout=120 * slowdown()))
 
     stages = tmp_path / "stages"  # the nodes' stage records (fl.flower.guard)
     mod = apps.operated(make_secagg_mod(NodeOptions(stage_dir=str(stages))))

@@ -64,7 +64,12 @@ def test_poc_processes_a_site_killed_mid_round(tmp_path: Path,
     job.to_clients(SecureScriptRunner(str(HERE / "train_script.py"),
                                       framework=FrameworkType.NUMPY,
                                       executor=RecordingExecutor()))
-    env = PocEnv(project_conf_path=poc_project(tmp_path / "project", sites))
+    # NVFlare logs in for each submit and status call within ``login_timeout`` (10 s by
+    # default); a login that ran out of it at load 13 left NVFlare's session close waiting
+    # on its own connection threads for good (py-spy: ConnManager.stop in AdminAPI.logout):
+    # the wait is over as soon as the login succeeds, so a long one costs a quiet run nothing
+    env = PocEnv(project_conf_path=poc_project(tmp_path / "project", sites),
+                 extra={"login_timeout": 120.0})
     try:
         job_id = env.deploy(job)
         assert env.get_job_result(job_id, timeout=180) is not None
