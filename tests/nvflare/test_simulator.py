@@ -23,6 +23,7 @@ sys.path.insert(0, str(HERE))
 from nvflare_sites import (  # noqa: E402
     ZeroNoiseFedAvg,
     inputs,
+    lost_at_start,
     plain_sum,
     run_job,
 )
@@ -218,3 +219,27 @@ def test_a_job_asking_exact_sums_from_default_sites_fails_naming_the_opt_in(
     assert "no secure round released anything in 2 rounds: 3 of 3 sites refused" in text
     # the model kept is the initial one, and the log says so (docs/nvflare.md)
     assert "no secure round of 2 completed: the model saved is the initial model" in text
+
+
+def test_the_harness_reruns_only_a_job_whose_site_never_started(tmp_path: Path) -> None:
+    """run_job's rerun condition (nvflare_sites.lost_at_start), on the simulator's own log
+    lines: a site lost before its worker wrote its log is matched; a site that died later
+    (a plan's "kill": its log exists) and a clean log are not."""
+    ws = tmp_path / "ws"
+    (ws / "server").mkdir(parents=True)
+    for site in ("site-1", "site-3"):
+        (ws / site).mkdir()
+        (ws / site / "log.txt").write_text("ClientTaskWorker started to run\n")
+    (ws / "site-2").mkdir()
+    log = ws / "server" / "log.txt"
+    log.write_text("2026-11-29 11:57:54,670 - SimulatorClientRunner - INFO - Simulate Run "
+                   "client: site-2 on GPU group: None\n")
+    assert lost_at_start(ws) is None
+    with log.open("a") as f:
+        f.write("2026-11-29 12:00:01,000 - SimulatorClientRunner - ERROR - Subprocess died "
+                "for client site-3, exit code: -9\n")
+    assert lost_at_start(ws) is None  # killed mid-round: it had started
+    with log.open("a") as f:
+        f.write("2026-11-29 11:57:54,769 - SimulatorClientRunner - ERROR - Communication "
+                "error with client site-2: [Errno 104] Connection reset by peer\n")
+    assert lost_at_start(ws) == "site-2"
