@@ -38,12 +38,13 @@ SETTINGS = TrainSettings(sites=3, rounds=4, dataset="breast-cancer", seed=0)
 async def _run(network: CountingNetwork, options: dict[int, SiteOptions], logs: list[str],
                ready_timeout: float, until: Callable[[list[asyncio.Task[int]]], bool],
                bound: float,
-               fault: Callable[[asyncio.Task[Any]], Awaitable[None]] | None = None
-               ) -> tuple[list[int | None], Any]:
+               fault: Callable[[asyncio.Task[Any]], Awaitable[None]] | None = None,
+               coordinator_ends: bool = False) -> tuple[list[int | None], Any]:
     """The coordinator and the sites until ``until(site_tasks)`` holds (or ``bound`` s),
-    with ``fault(coordinator_task)`` running beside them; returns each site's exit code
-    (None: still running, then cancelled) and the coordinator's report (None unless it
-    finished)."""
+    with ``fault(coordinator_task)`` running beside them, and then, if
+    ``coordinator_ends``, until the coordinator has ended too (within ``bound``: it writes
+    its report after the sites have left); returns each site's exit code (None: still
+    running, then cancelled) and the coordinator's report (None unless it finished)."""
     sites = [SiteProcess(demo_site_data(SETTINGS, cid, IDS), network, options[cid],
                          lambda text, cid=cid: logs.append(f"[site {cid}] {text}"))
              for cid in IDS]
@@ -58,6 +59,8 @@ async def _run(network: CountingNetwork, options: dict[int, SiteOptions], logs: 
     deadline = loop.time() + bound
     while not until(site_tasks) and loop.time() < deadline:
         await asyncio.sleep(0.05)
+    if coordinator_ends:
+        await asyncio.wait([coordinator], timeout=max(0.0, deadline - loop.time()))
     codes = [t.result() if t.done() else None for t in site_tasks]
     report = (coordinator.result() if coordinator.done() and not coordinator.cancelled()
               else None)
@@ -123,11 +126,11 @@ def test_a_round_end_lost_with_the_broker_costs_no_later_round() -> None:
         return all(t.done() for t in tasks)
 
     codes, report = asyncio.run(_run(network, _options(idle=60), logs, ready_timeout=60,
-                                     until=finished, bound=100))
+                                     until=finished, bound=100, coordinator_ends=True))
     text = "\n".join(logs)
     assert "restart" in cut, text  # the fault happened
     assert codes == [0, 0, 0], text
-    assert report is not None
+    assert report is not None, text
     rows = report["rounds"]
     assert [row["round"] for row in rows] == [1, 2, 3, 4], text
     for row in rows:  # the cut round completed at the coordinator, and so did every later one
