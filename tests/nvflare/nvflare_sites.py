@@ -198,12 +198,11 @@ _LOST = re.compile(r"(?:Communication error with|Subprocess died for) client ([^
 def lost_at_start(ws: Path) -> str | None:
     """A site NVIDIA FLARE's simulator lost before the site's worker process started: the
     simulator's log says it lost the site and the site's workspace has no log, which the
-    worker writes first thing. (Seen under a CPU hog on both cores, twice in ~40 simulator
-    jobs: "Communication error with client site-2: [Errno 104] Connection reset by peer"
-    0.1 s after the simulator launched the worker, whose port it had picked with
-    ``get_open_ports``, closed, and connected to again; the site then never runs and every
-    round waits out its deadlines without it.) A site killed later by a test's plan has
-    written its log, so it is not matched."""
+    worker writes first thing. (Seen under a CPU hog on both cores, once in each of two
+    suite runs: "Communication error with client site-2: [Errno 104] Connection reset by
+    peer" 0.1 s after the simulator launched the worker, too soon for the worker to listen
+    on its port; the site then never runs and every round waits out its deadlines without
+    it.) A site killed later by a test's plan has written its log, so it is not matched."""
     with contextlib.suppress(OSError):
         for name in _LOST.findall((ws / "server" / "log.txt").read_text(errors="replace")):
             if not (ws / name / "log.txt").exists():
